@@ -1,0 +1,78 @@
+//! `ferry-controller`: the CSI Identity and Controller services on a unix socket.
+
+use std::sync::Arc;
+
+use anyhow::Context;
+use clap::Parser;
+use ferry_controller::ControllerService;
+use ferry_csi::identity::IdentityService;
+use ferry_csi::pb::controller_server::ControllerServer;
+use ferry_csi::pb::identity_server::IdentityServer;
+use ferry_csi::pb::plugin_capability::service::Type as PluginCap;
+use ferry_csi::stores::S3Stores;
+use ferry_volume::Endpoint;
+
+/// Ferry CSI controller: provisions prefix-scoped S3 volumes.
+#[derive(Debug, Parser)]
+#[command(version, about)]
+struct Args {
+    /// CSI endpoint, `unix:///path/to/csi.sock`.
+    #[arg(long, env = "CSI_ENDPOINT", default_value = "unix:///csi/csi.sock")]
+    csi_endpoint: String,
+    /// Default S3 endpoint URL for volumes whose StorageClass names none (S3-compatible stores).
+    #[arg(long, env = "FERRY_ENDPOINT_URL")]
+    endpoint_url: Option<String>,
+    /// Default region for volumes whose StorageClass names none (else the AWS SDK's chain).
+    #[arg(long, env = "FERRY_REGION")]
+    region: Option<String>,
+    /// Use path-style addressing by default.
+    #[arg(long, env = "FERRY_FORCE_PATH_STYLE")]
+    force_path_style: bool,
+    /// Log filter (tracing EnvFilter syntax).
+    #[arg(long, env = "FERRY_LOG", default_value = "info")]
+    log: String,
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    ferry_csi::log::init(&args.log).map_err(anyhow::Error::msg)?;
+    if let Some(url) = &args.endpoint_url {
+        ferry_volume::validate::endpoint_url("--endpoint-url", url)?;
+    }
+    if let Some(r) = &args.region {
+        ferry_volume::validate::region("--region", r)?;
+    }
+    let socket = ferry_csi::endpoint::parse(&args.csi_endpoint).map_err(anyhow::Error::msg)?;
+    let stores = Arc::new(S3Stores::new(Endpoint {
+        endpoint_url: args.endpoint_url.clone(),
+        region: args.region.clone(),
+        force_path_style: args.force_path_style,
+    }));
+    let probe_stores = stores.clone();
+    let identity = IdentityService::new(
+        vec![PluginCap::ControllerService],
+        Box::new(move || {
+            let stores = probe_stores.clone();
+            Box::pin(async move { stores.check_default_credentials().await })
+        }),
+    );
+    let incoming = ferry_csi::endpoint::bind(&socket)
+        .with_context(|| format!("binding CSI socket {}", socket.display()))?;
+    tracing::info!(
+        endpoint = %socket.display(),
+        version = ferry_csi::VERSION,
+        driver = ferry_volume::DRIVER_NAME,
+        "ferry-controller serving"
+    );
+    tonic::transport::Server::builder()
+        .layer(ferry_csi::log::RpcLogLayer)
+        .add_service(IdentityServer::new(identity))
+        .add_service(ControllerServer::new(ControllerService::new(stores)))
+        .serve_with_incoming_shutdown(incoming, ferry_csi::endpoint::shutdown_signal())
+        .await
+        .context("serving gRPC")?;
+    let _ = std::fs::remove_file(&socket);
+    tracing::info!("ferry-controller stopped");
+    Ok(())
+}

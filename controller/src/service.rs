@@ -1,0 +1,350 @@
+//! The CSI Controller service: CreateVolume, DeleteVolume, ValidateVolumeCapabilities and
+//! ControllerGetCapabilities. Every other RPC answers Unimplemented.
+//!
+//! A volume is a prefix in a bucket. CreateVolume checks the bucket is reachable and returns an id
+//! that carries bucket, prefix, endpoint and delete policy (see [`ferry_volume::id`]), so DeleteVolume
+//! needs no state. Creating writes nothing to S3: the prefix exists once something is written to it.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+
+use ferry_csi::capability;
+use ferry_csi::error::{require, Result};
+use ferry_csi::pb;
+use ferry_csi::pb::controller_server::Controller;
+use ferry_csi::stores::Stores;
+use ferry_csi::CsiError;
+use ferry_store::StoreError;
+use ferry_volume::spec::volume_context;
+use ferry_volume::{DeletePolicy, StorageClassParams, VolumeId};
+use tonic::{Request, Response, Status};
+use tracing::{info, instrument};
+
+/// What CreateVolume answered for a name, to tell a retry from a conflicting request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Created {
+    volume_id: String,
+    capacity: i64,
+}
+
+/// The controller service.
+pub struct ControllerService {
+    stores: Arc<dyn Stores>,
+    /// Volumes created by this process, by name. A restart forgets them, which only matters for
+    /// a repeated name with other parameters: the new request then succeeds instead of failing.
+    created: Mutex<HashMap<String, Created>>,
+    /// Names and volume ids with an operation in flight: a concurrent one gets Aborted.
+    in_flight: Mutex<HashSet<String>>,
+}
+
+/// Releases an in-flight name when the operation ends.
+struct InFlight<'a> {
+    set: &'a Mutex<HashSet<String>>,
+    key: String,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.set.lock().unwrap().remove(&self.key);
+    }
+}
+
+fn unimplemented<T>(rpc: &str) -> Result<Response<T>, Status> {
+    Err(Status::unimplemented(format!("{rpc} is not supported by Ferry")))
+}
+
+impl ControllerService {
+    pub fn new(stores: Arc<dyn Stores>) -> Self {
+        ControllerService {
+            stores,
+            created: Mutex::new(HashMap::new()),
+            in_flight: Mutex::new(HashSet::new()),
+        }
+    }
+
+    fn begin(&self, key: String) -> Result<InFlight<'_>> {
+        let mut set = self.in_flight.lock().unwrap();
+        if !set.insert(key.clone()) {
+            return Err(CsiError::Aborted(format!(
+                "an operation on {key:?} is already in progress"
+            )));
+        }
+        Ok(InFlight {
+            set: &self.in_flight,
+            key,
+        })
+    }
+
+    /// The capacity to report: what was asked for, not enforced (S3 is elastic).
+    fn capacity(range: Option<&pb::CapacityRange>) -> Result<i64> {
+        let Some(r) = range else { return Ok(0) };
+        if r.required_bytes < 0 || r.limit_bytes < 0 {
+            return Err(CsiError::InvalidArgument(
+                "capacity_range bytes must not be negative".to_string(),
+            ));
+        }
+        if r.limit_bytes > 0 && r.required_bytes > r.limit_bytes {
+            return Err(CsiError::OutOfRange(format!(
+                "capacity_range required_bytes {} exceeds limit_bytes {}",
+                r.required_bytes, r.limit_bytes
+            )));
+        }
+        Ok(if r.required_bytes > 0 {
+            r.required_bytes
+        } else {
+            r.limit_bytes
+        })
+    }
+
+    async fn check_bucket(&self, id: &VolumeId) -> Result<()> {
+        let store = self
+            .stores
+            .get(&id.endpoint)
+            .await
+            .map_err(|e| CsiError::from_store("creating the S3 client", e))?;
+        match store.head_bucket(&id.bucket).await {
+            Ok(()) => Ok(()),
+            Err(StoreError::NoSuchBucket(_) | StoreError::NotFound(_)) => Err(CsiError::FailedPrecondition(
+                format!("bucket {:?} does not exist", id.bucket),
+            )),
+            Err(e) => Err(CsiError::from_store(&format!("checking bucket {:?}", id.bucket), e)),
+        }
+    }
+
+    #[instrument(skip_all, fields(name = %req.name))]
+    async fn create(&self, req: pb::CreateVolumeRequest) -> Result<pb::CreateVolumeResponse> {
+        let name = require("name", &req.name)?;
+        if req.volume_capabilities.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_capabilities are required".to_string()));
+        }
+        for cap in &req.volume_capabilities {
+            capability::check(cap)?;
+        }
+        if req.volume_content_source.is_some() {
+            return Err(CsiError::InvalidArgument(
+                "volume_content_source is not supported: Ferry volumes cannot be cloned or restored from snapshots"
+                    .to_string(),
+            ));
+        }
+        let capacity = Self::capacity(req.capacity_range.as_ref())?;
+        let params = StorageClassParams::parse(&req.parameters)?;
+        let prefix = params.volume_prefix(name, &req.parameters)?;
+        let id = VolumeId {
+            bucket: params.bucket.clone(),
+            prefix,
+            endpoint: params.endpoint.clone(),
+            delete_policy: params.delete_policy,
+        };
+        let want = Created {
+            volume_id: id.encode(),
+            capacity,
+        };
+        let _guard = self.begin(name.to_string())?;
+        if let Some(prev) = self.created.lock().unwrap().get(name) {
+            if *prev != want {
+                return Err(CsiError::AlreadyExists(format!(
+                    "volume {name:?} already exists as {:?} with capacity {}, not {:?} with capacity {}",
+                    prev.volume_id, prev.capacity, want.volume_id, want.capacity
+                )));
+            }
+        }
+        self.check_bucket(&id).await?;
+        self.created
+            .lock()
+            .unwrap()
+            .insert(name.to_string(), want.clone());
+        info!(volume_id = %want.volume_id, "volume created");
+        Ok(pb::CreateVolumeResponse {
+            volume: Some(pb::Volume {
+                capacity_bytes: capacity,
+                volume_id: want.volume_id,
+                volume_context: volume_context(&id),
+                content_source: None,
+                accessible_topology: vec![],
+            }),
+        })
+    }
+
+    #[instrument(skip_all, fields(volume_id = %req.volume_id))]
+    async fn delete(&self, req: pb::DeleteVolumeRequest) -> Result<pb::DeleteVolumeResponse> {
+        let volume_id = require("volume_id", &req.volume_id)?;
+        let id = match VolumeId::parse(volume_id) {
+            Ok(id) => id,
+            Err(e) => {
+                // Not an id Ferry made, so there is nothing of ours to delete: the spec says OK.
+                info!(error = %e, "not a Ferry volume id; nothing to delete");
+                return Ok(pb::DeleteVolumeResponse {});
+            }
+        };
+        let _guard = self.begin(volume_id.to_string())?;
+        self.created
+            .lock()
+            .unwrap()
+            .retain(|_, c| c.volume_id != volume_id);
+        if id.delete_policy == DeletePolicy::Retain {
+            info!(bucket = %id.bucket, prefix = %id.prefix, "deletePolicy retain: data kept");
+            return Ok(pb::DeleteVolumeResponse {});
+        }
+        let store = self
+            .stores
+            .get(&id.endpoint)
+            .await
+            .map_err(|e| CsiError::from_store("creating the S3 client", e))?;
+        match ferry_store::delete_prefix(store.as_ref(), &id.bucket, &id.prefix).await {
+            Ok(n) => {
+                info!(bucket = %id.bucket, prefix = %id.prefix, objects = n, "deletePolicy delete: prefix emptied");
+                Ok(pb::DeleteVolumeResponse {})
+            }
+            Err(StoreError::NoSuchBucket(_)) => Ok(pb::DeleteVolumeResponse {}),
+            Err(e) => Err(CsiError::from_store(
+                &format!("deleting s3://{}/{}", id.bucket, id.prefix),
+                e,
+            )),
+        }
+    }
+
+    #[instrument(skip_all, fields(volume_id = %req.volume_id))]
+    async fn validate(
+        &self,
+        req: pb::ValidateVolumeCapabilitiesRequest,
+    ) -> Result<pb::ValidateVolumeCapabilitiesResponse> {
+        let volume_id = require("volume_id", &req.volume_id)?;
+        if req.volume_capabilities.is_empty() {
+            return Err(CsiError::InvalidArgument("volume_capabilities are required".to_string()));
+        }
+        let id = VolumeId::parse(volume_id)
+            .map_err(|e| CsiError::NotFound(format!("volume {volume_id:?} does not exist: {e}")))?;
+        match self.check_bucket(&id).await {
+            Err(CsiError::FailedPrecondition(m)) => return Err(CsiError::NotFound(m)),
+            other => other?,
+        }
+        if !req.parameters.is_empty() {
+            StorageClassParams::parse(&req.parameters)?;
+        }
+        for cap in &req.volume_capabilities {
+            if let Err(e) = capability::check(cap) {
+                return Ok(pb::ValidateVolumeCapabilitiesResponse {
+                    confirmed: None,
+                    message: e.to_string(),
+                });
+            }
+        }
+        Ok(pb::ValidateVolumeCapabilitiesResponse {
+            confirmed: Some(pb::validate_volume_capabilities_response::Confirmed {
+                volume_context: req.volume_context,
+                volume_capabilities: req.volume_capabilities,
+                parameters: req.parameters,
+                mutable_parameters: Default::default(),
+            }),
+            message: String::new(),
+        })
+    }
+}
+
+#[tonic::async_trait]
+impl Controller for ControllerService {
+    async fn create_volume(
+        &self,
+        request: Request<pb::CreateVolumeRequest>,
+    ) -> Result<Response<pb::CreateVolumeResponse>, Status> {
+        Ok(Response::new(self.create(request.into_inner()).await?))
+    }
+
+    async fn delete_volume(
+        &self,
+        request: Request<pb::DeleteVolumeRequest>,
+    ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
+        Ok(Response::new(self.delete(request.into_inner()).await?))
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        request: Request<pb::ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<pb::ValidateVolumeCapabilitiesResponse>, Status> {
+        Ok(Response::new(self.validate(request.into_inner()).await?))
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        _request: Request<pb::ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<pb::ControllerGetCapabilitiesResponse>, Status> {
+        use pb::controller_service_capability::{rpc::Type, Rpc, Type as CapType};
+        Ok(Response::new(pb::ControllerGetCapabilitiesResponse {
+            capabilities: vec![pb::ControllerServiceCapability {
+                r#type: Some(CapType::Rpc(Rpc {
+                    r#type: Type::CreateDeleteVolume as i32,
+                })),
+            }],
+        }))
+    }
+
+    async fn controller_publish_volume(
+        &self,
+        _r: Request<pb::ControllerPublishVolumeRequest>,
+    ) -> Result<Response<pb::ControllerPublishVolumeResponse>, Status> {
+        unimplemented("ControllerPublishVolume")
+    }
+
+    async fn controller_unpublish_volume(
+        &self,
+        _r: Request<pb::ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<pb::ControllerUnpublishVolumeResponse>, Status> {
+        unimplemented("ControllerUnpublishVolume")
+    }
+
+    async fn list_volumes(
+        &self,
+        _r: Request<pb::ListVolumesRequest>,
+    ) -> Result<Response<pb::ListVolumesResponse>, Status> {
+        unimplemented("ListVolumes")
+    }
+
+    async fn get_capacity(
+        &self,
+        _r: Request<pb::GetCapacityRequest>,
+    ) -> Result<Response<pb::GetCapacityResponse>, Status> {
+        unimplemented("GetCapacity")
+    }
+
+    async fn create_snapshot(
+        &self,
+        _r: Request<pb::CreateSnapshotRequest>,
+    ) -> Result<Response<pb::CreateSnapshotResponse>, Status> {
+        unimplemented("CreateSnapshot")
+    }
+
+    async fn delete_snapshot(
+        &self,
+        _r: Request<pb::DeleteSnapshotRequest>,
+    ) -> Result<Response<pb::DeleteSnapshotResponse>, Status> {
+        unimplemented("DeleteSnapshot")
+    }
+
+    async fn list_snapshots(
+        &self,
+        _r: Request<pb::ListSnapshotsRequest>,
+    ) -> Result<Response<pb::ListSnapshotsResponse>, Status> {
+        unimplemented("ListSnapshots")
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        _r: Request<pb::ControllerExpandVolumeRequest>,
+    ) -> Result<Response<pb::ControllerExpandVolumeResponse>, Status> {
+        unimplemented("ControllerExpandVolume")
+    }
+
+    async fn controller_get_volume(
+        &self,
+        _r: Request<pb::ControllerGetVolumeRequest>,
+    ) -> Result<Response<pb::ControllerGetVolumeResponse>, Status> {
+        unimplemented("ControllerGetVolume")
+    }
+
+    async fn controller_modify_volume(
+        &self,
+        _r: Request<pb::ControllerModifyVolumeRequest>,
+    ) -> Result<Response<pb::ControllerModifyVolumeResponse>, Status> {
+        unimplemented("ControllerModifyVolume")
+    }
+}

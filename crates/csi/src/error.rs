@@ -1,0 +1,92 @@
+//! The one place where Ferry's errors become gRPC statuses, with the CSI spec's codes.
+
+use ferry_store::StoreError;
+use ferry_volume::VolumeError;
+use tonic::{Code, Status};
+
+/// An RPC failure, by the CSI spec's meaning. Messages never carry secrets.
+#[derive(Debug, thiserror::Error)]
+pub enum CsiError {
+    /// A required field is missing or a value is malformed.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// The volume (or its bucket) does not exist.
+    #[error("{0}")]
+    NotFound(String),
+    /// The name or target is already used with other parameters.
+    #[error("{0}")]
+    AlreadyExists(String),
+    /// The system is not in a state that allows the operation (for example the bucket is missing).
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// Another operation on the same volume or target is in progress.
+    #[error("{0}")]
+    Aborted(String),
+    /// The credentials were refused by S3.
+    #[error("{0}")]
+    PermissionDenied(String),
+    /// A dependency (S3, the FUSE device) is unreachable for now; retrying may work.
+    #[error("{0}")]
+    Unavailable(String),
+    /// The capacity range cannot be satisfied.
+    #[error("{0}")]
+    OutOfRange(String),
+    /// The RPC or the requested feature is not implemented.
+    #[error("{0}")]
+    Unimplemented(String),
+    /// Anything else.
+    #[error("{0}")]
+    Internal(String),
+}
+
+impl From<CsiError> for Status {
+    fn from(e: CsiError) -> Status {
+        let code = match &e {
+            CsiError::InvalidArgument(_) => Code::InvalidArgument,
+            CsiError::NotFound(_) => Code::NotFound,
+            CsiError::AlreadyExists(_) => Code::AlreadyExists,
+            CsiError::FailedPrecondition(_) => Code::FailedPrecondition,
+            CsiError::Aborted(_) => Code::Aborted,
+            CsiError::PermissionDenied(_) => Code::PermissionDenied,
+            CsiError::Unavailable(_) => Code::Unavailable,
+            CsiError::OutOfRange(_) => Code::OutOfRange,
+            CsiError::Unimplemented(_) => Code::Unimplemented,
+            CsiError::Internal(_) => Code::Internal,
+        };
+        Status::new(code, e.to_string())
+    }
+}
+
+impl From<VolumeError> for CsiError {
+    fn from(e: VolumeError) -> Self {
+        CsiError::InvalidArgument(e.to_string())
+    }
+}
+
+impl CsiError {
+    /// Maps a store failure, with `what` saying what was being done (e.g. "checking bucket x").
+    pub fn from_store(what: &str, e: StoreError) -> Self {
+        let msg = format!("{what}: {e}");
+        match e {
+            StoreError::NotFound(_) | StoreError::NoSuchBucket(_) => CsiError::NotFound(msg),
+            StoreError::AccessDenied(_) | StoreError::Credentials(_) => CsiError::PermissionDenied(msg),
+            StoreError::InvalidRequest(_) => CsiError::InvalidArgument(msg),
+            StoreError::PreconditionFailed(_) => CsiError::Aborted(msg),
+            StoreError::Throttled(_) | StoreError::Transient(_) | StoreError::Corrupt(_) => {
+                CsiError::Unavailable(msg)
+            }
+            StoreError::Other(_) => CsiError::Internal(msg),
+        }
+    }
+}
+
+/// Shorthand for handlers.
+pub type Result<T, E = CsiError> = std::result::Result<T, E>;
+
+/// Fails with InvalidArgument naming `field` when it is empty.
+pub fn require<'a>(field: &str, value: &'a str) -> Result<&'a str> {
+    if value.is_empty() {
+        return Err(CsiError::InvalidArgument(format!("{field} is required")));
+    }
+    Ok(value)
+}

@@ -1,0 +1,128 @@
+//! One tower layer that logs every gRPC call once: method, status code, message and duration.
+//!
+//! Request and response bodies are never logged, so secrets (NodePublish `secrets`, tokens in the
+//! volume context) cannot reach the log from here. Identity calls, which kubelet's liveness probe
+//! makes every few seconds, are logged at debug level; every other call at info (OK) or warn.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use tonic::Code;
+use tower::{Layer, Service};
+
+/// The layer: `Server::builder().layer(RpcLogLayer)`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct RpcLogLayer;
+
+impl<S> Layer<S> for RpcLogLayer {
+    type Service = RpcLog<S>;
+    fn layer(&self, inner: S) -> RpcLog<S> {
+        RpcLog { inner }
+    }
+}
+
+/// The service the layer wraps around the router.
+#[derive(Debug, Clone)]
+pub struct RpcLog<S> {
+    inner: S,
+}
+
+/// Decodes the percent-encoding of a `grpc-message` header.
+fn decode_message(raw: &str) -> String {
+    let bytes = raw.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            if let Some(b) = raw.get(i + 1..i + 3).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+                out.push(b);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+impl<S, B, RB> Service<http::Request<B>> for RpcLog<S>
+where
+    S: Service<http::Request<B>, Response = http::Response<RB>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: std::fmt::Display,
+{
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Self::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let path = req.uri().path().to_string();
+        let start = Instant::now();
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let res = fut.await;
+            let ms = start.elapsed().as_secs_f64() * 1000.0;
+            let method = path.rsplit('/').next().unwrap_or(&path).to_string();
+            let quiet = path.starts_with("/csi.v1.Identity/");
+            match &res {
+                Ok(resp) => {
+                    // Errors come as trailers-only responses: the status is in the headers. A
+                    // success carries its status in the trailers, which a unary handler sets to OK.
+                    let code = resp
+                        .headers()
+                        .get("grpc-status")
+                        .and_then(|v| v.to_str().ok())
+                        .and_then(|s| s.parse::<i32>().ok())
+                        .map(Code::from_i32)
+                        .unwrap_or(Code::Ok);
+                    let message = resp
+                        .headers()
+                        .get("grpc-message")
+                        .and_then(|v| v.to_str().ok())
+                        .map(decode_message)
+                        .unwrap_or_default();
+                    let code_name = format!("{code:?}");
+                    if code == Code::Ok {
+                        if quiet {
+                            tracing::debug!(rpc = %method, code = %code_name, ms = format_args!("{ms:.1}"), "rpc");
+                        } else {
+                            tracing::info!(rpc = %method, code = %code_name, ms = format_args!("{ms:.1}"), "rpc");
+                        }
+                    } else {
+                        tracing::warn!(rpc = %method, code = %code_name, ms = format_args!("{ms:.1}"), %message, "rpc failed");
+                    }
+                }
+                Err(e) => tracing::warn!(rpc = %method, ms = format_args!("{ms:.1}"), error = %e, "rpc transport error"),
+            }
+            res
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn decodes_grpc_message() {
+        assert_eq!(super::decode_message("a%20b%25c"), "a b%c");
+        assert_eq!(super::decode_message("bad%zz"), "bad%zz");
+    }
+}
+
+/// Installs the process's tracing subscriber: plain text to stderr, filtered by `filter`
+/// (an `EnvFilter` directive such as `info` or `ferry_fs=debug,info`).
+pub fn init(filter: &str) -> Result<(), String> {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .map_err(|e| format!("invalid log filter {filter:?}: {e}"))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init()
+        .map_err(|e| e.to_string())
+}

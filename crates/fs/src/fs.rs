@@ -1,0 +1,1367 @@
+//! The filesystem core: every operation Ferry supports, on inode and handle numbers, with no fuser
+//! type in sight. [`crate::fuse`] only translates requests to these calls and results to replies.
+//!
+//! Locking: one `std` mutex over the plain-data state (inode table, handle table), never held
+//! across an `.await`; each open handle has its own async mutex, held across its S3 calls so one
+//! handle's reads (or writes) are ordered while different handles proceed in parallel.
+
+use std::collections::HashSet;
+use std::ffi::OsStr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use bytes::{Bytes, BytesMut};
+use ferry_store::{CompletedPart, ListRequest, ObjectStore, StoreError};
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use crate::config::MountConfig;
+use crate::error::FsError;
+use crate::handles::{
+    DirHandle, Handle, HandleTable, MultipartState, PartRecord, ReadBuffer, ReadHandle,
+    WriteHandle, WriteStatus, MAX_PARTS, PART_SIZE, READ_WINDOW_INITIAL, READ_WINDOW_MAX,
+};
+use crate::inode::{now_secs, CachedEntry, Ino, Inode, InodeState, InodeTable, Validity, ROOT_INO};
+use crate::names::{
+    child_path, dir_prefix, file_key, lookup_name, new_name, Kind, ListedEntry, ListingBuilder,
+    ObjectMeta, KEY_MAX,
+};
+
+/// Block size reported by `stat`.
+pub const BLKSIZE: u32 = 4096;
+/// Most hidden keys remembered (so each is logged once).
+const HIDDEN_LOG_MAX: usize = 10_000;
+
+/// A file's or directory's attributes as `stat` shows them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attr {
+    pub ino: Ino,
+    pub kind: Kind,
+    pub size: u64,
+    /// 512-byte blocks.
+    pub blocks: u64,
+    pub mtime: SystemTime,
+    /// Permission bits only.
+    pub perm: u16,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub blksize: u32,
+}
+
+/// An inode's attributes and how long the kernel may cache them (and the name → inode mapping).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub attr: Attr,
+    pub ttl: Duration,
+}
+
+/// An opened file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Opened {
+    pub fh: u64,
+    /// The kernel may keep the page cache (same ETag as the previous open of this inode).
+    pub keep_cache: bool,
+}
+
+/// What a `setattr` asks to change.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SetAttr {
+    pub size: Option<u64>,
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    /// atime and/or mtime were given (accepted, not stored).
+    pub times: bool,
+    pub fh: Option<u64>,
+}
+
+/// What `statfs` reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatFs {
+    pub blocks: u64,
+    pub bfree: u64,
+    pub bavail: u64,
+    pub files: u64,
+    pub ffree: u64,
+    pub bsize: u32,
+    pub namelen: u32,
+    pub frsize: u32,
+}
+
+/// One directory entry on its way to the kernel.
+#[derive(Debug)]
+pub struct DirEntry<'a> {
+    pub ino: Ino,
+    /// The offset of the entry after this one.
+    pub offset: u64,
+    pub name: &'a str,
+    pub kind: Kind,
+    /// Used by readdirplus only.
+    pub attr: &'a Attr,
+    pub ttl: Duration,
+}
+
+/// Where `readdir` puts entries: the FUSE reply buffer, or a `Vec` in tests.
+pub trait DirSink {
+    /// Adds one entry; returns `true` if it did not fit (and was not added).
+    fn add(&mut self, entry: &DirEntry<'_>) -> bool;
+}
+
+/// Everything a mount holds, as plain data (a later process can take over a live mount with it).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FsSnapshot {
+    pub config: MountConfig,
+    pub mount_time: SystemTime,
+    pub inodes: InodeTable,
+    pub next_fh: u64,
+    pub handles: Vec<(u64, Handle)>,
+}
+
+#[derive(Debug)]
+struct FsState {
+    inodes: InodeTable,
+    handles: HandleTable,
+    hidden_logged: HashSet<String>,
+}
+
+/// What `find_child` learned about a name.
+enum Found {
+    /// A live inode whose information is current (or local).
+    Live(Ino),
+    /// Known from a listing or a HEAD/LIST, not (necessarily) in the table yet.
+    Fresh {
+        kind: Kind,
+        meta: Option<ObjectMeta>,
+        valid: Validity,
+    },
+}
+
+/// The filesystem of one mount.
+#[derive(Debug)]
+pub struct Fs {
+    store: Arc<dyn ObjectStore>,
+    cfg: MountConfig,
+    mount_time: SystemTime,
+    state: Mutex<FsState>,
+}
+
+fn stale(ino: Ino) -> FsError {
+    FsError::Stale(format!("unknown inode {ino}"))
+}
+
+fn bad_fh(fh: u64) -> FsError {
+    let _ = fh;
+    FsError::BadHandle("unknown file handle")
+}
+
+impl Fs {
+    /// A fresh filesystem for `cfg` (which should have passed [`MountConfig::validate`]).
+    pub fn new(store: Arc<dyn ObjectStore>, cfg: MountConfig) -> Self {
+        Fs {
+            store,
+            cfg,
+            mount_time: now_secs(),
+            state: Mutex::new(FsState {
+                inodes: InodeTable::new(),
+                handles: HandleTable::default(),
+                hidden_logged: HashSet::new(),
+            }),
+        }
+    }
+
+    /// Rebuilds a filesystem from [`Fs::snapshot`] (caches start expired).
+    pub fn from_snapshot(store: Arc<dyn ObjectStore>, snap: FsSnapshot) -> Self {
+        Fs {
+            store,
+            cfg: snap.config,
+            mount_time: snap.mount_time,
+            state: Mutex::new(FsState {
+                inodes: snap.inodes,
+                handles: HandleTable::restore(snap.next_fh, snap.handles),
+                hidden_logged: HashSet::new(),
+            }),
+        }
+    }
+
+    /// The inode and handle tables as plain data. Waits for in-flight operations on each handle.
+    pub async fn snapshot(&self) -> FsSnapshot {
+        let (inodes, next_fh, entries) = {
+            let st = self.lock();
+            (
+                st.inodes.clone(),
+                st.handles.next_fh(),
+                st.handles.entries(),
+            )
+        };
+        let mut handles = Vec::with_capacity(entries.len());
+        for (fh, h) in entries {
+            handles.push((fh, h.lock().await.clone()));
+        }
+        FsSnapshot {
+            config: self.cfg.clone(),
+            mount_time: self.mount_time,
+            inodes,
+            next_fh,
+            handles,
+        }
+    }
+
+    pub fn config(&self) -> &MountConfig {
+        &self.cfg
+    }
+
+    /// (inodes in the table, open handles): for leak checks.
+    pub fn table_sizes(&self) -> (usize, usize) {
+        let st = self.lock();
+        (st.inodes.len(), st.handles.len())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FsState> {
+        // Every critical section leaves the tables consistent, so a poisoned lock is usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn bucket(&self) -> &str {
+        &self.cfg.bucket
+    }
+
+    fn ttl(&self) -> Validity {
+        Validity::new(self.cfg.metadata_ttl, Instant::now())
+    }
+
+    fn attr_from(&self, ino: Ino, kind: Kind, meta: Option<&ObjectMeta>) -> Attr {
+        match kind {
+            Kind::Dir => Attr {
+                ino,
+                kind,
+                size: 0,
+                blocks: 0,
+                mtime: self.mount_time,
+                perm: self.cfg.dir_mode,
+                nlink: 2,
+                uid: self.cfg.uid,
+                gid: self.cfg.gid,
+                blksize: BLKSIZE,
+            },
+            Kind::File => {
+                let size = meta.map_or(0, |m| m.size);
+                Attr {
+                    ino,
+                    kind,
+                    size,
+                    blocks: size.div_ceil(512),
+                    mtime: meta.and_then(|m| m.mtime).unwrap_or(self.mount_time),
+                    perm: self.cfg.file_mode,
+                    nlink: 1,
+                    uid: self.cfg.uid,
+                    gid: self.cfg.gid,
+                    blksize: BLKSIZE,
+                }
+            }
+        }
+    }
+
+    fn entry_of(&self, inode: &Inode) -> Entry {
+        let ttl = if matches!(inode.state, InodeState::Writing { .. }) {
+            Duration::ZERO
+        } else {
+            self.cfg.metadata_ttl.kernel_ttl()
+        };
+        Entry {
+            attr: self.attr_from(inode.ino, inode.kind, inode.meta.as_ref()),
+            ttl,
+        }
+    }
+
+    fn handle(&self, fh: u64) -> Result<Arc<tokio::sync::Mutex<Handle>>, FsError> {
+        self.lock().handles.get(fh).ok_or_else(|| bad_fh(fh))
+    }
+
+    fn log_hidden(st: &mut FsState, hidden: Vec<(String, &'static str)>) {
+        for (key, why) in hidden {
+            if st.hidden_logged.len() < HIDDEN_LOG_MAX && st.hidden_logged.insert(key.clone()) {
+                tracing::debug!(key = %key, reason = why, "key hidden: not a POSIX name");
+            }
+        }
+    }
+
+    // ----- lookup / getattr -------------------------------------------------------------------
+
+    /// HEAD `path` and LIST `path/` (one key) concurrently. A directory wins over a file; when the
+    /// LIST proves a directory, a failed HEAD does not matter.
+    async fn remote_lookup(
+        &self,
+        path: &str,
+    ) -> Result<Option<(Kind, Option<ObjectMeta>)>, FsError> {
+        let key = file_key(&self.cfg.prefix, path);
+        if key.len() > KEY_MAX {
+            return Ok(None);
+        }
+        let dir = format!("{key}/");
+        let list_req = ListRequest {
+            prefix: &dir,
+            delimiter: Some("/"),
+            max_keys: Some(1),
+            ..Default::default()
+        };
+        let (head, list) = futures::join!(
+            self.store.head(self.bucket(), &key),
+            self.store.list(self.bucket(), list_req)
+        );
+        let page = list?;
+        if !page.objects.is_empty() || !page.common_prefixes.is_empty() {
+            return Ok(Some((Kind::Dir, None)));
+        }
+        match head {
+            Ok(info) => Ok(Some((Kind::File, Some(ObjectMeta::from(&info))))),
+            Err(StoreError::NotFound(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Resolves `name` in `parent`: local state, then the caches, then S3 (recording a miss).
+    async fn find_child(&self, parent: Ino, name: &str) -> Result<Found, FsError> {
+        let path = {
+            let st = self.lock();
+            let now = Instant::now();
+            let p = st.inodes.get(parent).ok_or_else(|| stale(parent))?;
+            if p.kind != Kind::Dir {
+                return Err(FsError::NotDir);
+            }
+            let child = st.inodes.child(parent, name);
+            if let Some(c) = child.filter(|c| c.is_local()) {
+                return Ok(Found::Live(c.ino));
+            }
+            if p.cache.is_negative(name, now) {
+                return Err(FsError::NotFound);
+            }
+            if let Some(c) = child.filter(|c| c.valid.is_valid(now)) {
+                return Ok(Found::Live(c.ino));
+            }
+            if let Some(e) = p.cache.cached(name, now) {
+                return Ok(Found::Fresh {
+                    kind: e.kind,
+                    meta: e.meta.clone(),
+                    valid: p.cache.entries_valid,
+                });
+            }
+            child_path(&p.path, name)
+        };
+        match self.remote_lookup(&path).await? {
+            Some((kind, meta)) => Ok(Found::Fresh {
+                kind,
+                meta,
+                valid: self.ttl(),
+            }),
+            None => {
+                let valid = self.ttl();
+                let mut st = self.lock();
+                if let Some(p) = st.inodes.get_mut(parent) {
+                    p.cache.add_negative(name, valid, Instant::now());
+                }
+                Err(FsError::NotFound)
+            }
+        }
+    }
+
+    /// Puts what `find_child` found into the table; returns the inode number.
+    fn install(st: &mut FsState, parent: Ino, name: &str, found: Found) -> Result<Ino, FsError> {
+        match found {
+            Found::Live(ino) => st.inodes.get(ino).map(|i| i.ino).ok_or_else(|| stale(ino)),
+            Found::Fresh { kind, meta, valid } => {
+                let ino = st
+                    .inodes
+                    .install_child(parent, name, kind)
+                    .ok_or_else(|| stale(parent))?;
+                let inode = st.inodes.get_mut(ino).expect("just installed");
+                if !inode.is_local() {
+                    inode.meta = meta;
+                    inode.valid = valid;
+                }
+                Ok(ino)
+            }
+        }
+    }
+
+    /// `lookup`: counts one kernel reference on success.
+    pub async fn lookup(&self, parent: Ino, name: &OsStr) -> Result<Entry, FsError> {
+        let name = lookup_name(name)?;
+        let found = self.find_child(parent, name).await?;
+        let mut st = self.lock();
+        let ino = Self::install(&mut st, parent, name, found)?;
+        let inode = st.inodes.get_mut(ino).expect("installed");
+        inode.lookups += 1;
+        Ok(self.entry_of(inode))
+    }
+
+    /// `forget`: the kernel dropped `n` references.
+    pub fn forget(&self, ino: Ino, n: u64) {
+        self.lock().inodes.forget(ino, n);
+    }
+
+    /// `getattr`: directories and local files from the table; files from the cache or a HEAD.
+    pub async fn getattr(&self, ino: Ino) -> Result<Entry, FsError> {
+        let key = {
+            let st = self.lock();
+            let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+            if inode.kind == Kind::Dir || inode.is_local() || inode.valid.is_valid(Instant::now())
+            {
+                return Ok(self.entry_of(inode));
+            }
+            file_key(&self.cfg.prefix, &inode.path)
+        };
+        let head = self.store.head(self.bucket(), &key).await;
+        let valid = self.ttl();
+        let mut st = self.lock();
+        let inode = st.inodes.get_mut(ino).ok_or_else(|| stale(ino))?;
+        match head {
+            Ok(info) => {
+                if !inode.is_local() {
+                    inode.meta = Some(ObjectMeta::from(&info));
+                    inode.valid = valid;
+                }
+                Ok(self.entry_of(inode))
+            }
+            Err(StoreError::NotFound(_)) if !inode.is_local() => {
+                inode.valid = Validity::Expired;
+                Err(FsError::NotFound)
+            }
+            Err(StoreError::NotFound(_)) => Ok(self.entry_of(inode)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// `setattr`: truncation of a file being written (to 0 or its current size); chmod/chown to
+    /// the current values; times accepted and ignored. Everything else is refused.
+    pub async fn setattr(&self, ino: Ino, req: SetAttr) -> Result<Entry, FsError> {
+        if self.cfg.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        let writer = {
+            let st = self.lock();
+            let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+            let perm = match inode.kind {
+                Kind::Dir => self.cfg.dir_mode,
+                Kind::File => self.cfg.file_mode,
+            };
+            if req.mode.is_some_and(|m| m & 0o7777 != u32::from(perm)) {
+                return Err(FsError::NotPermitted("chmod: modes are set per mount"));
+            }
+            if req.uid.is_some_and(|u| u != self.cfg.uid) || req.gid.is_some_and(|g| g != self.cfg.gid)
+            {
+                return Err(FsError::NotPermitted("chown: owners are set per mount"));
+            }
+            match (inode.kind, inode.state) {
+                (Kind::Dir, _) if req.size.is_some() => return Err(FsError::IsDir),
+                (_, InodeState::Writing { fh }) => Some(fh),
+                _ => None,
+            }
+        };
+        if let Some(size) = req.size {
+            let Some(fh) = writer else {
+                return Err(FsError::NotPermitted(
+                    "truncate: only a file being written through this mount can be truncated",
+                ));
+            };
+            let h = self.handle(fh)?;
+            let mut g = h.lock().await;
+            let Handle::Write(w) = &mut *g else {
+                return Err(bad_fh(fh));
+            };
+            match w.status {
+                WriteStatus::Open => {}
+                WriteStatus::Completed => {
+                    return Err(FsError::BadHandle("the upload already completed"))
+                }
+                WriteStatus::Failed => return Err(FsError::UploadFailed),
+            }
+            if size != w.written {
+                if size != 0 {
+                    return Err(FsError::InvalidArgument(
+                        "truncate: only to 0 or to the current size",
+                    ));
+                }
+                if let Some(up) = w.upload.take() {
+                    self.abort_upload(&w.key, &up).await;
+                }
+                w.pending.clear();
+                w.written = 0;
+                self.set_local_size(ino, 0);
+            }
+        }
+        let st = self.lock();
+        let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+        Ok(self.entry_of(inode))
+    }
+
+    // ----- directories ------------------------------------------------------------------------
+
+    /// `opendir`: a handle whose listing is taken at the first `readdir`.
+    pub fn opendir(&self, ino: Ino) -> Result<u64, FsError> {
+        let mut st = self.lock();
+        let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+        if inode.kind != Kind::Dir {
+            return Err(FsError::NotDir);
+        }
+        Ok(st.handles.insert(Handle::Dir(DirHandle {
+            ino,
+            snapshot: None,
+            listed_at: None,
+            served: false,
+        })))
+    }
+
+    /// `releasedir`.
+    pub fn releasedir(&self, fh: u64) {
+        self.lock().handles.remove(fh);
+    }
+
+    /// Lists the directory (every page), merges local entries, refreshes the caches.
+    async fn list_dir(&self, ino: Ino) -> Result<Vec<ListedEntry>, FsError> {
+        let dprefix = {
+            let st = self.lock();
+            let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+            if inode.kind != Kind::Dir {
+                return Err(FsError::NotDir);
+            }
+            dir_prefix(&self.cfg.prefix, &inode.path)
+        };
+        let mut builder = ListingBuilder::new(&dprefix);
+        let mut continuation = None;
+        loop {
+            let req = ListRequest {
+                prefix: &dprefix,
+                delimiter: Some("/"),
+                continuation: continuation.take(),
+                ..Default::default()
+            };
+            let page = self.store.list(self.bucket(), req).await?;
+            builder.add_page(&page.objects, &page.common_prefixes);
+            match page.next_token {
+                Some(token) => continuation = Some(token),
+                None => break,
+            }
+        }
+        let listing = builder.finish();
+        let now = Instant::now();
+        let valid = self.ttl();
+
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        Self::log_hidden(st, listing.hidden);
+        let remote = listing.entries;
+        let dir = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+        let children: Vec<(String, Ino)> =
+            dir.children.iter().map(|(n, i)| (n.clone(), *i)).collect();
+
+        // Live children learn the listing's metadata; local ones replace or join the listing.
+        let mut entries = remote.clone();
+        for (name, child) in children {
+            let Some(c) = st.inodes.get_mut(child) else {
+                continue;
+            };
+            let pos = entries.binary_search_by(|e| e.name.as_str().cmp(&name));
+            if c.is_local() {
+                let local = ListedEntry {
+                    name,
+                    kind: c.kind,
+                    meta: c.meta.clone(),
+                };
+                match pos {
+                    Ok(i) => entries[i] = local,
+                    Err(i) => entries.insert(i, local),
+                }
+            } else if let Ok(i) = pos {
+                if entries[i].kind == c.kind {
+                    if c.kind == Kind::File {
+                        c.meta = entries[i].meta.clone();
+                    }
+                    c.valid = valid;
+                }
+            }
+        }
+
+        let dir = st.inodes.get_mut(ino).expect("checked above");
+        if dir.state == InodeState::LocalDir && (listing.has_marker || !remote.is_empty()) {
+            dir.state = InodeState::Remote;
+            dir.valid = valid;
+        }
+        dir.cache.entries.clear();
+        dir.cache.entries_valid = valid;
+        if valid.is_valid(now) {
+            for e in &remote {
+                dir.cache.negative.remove(&e.name);
+                dir.cache.entries.insert(
+                    e.name.clone(),
+                    CachedEntry {
+                        kind: e.kind,
+                        meta: e.meta.clone(),
+                    },
+                );
+            }
+        }
+        Ok(entries)
+    }
+
+    /// `readdir` / `readdirplus` from offset `offset` (0 = start; a repeated 0 lists again).
+    /// With `plus`, every entry the sink accepts (except `.` and `..`) counts one kernel reference.
+    pub async fn readdir(
+        &self,
+        ino: Ino,
+        fh: u64,
+        offset: u64,
+        plus: bool,
+        sink: &mut (dyn DirSink + Send),
+    ) -> Result<(), FsError> {
+        let h = self.handle(fh)?;
+        let mut g = h.lock().await;
+        let Handle::Dir(d) = &mut *g else {
+            return Err(bad_fh(fh));
+        };
+        if d.ino != ino {
+            return Err(bad_fh(fh));
+        }
+        if d.snapshot.is_none() || (offset == 0 && d.served) {
+            d.snapshot = Some(self.list_dir(ino).await?);
+            d.listed_at = Some(Instant::now());
+        }
+        d.served = true;
+        let entries = d.snapshot.as_deref().unwrap_or_default();
+        let snapshot_valid = Validity::new(
+            self.cfg.metadata_ttl,
+            d.listed_at.unwrap_or_else(Instant::now),
+        );
+
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let now = Instant::now();
+        let dir = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+        let dir_path = dir.path.clone();
+        let dir_entry = self.entry_of(dir);
+        let parent_ino = dir.parent;
+        let parent_entry = st
+            .inodes
+            .get(parent_ino)
+            .map_or_else(|| dir_entry.clone(), |p| self.entry_of(p));
+        let mut idx = offset;
+        loop {
+            let (name, kind, entry) = match idx {
+                0 => (".", Kind::Dir, dir_entry.clone()),
+                1 => ("..", Kind::Dir, parent_entry.clone()),
+                n => {
+                    let Some(e) = usize::try_from(n - 2).ok().and_then(|i| entries.get(i)) else {
+                        break;
+                    };
+                    let entry = match st.inodes.child(ino, &e.name).filter(|c| c.kind == e.kind) {
+                        Some(c) if c.is_local() || c.valid.is_valid(now) => self.entry_of(c),
+                        _ => {
+                            let path = child_path(&dir_path, &e.name);
+                            let child_ino = st.inodes.ino_for(ino, &e.name, &path, e.kind);
+                            Entry {
+                                attr: self.attr_from(child_ino, e.kind, e.meta.as_ref()),
+                                ttl: self.cfg.metadata_ttl.kernel_ttl(),
+                            }
+                        }
+                    };
+                    (e.name.as_str(), e.kind, entry)
+                }
+            };
+            let full = sink.add(&DirEntry {
+                ino: entry.attr.ino,
+                offset: idx + 1,
+                name,
+                kind,
+                attr: &entry.attr,
+                ttl: entry.ttl,
+            });
+            if full {
+                break;
+            }
+            if plus && idx >= 2 {
+                let child = st
+                    .inodes
+                    .install_child(ino, name, kind)
+                    .ok_or_else(|| stale(ino))?;
+                let c = st.inodes.get_mut(child).expect("installed");
+                if !c.is_local() && !c.valid.is_valid(now) {
+                    let e = &entries[(idx - 2) as usize];
+                    c.meta = e.meta.clone();
+                    c.valid = snapshot_valid;
+                }
+                c.lookups += 1;
+            }
+            idx += 1;
+        }
+        Ok(())
+    }
+
+    /// `mkdir`: a local directory, visible in this mount until a file written into it makes it
+    /// real in S3 (no marker object is written).
+    pub async fn mkdir(&self, parent: Ino, name: &OsStr) -> Result<Entry, FsError> {
+        if self.cfg.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        let name = new_name(name)?;
+        let mut st = self.lock();
+        let path = self.check_new_child(&st, parent, name)?;
+        if dir_prefix(&self.cfg.prefix, &path).len() > KEY_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        let ino = st
+            .inodes
+            .install_child(parent, name, Kind::Dir)
+            .ok_or_else(|| stale(parent))?;
+        let inode = st.inodes.get_mut(ino).expect("installed");
+        inode.state = InodeState::LocalDir;
+        inode.lookups += 1;
+        let entry = self.entry_of(inode);
+        if let Some(p) = st.inodes.get_mut(parent) {
+            p.cache.negative.remove(name);
+        }
+        Ok(entry)
+    }
+
+    /// Refuses to create `name` if the parent is not a directory or the name is known to exist.
+    /// Returns the new child's path.
+    fn check_new_child(&self, st: &FsState, parent: Ino, name: &str) -> Result<String, FsError> {
+        let now = Instant::now();
+        let p = st.inodes.get(parent).ok_or_else(|| stale(parent))?;
+        if p.kind != Kind::Dir {
+            return Err(FsError::NotDir);
+        }
+        let negative = p.cache.is_negative(name, now);
+        let live = st.inodes.child(parent, name);
+        if live.is_some_and(|c| c.is_local() || (!negative && c.valid.is_valid(now)))
+            || (!negative && p.cache.cached(name, now).is_some())
+        {
+            return Err(FsError::Exists);
+        }
+        Ok(child_path(&p.path, name))
+    }
+
+    /// `unlink` (needs `allow_delete`): deletes the key.
+    pub async fn unlink(&self, parent: Ino, name: &OsStr) -> Result<(), FsError> {
+        if self.cfg.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        if !self.cfg.allow_delete {
+            return Err(FsError::NotPermitted("deletes are disabled on this mount"));
+        }
+        let name = lookup_name(name)?;
+        let found = self.find_child(parent, name).await?;
+        let (key, live) = {
+            let st = self.lock();
+            let parent_path = &st.inodes.get(parent).ok_or_else(|| stale(parent))?.path;
+            let key = file_key(&self.cfg.prefix, &child_path(parent_path, name));
+            match &found {
+                Found::Live(ino) => {
+                    let c = st.inodes.get(*ino).ok_or_else(|| stale(*ino))?;
+                    match (c.kind, c.state) {
+                        (Kind::Dir, _) => return Err(FsError::IsDir),
+                        (Kind::File, InodeState::Writing { .. }) => {
+                            return Err(FsError::Busy("the file is being written"))
+                        }
+                        _ => (key, Some(*ino)),
+                    }
+                }
+                Found::Fresh { kind: Kind::Dir, .. } => return Err(FsError::IsDir),
+                Found::Fresh { .. } => (key, st.inodes.child(parent, name).map(|c| c.ino)),
+            }
+        };
+        self.store.delete(self.bucket(), &key).await?;
+        let valid = self.ttl();
+        {
+            let mut st = self.lock();
+            if let Some(c) = live.and_then(|ino| st.inodes.get_mut(ino)) {
+                if c.kind == Kind::File && !c.is_local() {
+                    c.meta = None;
+                    c.valid = Validity::Expired;
+                    c.last_open_etag = None;
+                }
+            }
+            if let Some(p) = st.inodes.get_mut(parent) {
+                p.cache.add_negative(name, valid, Instant::now());
+            }
+        }
+        self.keep_dir_if_empty(parent).await;
+        Ok(())
+    }
+
+    /// After removing an entry: if the directory has nothing left in S3 (it was implicit), keep it
+    /// as a local directory, so it stays until `rmdir` as POSIX expects. Best effort.
+    async fn keep_dir_if_empty(&self, dir: Ino) {
+        let dprefix = {
+            let st = self.lock();
+            match st.inodes.get(dir) {
+                Some(d) if dir != ROOT_INO && d.state == InodeState::Remote => {
+                    dir_prefix(&self.cfg.prefix, &d.path)
+                }
+                _ => return,
+            }
+        };
+        let req = ListRequest {
+            prefix: &dprefix,
+            max_keys: Some(1),
+            ..Default::default()
+        };
+        match self.store.list(self.bucket(), req).await {
+            Ok(page) if page.objects.is_empty() && page.common_prefixes.is_empty() => {
+                if let Some(d) = self.lock().inodes.get_mut(dir) {
+                    if d.state == InodeState::Remote {
+                        d.state = InodeState::LocalDir;
+                    }
+                }
+            }
+            Ok(_) => {}
+            Err(e) => tracing::debug!(error = %e, "checking whether a directory became empty"),
+        }
+    }
+
+    /// `rmdir` (needs `allow_delete`): only if nothing (no key at all, hidden ones included) is
+    /// below it; deletes its marker if it has one.
+    pub async fn rmdir(&self, parent: Ino, name: &OsStr) -> Result<(), FsError> {
+        if self.cfg.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        if !self.cfg.allow_delete {
+            return Err(FsError::NotPermitted("deletes are disabled on this mount"));
+        }
+        let name = lookup_name(name)?;
+        let found = self.find_child(parent, name).await?;
+        let (dprefix, live) = {
+            let st = self.lock();
+            let parent_path = &st.inodes.get(parent).ok_or_else(|| stale(parent))?.path;
+            let dprefix = dir_prefix(&self.cfg.prefix, &child_path(parent_path, name));
+            let live = match &found {
+                Found::Live(ino) => Some(*ino),
+                Found::Fresh { kind, .. } => {
+                    if *kind != Kind::Dir {
+                        return Err(FsError::NotDir);
+                    }
+                    st.inodes
+                        .child(parent, name)
+                        .filter(|c| c.kind == Kind::Dir)
+                        .map(|c| c.ino)
+                }
+            };
+            if let Some(ino) = live {
+                let c = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+                if c.kind != Kind::Dir {
+                    return Err(FsError::NotDir);
+                }
+                let local_child = c
+                    .children
+                    .values()
+                    .any(|k| st.inodes.get(*k).is_some_and(Inode::is_local));
+                if local_child {
+                    return Err(FsError::NotEmpty);
+                }
+            }
+            (dprefix, live)
+        };
+        let page = self
+            .store
+            .list(
+                self.bucket(),
+                ListRequest {
+                    prefix: &dprefix,
+                    max_keys: Some(2),
+                    ..Default::default()
+                },
+            )
+            .await?;
+        if page.objects.iter().any(|o| o.key != dprefix) || !page.common_prefixes.is_empty() {
+            return Err(FsError::NotEmpty);
+        }
+        if page.objects.iter().any(|o| o.key == dprefix) {
+            self.store.delete(self.bucket(), &dprefix).await?;
+        }
+        let valid = self.ttl();
+        {
+            let mut st = self.lock();
+            if let Some(ino) = live {
+                if let Some(c) = st.inodes.get_mut(ino) {
+                    c.state = InodeState::Remote;
+                    c.valid = Validity::Expired;
+                    c.cache = Default::default();
+                }
+                st.inodes.maybe_remove(ino);
+            }
+            if let Some(p) = st.inodes.get_mut(parent) {
+                p.cache.add_negative(name, valid, Instant::now());
+            }
+        }
+        self.keep_dir_if_empty(parent).await;
+        Ok(())
+    }
+
+    /// `rename`: S3 has no rename. EXDEV makes `mv` fall back to copy + delete.
+    pub fn rename(&self) -> Result<(), FsError> {
+        if self.cfg.read_only {
+            Err(FsError::ReadOnly)
+        } else {
+            Err(FsError::CrossDevice)
+        }
+    }
+
+    /// `statfs`: large constant numbers (S3 has no capacity), so tools that check free space write.
+    pub fn statfs(&self) -> StatFs {
+        const BLOCKS: u64 = 1 << 40;
+        StatFs {
+            blocks: BLOCKS,
+            bfree: BLOCKS,
+            bavail: BLOCKS,
+            files: 1 << 32,
+            ffree: 1 << 32,
+            bsize: BLKSIZE,
+            namelen: crate::names::NAME_MAX as u32,
+            frsize: BLKSIZE,
+        }
+    }
+
+    // ----- files ------------------------------------------------------------------------------
+
+    /// `open`. Reading pins the ETag (from the cache if fresh, else a HEAD). Writing needs
+    /// `O_TRUNC` and `allow_overwrite`, and starts a new upload that replaces the object.
+    /// `pid` is the opening process (only its `flush` completes an upload).
+    pub async fn open(&self, ino: Ino, flags: i32, pid: u32) -> Result<Opened, FsError> {
+        let write = flags & libc::O_ACCMODE != libc::O_RDONLY;
+        let (key, cached) = {
+            let mut guard = self.lock();
+            let st = &mut *guard;
+            let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+            if inode.kind == Kind::Dir {
+                return Err(FsError::IsDir);
+            }
+            if matches!(inode.state, InodeState::Writing { .. }) {
+                return Err(FsError::Busy("the file is being written"));
+            }
+            if write {
+                if self.cfg.read_only {
+                    return Err(FsError::ReadOnly);
+                }
+                if flags & libc::O_TRUNC == 0 {
+                    return Err(FsError::NotPermitted(
+                        "existing objects can only be replaced (O_TRUNC), not modified or appended",
+                    ));
+                }
+                if !self.cfg.allow_overwrite {
+                    return Err(FsError::NotPermitted("overwrites are disabled on this mount"));
+                }
+                let (parent, name, path) =
+                    (inode.parent, inode.name.clone(), inode.path.clone());
+                let fh = st.handles.peek_next();
+                let inode = st.inodes.get_mut(ino).expect("checked");
+                inode.state = InodeState::Writing { fh };
+                inode.meta = Some(ObjectMeta {
+                    size: 0,
+                    mtime: Some(now_secs()),
+                    etag: None,
+                });
+                inode.last_open_etag = None;
+                let got = st.handles.insert(Handle::Write(WriteHandle {
+                    ino,
+                    parent,
+                    name,
+                    key: file_key(&self.cfg.prefix, &path),
+                    pid,
+                    written: 0,
+                    pending: Vec::new(),
+                    upload: None,
+                    status: WriteStatus::Open,
+                }));
+                debug_assert_eq!(got, fh);
+                return Ok(Opened {
+                    fh,
+                    keep_cache: false,
+                });
+            }
+            let key = file_key(&self.cfg.prefix, &inode.path);
+            let fresh = inode.valid.is_valid(Instant::now())
+                && inode.meta.as_ref().is_some_and(|m| m.etag.is_some());
+            (key, fresh.then(|| inode.meta.clone()).flatten())
+        };
+        let meta = match cached {
+            Some(meta) => meta,
+            None => {
+                let info = self.store.head(self.bucket(), &key).await?;
+                ObjectMeta::from(&info)
+            }
+        };
+        let valid = self.ttl();
+        let mut st = self.lock();
+        let inode = st.inodes.get_mut(ino).ok_or_else(|| stale(ino))?;
+        if inode.meta.as_ref() != Some(&meta) {
+            inode.meta = Some(meta.clone());
+            inode.valid = valid;
+        }
+        let keep_cache = meta.etag.is_some() && inode.last_open_etag == meta.etag;
+        inode.last_open_etag = meta.etag.clone();
+        let fh = st
+            .handles
+            .insert(Handle::Read(ReadHandle::new(ino, key, meta.etag, meta.size)));
+        Ok(Opened { fh, keep_cache })
+    }
+
+    /// One ranged GET pinned to the handle's ETag. A changed or vanished object is `ESTALE` and
+    /// drops the inode's cached metadata so the next open sees the new version.
+    async fn get(
+        &self,
+        ino: Ino,
+        key: &str,
+        etag: Option<&str>,
+        range: std::ops::Range<u64>,
+    ) -> Result<Bytes, FsError> {
+        match self.store.get_range(self.bucket(), key, range, etag).await {
+            Ok(data) => Ok(data),
+            Err(e @ (StoreError::PreconditionFailed(_) | StoreError::NotFound(_))) => {
+                if let Some(inode) = self.lock().inodes.get_mut(ino) {
+                    if !inode.is_local() {
+                        inode.valid = Validity::Expired;
+                    }
+                }
+                Err(FsError::Stale(e.to_string()))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// `read`: from the handle's buffer, else a GET — of a growing window (1 → 8 MiB) when the
+    /// reads are sequential (kept as the buffer), of exactly the asked range otherwise.
+    pub async fn read(&self, fh: u64, offset: u64, size: u32) -> Result<Bytes, FsError> {
+        let h = self.handle(fh)?;
+        let mut g = h.lock().await;
+        let r = match &mut *g {
+            Handle::Read(r) => r,
+            Handle::Write(_) => return Err(FsError::BadHandle("not open for reading")),
+            Handle::Dir(_) => return Err(FsError::IsDir),
+        };
+        if offset >= r.size || size == 0 {
+            return Ok(Bytes::new());
+        }
+        let end = r.size.min(offset.saturating_add(u64::from(size)));
+        if let Some(data) = r.buffered(offset, end) {
+            r.next_offset = end;
+            return Ok(data);
+        }
+        if !r.is_sequential(offset) {
+            r.window = READ_WINDOW_INITIAL;
+            r.next_offset = end;
+            let (ino, key, etag) = (r.ino, r.key.clone(), r.etag.clone());
+            drop(g);
+            return self.get(ino, &key, etag.as_deref(), offset..end).await;
+        }
+        let mut pieces: Vec<Bytes> = Vec::with_capacity(2);
+        let mut pos = offset;
+        if let Some(buf) = &r.buffer {
+            if buf.start <= pos && pos < buf.end() {
+                let stop = end.min(buf.end());
+                pieces.push(
+                    buf.data
+                        .slice((pos - buf.start) as usize..(stop - buf.start) as usize),
+                );
+                pos = stop;
+            }
+        }
+        while pos < end {
+            let fetch_end = r.size.min(pos + r.window.max(end - pos));
+            let data = self
+                .get(r.ino, &r.key, r.etag.as_deref(), pos..fetch_end)
+                .await?;
+            if data.is_empty() {
+                return Err(FsError::Stale(format!("{}: shorter than at open", r.key)));
+            }
+            r.window = (r.window * 2).min(READ_WINDOW_MAX);
+            let stop = end.min(pos + data.len() as u64);
+            pieces.push(data.slice(..(stop - pos) as usize));
+            r.buffer = Some(ReadBuffer { start: pos, data });
+            pos = stop;
+        }
+        r.next_offset = end;
+        Ok(match pieces.len() {
+            1 => pieces.pop().expect("one"),
+            _ => {
+                let mut out = BytesMut::with_capacity((end - offset) as usize);
+                for p in pieces {
+                    out.extend_from_slice(&p);
+                }
+                out.freeze()
+            }
+        })
+    }
+
+    /// `create`: a new local file and a write handle; the object appears when the upload
+    /// completes (first flush by the opener, fsync, or release).
+    pub async fn create(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        pid: u32,
+    ) -> Result<(Entry, Opened), FsError> {
+        if self.cfg.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        let name = new_name(name)?;
+        let mut st = self.lock();
+        let path = self.check_new_child(&st, parent, name)?;
+        let key = file_key(&self.cfg.prefix, &path);
+        if key.len() > KEY_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        let fh = st.handles.peek_next();
+        let ino = st
+            .inodes
+            .install_child(parent, name, Kind::File)
+            .ok_or_else(|| stale(parent))?;
+        let inode = st.inodes.get_mut(ino).expect("installed");
+        inode.state = InodeState::Writing { fh };
+        inode.meta = Some(ObjectMeta {
+            size: 0,
+            mtime: Some(now_secs()),
+            etag: None,
+        });
+        inode.valid = Validity::Expired;
+        inode.last_open_etag = None;
+        inode.lookups += 1;
+        let entry = self.entry_of(inode);
+        if let Some(p) = st.inodes.get_mut(parent) {
+            p.cache.negative.remove(name);
+        }
+        let got = st.handles.insert(Handle::Write(WriteHandle {
+            ino,
+            parent,
+            name: name.to_owned(),
+            key,
+            pid,
+            written: 0,
+            pending: Vec::new(),
+            upload: None,
+            status: WriteStatus::Open,
+        }));
+        debug_assert_eq!(got, fh);
+        Ok((
+            entry,
+            Opened {
+                fh,
+                keep_cache: false,
+            },
+        ))
+    }
+
+    fn set_local_size(&self, ino: Ino, size: u64) {
+        if let Some(inode) = self.lock().inodes.get_mut(ino) {
+            inode.meta = Some(ObjectMeta {
+                size,
+                mtime: Some(now_secs()),
+                etag: None,
+            });
+        }
+    }
+
+    /// `write`: appends at the current end only; full parts are uploaded as they fill.
+    pub async fn write(&self, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
+        let h = self.handle(fh)?;
+        let mut g = h.lock().await;
+        let Handle::Write(w) = &mut *g else {
+            return Err(FsError::BadHandle("not open for writing"));
+        };
+        match w.status {
+            WriteStatus::Open => {}
+            WriteStatus::Completed => {
+                return Err(FsError::BadHandle(
+                    "the upload completed at the first flush; no more writes",
+                ))
+            }
+            WriteStatus::Failed => return Err(FsError::UploadFailed),
+        }
+        if offset != w.written {
+            return Err(FsError::InvalidArgument(
+                "writes must be sequential (offset = current size)",
+            ));
+        }
+        let len = data.len() as u64;
+        if w.written + len > (PART_SIZE * MAX_PARTS) as u64 {
+            return Err(FsError::FileTooLarge);
+        }
+        w.pending.extend_from_slice(data);
+        w.written += len;
+        while w.pending.len() >= PART_SIZE {
+            let rest = w.pending.split_off(PART_SIZE);
+            let part = std::mem::replace(&mut w.pending, rest);
+            if let Err(e) = self.upload_part(w, part).await {
+                self.fail_write(w).await;
+                return Err(e);
+            }
+        }
+        self.set_local_size(w.ino, w.written);
+        u32::try_from(len).map_err(|_| FsError::InvalidArgument("write larger than 4 GiB"))
+    }
+
+    async fn upload_part(&self, w: &mut WriteHandle, part: Vec<u8>) -> Result<(), FsError> {
+        if w.upload.is_none() {
+            let upload_id = self.store.create_multipart(self.bucket(), &w.key).await?;
+            w.upload = Some(MultipartState {
+                upload_id,
+                parts: Vec::new(),
+            });
+        }
+        let up = w.upload.as_mut().expect("set above");
+        let number = i32::try_from(up.parts.len() + 1).map_err(|_| FsError::FileTooLarge)?;
+        let done = self
+            .store
+            .upload_part(self.bucket(), &w.key, &up.upload_id, number, Bytes::from(part))
+            .await?;
+        up.parts.push(PartRecord {
+            number,
+            etag: done.etag,
+        });
+        Ok(())
+    }
+
+    async fn abort_upload(&self, key: &str, up: &MultipartState) {
+        if let Err(e) = self
+            .store
+            .abort_multipart(self.bucket(), key, &up.upload_id)
+            .await
+        {
+            tracing::warn!(key, error = %e, "aborting a multipart upload failed");
+        }
+    }
+
+    /// The upload failed: the file disappears from this mount (an overwritten object stays).
+    async fn fail_write(&self, w: &mut WriteHandle) {
+        w.status = WriteStatus::Failed;
+        w.pending = Vec::new();
+        if let Some(up) = w.upload.take() {
+            self.abort_upload(&w.key, &up).await;
+        }
+        let mut st = self.lock();
+        if let Some(inode) = st.inodes.get_mut(w.ino) {
+            inode.state = InodeState::Remote;
+            inode.meta = None;
+            inode.valid = Validity::Expired;
+        }
+        st.inodes.maybe_remove(w.ino);
+    }
+
+    /// Finishes the upload (PUT, or last part + complete). Idempotent once completed.
+    async fn complete(&self, w: &mut WriteHandle) -> Result<(), FsError> {
+        match w.status {
+            WriteStatus::Open => {}
+            WriteStatus::Completed => return Ok(()),
+            WriteStatus::Failed => return Err(FsError::UploadFailed),
+        }
+        let result = match w.upload.is_some() {
+            false => {
+                let body = Bytes::from(std::mem::take(&mut w.pending));
+                self.store.put(self.bucket(), &w.key, body).await.map_err(FsError::from)
+            }
+            true => {
+                let last = std::mem::take(&mut w.pending);
+                let uploaded = if last.is_empty() {
+                    Ok(())
+                } else {
+                    self.upload_part(w, last).await
+                };
+                match uploaded {
+                    Err(e) => Err(e),
+                    Ok(()) => {
+                        let up = w.upload.as_ref().expect("multipart");
+                        let parts = up
+                            .parts
+                            .iter()
+                            .map(|p| CompletedPart {
+                                part_number: p.number,
+                                etag: p.etag.clone(),
+                            })
+                            .collect();
+                        self.store
+                            .complete_multipart(self.bucket(), &w.key, &up.upload_id, parts)
+                            .await
+                            .map_err(FsError::from)
+                    }
+                }
+            }
+        };
+        let put = match result {
+            Ok(put) => put,
+            Err(e) => {
+                tracing::warn!(key = %w.key, error = %e, "upload failed");
+                self.fail_write(w).await;
+                return Err(e);
+            }
+        };
+        w.status = WriteStatus::Completed;
+        w.upload = None;
+        let meta = ObjectMeta {
+            size: w.written,
+            mtime: Some(now_secs()),
+            etag: put.etag,
+        };
+        let valid = self.ttl();
+        let mut st = self.lock();
+        if let Some(inode) = st.inodes.get_mut(w.ino) {
+            inode.state = InodeState::Remote;
+            inode.meta = Some(meta.clone());
+            inode.valid = valid;
+            inode.last_open_etag = None;
+        }
+        if let Some(p) = st.inodes.get_mut(w.parent) {
+            p.cache.add_positive(
+                &w.name,
+                CachedEntry {
+                    kind: Kind::File,
+                    meta: Some(meta),
+                },
+            );
+        }
+        // Local ancestors now exist in S3 (implicitly).
+        let mut up = w.parent;
+        while let Some(dir) = st.inodes.get_mut(up) {
+            if dir.state != InodeState::LocalDir {
+                break;
+            }
+            dir.state = InodeState::Remote;
+            dir.valid = valid;
+            up = dir.parent;
+        }
+        st.inodes.maybe_remove(w.ino);
+        Ok(())
+    }
+
+    /// `flush` (every `close`): completes the upload when called by the opening process, so
+    /// `close` reports upload errors; other processes' closes (forked children) do nothing.
+    pub async fn flush(&self, fh: u64, pid: u32) -> Result<(), FsError> {
+        let h = self.handle(fh)?;
+        let mut g = h.lock().await;
+        match &mut *g {
+            Handle::Write(w) if w.pid == pid => self.complete(w).await,
+            Handle::Write(_) | Handle::Read(_) | Handle::Dir(_) => Ok(()),
+        }
+    }
+
+    /// `fsync`: completes the upload (a file cannot be made durable in parts).
+    pub async fn fsync(&self, fh: u64) -> Result<(), FsError> {
+        let h = self.handle(fh)?;
+        let mut g = h.lock().await;
+        match &mut *g {
+            Handle::Write(w) => self.complete(w).await,
+            Handle::Read(_) | Handle::Dir(_) => Ok(()),
+        }
+    }
+
+    /// `release` (last close): completes an upload still open and forgets the handle.
+    pub async fn release(&self, fh: u64) -> Result<(), FsError> {
+        let h = self.lock().handles.remove(fh).ok_or_else(|| bad_fh(fh))?;
+        let mut g = h.lock().await;
+        match &mut *g {
+            Handle::Write(w) => self.complete(w).await,
+            Handle::Read(_) | Handle::Dir(_) => Ok(()),
+        }
+    }
+}
+
+#[cfg(test)]
+#[path = "fs_tests.rs"]
+mod tests;

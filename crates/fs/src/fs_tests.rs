@@ -1,0 +1,844 @@
+//! Unit tests of the core on `MemoryStore` (no FUSE).
+
+use std::ffi::OsStr;
+use std::ops::Range;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use ferry_store::{ListPage, MemoryStore, ObjectInfo, PutResult};
+
+use super::*;
+use crate::config::MetadataTtl;
+
+const B: &str = "bkt";
+const PID: u32 = 42;
+
+fn setup(tweak: impl FnOnce(&mut MountConfig)) -> (MemoryStore, Fs) {
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    let mut cfg = MountConfig::new(B);
+    cfg.read_only = false;
+    cfg.allow_delete = true;
+    cfg.allow_overwrite = true;
+    cfg.uid = 1000;
+    cfg.gid = 2000;
+    tweak(&mut cfg);
+    cfg.validate().unwrap();
+    let fs = Fs::new(Arc::new(store.clone()), cfg);
+    (store, fs)
+}
+
+fn n(s: &str) -> &OsStr {
+    OsStr::new(s)
+}
+
+fn data(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_left(seed as u32 % 31) as u8 ^ seed)
+        .collect()
+}
+
+#[derive(Default)]
+struct VecSink {
+    cap: usize,
+    got: Vec<(String, Ino, u64, Kind, Attr)>,
+}
+
+impl DirSink for VecSink {
+    fn add(&mut self, e: &DirEntry<'_>) -> bool {
+        if self.got.len() >= self.cap {
+            return true;
+        }
+        self.got
+            .push((e.name.to_owned(), e.ino, e.offset, e.kind, e.attr.clone()));
+        false
+    }
+}
+
+/// Every entry (without `.` and `..`) of the directory, read in batches of `batch`.
+async fn list_batched(fs: &Fs, ino: Ino, batch: usize, plus: bool) -> Vec<(String, Kind, Attr)> {
+    let fh = fs.opendir(ino).unwrap();
+    let mut offset = 0;
+    let mut out = Vec::new();
+    loop {
+        let mut sink = VecSink {
+            cap: batch,
+            got: Vec::new(),
+        };
+        fs.readdir(ino, fh, offset, plus, &mut sink).await.unwrap();
+        if sink.got.is_empty() {
+            break;
+        }
+        offset = sink.got.last().unwrap().2;
+        out.extend(
+            sink.got
+                .into_iter()
+                .filter(|(name, ..)| name != "." && name != "..")
+                .map(|(name, _, _, kind, attr)| (name, kind, attr)),
+        );
+    }
+    fs.releasedir(fh);
+    out
+}
+
+async fn names(fs: &Fs, ino: Ino) -> Vec<(String, Kind)> {
+    list_batched(fs, ino, 1000, false)
+        .await
+        .into_iter()
+        .map(|(name, kind, _)| (name, kind))
+        .collect()
+}
+
+/// Looks up each segment of `path` (as the kernel's path walk does).
+async fn walk(fs: &Fs, path: &str) -> Result<Entry, FsError> {
+    let mut entry = fs.getattr(ROOT_INO).await?;
+    for seg in path.split('/').filter(|s| !s.is_empty()) {
+        entry = fs.lookup(entry.attr.ino, n(seg)).await?;
+    }
+    Ok(entry)
+}
+
+async fn read_all(fs: &Fs, ino: Ino, chunk: u32) -> Vec<u8> {
+    let o = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    let mut out = Vec::new();
+    loop {
+        let got = fs.read(o.fh, out.len() as u64, chunk).await.unwrap();
+        if got.is_empty() {
+            break;
+        }
+        out.extend_from_slice(&got);
+    }
+    fs.release(o.fh).await.unwrap();
+    out
+}
+
+async fn write_new(fs: &Fs, parent: Ino, name: &str, bytes: &[u8], chunk: usize) -> Ino {
+    let (e, o) = fs.create(parent, n(name), PID).await.unwrap();
+    let mut off = 0;
+    for c in bytes.chunks(chunk.max(1)) {
+        assert_eq!(fs.write(o.fh, off, c).await.unwrap() as usize, c.len());
+        off += c.len() as u64;
+    }
+    fs.flush(o.fh, PID).await.unwrap();
+    fs.release(o.fh).await.unwrap();
+    e.attr.ino
+}
+
+fn errno<T: std::fmt::Debug>(r: Result<T, FsError>) -> i32 {
+    r.expect_err("expected an error").errno()
+}
+
+#[tokio::test]
+async fn lookup_getattr_read() {
+    let (store, fs) = setup(|_| {});
+    let big = data(300 * 1024, 3);
+    store.insert(B, "a.txt", &b"hello"[..]);
+    store.insert(B, "dir/b.bin", big.clone());
+
+    let a = walk(&fs, "a.txt").await.unwrap();
+    assert_eq!(a.attr.kind, Kind::File);
+    assert_eq!(a.attr.size, 5);
+    assert_eq!((a.attr.perm, a.attr.uid, a.attr.gid, a.attr.nlink), (0o644, 1000, 2000, 1));
+    assert_eq!(a.ttl, Duration::from_secs(1));
+    let d = walk(&fs, "dir").await.unwrap();
+    assert_eq!((d.attr.kind, d.attr.perm, d.attr.nlink), (Kind::Dir, 0o755, 2));
+    let b = walk(&fs, "dir/b.bin").await.unwrap();
+    assert_eq!(b.attr.size, big.len() as u64);
+    assert_eq!(fs.getattr(b.attr.ino).await.unwrap().attr.size, big.len() as u64);
+    assert_eq!(read_all(&fs, a.attr.ino, 4096).await, b"hello");
+    assert_eq!(read_all(&fs, b.attr.ino, 128 * 1024).await, big);
+    assert_eq!(read_all(&fs, b.attr.ino, 7000).await, big);
+
+    assert_eq!(errno(walk(&fs, "nope").await), libc::ENOENT);
+    assert_eq!(errno(walk(&fs, "a.txt/x").await), libc::ENOTDIR);
+    assert_eq!(errno(fs.open(d.attr.ino, libc::O_RDONLY, PID).await), libc::EISDIR);
+    assert_eq!(errno(fs.opendir(a.attr.ino)), libc::ENOTDIR);
+    // Same path, same inode number.
+    assert_eq!(walk(&fs, "dir/b.bin").await.unwrap().attr.ino, b.attr.ino);
+}
+
+#[tokio::test]
+async fn empty_file_reads_without_get() {
+    let (store, fs) = setup(|_| {});
+    store.insert(B, "empty", Vec::new());
+    let e = walk(&fs, "empty").await.unwrap();
+    assert_eq!(read_all(&fs, e.attr.ino, 4096).await, b"");
+    assert_eq!(store.stats().get, 0);
+}
+
+#[tokio::test]
+async fn implicit_dirs_and_markers() {
+    let (store, fs) = setup(|_| {});
+    store.insert(B, "x/y/z", &b"1"[..]);
+    store.insert(B, "m/", Vec::new());
+    store.insert(B, "m2/", Vec::new());
+    store.insert(B, "m2/f", &b"22"[..]);
+    assert_eq!(
+        names(&fs, ROOT_INO).await,
+        [
+            ("m".to_owned(), Kind::Dir),
+            ("m2".to_owned(), Kind::Dir),
+            ("x".to_owned(), Kind::Dir)
+        ]
+    );
+    let m = walk(&fs, "m").await.unwrap();
+    assert_eq!(m.attr.kind, Kind::Dir);
+    assert!(names(&fs, m.attr.ino).await.is_empty());
+    let m2 = walk(&fs, "m2").await.unwrap();
+    assert_eq!(names(&fs, m2.attr.ino).await, [("f".to_owned(), Kind::File)]);
+    let y = walk(&fs, "x/y").await.unwrap();
+    assert_eq!(y.attr.kind, Kind::Dir);
+    assert_eq!(names(&fs, y.attr.ino).await, [("z".to_owned(), Kind::File)]);
+}
+
+#[tokio::test]
+async fn mount_prefix_scopes_everything() {
+    let (store, fs) = setup(|c| c.prefix = "data/".into());
+    store.insert(B, "data/a", &b"A"[..]);
+    store.insert(B, "datafile", &b"no"[..]);
+    store.insert(B, "other/b", &b"no"[..]);
+    assert_eq!(names(&fs, ROOT_INO).await, [("a".to_owned(), Kind::File)]);
+    assert_eq!(errno(walk(&fs, "other").await), libc::ENOENT);
+    write_new(&fs, ROOT_INO, "new", b"N", 1).await;
+    assert_eq!(store.get_object(B, "data/new").unwrap(), &b"N"[..]);
+}
+
+#[tokio::test]
+async fn weird_keys_are_hidden_and_directory_wins() {
+    let (store, fs) = setup(|_| {});
+    let long = "L".repeat(256);
+    for key in [
+        "a//b".to_owned(),
+        "./c".to_owned(),
+        "../d".to_owned(),
+        "e/./f".to_owned(),
+        "e/../g".to_owned(),
+        long.clone(),
+        format!("{long}/h"),
+        "dup".to_owned(),
+        "dup/inner".to_owned(),
+        "ok".to_owned(),
+        "ünï cödé ✓".to_owned(),
+    ] {
+        store.insert(B, &key, &b"x"[..]);
+    }
+    assert_eq!(
+        names(&fs, ROOT_INO).await,
+        [
+            ("a".to_owned(), Kind::Dir),
+            ("dup".to_owned(), Kind::Dir),
+            ("e".to_owned(), Kind::Dir),
+            ("ok".to_owned(), Kind::File),
+            ("ünï cödé ✓".to_owned(), Kind::File),
+        ]
+    );
+    let a = walk(&fs, "a").await.unwrap();
+    assert!(names(&fs, a.attr.ino).await.is_empty(), "a//b is hidden");
+    let e = walk(&fs, "e").await.unwrap();
+    assert!(names(&fs, e.attr.ino).await.is_empty());
+    // The directory wins on lookup too (the LIST proves it), even though a HEAD would succeed.
+    assert_eq!(walk(&fs, "dup").await.unwrap().attr.kind, Kind::Dir);
+    assert_eq!(walk(&fs, "dup/inner").await.unwrap().attr.kind, Kind::File);
+    assert_eq!(errno(walk(&fs, &long).await), libc::ENAMETOOLONG);
+    assert_eq!(
+        walk(&fs, "ünï cödé ✓").await.unwrap().attr.size,
+        1,
+        "non-ASCII names work"
+    );
+}
+
+#[tokio::test]
+async fn pagination_lists_every_entry_once_with_stable_offsets() {
+    let (store, fs) = setup(|_| {});
+    let total = 2500;
+    for i in 0..total {
+        store.insert(B, &format!("big/f{i:05}"), &b"x"[..]);
+    }
+    for i in 0..20 {
+        store.insert(B, &format!("big/sub{i:02}/x"), &b"x"[..]);
+    }
+    let big = walk(&fs, "big").await.unwrap().attr.ino;
+    store.reset_stats();
+    let all = list_batched(&fs, big, 37, false).await;
+    assert_eq!(all.len(), total + 20);
+    let mut seen: Vec<_> = all.iter().map(|(name, ..)| name.clone()).collect();
+    let listed = seen.clone();
+    seen.sort();
+    seen.dedup();
+    assert_eq!(seen.len(), total + 20, "every entry exactly once");
+    assert_eq!(listed, seen, "in name order");
+    assert_eq!(store.stats().list, 3, "2520 entries = 3 pages of 1000");
+
+    // Offsets index the snapshot taken at the first readdir: a key added meanwhile neither shifts
+    // nor duplicates entries; a rewind (offset 0 again) lists anew.
+    let fh = fs.opendir(big).unwrap();
+    let mut sink = VecSink {
+        cap: 100,
+        got: Vec::new(),
+    };
+    fs.readdir(big, fh, 0, false, &mut sink).await.unwrap();
+    let resume = sink.got.last().unwrap().2;
+    store.insert(B, "big/a-new-first-entry", &b"x"[..]);
+    let mut rest = VecSink {
+        cap: usize::MAX,
+        got: Vec::new(),
+    };
+    fs.readdir(big, fh, resume, false, &mut rest).await.unwrap();
+    assert_eq!(sink.got.len() - 2 + rest.got.len(), total + 20);
+    assert!(rest.got.iter().all(|(name, ..)| name != "a-new-first-entry"));
+    // Re-reading from an old offset gives the same entries.
+    let mut again = VecSink {
+        cap: 5,
+        got: Vec::new(),
+    };
+    fs.readdir(big, fh, resume, false, &mut again).await.unwrap();
+    assert_eq!(
+        again.got.iter().map(|e| &e.0).collect::<Vec<_>>(),
+        rest.got[..5].iter().map(|e| &e.0).collect::<Vec<_>>()
+    );
+    let mut rewound = VecSink {
+        cap: usize::MAX,
+        got: Vec::new(),
+    };
+    fs.readdir(big, fh, 0, false, &mut rewound).await.unwrap();
+    assert_eq!(rewound.got.len(), total + 20 + 2 + 1);
+    fs.releasedir(fh);
+    assert_eq!(fs.table_sizes().1, 0);
+}
+
+#[tokio::test]
+async fn ls_la_needs_no_head_per_entry() {
+    let (store, fs) = setup(|_| {});
+    for i in 0..50 {
+        store.insert(B, &format!("d/f{i}"), data(i, 1));
+    }
+    let d = walk(&fs, "d").await.unwrap().attr.ino;
+    store.reset_stats();
+    // readdir, then a lookup + getattr per entry (what `ls -la` does without readdirplus).
+    let listed = names(&fs, d).await;
+    for (name, _) in &listed {
+        let e = fs.lookup(d, n(name)).await.unwrap();
+        let a = fs.getattr(e.attr.ino).await.unwrap();
+        assert_eq!(a.attr.size, name[1..].parse::<u64>().unwrap());
+    }
+    let s = store.stats();
+    assert_eq!((s.list, s.head, s.get), (1, 0, 0), "{s:?}");
+}
+
+#[tokio::test]
+async fn readdirplus_counts_lookups_and_forget_empties_the_table() {
+    let (store, fs) = setup(|_| {});
+    for i in 0..30 {
+        store.insert(B, &format!("f{i:02}"), data(i, 2));
+    }
+    store.insert(B, "sub/x", &b"x"[..]);
+    let entries = list_batched(&fs, ROOT_INO, 7, true).await;
+    assert_eq!(entries.len(), 31);
+    for (name, kind, attr) in &entries {
+        if *kind == Kind::File {
+            assert_eq!(attr.size, name[1..].parse::<u64>().unwrap());
+        }
+    }
+    assert_eq!(fs.table_sizes().0, 32);
+    store.reset_stats();
+    // Everything readdirplus returned is answered from the table.
+    for (name, ..) in &entries {
+        let e = fs.lookup(ROOT_INO, n(name)).await.unwrap();
+        fs.getattr(e.attr.ino).await.unwrap();
+        fs.forget(e.attr.ino, 2);
+    }
+    assert_eq!(store.stats().total_requests(), 0);
+    assert_eq!(fs.table_sizes(), (1, 0), "forget drops every inode");
+}
+
+#[tokio::test]
+async fn forget_keeps_table_bounded_and_inos_stable() {
+    let (store, fs) = setup(|_| {});
+    for i in 0..100 {
+        store.insert(B, &format!("a/b/f{i}"), &b"x"[..]);
+    }
+    let mut first = Vec::new();
+    for i in 0..100 {
+        let e = walk(&fs, &format!("a/b/f{i}")).await.unwrap();
+        first.push(e.attr.ino);
+    }
+    let a = walk(&fs, "a").await.unwrap().attr.ino;
+    let b = walk(&fs, "a/b").await.unwrap().attr.ino;
+    assert_eq!(fs.table_sizes().0, 103);
+    for ino in &first {
+        fs.forget(*ino, 1);
+    }
+    fs.forget(b, 101);
+    fs.forget(a, 102);
+    assert_eq!(fs.table_sizes().0, 1);
+    for (i, ino) in first.iter().enumerate() {
+        assert_eq!(walk(&fs, &format!("a/b/f{i}")).await.unwrap().attr.ino, *ino);
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn ttl_and_negative_cache() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Duration(Duration::from_secs(10)));
+    assert_eq!(errno(fs.lookup(ROOT_INO, n("late")).await), libc::ENOENT);
+    let s = store.stats();
+    assert_eq!((s.head, s.list), (1, 1), "HEAD and LIST once");
+    store.insert(B, "late", &b"123"[..]);
+    assert_eq!(errno(fs.lookup(ROOT_INO, n("late")).await), libc::ENOENT);
+    assert_eq!(store.stats().total_requests(), 2, "answered by the negative cache");
+    tokio::time::advance(Duration::from_secs(11)).await;
+    let e = fs.lookup(ROOT_INO, n("late")).await.unwrap();
+    assert_eq!(e.attr.size, 3);
+
+    // Positive entries: trusted for the TTL, then refreshed with a HEAD.
+    store.reset_stats();
+    store.insert(B, "late", &b"12345"[..]);
+    assert_eq!(fs.getattr(e.attr.ino).await.unwrap().attr.size, 3);
+    assert_eq!(fs.lookup(ROOT_INO, n("late")).await.unwrap().attr.size, 3);
+    assert_eq!(store.stats().total_requests(), 0);
+    tokio::time::advance(Duration::from_secs(11)).await;
+    assert_eq!(fs.getattr(e.attr.ino).await.unwrap().attr.size, 5);
+    assert_eq!(store.stats().head, 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn indefinite_ttl_never_expires() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Indefinite);
+    store.insert(B, "f", &b"1"[..]);
+    let e = fs.lookup(ROOT_INO, n("f")).await.unwrap();
+    assert!(e.ttl > Duration::from_secs(365 * 24 * 3600));
+    assert_eq!(errno(fs.lookup(ROOT_INO, n("missing")).await), libc::ENOENT);
+    store.insert(B, "missing", &b"1"[..]);
+    store.insert(B, "f", &b"changed"[..]);
+    store.reset_stats();
+    tokio::time::advance(Duration::from_secs(10_000_000)).await;
+    assert_eq!(fs.getattr(e.attr.ino).await.unwrap().attr.size, 1);
+    assert_eq!(errno(fs.lookup(ROOT_INO, n("missing")).await), libc::ENOENT);
+    assert_eq!(store.stats().total_requests(), 0);
+}
+
+#[tokio::test]
+async fn zero_ttl_always_asks_s3() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Duration(Duration::ZERO));
+    store.insert(B, "f", &b"1"[..]);
+    let e = fs.lookup(ROOT_INO, n("f")).await.unwrap();
+    assert_eq!(e.ttl, Duration::ZERO);
+    store.reset_stats();
+    fs.getattr(e.attr.ino).await.unwrap();
+    fs.lookup(ROOT_INO, n("f")).await.unwrap();
+    let s = store.stats();
+    assert_eq!((s.head, s.list), (2, 1));
+}
+
+#[tokio::test(start_paused = true)]
+async fn changed_object_is_estale_and_reopen_sees_new_version() {
+    let (store, fs) = setup(|_| {});
+    let v1 = data(3 << 20, 1);
+    store.insert(B, "f", v1.clone());
+    let ino = walk(&fs, "f").await.unwrap().attr.ino;
+    let o = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    assert!(!o.keep_cache);
+    assert_eq!(&fs.read(o.fh, 0, 10).await.unwrap()[..], &v1[..10]);
+    // Served from the read-ahead buffer (same version): fine.
+    assert_eq!(&fs.read(o.fh, 10, 100).await.unwrap()[..], &v1[10..110]);
+    let v2 = data(3 << 20, 2);
+    store.insert(B, "f", v2.clone());
+    // A GET outside the buffer carries If-Match with the ETag of the open: refused.
+    assert_eq!(errno(fs.read(o.fh, (5 << 19) + 7, 4096).await), libc::ESTALE);
+    fs.release(o.fh).await.unwrap();
+    // A new open after the TTL pins the new version (no page-cache reuse: the ETag changed).
+    tokio::time::advance(Duration::from_secs(2)).await;
+    let o2 = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    assert!(!o2.keep_cache);
+    assert_eq!(&fs.read(o2.fh, 0, 64).await.unwrap()[..], &v2[..64]);
+    fs.release(o2.fh).await.unwrap();
+    // Deleted object: ESTALE too.
+    let o3 = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    assert!(o3.keep_cache, "same ETag as the previous open");
+    fs.unlink(ROOT_INO, n("f")).await.unwrap();
+    assert_eq!(errno(fs.read(o3.fh, 1 << 20, 10).await), libc::ESTALE);
+    fs.release(o3.fh).await.unwrap();
+}
+
+#[tokio::test]
+async fn sequential_reads_use_growing_windows_random_reads_do_not() {
+    let (store, fs) = setup(|_| {});
+    let body = data(20 << 20, 5);
+    store.insert(B, "big", body.clone());
+    let ino = walk(&fs, "big").await.unwrap().attr.ino;
+    store.reset_stats();
+    assert_eq!(read_all(&fs, ino, 128 * 1024).await, body);
+    let s = store.stats();
+    // 1 + 2 + 4 + 8 MiB, then 5 MiB: five GETs instead of 160.
+    assert_eq!(s.get, 5, "{s:?}");
+    assert_eq!(s.get_bytes, body.len() as u64, "nothing fetched twice");
+
+    store.reset_stats();
+    let o = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    for &off in &[15u64 << 20, 3 << 20, 9 << 20, 1 << 20] {
+        let got = fs.read(o.fh, off, 4096).await.unwrap();
+        assert_eq!(&got[..], &body[off as usize..off as usize + 4096]);
+    }
+    // Past the end: empty, no GET.
+    assert!(fs.read(o.fh, 20 << 20, 4096).await.unwrap().is_empty());
+    let s = store.stats();
+    assert_eq!((s.get, s.get_bytes), (4, 4 * 4096), "random reads fetch what they ask");
+    fs.release(o.fh).await.unwrap();
+}
+
+#[tokio::test]
+async fn concurrent_reads_on_one_handle() {
+    let (store, fs) = setup(|_| {});
+    let body = data(4 << 20, 9);
+    store.insert(B, "f", body.clone());
+    let ino = walk(&fs, "f").await.unwrap().attr.ino;
+    let fs = Arc::new(fs);
+    let o = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    let chunk = 128 * 1024u64;
+    let tasks: Vec<_> = (0..32u64)
+        .map(|i| {
+            let fs = fs.clone();
+            tokio::spawn(async move { (i, fs.read(o.fh, i * chunk, chunk as u32).await) })
+        })
+        .collect();
+    for t in tasks {
+        let (i, got) = t.await.unwrap();
+        let got = got.unwrap();
+        assert_eq!(&got[..], &body[(i * chunk) as usize..((i + 1) * chunk) as usize]);
+    }
+    fs.release(o.fh).await.unwrap();
+}
+
+#[tokio::test]
+async fn small_write_is_one_put_visible_at_flush() {
+    let (store, fs) = setup(|_| {});
+    let (e, o) = fs.create(ROOT_INO, n("new.txt"), PID).await.unwrap();
+    assert_eq!(e.ttl, Duration::ZERO);
+    assert_eq!(fs.write(o.fh, 0, b"hello ").await.unwrap(), 6);
+    assert_eq!(fs.write(o.fh, 6, b"world").await.unwrap(), 5);
+    assert_eq!(fs.getattr(e.attr.ino).await.unwrap().attr.size, 11);
+    assert!(store.get_object(B, "new.txt").is_none(), "not visible before flush");
+    assert_eq!(errno(fs.open(e.attr.ino, libc::O_RDONLY, PID).await), libc::EBUSY);
+    // A flush from another process (a forked child closing its copy) does not complete it.
+    fs.flush(o.fh, PID + 1).await.unwrap();
+    assert!(store.get_object(B, "new.txt").is_none());
+    fs.flush(o.fh, PID).await.unwrap();
+    assert_eq!(store.get_object(B, "new.txt").unwrap(), &b"hello world"[..]);
+    assert_eq!(errno(fs.write(o.fh, 11, b"!").await), libc::EBADF);
+    fs.flush(o.fh, PID).await.unwrap();
+    fs.release(o.fh).await.unwrap();
+    let s = store.stats();
+    assert_eq!((s.put, s.create_multipart), (1, 0));
+    assert_eq!(read_all(&fs, e.attr.ino, 4096).await, b"hello world");
+    assert_eq!(names(&fs, ROOT_INO).await, [("new.txt".to_owned(), Kind::File)]);
+    assert_eq!(fs.getattr(e.attr.ino).await.unwrap().attr.size, 11);
+}
+
+#[tokio::test]
+async fn empty_file_via_release_only() {
+    let (store, fs) = setup(|_| {});
+    let (_, o) = fs.create(ROOT_INO, n("touched"), PID).await.unwrap();
+    fs.release(o.fh).await.unwrap();
+    assert_eq!(store.get_object(B, "touched").unwrap().len(), 0);
+}
+
+#[tokio::test]
+async fn large_write_is_multipart() {
+    let (store, fs) = setup(|_| {});
+    let body = data(20 << 20, 7);
+    let ino = write_new(&fs, ROOT_INO, "big.bin", &body, 1 << 20).await;
+    assert_eq!(store.get_object(B, "big.bin").unwrap(), &body[..]);
+    let s = store.stats();
+    assert_eq!(
+        (s.put, s.create_multipart, s.upload_part, s.complete_multipart),
+        (0, 1, 3, 1),
+        "8 + 8 + 4 MiB"
+    );
+    assert_eq!(store.pending_uploads(B), 0);
+    assert_eq!(fs.getattr(ino).await.unwrap().attr.size, body.len() as u64);
+    // Exactly one part's worth: multipart with one part.
+    let one = data(PART_SIZE, 8);
+    write_new(&fs, ROOT_INO, "one-part", &one, 128 * 1024).await;
+    assert_eq!(store.get_object(B, "one-part").unwrap(), &one[..]);
+    assert_eq!(store.pending_uploads(B), 0);
+}
+
+#[tokio::test]
+async fn write_rules() {
+    let (store, fs) = setup(|_| {});
+    let (e, o) = fs.create(ROOT_INO, n("f"), PID).await.unwrap();
+    fs.write(o.fh, 0, b"abc").await.unwrap();
+    assert_eq!(errno(fs.write(o.fh, 10, b"x").await), libc::EINVAL, "hole");
+    assert_eq!(errno(fs.write(o.fh, 1, b"x").await), libc::EINVAL, "rewrite");
+    assert_eq!(errno(fs.read(o.fh, 0, 3).await), libc::EBADF);
+    // Truncation to the current size is a no-op, to 0 restarts, others refused.
+    let attr = |size| SetAttr {
+        size: Some(size),
+        fh: Some(o.fh),
+        ..Default::default()
+    };
+    fs.setattr(e.attr.ino, attr(3)).await.unwrap();
+    assert_eq!(errno(fs.setattr(e.attr.ino, attr(1)).await), libc::EINVAL);
+    assert_eq!(fs.setattr(e.attr.ino, attr(0)).await.unwrap().attr.size, 0);
+    fs.write(o.fh, 0, b"xyz").await.unwrap();
+    // Times are accepted; chmod/chown only to what they already are.
+    let times = SetAttr {
+        times: true,
+        ..Default::default()
+    };
+    fs.setattr(e.attr.ino, times).await.unwrap();
+    let chmod = |mode| SetAttr {
+        mode: Some(mode),
+        ..Default::default()
+    };
+    fs.setattr(e.attr.ino, chmod(0o100644)).await.unwrap();
+    assert_eq!(errno(fs.setattr(e.attr.ino, chmod(0o600)).await), libc::EPERM);
+    let chown = SetAttr {
+        uid: Some(0),
+        ..Default::default()
+    };
+    assert_eq!(errno(fs.setattr(e.attr.ino, chown).await), libc::EPERM);
+    fs.release(o.fh).await.unwrap();
+    assert_eq!(store.get_object(B, "f").unwrap(), &b"xyz"[..]);
+    // Existing file: truncate without a write handle is refused.
+    assert_eq!(errno(fs.setattr(e.attr.ino, attr(0)).await), libc::EPERM);
+    // Creating an existing name.
+    assert_eq!(errno(fs.create(ROOT_INO, n("f"), PID).await), libc::EEXIST);
+    assert_eq!(errno(fs.create(ROOT_INO, OsStr::new(".."), PID).await), libc::EINVAL);
+    assert_eq!(
+        errno(fs.create(ROOT_INO, n(&"n".repeat(256)), PID).await),
+        libc::ENAMETOOLONG
+    );
+    assert_eq!(errno(fs.rename()), libc::EXDEV);
+}
+
+#[tokio::test]
+async fn overwrite_rules() {
+    let (store, fs) = setup(|c| c.allow_overwrite = false);
+    store.insert(B, "f", &b"old"[..]);
+    let ino = walk(&fs, "f").await.unwrap().attr.ino;
+    let wr = libc::O_WRONLY;
+    assert_eq!(errno(fs.open(ino, wr | libc::O_TRUNC, PID).await), libc::EPERM);
+    assert_eq!(errno(fs.open(ino, wr, PID).await), libc::EPERM);
+    assert_eq!(errno(fs.open(ino, libc::O_RDWR | libc::O_APPEND, PID).await), libc::EPERM);
+
+    let (store, fs) = setup(|_| {});
+    store.insert(B, "f", &b"old"[..]);
+    let ino = walk(&fs, "f").await.unwrap().attr.ino;
+    assert_eq!(errno(fs.open(ino, wr, PID).await), libc::EPERM, "no in-place edits");
+    let o = fs.open(ino, wr | libc::O_TRUNC, PID).await.unwrap();
+    assert_eq!(errno(fs.open(ino, libc::O_RDONLY, PID).await), libc::EBUSY);
+    assert_eq!(errno(fs.open(ino, wr | libc::O_TRUNC, PID).await), libc::EBUSY);
+    assert_eq!(fs.getattr(ino).await.unwrap().attr.size, 0);
+    fs.write(o.fh, 0, b"new!").await.unwrap();
+    assert_eq!(store.get_object(B, "f").unwrap(), &b"old"[..], "old until flush");
+    fs.release(o.fh).await.unwrap();
+    assert_eq!(store.get_object(B, "f").unwrap(), &b"new!"[..]);
+    assert_eq!(read_all(&fs, ino, 100).await, b"new!");
+}
+
+#[tokio::test]
+async fn read_only_mount_refuses_every_mutation() {
+    let (store, fs) = setup(|c| c.read_only = true);
+    store.insert(B, "f", &b"x"[..]);
+    store.insert(B, "d/g", &b"x"[..]);
+    let f = walk(&fs, "f").await.unwrap().attr.ino;
+    walk(&fs, "d").await.unwrap();
+    let rofs = libc::EROFS;
+    assert_eq!(errno(fs.create(ROOT_INO, n("new"), PID).await), rofs);
+    assert_eq!(errno(fs.mkdir(ROOT_INO, n("nd")).await), rofs);
+    assert_eq!(errno(fs.unlink(ROOT_INO, n("f")).await), rofs);
+    assert_eq!(errno(fs.rmdir(ROOT_INO, n("d")).await), rofs);
+    assert_eq!(errno(fs.open(f, libc::O_WRONLY | libc::O_TRUNC, PID).await), rofs);
+    assert_eq!(errno(fs.setattr(f, SetAttr::default()).await), rofs);
+    assert_eq!(errno(fs.rename()), rofs);
+    assert_eq!(read_all(&fs, f, 10).await, b"x");
+    assert_eq!(store.keys(B).len(), 2);
+}
+
+#[tokio::test]
+async fn delete_rules() {
+    let (store, fs) = setup(|c| c.allow_delete = false);
+    store.insert(B, "f", &b"x"[..]);
+    walk(&fs, "f").await.unwrap();
+    assert_eq!(errno(fs.unlink(ROOT_INO, n("f")).await), libc::EPERM);
+    assert_eq!(errno(fs.rmdir(ROOT_INO, n("f")).await), libc::EPERM);
+
+    let (store, fs) = setup(|_| {});
+    store.insert(B, "f", &b"x"[..]);
+    store.insert(B, "full/a", &b"x"[..]);
+    store.insert(B, "marker/", Vec::new());
+    store.insert(B, "hidden-only/", Vec::new());
+    store.insert(B, "hidden-only//x", &b"x"[..]);
+    for p in ["f", "full", "marker", "hidden-only"] {
+        walk(&fs, p).await.unwrap();
+    }
+    assert_eq!(errno(fs.unlink(ROOT_INO, n("full")).await), libc::EISDIR);
+    assert_eq!(errno(fs.rmdir(ROOT_INO, n("f")).await), libc::ENOTDIR);
+    assert_eq!(errno(fs.rmdir(ROOT_INO, n("full")).await), libc::ENOTEMPTY);
+    assert_eq!(
+        errno(fs.rmdir(ROOT_INO, n("hidden-only")).await),
+        libc::ENOTEMPTY,
+        "hidden keys count"
+    );
+    assert_eq!(errno(fs.unlink(ROOT_INO, n("nope")).await), libc::ENOENT);
+    fs.unlink(ROOT_INO, n("f")).await.unwrap();
+    assert!(store.get_object(B, "f").is_none());
+    assert_eq!(errno(walk(&fs, "f").await), libc::ENOENT);
+    fs.rmdir(ROOT_INO, n("marker")).await.unwrap();
+    assert!(store.get_object(B, "marker/").is_none());
+    assert_eq!(errno(walk(&fs, "marker").await), libc::ENOENT);
+
+    // Emptying an implicit directory keeps it (POSIX) until rmdir.
+    let full = walk(&fs, "full").await.unwrap().attr.ino;
+    fs.unlink(full, n("a")).await.unwrap();
+    assert!(store.keys(B).iter().all(|k| !k.starts_with("full")));
+    assert_eq!(walk(&fs, "full").await.unwrap().attr.kind, Kind::Dir);
+    assert!(names(&fs, ROOT_INO).await.contains(&("full".to_owned(), Kind::Dir)));
+    fs.rmdir(ROOT_INO, n("full")).await.unwrap();
+    assert_eq!(errno(walk(&fs, "full").await), libc::ENOENT);
+}
+
+#[tokio::test]
+async fn mkdir_is_local_until_a_file_is_written() {
+    let (store, fs) = setup(|_| {});
+    let d = fs.mkdir(ROOT_INO, n("new")).await.unwrap();
+    assert_eq!(d.attr.kind, Kind::Dir);
+    assert_eq!(errno(fs.mkdir(ROOT_INO, n("new")).await), libc::EEXIST);
+    assert_eq!(walk(&fs, "new").await.unwrap().attr.ino, d.attr.ino);
+    assert_eq!(names(&fs, ROOT_INO).await, [("new".to_owned(), Kind::Dir)]);
+    assert!(store.keys(B).is_empty(), "no marker object");
+    let sub = fs.mkdir(d.attr.ino, n("sub")).await.unwrap();
+    assert_eq!(errno(fs.rmdir(ROOT_INO, n("new")).await), libc::ENOTEMPTY);
+    write_new(&fs, sub.attr.ino, "f", b"data", 2).await;
+    assert_eq!(store.keys(B), ["new/sub/f"]);
+    // Now real: still there after the kernel forgets everything.
+    fs.forget(sub.attr.ino, 1);
+    fs.forget(d.attr.ino, 2);
+    assert_eq!(walk(&fs, "new/sub/f").await.unwrap().attr.size, 4);
+    // An empty local directory can be removed.
+    fs.mkdir(ROOT_INO, n("gone")).await.unwrap();
+    fs.rmdir(ROOT_INO, n("gone")).await.unwrap();
+    assert_eq!(errno(walk(&fs, "gone").await), libc::ENOENT);
+    assert_eq!(names(&fs, ROOT_INO).await, [("new".to_owned(), Kind::Dir)]);
+}
+
+/// Delegates to a `MemoryStore`, but HEAD of the keys in `failing` answers 500.
+#[derive(Debug)]
+struct HeadFails {
+    inner: MemoryStore,
+    failing: Vec<String>,
+}
+
+#[async_trait]
+impl ObjectStore for HeadFails {
+    async fn head_bucket(&self, bucket: &str) -> ferry_store::Result<()> {
+        self.inner.head_bucket(bucket).await
+    }
+    async fn list(&self, bucket: &str, req: ListRequest<'_>) -> ferry_store::Result<ListPage> {
+        self.inner.list(bucket, req).await
+    }
+    async fn head(&self, bucket: &str, key: &str) -> ferry_store::Result<ObjectInfo> {
+        if self.failing.iter().any(|k| k == key) {
+            return Err(StoreError::Transient("500 InternalError".into()));
+        }
+        self.inner.head(bucket, key).await
+    }
+    async fn get_range(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+    ) -> ferry_store::Result<Bytes> {
+        self.inner.get_range(bucket, key, range, if_match).await
+    }
+    async fn put(&self, bucket: &str, key: &str, body: Bytes) -> ferry_store::Result<PutResult> {
+        self.inner.put(bucket, key, body).await
+    }
+    async fn create_multipart(&self, bucket: &str, key: &str) -> ferry_store::Result<String> {
+        self.inner.create_multipart(bucket, key).await
+    }
+    async fn upload_part(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        part_number: i32,
+        body: Bytes,
+    ) -> ferry_store::Result<CompletedPart> {
+        self.inner
+            .upload_part(bucket, key, upload_id, part_number, body)
+            .await
+    }
+    async fn complete_multipart(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+    ) -> ferry_store::Result<PutResult> {
+        self.inner
+            .complete_multipart(bucket, key, upload_id, parts)
+            .await
+    }
+    async fn abort_multipart(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+    ) -> ferry_store::Result<()> {
+        self.inner.abort_multipart(bucket, key, upload_id).await
+    }
+    async fn delete(&self, bucket: &str, key: &str) -> ferry_store::Result<()> {
+        self.inner.delete(bucket, key).await
+    }
+    async fn delete_many(&self, bucket: &str, keys: &[String]) -> ferry_store::Result<()> {
+        self.inner.delete_many(bucket, keys).await
+    }
+}
+
+#[tokio::test]
+async fn head_error_on_a_directory_is_ignored_when_list_proves_it() {
+    let inner = MemoryStore::new();
+    inner.create_bucket(B);
+    inner.insert(B, "dir/file", &b"x"[..]);
+    inner.insert(B, "plain", &b"x"[..]);
+    let store = HeadFails {
+        inner,
+        failing: vec!["dir".into(), "plain".into()],
+    };
+    let fs = Fs::new(Arc::new(store), MountConfig::new(B));
+    assert_eq!(fs.lookup(ROOT_INO, n("dir")).await.unwrap().attr.kind, Kind::Dir);
+    assert_eq!(errno(fs.lookup(ROOT_INO, n("plain")).await), libc::EIO);
+}
+
+#[tokio::test]
+async fn snapshot_round_trips_and_resumes_an_upload() {
+    let (store, fs) = setup(|_| {});
+    store.insert(B, "r", data(1000, 1));
+    let r = walk(&fs, "r").await.unwrap().attr.ino;
+    let ro = fs.open(r, libc::O_RDONLY, PID).await.unwrap();
+    fs.read(ro.fh, 0, 100).await.unwrap();
+    let d = walk(&fs, "").await.unwrap().attr.ino;
+    let dh = fs.opendir(d).unwrap();
+    let body = data(9 << 20, 3);
+    let (_, wo) = fs.create(ROOT_INO, n("w"), PID).await.unwrap();
+    fs.write(wo.fh, 0, &body[..5 << 20]).await.unwrap();
+    fs.write(wo.fh, 5 << 20, &body[5 << 20..(17 << 19)]).await.unwrap();
+
+    let snap = fs.snapshot().await;
+    let json = serde_json::to_string(&snap).unwrap();
+    let back: FsSnapshot = serde_json::from_str(&json).unwrap();
+    let fs2 = Fs::from_snapshot(Arc::new(store.clone()), back);
+    assert_eq!(fs2.table_sizes(), fs.table_sizes());
+    // The new process continues where the old one stopped.
+    fs2.write(wo.fh, 17 << 19, &body[17 << 19..]).await.unwrap();
+    fs2.release(wo.fh).await.unwrap();
+    assert_eq!(store.get_object(B, "w").unwrap(), &body[..]);
+    assert_eq!(&fs2.read(ro.fh, 100, 100).await.unwrap()[..], &data(1000, 1)[100..200]);
+    fs2.release(ro.fh).await.unwrap();
+    fs2.releasedir(dh);
+    // A new handle number does not collide with restored ones.
+    let o = fs2.open(r, libc::O_RDONLY, PID).await.unwrap();
+    assert!(o.fh > wo.fh);
+}

@@ -1,0 +1,540 @@
+//! The thin fuser adapter: implements [`fuser::Filesystem`] by handing each request to the core
+//! ([`crate::fs::Fs`]) on the tokio runtime and replying from the task, so the session thread
+//! never waits for S3 and requests proceed concurrently. No filesystem logic lives here.
+
+use std::ffi::OsStr;
+use std::future::Future;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use fuser::{
+    AccessFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
+    INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
+    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen,
+    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+};
+use tokio::runtime::Handle;
+
+use crate::error::FsError;
+use crate::fs::{Attr, DirEntry, DirSink, Fs, Opened, SetAttr};
+use crate::names::Kind;
+
+/// The [`fuser::Filesystem`] of one mount.
+#[derive(Debug)]
+pub struct FuseAdapter {
+    fs: Arc<Fs>,
+    rt: Handle,
+}
+
+impl FuseAdapter {
+    pub fn new(fs: Arc<Fs>, rt: Handle) -> Self {
+        FuseAdapter { fs, rt }
+    }
+
+    fn spawn<F, Fut>(&self, f: F)
+    where
+        F: FnOnce(Arc<Fs>) -> Fut,
+        Fut: Future<Output = ()> + Send + 'static,
+    {
+        self.rt.spawn(f(self.fs.clone()));
+    }
+}
+
+/// The errno for `e`, through the one mapping ([`FsError::errno`]); logged by severity.
+fn errno(op: &'static str, e: &FsError) -> Errno {
+    let code = e.errno();
+    if code == libc::EIO || code == libc::ESTALE || code == libc::EACCES {
+        tracing::warn!(op, error = %e, "request failed");
+    } else {
+        tracing::debug!(op, error = %e, "request refused");
+    }
+    Errno::from_i32(code)
+}
+
+fn file_type(kind: Kind) -> FileType {
+    match kind {
+        Kind::File => FileType::RegularFile,
+        Kind::Dir => FileType::Directory,
+    }
+}
+
+fn file_attr(a: &Attr) -> FileAttr {
+    FileAttr {
+        ino: INodeNo(a.ino),
+        size: a.size,
+        blocks: a.blocks,
+        atime: a.mtime,
+        mtime: a.mtime,
+        ctime: a.mtime,
+        crtime: a.mtime,
+        kind: file_type(a.kind),
+        perm: a.perm,
+        nlink: a.nlink,
+        uid: a.uid,
+        gid: a.gid,
+        rdev: 0,
+        blksize: a.blksize,
+        flags: 0,
+    }
+}
+
+fn fopen_flags(o: Opened) -> FopenFlags {
+    if o.keep_cache {
+        FopenFlags::FOPEN_KEEP_CACHE
+    } else {
+        FopenFlags::empty()
+    }
+}
+
+/// FUSE reports the calling thread; uploads belong to processes (thread groups). Falls back to
+/// the raw id (e.g. 0 for a process outside our pid namespace).
+fn tgid(pid: u32) -> u32 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("Tgid:"))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(pid)
+}
+
+struct PlainSink<'a>(&'a mut ReplyDirectory);
+
+impl DirSink for PlainSink<'_> {
+    fn add(&mut self, e: &DirEntry<'_>) -> bool {
+        self.0.add(INodeNo(e.ino), e.offset, file_type(e.kind), e.name)
+    }
+}
+
+struct PlusSink<'a>(&'a mut ReplyDirectoryPlus);
+
+impl DirSink for PlusSink<'_> {
+    fn add(&mut self, e: &DirEntry<'_>) -> bool {
+        self.0.add(
+            INodeNo(e.ino),
+            e.offset,
+            e.name,
+            &e.ttl,
+            &file_attr(e.attr),
+            Generation(0),
+        )
+    }
+}
+
+impl Filesystem for FuseAdapter {
+    fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        for cap in [
+            // Attributes come with the listing: `ls -l` needs no lookup per entry.
+            InitFlags::FUSE_DO_READDIRPLUS,
+            // O_TRUNC arrives with open (so "open for write without O_TRUNC" can be refused).
+            InitFlags::FUSE_ATOMIC_O_TRUNC,
+            // Lookups in one directory run concurrently.
+            InitFlags::FUSE_PARALLEL_DIROPS,
+        ] {
+            if let Err(missing) = config.add_capabilities(cap) {
+                tracing::debug!(?missing, "kernel lacks a FUSE capability");
+            }
+        }
+        let _ = config.set_max_background(64);
+        Ok(())
+    }
+
+    fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
+        let name = name.to_owned();
+        self.spawn(move |fs| async move {
+            match fs.lookup(parent.0, &name).await {
+                Ok(e) => reply.entry(&e.ttl, &file_attr(&e.attr), Generation(0)),
+                Err(e) => reply.error(errno("lookup", &e)),
+            }
+        });
+    }
+
+    fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        self.fs.forget(ino.0, nlookup);
+    }
+
+    fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
+        self.spawn(move |fs| async move {
+            match fs.getattr(ino.0).await {
+                Ok(e) => reply.attr(&e.ttl, &file_attr(&e.attr)),
+                Err(e) => reply.error(errno("getattr", &e)),
+            }
+        });
+    }
+
+    fn setattr(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        mode: Option<u32>,
+        uid: Option<u32>,
+        gid: Option<u32>,
+        size: Option<u64>,
+        atime: Option<TimeOrNow>,
+        mtime: Option<TimeOrNow>,
+        _ctime: Option<SystemTime>,
+        fh: Option<FileHandle>,
+        _crtime: Option<SystemTime>,
+        _chgtime: Option<SystemTime>,
+        _bkuptime: Option<SystemTime>,
+        _flags: Option<fuser::BsdFileFlags>,
+        reply: ReplyAttr,
+    ) {
+        let req = SetAttr {
+            size,
+            mode,
+            uid,
+            gid,
+            times: atime.is_some() || mtime.is_some(),
+            fh: fh.map(|f| f.0),
+        };
+        self.spawn(move |fs| async move {
+            match fs.setattr(ino.0, req).await {
+                Ok(e) => reply.attr(&e.ttl, &file_attr(&e.attr)),
+                Err(e) => reply.error(errno("setattr", &e)),
+            }
+        });
+    }
+
+    fn mknod(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        _rdev: u32,
+        reply: ReplyEntry,
+    ) {
+        let e = match self.fs.config().read_only {
+            true => FsError::ReadOnly,
+            false => FsError::NotPermitted("only regular files and directories"),
+        };
+        reply.error(errno("mknod", &e));
+    }
+
+    fn mkdir(
+        &self,
+        _req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        reply: ReplyEntry,
+    ) {
+        let name = name.to_owned();
+        self.spawn(move |fs| async move {
+            match fs.mkdir(parent.0, &name).await {
+                Ok(e) => reply.entry(&e.ttl, &file_attr(&e.attr), Generation(0)),
+                Err(e) => reply.error(errno("mkdir", &e)),
+            }
+        });
+    }
+
+    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = name.to_owned();
+        self.spawn(move |fs| async move {
+            match fs.unlink(parent.0, &name).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("unlink", &e)),
+            }
+        });
+    }
+
+    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+        let name = name.to_owned();
+        self.spawn(move |fs| async move {
+            match fs.rmdir(parent.0, &name).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("rmdir", &e)),
+            }
+        });
+    }
+
+    fn symlink(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _link_name: &OsStr,
+        _target: &Path,
+        reply: ReplyEntry,
+    ) {
+        let e = match self.fs.config().read_only {
+            true => FsError::ReadOnly,
+            false => FsError::NotPermitted("no symlinks in S3"),
+        };
+        reply.error(errno("symlink", &e));
+    }
+
+    fn rename(
+        &self,
+        _req: &Request,
+        _parent: INodeNo,
+        _name: &OsStr,
+        _newparent: INodeNo,
+        _newname: &OsStr,
+        _flags: RenameFlags,
+        reply: ReplyEmpty,
+    ) {
+        match self.fs.rename() {
+            Ok(()) => reply.ok(),
+            Err(e) => reply.error(errno("rename", &e)),
+        }
+    }
+
+    fn link(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _newparent: INodeNo,
+        _newname: &OsStr,
+        reply: ReplyEntry,
+    ) {
+        let e = match self.fs.config().read_only {
+            true => FsError::ReadOnly,
+            false => FsError::NotPermitted("no hard links in S3"),
+        };
+        reply.error(errno("link", &e));
+    }
+
+    fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
+        let pid = req.pid();
+        self.spawn(move |fs| async move {
+            match fs.open(ino.0, flags.0, tgid(pid)).await {
+                Ok(o) => reply.opened(FileHandle(o.fh), fopen_flags(o)),
+                Err(e) => reply.error(errno("open", &e)),
+            }
+        });
+    }
+
+    fn read(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        size: u32,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyData,
+    ) {
+        self.spawn(move |fs| async move {
+            match fs.read(fh.0, offset, size).await {
+                Ok(data) => reply.data(&data),
+                Err(e) => reply.error(errno("read", &e)),
+            }
+        });
+    }
+
+    fn write(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        data: &[u8],
+        _write_flags: WriteFlags,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        reply: ReplyWrite,
+    ) {
+        let data = data.to_vec();
+        self.spawn(move |fs| async move {
+            match fs.write(fh.0, offset, &data).await {
+                Ok(n) => reply.written(n),
+                Err(e) => reply.error(errno("write", &e)),
+            }
+        });
+    }
+
+    fn flush(
+        &self,
+        req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _lock_owner: LockOwner,
+        reply: ReplyEmpty,
+    ) {
+        let pid = req.pid();
+        self.spawn(move |fs| async move {
+            match fs.flush(fh.0, tgid(pid)).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("flush", &e)),
+            }
+        });
+    }
+
+    fn release(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        _lock_owner: Option<LockOwner>,
+        _flush: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.spawn(move |fs| async move {
+            match fs.release(fh.0).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("release", &e)),
+            }
+        });
+    }
+
+    fn fsync(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        self.spawn(move |fs| async move {
+            match fs.fsync(fh.0).await {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("fsync", &e)),
+            }
+        });
+    }
+
+    fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        match self.fs.opendir(ino.0) {
+            Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
+            Err(e) => reply.error(errno("opendir", &e)),
+        }
+    }
+
+    fn readdir(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectory,
+    ) {
+        self.spawn(move |fs| async move {
+            match fs
+                .readdir(ino.0, fh.0, offset, false, &mut PlainSink(&mut reply))
+                .await
+            {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("readdir", &e)),
+            }
+        });
+    }
+
+    fn readdirplus(
+        &self,
+        _req: &Request,
+        ino: INodeNo,
+        fh: FileHandle,
+        offset: u64,
+        mut reply: ReplyDirectoryPlus,
+    ) {
+        self.spawn(move |fs| async move {
+            match fs
+                .readdir(ino.0, fh.0, offset, true, &mut PlusSink(&mut reply))
+                .await
+            {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(errno("readdirplus", &e)),
+            }
+        });
+    }
+
+    fn releasedir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        fh: FileHandle,
+        _flags: OpenFlags,
+        reply: ReplyEmpty,
+    ) {
+        self.fs.releasedir(fh.0);
+        reply.ok();
+    }
+
+    fn fsyncdir(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _datasync: bool,
+        reply: ReplyEmpty,
+    ) {
+        reply.ok();
+    }
+
+    fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let s = self.fs.statfs();
+        reply.statfs(
+            s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize,
+        );
+    }
+
+    fn setxattr(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _name: &OsStr,
+        _value: &[u8],
+        _flags: i32,
+        _position: u32,
+        reply: ReplyEmpty,
+    ) {
+        reply.error(errno("setxattr", &FsError::NotImplemented));
+    }
+
+    fn getxattr(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _name: &OsStr,
+        _size: u32,
+        reply: ReplyXattr,
+    ) {
+        reply.error(errno("getxattr", &FsError::NotImplemented));
+    }
+
+    fn listxattr(&self, _req: &Request, _ino: INodeNo, _size: u32, reply: ReplyXattr) {
+        reply.error(errno("listxattr", &FsError::NotImplemented));
+    }
+
+    fn removexattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
+        reply.error(errno("removexattr", &FsError::NotImplemented));
+    }
+
+    fn access(&self, _req: &Request, _ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {
+        // With default_permissions the kernel checks modes itself and does not call this.
+        reply.ok();
+    }
+
+    fn create(
+        &self,
+        req: &Request,
+        parent: INodeNo,
+        name: &OsStr,
+        _mode: u32,
+        _umask: u32,
+        _flags: i32,
+        reply: ReplyCreate,
+    ) {
+        let name = name.to_owned();
+        let pid = req.pid();
+        self.spawn(move |fs| async move {
+            match fs.create(parent.0, &name, tgid(pid)).await {
+                Ok((e, o)) => reply.created(
+                    &e.ttl,
+                    &file_attr(&e.attr),
+                    Generation(0),
+                    FileHandle(o.fh),
+                    fopen_flags(o),
+                ),
+                Err(e) => reply.error(errno("create", &e)),
+            }
+        });
+    }
+}

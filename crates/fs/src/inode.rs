@@ -1,0 +1,374 @@
+//! The inode table: stable inode numbers per path, kernel lookup counts, local-only state (new
+//! directories, files being written) and the per-directory metadata caches.
+//!
+//! Inode numbers are a fixed 64-bit hash of (kind, path), so a path keeps its number for the
+//! mount's life even after the kernel forgets it and the entry is dropped from the table. On a
+//! collision with a live inode of another path the next probe value is used (that path's number is
+//! then stable only while it stays live). Plain data: it derives serde so a later process can take
+//! it over; cache validity is not carried over (it restarts expired).
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use crate::config::MetadataTtl;
+use crate::names::{child_path, Kind, ObjectMeta};
+
+pub type Ino = u64;
+pub const ROOT_INO: Ino = 1;
+
+/// Most negative entries remembered per directory; beyond it expired ones are purged, then all.
+const NEGATIVE_MAX: usize = 4096;
+
+/// Until when a cached fact holds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Validity {
+    #[default]
+    Expired,
+    Until(Instant),
+    Forever,
+}
+
+impl Validity {
+    pub fn new(ttl: MetadataTtl, now: Instant) -> Self {
+        match ttl {
+            MetadataTtl::Indefinite => Validity::Forever,
+            MetadataTtl::Duration(d) if d.is_zero() => Validity::Expired,
+            MetadataTtl::Duration(d) => now
+                .checked_add(d)
+                .map_or(Validity::Forever, Validity::Until),
+        }
+    }
+
+    pub fn is_valid(self, now: Instant) -> bool {
+        match self {
+            Validity::Expired => false,
+            Validity::Until(t) => now < t,
+            Validity::Forever => true,
+        }
+    }
+}
+
+/// Whether an inode exists in S3 or only in this mount.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum InodeState {
+    /// Backed by S3 (a key, a marker or keys below it).
+    Remote,
+    /// Created by `mkdir` in this mount; nothing in S3 yet. Pinned in the table.
+    LocalDir,
+    /// Created (or truncated) and being written through handle `fh`; pinned until the upload ends.
+    Writing { fh: u64 },
+}
+
+/// What the last listing of a directory said about one name.
+#[derive(Debug, Clone)]
+pub struct CachedEntry {
+    pub kind: Kind,
+    pub meta: Option<ObjectMeta>,
+}
+
+/// Per-directory caches: names from the last listing and names known to be missing.
+#[derive(Debug, Clone, Default)]
+pub struct DirCache {
+    pub entries: HashMap<String, CachedEntry>,
+    pub entries_valid: Validity,
+    pub negative: HashMap<String, Validity>,
+}
+
+impl DirCache {
+    pub fn is_negative(&self, name: &str, now: Instant) -> bool {
+        self.negative.get(name).is_some_and(|v| v.is_valid(now))
+    }
+
+    pub fn cached(&self, name: &str, now: Instant) -> Option<&CachedEntry> {
+        if self.entries_valid.is_valid(now) {
+            self.entries.get(name)
+        } else {
+            None
+        }
+    }
+
+    pub fn add_negative(&mut self, name: &str, valid: Validity, now: Instant) {
+        if !valid.is_valid(now) {
+            self.negative.remove(name);
+            return;
+        }
+        if self.negative.len() >= NEGATIVE_MAX {
+            self.negative.retain(|_, v| v.is_valid(now));
+            if self.negative.len() >= NEGATIVE_MAX {
+                self.negative.clear();
+            }
+        }
+        self.entries.remove(name);
+        self.negative.insert(name.to_owned(), valid);
+    }
+
+    /// Records a name that now exists (created here, or learned from S3).
+    pub fn add_positive(&mut self, name: &str, entry: CachedEntry) {
+        self.negative.remove(name);
+        if self.entries_valid != Validity::Expired {
+            self.entries.insert(name.to_owned(), entry);
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Inode {
+    pub ino: Ino,
+    pub parent: Ino,
+    pub name: String,
+    /// Relative to the mount prefix: `""` for the root, `a/b` below it.
+    pub path: String,
+    pub kind: Kind,
+    /// Kernel references (lookups, creates, readdirplus entries) not yet forgotten.
+    pub lookups: u64,
+    pub state: InodeState,
+    /// Files: the last known size / mtime / ETag. While writing: the local size.
+    pub meta: Option<ObjectMeta>,
+    /// Until when `meta` (files) or the existence (directories) is trusted.
+    #[serde(skip)]
+    pub valid: Validity,
+    /// The ETag of the last open for reading (FOPEN_KEEP_CACHE when the next open sees the same).
+    pub last_open_etag: Option<String>,
+    /// Live children by name (directories).
+    pub children: BTreeMap<String, Ino>,
+    #[serde(skip)]
+    pub cache: DirCache,
+}
+
+impl Inode {
+    pub fn is_local(&self) -> bool {
+        !matches!(self.state, InodeState::Remote)
+    }
+}
+
+/// Every inode the kernel may still reference, plus pinned local ones.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct InodeTable {
+    inodes: HashMap<Ino, Inode>,
+}
+
+impl Default for InodeTable {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl InodeTable {
+    /// A table with just the root directory.
+    pub fn new() -> Self {
+        let root = Inode {
+            ino: ROOT_INO,
+            parent: ROOT_INO,
+            name: String::new(),
+            path: String::new(),
+            kind: Kind::Dir,
+            lookups: 0,
+            state: InodeState::Remote,
+            meta: None,
+            valid: Validity::Forever,
+            last_open_etag: None,
+            children: BTreeMap::new(),
+            cache: DirCache::default(),
+        };
+        InodeTable {
+            inodes: HashMap::from([(ROOT_INO, root)]),
+        }
+    }
+
+    pub fn len(&self) -> usize {
+        self.inodes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.inodes.is_empty()
+    }
+
+    pub fn get(&self, ino: Ino) -> Option<&Inode> {
+        self.inodes.get(&ino)
+    }
+
+    pub fn get_mut(&mut self, ino: Ino) -> Option<&mut Inode> {
+        self.inodes.get_mut(&ino)
+    }
+
+    /// The live child `name` of `parent`.
+    pub fn child(&self, parent: Ino, name: &str) -> Option<&Inode> {
+        let ino = *self.inodes.get(&parent)?.children.get(name)?;
+        self.inodes.get(&ino)
+    }
+
+    /// The inode number `path` of `kind` has (or would get): the live child's if there is one.
+    pub fn ino_for(&self, parent: Ino, name: &str, path: &str, kind: Kind) -> Ino {
+        if let Some(child) = self.child(parent, name) {
+            if child.kind == kind {
+                return child.ino;
+            }
+        }
+        (0u64..)
+            .map(|probe| hash_ino(kind, path, probe))
+            .find(|ino| match self.inodes.get(ino) {
+                None => true,
+                Some(other) => other.kind == kind && other.path == path,
+            })
+            .expect("2^64 probes")
+    }
+
+    /// Makes sure `parent` has a live child `name` of `kind` and returns its number. A live child
+    /// of the other kind is detached (the kernel sees a new inode number, as the kind is hashed).
+    pub fn install_child(&mut self, parent: Ino, name: &str, kind: Kind) -> Option<Ino> {
+        let parent_path = self.inodes.get(&parent)?.path.clone();
+        let path = child_path(&parent_path, name);
+        let ino = self.ino_for(parent, name, &path, kind);
+        let previous = self.inodes.get_mut(&parent)?.children.insert(name.to_owned(), ino);
+        if let Some(old) = previous.filter(|&old| old != ino) {
+            self.maybe_remove(old);
+        }
+        self.inodes.entry(ino).or_insert_with(|| Inode {
+            ino,
+            parent,
+            name: name.to_owned(),
+            path,
+            kind,
+            lookups: 0,
+            state: InodeState::Remote,
+            meta: None,
+            valid: Validity::Expired,
+            last_open_etag: None,
+            children: BTreeMap::new(),
+            cache: DirCache::default(),
+        });
+        Some(ino)
+    }
+
+    /// The kernel dropped `n` references.
+    pub fn forget(&mut self, ino: Ino, n: u64) {
+        if let Some(inode) = self.inodes.get_mut(&ino) {
+            inode.lookups = inode.lookups.saturating_sub(n);
+            self.maybe_remove(ino);
+        }
+    }
+
+    /// Drops `ino` (and then ancestors that became unreferenced) if nothing needs it: no kernel
+    /// references, not local, no live children. The root stays.
+    pub fn maybe_remove(&mut self, mut ino: Ino) {
+        while ino != ROOT_INO {
+            let Some(inode) = self.inodes.get(&ino) else {
+                return;
+            };
+            if inode.lookups > 0 || inode.is_local() || !inode.children.is_empty() {
+                return;
+            }
+            let inode = self.inodes.remove(&ino).expect("just seen");
+            let Some(parent) = self.inodes.get_mut(&inode.parent) else {
+                return;
+            };
+            if parent.children.get(&inode.name) == Some(&ino) {
+                parent.children.remove(&inode.name);
+            }
+            ino = inode.parent;
+        }
+    }
+
+    /// Every inode, for checks and snapshots.
+    pub fn iter(&self) -> impl Iterator<Item = &Inode> {
+        self.inodes.values()
+    }
+}
+
+/// Stable across processes and versions (unlike `DefaultHasher`): FNV-1a, then a SplitMix64 finish.
+fn hash_ino(kind: Kind, path: &str, probe: u64) -> Ino {
+    const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+    const FNV_PRIME: u64 = 0x0000_0100_0000_01b3;
+    let kind_byte = match kind {
+        Kind::File => b'f',
+        Kind::Dir => b'd',
+    };
+    let mut h = FNV_OFFSET;
+    for &b in std::iter::once(&kind_byte)
+        .chain(path.as_bytes())
+        .chain(&probe.to_le_bytes())
+    {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(FNV_PRIME);
+    }
+    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^= h >> 31;
+    // 0 is not an inode number and 1 is the root.
+    if h <= ROOT_INO {
+        h + 2
+    } else {
+        h
+    }
+}
+
+/// Seconds-precision "now", like S3's Last-Modified.
+pub fn now_secs() -> SystemTime {
+    let now = SystemTime::now();
+    let secs = now
+        .duration_since(SystemTime::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(secs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn inos_are_stable_and_distinct() {
+        let mut t = InodeTable::new();
+        let a = t.install_child(ROOT_INO, "a", Kind::Dir).unwrap();
+        let f = t.install_child(a, "f", Kind::File).unwrap();
+        assert_ne!(a, f);
+        assert_ne!(a, ROOT_INO);
+        assert_eq!(t.ino_for(a, "f", "a/f", Kind::File), f);
+        assert_ne!(t.ino_for(ROOT_INO, "a", "a", Kind::File), a);
+        assert_eq!(hash_ino(Kind::File, "a/f", 0), hash_ino(Kind::File, "a/f", 0));
+    }
+
+    #[test]
+    fn forget_drops_unreferenced_and_cascades() {
+        let mut t = InodeTable::new();
+        let a = t.install_child(ROOT_INO, "a", Kind::Dir).unwrap();
+        t.get_mut(a).unwrap().lookups = 1;
+        let f = t.install_child(a, "f", Kind::File).unwrap();
+        t.get_mut(f).unwrap().lookups = 2;
+        t.forget(a, 1);
+        assert!(t.get(a).is_some(), "kept while a child lives");
+        t.forget(f, 1);
+        assert!(t.get(f).is_some());
+        t.forget(f, 1);
+        assert!(t.get(f).is_none());
+        assert!(t.get(a).is_none());
+        assert_eq!(t.len(), 1);
+        // Same path, same number after being forgotten.
+        let a2 = t.install_child(ROOT_INO, "a", Kind::Dir).unwrap();
+        assert_eq!(a, a2);
+    }
+
+    #[test]
+    fn local_inodes_are_pinned() {
+        let mut t = InodeTable::new();
+        let d = t.install_child(ROOT_INO, "d", Kind::Dir).unwrap();
+        t.get_mut(d).unwrap().state = InodeState::LocalDir;
+        t.forget(d, 1);
+        assert!(t.get(d).is_some());
+        t.get_mut(d).unwrap().state = InodeState::Remote;
+        t.maybe_remove(d);
+        assert!(t.get(d).is_none());
+    }
+
+    #[test]
+    fn validity() {
+        let now = Instant::now();
+        assert!(!Validity::new(MetadataTtl::Duration(std::time::Duration::ZERO), now).is_valid(now));
+        assert!(Validity::new(MetadataTtl::Indefinite, now).is_valid(now));
+        let v = Validity::new(MetadataTtl::Duration(std::time::Duration::from_secs(1)), now);
+        assert!(v.is_valid(now));
+        assert!(!v.is_valid(now + std::time::Duration::from_secs(1)));
+    }
+}

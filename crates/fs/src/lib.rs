@@ -1,0 +1,20 @@
+//! Ferry's FUSE filesystem: an S3 prefix as a POSIX directory tree.
+//!
+//! The core ([`fs::Fs`], with [`inode`], [`handles`], [`names`]) knows nothing of fuser: it works
+//! on inode and handle numbers and returns [`FsError`]s. [`fuse`] is a thin adapter implementing
+//! [`fuser::Filesystem`] on top of it, and [`FsError::errno`] is the one place errnos are chosen.
+//! [`mount`] wires the two to a kernel mount. Semantics: `crates/fs/SEMANTICS-DRAFT.md`.
+
+pub mod config;
+pub mod error;
+pub mod fs;
+pub mod fuse;
+pub mod handles;
+pub mod inode;
+pub mod mount;
+pub mod names;
+
+pub use config::{ConfigError, MetadataTtl, MountConfig};
+pub use error::FsError;
+pub use fs::{Fs, FsSnapshot};
+pub use mount::{is_mounted, mount, MountError, MountHandle};

@@ -1,0 +1,192 @@
+//! Mounting: [`mount`] starts a FUSE session for a [`MountConfig`] and returns once the kernel
+//! mount is live; [`MountHandle::unmount`] ends it.
+
+use std::io;
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use ferry_store::ObjectStore;
+use fuser::{BackgroundSession, MountOption, SessionACL};
+
+use crate::config::{ConfigError, MountConfig};
+use crate::fs::Fs;
+use crate::fuse::FuseAdapter;
+
+/// Why a mount did not happen.
+#[derive(Debug, thiserror::Error)]
+pub enum MountError {
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("mount target {path}: {source}")]
+    Target { path: PathBuf, source: io::Error },
+    #[error("FUSE mount at {path} failed: {source}")]
+    Fuse { path: PathBuf, source: io::Error },
+    #[error("the mount at {0} did not appear in /proc/self/mountinfo")]
+    NotVisible(PathBuf),
+}
+
+/// A live mount. Dropping it unmounts too (errors are then only logged).
+#[derive(Debug)]
+pub struct MountHandle {
+    session: Option<BackgroundSession>,
+    fs: Arc<Fs>,
+    target: PathBuf,
+    config: MountConfig,
+}
+
+impl MountHandle {
+    /// Unmounts (not lazily: fails with `EBUSY` while files are open; the mount then stays served
+    /// by its session thread until something unmounts it) and waits for the session to end.
+    pub fn unmount(mut self) -> io::Result<()> {
+        match self.session.take() {
+            Some(session) => session.umount_and_join(),
+            None => Ok(()),
+        }
+    }
+
+    /// The (canonical) mount point.
+    pub fn target(&self) -> &Path {
+        &self.target
+    }
+
+    pub fn config(&self) -> &MountConfig {
+        &self.config
+    }
+
+    /// The filesystem core (e.g. for [`Fs::snapshot`]).
+    pub fn fs(&self) -> &Arc<Fs> {
+        &self.fs
+    }
+}
+
+/// The kernel mount options for `cfg`.
+fn mount_options(cfg: &MountConfig) -> fuser::Config {
+    let mut options = fuser::Config::default();
+    options.mount_options = vec![
+        MountOption::FSName(cfg.fs_name.clone()),
+        MountOption::Subtype("ferry".to_owned()),
+        MountOption::DefaultPermissions,
+        MountOption::NoDev,
+        MountOption::NoSuid,
+        if cfg.read_only {
+            MountOption::RO
+        } else {
+            MountOption::RW
+        },
+    ];
+    // As root, fuser calls mount(2) itself with type "fuse" and drops Subtype (a fusermount
+    // option); the kernel takes it as `subtype=` so /proc/mounts says "fuse.ferry" either way.
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } == 0 {
+        options
+            .mount_options
+            .push(MountOption::CUSTOM("subtype=ferry".to_owned()));
+    }
+    if cfg.allow_other {
+        options.acl = SessionACL::All;
+    }
+    options
+}
+
+/// Mounts `store`'s `cfg.bucket`/`cfg.prefix` at `target` (an existing directory) and returns
+/// once the kernel mount is live. Request handlers run on `rt`. This call blocks (it mounts and
+/// completes the FUSE handshake); from async code call it in `spawn_blocking`.
+pub fn mount(
+    store: Arc<dyn ObjectStore>,
+    cfg: MountConfig,
+    target: &Path,
+    rt: tokio::runtime::Handle,
+) -> Result<MountHandle, MountError> {
+    cfg.validate()?;
+    let target_err = |source| MountError::Target {
+        path: target.to_owned(),
+        source,
+    };
+    let target = target.canonicalize().map_err(target_err)?;
+    if !target.is_dir() {
+        return Err(target_err(io::Error::new(
+            io::ErrorKind::NotADirectory,
+            "not a directory",
+        )));
+    }
+    let fs = Arc::new(Fs::new(store, cfg.clone()));
+    let adapter = FuseAdapter::new(fs.clone(), rt);
+    let session = fuser::spawn_mount(adapter, &target, &mount_options(&cfg)).map_err(|source| {
+        MountError::Fuse {
+            path: target.clone(),
+            source,
+        }
+    })?;
+    let handle = MountHandle {
+        session: Some(session),
+        fs,
+        target,
+        config: cfg,
+    };
+    match is_mounted(&handle.target) {
+        Ok(true) => {
+            tracing::info!(target = %handle.target.display(), fs_name = %handle.config.fs_name, "mounted");
+            Ok(handle)
+        }
+        Ok(false) | Err(_) => Err(MountError::NotVisible(handle.target.clone())),
+    }
+}
+
+/// Whether something is mounted exactly at `path` (compared as given: pass a canonical path).
+pub fn is_mounted(path: &Path) -> io::Result<bool> {
+    let info = std::fs::read("/proc/self/mountinfo")?;
+    let want = path.as_os_str().as_bytes();
+    Ok(info
+        .split(|&b| b == b'\n')
+        .filter_map(|line| line.split(|&b| b == b' ').nth(4))
+        .any(|mount_point| unescape_mountinfo(mount_point) == want))
+}
+
+/// `/proc/self/mountinfo` writes space, tab, newline and backslash as `\ooo` octal escapes.
+fn unescape_mountinfo(field: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(field.len());
+    let mut i = 0;
+    while i < field.len() {
+        let octal = field.get(i + 1..i + 4).filter(|d| {
+            field[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c))
+        });
+        match octal {
+            Some(d) => {
+                out.push((d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
+                i += 4;
+            }
+            None => {
+                out.push(field[i]);
+                i += 1;
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unescapes() {
+        assert_eq!(unescape_mountinfo(br"/a\040b\134c"), b"/a b\\c");
+        assert_eq!(unescape_mountinfo(br"/plain"), b"/plain");
+        assert_eq!(unescape_mountinfo(br"/x\04"), br"/x\04");
+    }
+
+    #[test]
+    fn options() {
+        let mut cfg = MountConfig::new("b");
+        let o = mount_options(&cfg);
+        assert!(o.mount_options.contains(&MountOption::RO));
+        assert_eq!(o.acl, SessionACL::Owner);
+        cfg.read_only = false;
+        cfg.allow_other = true;
+        let o = mount_options(&cfg);
+        assert!(o.mount_options.contains(&MountOption::RW));
+        assert!(o.mount_options.contains(&MountOption::DefaultPermissions));
+        assert_eq!(o.acl, SessionACL::All);
+    }
+}

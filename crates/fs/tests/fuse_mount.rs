@@ -1,0 +1,224 @@
+//! Real-FUSE tests: mount a MemoryStore-backed filesystem and use it through plain `std::fs`.
+
+use std::collections::BTreeSet;
+use std::fs;
+use std::io::{Read, Write};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::Path;
+use std::sync::Arc;
+
+use ferry_fs::{is_mounted, mount, MetadataTtl, MountConfig, MountHandle};
+use ferry_store::MemoryStore;
+
+const B: &str = "bkt";
+
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+fn fuse_available() -> bool {
+    let ok = Path::new("/dev/fuse").exists();
+    if !ok {
+        eprintln!("/dev/fuse is missing: skipping the real-FUSE test");
+    }
+    ok
+}
+
+fn body(len: usize, seed: u32) -> Vec<u8> {
+    (0..len as u32)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8 ^ seed as u8)
+        .collect()
+}
+
+fn mount_store(
+    store: &MemoryStore,
+    dir: &Path,
+    rt: &tokio::runtime::Runtime,
+    tweak: impl FnOnce(&mut MountConfig),
+) -> MountHandle {
+    let mut cfg = MountConfig::new(B);
+    cfg.fs_name = format!("ferry:{B}/");
+    cfg.uid = unsafe_free_uid();
+    cfg.gid = 0;
+    tweak(&mut cfg);
+    mount(Arc::new(store.clone()), cfg, dir, rt.handle().clone()).expect("mount")
+}
+
+/// The uid the files are shown with: ours (root in CI), so DefaultPermissions lets us write.
+fn unsafe_free_uid() -> u32 {
+    fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0)
+}
+
+fn mountinfo_line(target: &Path) -> Option<String> {
+    let info = fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let target = target.to_str().unwrap();
+    info.lines()
+        .find(|l| l.split(' ').nth(4) == Some(target))
+        .map(str::to_owned)
+}
+
+#[test]
+fn read_write_unlink_through_the_kernel() {
+    if !fuse_available() {
+        return;
+    }
+    let rt = runtime();
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    let big = body(3 << 20, 1);
+    store.insert(B, "hello.txt", &b"hello, world\n"[..]);
+    store.insert(B, "dir/a.bin", big.clone());
+    store.insert(B, "dir/sub/b", &b"b"[..]);
+    store.insert(B, "marker/", Vec::new());
+    store.insert(B, "weird//key", &b"hidden"[..]);
+    for i in 0..100 {
+        store.insert(B, &format!("many/f{i:03}"), body(i, 2));
+    }
+
+    let dir = tempfile::tempdir().unwrap();
+    let handle = mount_store(&store, dir.path(), &rt, |c| {
+        c.read_only = false;
+        c.allow_delete = true;
+        c.allow_overwrite = true;
+    });
+    let root = handle.target().to_owned();
+    let line = mountinfo_line(&root).expect("mounted");
+    assert!(line.contains(" fuse.ferry "), "{line}");
+    assert!(line.contains(" ferry:bkt/ "), "{line}");
+    assert!(line.contains("nosuid") && line.contains("nodev"), "{line}");
+
+    // Listing, stat, read.
+    let names: BTreeSet<_> = fs::read_dir(&root)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    let want: BTreeSet<_> = ["dir", "hello.txt", "many", "marker", "weird"]
+        .map(String::from)
+        .into();
+    assert_eq!(names, want);
+    let meta = fs::metadata(root.join("hello.txt")).unwrap();
+    assert!(meta.is_file());
+    assert_eq!(meta.len(), 13);
+    assert_eq!(meta.permissions().mode() & 0o7777, 0o644);
+    assert_eq!(meta.uid(), unsafe_free_uid());
+    assert!(fs::metadata(root.join("dir/sub")).unwrap().is_dir());
+    assert_eq!(fs::read(root.join("hello.txt")).unwrap(), b"hello, world\n");
+    assert_eq!(fs::read(root.join("dir/a.bin")).unwrap(), big);
+    assert_eq!(fs::read(root.join("dir/a.bin")).unwrap(), big, "warm re-read");
+    assert!(fs::read_dir(root.join("marker")).unwrap().next().is_none());
+    assert!(fs::read_dir(root.join("weird")).unwrap().next().is_none());
+    assert_eq!(
+        fs::metadata(root.join("nope")).unwrap_err().raw_os_error(),
+        Some(libc::ENOENT)
+    );
+
+    // `ls -la` of a directory: no HEAD per entry.
+    store.reset_stats();
+    let mut sizes = Vec::new();
+    for e in fs::read_dir(root.join("many")).unwrap() {
+        let e = e.unwrap();
+        sizes.push(fs::symlink_metadata(e.path()).unwrap().len());
+    }
+    assert_eq!(sizes.len(), 100);
+    assert_eq!(sizes.iter().sum::<u64>(), (0..100).sum());
+    assert_eq!(store.stats().head, 0, "{:?}", store.stats());
+
+    // Parallel reads from several threads.
+    std::thread::scope(|s| {
+        for t in 0..8 {
+            let root = &root;
+            s.spawn(move || {
+                for i in (t..100).step_by(8) {
+                    let got = fs::read(root.join(format!("many/f{i:03}"))).unwrap();
+                    assert_eq!(got, body(i, 2));
+                }
+            });
+        }
+    });
+
+    // Writes: a small file, a multipart one, one in a new directory.
+    fs::write(root.join("new.txt"), b"written through FUSE").unwrap();
+    assert_eq!(
+        store.get_object(B, "new.txt").unwrap(),
+        &b"written through FUSE"[..]
+    );
+    assert_eq!(fs::metadata(root.join("new.txt")).unwrap().len(), 20);
+    let large = body(10 << 20, 3);
+    {
+        let mut f = fs::File::create(root.join("large.bin")).unwrap();
+        for chunk in large.chunks(1 << 20) {
+            f.write_all(chunk).unwrap();
+        }
+    }
+    assert_eq!(store.get_object(B, "large.bin").unwrap(), &large[..]);
+    assert_eq!(fs::read(root.join("large.bin")).unwrap(), large);
+    fs::create_dir(root.join("nd")).unwrap();
+    assert!(fs::metadata(root.join("nd")).unwrap().is_dir());
+    fs::write(root.join("nd/f"), b"in a new dir").unwrap();
+    assert_eq!(store.get_object(B, "nd/f").unwrap(), &b"in a new dir"[..]);
+
+    // Overwrite with O_TRUNC works; writing without it (append / in place) is refused.
+    fs::write(root.join("hello.txt"), b"replaced").unwrap();
+    assert_eq!(store.get_object(B, "hello.txt").unwrap(), &b"replaced"[..]);
+    let err = fs::OpenOptions::new()
+        .append(true)
+        .open(root.join("hello.txt"))
+        .unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EPERM));
+    let mut f = fs::File::open(root.join("hello.txt")).unwrap();
+    let mut s = String::new();
+    f.read_to_string(&mut s).unwrap();
+    assert_eq!(s, "replaced");
+    drop(f);
+
+    // rename is EXDEV (mv copies instead); unlink/rmdir.
+    let err = fs::rename(root.join("new.txt"), root.join("moved.txt")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EXDEV));
+    fs::remove_file(root.join("new.txt")).unwrap();
+    assert!(store.get_object(B, "new.txt").is_none());
+    assert_eq!(
+        fs::metadata(root.join("new.txt")).unwrap_err().raw_os_error(),
+        Some(libc::ENOENT)
+    );
+    let err = fs::remove_dir(root.join("dir")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::ENOTEMPTY));
+    fs::remove_dir(root.join("marker")).unwrap();
+    assert!(store.get_object(B, "marker/").is_none());
+    fs::remove_file(root.join("nd/f")).unwrap();
+    assert!(fs::metadata(root.join("nd")).unwrap().is_dir(), "emptied dir stays");
+    fs::remove_dir(root.join("nd")).unwrap();
+
+    handle.unmount().unwrap();
+    assert!(mountinfo_line(&root).is_none());
+    assert!(!is_mounted(&root).unwrap());
+}
+
+#[test]
+fn read_only_mount() {
+    if !fuse_available() {
+        return;
+    }
+    let rt = runtime();
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    store.insert(B, "data/shard-0", body(1 << 20, 4));
+    let dir = tempfile::tempdir().unwrap();
+    let handle = mount_store(&store, dir.path(), &rt, |c| {
+        c.prefix = "data/".into();
+        c.metadata_ttl = MetadataTtl::Indefinite;
+    });
+    let root = handle.target().to_owned();
+    assert!(mountinfo_line(&root).unwrap().contains(" ro,"));
+    assert_eq!(fs::read(root.join("shard-0")).unwrap(), body(1 << 20, 4));
+    let err = fs::write(root.join("x"), b"no").unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS));
+    let err = fs::remove_file(root.join("shard-0")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EROFS));
+    // Dropping the handle unmounts too.
+    drop(handle);
+    assert!(mountinfo_line(&root).is_none());
+}

@@ -1,0 +1,311 @@
+//! The object-store seam every other Ferry crate talks to.
+//!
+//! [`ObjectStore`] is the only way Ferry reaches S3. [`s3::S3Store`] implements it with aws-sdk-s3 (the
+//! only module that names the SDK), [`memory::MemoryStore`] keeps a bucket in memory for unit tests,
+//! and [`faulty::FaultyStore`] wraps any store to inject failures.
+
+use std::fmt::Debug;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::SystemTime;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+
+pub mod faulty;
+mod md5;
+pub mod memory;
+pub mod s3;
+
+pub use faulty::{FaultStats, FaultyStore};
+pub use memory::{MemoryStore, StoreStats};
+pub use s3::{S3Config, S3Credentials, S3Options, S3Store};
+
+/// One object as a LIST or HEAD response describes it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectInfo {
+    /// The full key, bucket-relative.
+    pub key: String,
+    pub size: u64,
+    /// The ETag as the server sent it, quotes included. `None` where the server omitted it from a LIST.
+    pub etag: Option<String>,
+    pub last_modified: Option<SystemTime>,
+}
+
+/// One page of a ListObjectsV2 response.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ListPage {
+    pub objects: Vec<ObjectInfo>,
+    /// Common prefixes (with the trailing delimiter) when a delimiter was given.
+    pub common_prefixes: Vec<String>,
+    /// Continuation token for the next page, `None` on the last page.
+    pub next_token: Option<String>,
+}
+
+/// What a LIST asks for.
+#[derive(Debug, Clone, Default)]
+pub struct ListRequest<'a> {
+    pub prefix: &'a str,
+    /// `Some("/")` for a directory-style listing; `None` lists every key under the prefix.
+    pub delimiter: Option<&'a str>,
+    pub continuation: Option<String>,
+    /// Upper bound on keys + prefixes in the page (the server may return fewer); `None` = server default.
+    pub max_keys: Option<u32>,
+    /// List keys strictly after this one (ListObjectsV2 `StartAfter`).
+    pub start_after: Option<&'a str>,
+}
+
+/// The result of a completed upload.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PutResult {
+    pub etag: Option<String>,
+}
+
+/// A part of a multipart upload, as CompleteMultipartUpload needs it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompletedPart {
+    pub part_number: i32,
+    pub etag: String,
+}
+
+/// Every way a store call can fail. Callers map these to gRPC statuses or errnos in one place each.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum StoreError {
+    #[error("no such key: {0}")]
+    NotFound(String),
+    #[error("no such bucket: {0}")]
+    NoSuchBucket(String),
+    #[error("access denied: {0}")]
+    AccessDenied(String),
+    #[error("precondition failed (object changed): {0}")]
+    PreconditionFailed(String),
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    #[error("throttled: {0}")]
+    Throttled(String),
+    #[error("transient error: {0}")]
+    Transient(String),
+    #[error("response body did not match: {0}")]
+    Corrupt(String),
+    #[error("credentials: {0}")]
+    Credentials(String),
+    #[error("{0}")]
+    Other(String),
+}
+
+impl StoreError {
+    /// Whether retrying the same request may succeed.
+    pub fn is_retryable(&self) -> bool {
+        matches!(
+            self,
+            StoreError::Throttled(_) | StoreError::Transient(_) | StoreError::Corrupt(_)
+        )
+    }
+}
+
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+/// An S3-like object store. Bucket names are passed per call: one client serves every bucket that
+/// one set of credentials and one endpoint reach.
+#[async_trait]
+pub trait ObjectStore: Send + Sync + Debug + 'static {
+    /// Succeeds when the bucket exists and these credentials may use it.
+    async fn head_bucket(&self, bucket: &str) -> Result<()>;
+
+    async fn list(&self, bucket: &str, req: ListRequest<'_>) -> Result<ListPage>;
+
+    async fn head(&self, bucket: &str, key: &str) -> Result<ObjectInfo>;
+
+    /// Bytes `range` of the object; the returned length is checked against the range (clipped to the
+    /// object's end). With `if_match`, the server must refuse (PreconditionFailed) if the ETag changed.
+    ///
+    /// As with S3, a range that starts at or past the object's end (which includes every range of
+    /// an empty object) is refused with [`StoreError::InvalidRequest`] (HTTP 416 InvalidRange), and
+    /// so is an empty range (`start >= end`), which an HTTP `Range` header cannot express.
+    async fn get_range(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+    ) -> Result<Bytes>;
+
+    async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult>;
+
+    /// Starts a multipart upload and returns its upload id.
+    async fn create_multipart(&self, bucket: &str, key: &str) -> Result<String>;
+    async fn upload_part(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        part_number: i32,
+        body: Bytes,
+    ) -> Result<CompletedPart>;
+    async fn complete_multipart(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+    ) -> Result<PutResult>;
+    async fn abort_multipart(&self, bucket: &str, key: &str, upload_id: &str) -> Result<()>;
+
+    /// Deletes one key; deleting a missing key succeeds (S3 semantics).
+    async fn delete(&self, bucket: &str, key: &str) -> Result<()>;
+
+    /// Deletes up to [`MAX_DELETE_BATCH`] keys in one request; fails if any key could not be
+    /// deleted. Missing keys count as deleted; an empty `keys` succeeds without a request.
+    async fn delete_many(&self, bucket: &str, keys: &[String]) -> Result<()>;
+}
+
+/// The most keys one DeleteObjects request (and so [`ObjectStore::delete_many`]) may carry.
+pub const MAX_DELETE_BATCH: usize = 1000;
+
+/// The most keys one ListObjectsV2 page holds; larger `max_keys` are clipped to it.
+pub const MAX_LIST_KEYS: u32 = 1000;
+
+/// The smallest size S3 accepts for every part of a multipart upload but the last.
+pub const MIN_PART_SIZE: u64 = 5 * 1024 * 1024;
+
+/// The highest part number of a multipart upload (part numbers start at 1).
+pub const MAX_PART_NUMBER: i32 = 10_000;
+
+/// One kind of store request: what [`memory::StoreStats`] counts and [`faulty::FaultyStore`] targets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Op {
+    HeadBucket,
+    List,
+    Head,
+    Get,
+    Put,
+    CreateMultipart,
+    UploadPart,
+    CompleteMultipart,
+    AbortMultipart,
+    Delete,
+    DeleteMany,
+}
+
+impl Op {
+    /// Every operation, in declaration order.
+    pub const ALL: [Op; 11] = [
+        Op::HeadBucket,
+        Op::List,
+        Op::Head,
+        Op::Get,
+        Op::Put,
+        Op::CreateMultipart,
+        Op::UploadPart,
+        Op::CompleteMultipart,
+        Op::AbortMultipart,
+        Op::Delete,
+        Op::DeleteMany,
+    ];
+}
+
+/// Deletes every key that starts with `prefix` and returns how many were deleted.
+///
+/// Lists page by page (no delimiter) and deletes each page with one [`ObjectStore::delete_many`]
+/// (at most [`MAX_DELETE_BATCH`] keys). Only keys that really start with `prefix` are deleted, even
+/// if a server returned others. An empty `prefix` would empty the whole bucket and is refused with
+/// [`StoreError::InvalidRequest`]. Note that `"vol1"` also matches `"vol10/x"`: pass `"vol1/"` to
+/// mean a directory.
+pub async fn delete_prefix(store: &dyn ObjectStore, bucket: &str, prefix: &str) -> Result<u64> {
+    if prefix.is_empty() {
+        return Err(StoreError::InvalidRequest(
+            "delete_prefix refuses an empty prefix (it would empty the bucket)".into(),
+        ));
+    }
+    let mut deleted = 0u64;
+    let mut continuation = None;
+    loop {
+        let page = store
+            .list(
+                bucket,
+                ListRequest {
+                    prefix,
+                    delimiter: None,
+                    continuation: continuation.take(),
+                    max_keys: Some(MAX_LIST_KEYS),
+                    start_after: None,
+                },
+            )
+            .await?;
+        let keys: Vec<String> = page
+            .objects
+            .into_iter()
+            .map(|o| o.key)
+            .filter(|k| k.starts_with(prefix))
+            .collect();
+        for batch in keys.chunks(MAX_DELETE_BATCH) {
+            store.delete_many(bucket, batch).await?;
+            deleted += batch.len() as u64;
+        }
+        match page.next_token {
+            Some(token) => continuation = Some(token),
+            None => return Ok(deleted),
+        }
+    }
+}
+
+/// A shared store is a store: lets `Arc<dyn ObjectStore>` be wrapped (e.g. by [`FaultyStore`]).
+#[async_trait]
+impl<T: ObjectStore + ?Sized> ObjectStore for Arc<T> {
+    async fn head_bucket(&self, bucket: &str) -> Result<()> {
+        (**self).head_bucket(bucket).await
+    }
+    async fn list(&self, bucket: &str, req: ListRequest<'_>) -> Result<ListPage> {
+        (**self).list(bucket, req).await
+    }
+    async fn head(&self, bucket: &str, key: &str) -> Result<ObjectInfo> {
+        (**self).head(bucket, key).await
+    }
+    async fn get_range(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+    ) -> Result<Bytes> {
+        (**self).get_range(bucket, key, range, if_match).await
+    }
+    async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult> {
+        (**self).put(bucket, key, body).await
+    }
+    async fn create_multipart(&self, bucket: &str, key: &str) -> Result<String> {
+        (**self).create_multipart(bucket, key).await
+    }
+    async fn upload_part(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        part_number: i32,
+        body: Bytes,
+    ) -> Result<CompletedPart> {
+        (**self)
+            .upload_part(bucket, key, upload_id, part_number, body)
+            .await
+    }
+    async fn complete_multipart(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+    ) -> Result<PutResult> {
+        (**self)
+            .complete_multipart(bucket, key, upload_id, parts)
+            .await
+    }
+    async fn abort_multipart(&self, bucket: &str, key: &str, upload_id: &str) -> Result<()> {
+        (**self).abort_multipart(bucket, key, upload_id).await
+    }
+    async fn delete(&self, bucket: &str, key: &str) -> Result<()> {
+        (**self).delete(bucket, key).await
+    }
+    async fn delete_many(&self, bucket: &str, keys: &[String]) -> Result<()> {
+        (**self).delete_many(bucket, keys).await
+    }
+}

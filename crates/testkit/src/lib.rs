@@ -1,0 +1,303 @@
+//! Test helpers shared by the workspace's integration tests: [`S3Server`] runs a real S3 server
+//! (versitygw) on loopback for the duration of a test, and [`init_tracing`] sets up logging.
+//!
+//! versitygw is found through `$FERRY_VERSITYGW`, then `$HOME/.cache/ferry-tools/bin/versitygw`,
+//! then `PATH`. Without it, [`S3Server::start`] panics with install instructions: tests that need
+//! a real S3 fail, they never skip silently.
+//!
+//! Things to know about versitygw (v1.7.0, `posix` backend) as a stand-in for S3:
+//! - Objects are files under `<root>/<bucket>/`; object metadata (ETag, content type, ...) lives in
+//!   `user.*` extended attributes. Where the temp dir's filesystem refuses user xattrs (tmpfs on
+//!   old kernels, some overlayfs), we pass `--sidecar <dir>` so metadata goes to a side directory.
+//! - Without `--keep-alive` it answers every request with `Connection: close`, unlike S3; we pass
+//!   `--keep-alive` so connection reuse is exercised as in production.
+//! - A bucket is a directory, so a key and a "directory" prefix cannot both exist as in S3
+//!   (`a` as an object and `a/b` as another is impossible on posix): tests must not rely on that.
+
+use std::fs::File;
+use std::io::Read;
+use std::net::{SocketAddr, TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ferry_store::{S3Config, S3Credentials, S3Options, S3Store};
+
+/// How to install versitygw; part of every "not found" panic.
+pub const VERSITYGW_INSTALL_HINT: &str = "versitygw (the S3 server the integration tests run) was not found. Install it with:\n    GOBIN=$HOME/.cache/ferry-tools/bin go install github.com/versity/versitygw/cmd/versitygw@v1.7.0\nor point FERRY_VERSITYGW at the binary, or put `versitygw` on PATH.";
+
+const ACCESS_KEY: &str = "ferry-test-access-key";
+const SECRET_KEY: &str = "ferry-test-secret-key-0123456789";
+const REGION: &str = "us-east-1";
+const START_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Installs a `tracing` subscriber that writes through the test harness (so output is captured per
+/// test) and honours `RUST_LOG` (default `info`). Calling it more than once is fine.
+pub fn init_tracing() {
+    use tracing_subscriber::EnvFilter;
+    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_test_writer()
+        .try_init();
+}
+
+/// Where the versitygw binary is, if anywhere.
+pub fn versitygw_path() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("FERRY_VERSITYGW") {
+        let p = PathBuf::from(p);
+        return p.is_file().then_some(p);
+    }
+    if let Some(home) = std::env::var_os("HOME") {
+        let p = Path::new(&home).join(".cache/ferry-tools/bin/versitygw");
+        if p.is_file() {
+            return Some(p);
+        }
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join("versitygw"))
+        .find(|p| p.is_file())
+}
+
+/// A versitygw server on `127.0.0.1:<free port>`, serving a fresh temp dir; killed on drop.
+pub struct S3Server {
+    child: Child,
+    port: u16,
+    root: PathBuf,
+    log_path: PathBuf,
+    sidecar: bool,
+    // Last: removed after the process is gone.
+    _dir: tempfile::TempDir,
+}
+
+impl std::fmt::Debug for S3Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("S3Server")
+            .field("endpoint", &self.endpoint_url())
+            .field("root", &self.root)
+            .field("sidecar", &self.sidecar)
+            .finish()
+    }
+}
+
+impl S3Server {
+    /// Starts a server and waits until its port answers.
+    ///
+    /// Panics (with install instructions) if versitygw cannot be found, and with the server's log if
+    /// it does not come up. The temp dir is made under `$FERRY_TEST_TMPDIR`, else the system temp dir.
+    pub fn start() -> S3Server {
+        let bin = versitygw_path().unwrap_or_else(|| panic!("{VERSITYGW_INSTALL_HINT}"));
+        let base = std::env::var_os("FERRY_TEST_TMPDIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        let dir = tempfile::Builder::new()
+            .prefix("ferry-versitygw-")
+            .tempdir_in(&base)
+            .unwrap_or_else(|e| panic!("creating a temp dir under {}: {e}", base.display()));
+        let root = dir.path().join("root");
+        let meta = dir.path().join("meta");
+        std::fs::create_dir(&root).expect("creating the server root");
+        // FERRY_VERSITYGW_SIDECAR=1 forces the sidecar layout (to test it on a filesystem with xattrs).
+        let sidecar = std::env::var_os("FERRY_VERSITYGW_SIDECAR").is_some_and(|v| v == "1")
+            || !supports_user_xattrs(&root);
+        if sidecar {
+            std::fs::create_dir(&meta).expect("creating the sidecar dir");
+        }
+        let log_path = dir.path().join("versitygw.log");
+
+        let mut last_log = String::new();
+        for _ in 0..5 {
+            let port = free_port();
+            let log = File::create(&log_path).expect("creating the server log");
+            let mut cmd = Command::new(&bin);
+            cmd.env("ROOT_ACCESS_KEY", ACCESS_KEY)
+                .env("ROOT_SECRET_KEY", SECRET_KEY)
+                .arg("--port")
+                .arg(format!("127.0.0.1:{port}"))
+                .args(["--region", REGION, "--keep-alive", "--quiet", "posix"]);
+            if sidecar {
+                cmd.arg("--sidecar").arg(&meta);
+            }
+            cmd.arg(&root)
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().expect("cloning the log handle"))
+                .stderr(log);
+            let mut child = cmd
+                .spawn()
+                .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
+            match wait_for_port(&mut child, port) {
+                Ok(()) => {
+                    return S3Server {
+                        child,
+                        port,
+                        root,
+                        log_path,
+                        sidecar,
+                        _dir: dir,
+                    }
+                }
+                Err(why) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    last_log = read_log(&log_path);
+                    // Someone took the port between our probe and the server's bind: try another.
+                    if !last_log.contains("address already in use") {
+                        panic!(
+                            "versitygw ({}) did not start: {why}\n--- its log ---\n{last_log}",
+                            bin.display()
+                        );
+                    }
+                }
+            }
+        }
+        panic!("versitygw could not find a free port\n--- its log ---\n{last_log}");
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn endpoint_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    pub fn access_key(&self) -> &str {
+        ACCESS_KEY
+    }
+
+    pub fn secret_key(&self) -> &str {
+        SECRET_KEY
+    }
+
+    pub fn region(&self) -> &str {
+        REGION
+    }
+
+    /// The posix root: bucket `b`'s objects are files under `root().join("b")`.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Whether object metadata goes to a sidecar dir because the temp dir lacks user xattrs.
+    pub fn uses_sidecar(&self) -> bool {
+        self.sidecar
+    }
+
+    /// What the server printed so far (requests are not logged: it runs with `--quiet`).
+    pub fn log(&self) -> String {
+        read_log(&self.log_path)
+    }
+
+    /// Path-style config with static credentials for this server.
+    pub fn s3_config(&self) -> S3Config {
+        S3Config {
+            endpoint_url: Some(self.endpoint_url()),
+            region: Some(REGION.into()),
+            force_path_style: true,
+            credentials: S3Credentials::Static {
+                access_key_id: ACCESS_KEY.into(),
+                secret_access_key: SECRET_KEY.into(),
+                session_token: None,
+            },
+        }
+    }
+
+    /// Retry settings for tests: few attempts and short backoffs, so failures surface fast.
+    pub fn test_options() -> S3Options {
+        S3Options {
+            max_attempts: 3,
+            initial_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_millis(200),
+            ..S3Options::default()
+        }
+    }
+
+    /// An [`S3Store`] talking to this server with [`S3Server::test_options`].
+    pub async fn store(&self) -> S3Store {
+        S3Store::with_options(self.s3_config(), Self::test_options())
+            .await
+            .expect("building an S3Store for the test server")
+    }
+
+    /// Creates a bucket through the S3 API (an existing one is fine). Panics on failure.
+    pub async fn create_bucket(&self, name: &str) {
+        self.store()
+            .await
+            .create_bucket(name)
+            .await
+            .unwrap_or_else(|e| panic!("creating bucket {name}: {e}\n--- server log ---\n{}", self.log()));
+    }
+}
+
+impl Drop for S3Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A port that was free a moment ago.
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("binding 127.0.0.1:0")
+}
+
+fn wait_for_port(child: &mut Child, port: u16) -> Result<(), String> {
+    let addr = SocketAddr::from(([127, 0, 0, 1], port));
+    let deadline = Instant::now() + START_TIMEOUT;
+    loop {
+        if let Some(status) = child.try_wait().map_err(|e| e.to_string())? {
+            return Err(format!("it exited with {status}"));
+        }
+        if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            return Err(format!("port {port} did not answer within {START_TIMEOUT:?}"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn read_log(path: &Path) -> String {
+    let mut s = String::new();
+    if let Ok(mut f) = File::open(path) {
+        let _ = f.read_to_string(&mut s);
+    }
+    s
+}
+
+/// Whether files under `dir` accept `user.*` extended attributes (what versitygw's posix backend
+/// stores metadata in).
+pub fn supports_user_xattrs(dir: &Path) -> bool {
+    use std::ffi::CString;
+    use std::os::unix::ffi::OsStrExt;
+    let probe = dir.join(".ferry-xattr-probe");
+    if File::create(&probe).is_err() {
+        return false;
+    }
+    let ok = CString::new(probe.as_os_str().as_bytes())
+        .map(|path| {
+            let name = c"user.ferry.probe";
+            let value = b"1";
+            // SAFETY: both strings are NUL-terminated and outlive the call; the value pointer and
+            // length describe a live buffer.
+            let rc = unsafe {
+                libc::setxattr(
+                    path.as_ptr(),
+                    name.as_ptr(),
+                    value.as_ptr().cast(),
+                    value.len(),
+                    0,
+                )
+            };
+            rc == 0
+        })
+        .unwrap_or(false);
+    let _ = std::fs::remove_file(&probe);
+    ok
+}

@@ -1,0 +1,36 @@
+//! Every StorageClass parameter, volume-context key and kubelet/provisioner key Ferry reads.
+
+/// StorageClass parameter and PV `volumeAttributes` key: the bucket.
+pub const BUCKET_NAME: &str = "bucketName";
+/// StorageClass: the prefix under which dynamic volumes are created.
+pub const BASE_PREFIX: &str = "basePrefix";
+/// StorageClass: template of a dynamic volume's prefix below `basePrefix`.
+pub const PREFIX_TEMPLATE: &str = "prefixTemplate";
+/// StorageClass and volume attribute: the bucket's region.
+pub const REGION: &str = "region";
+/// StorageClass and volume attribute: an S3-compatible endpoint URL.
+pub const ENDPOINT_URL: &str = "endpointUrl";
+/// StorageClass and volume attribute: path-style addressing.
+pub const FORCE_PATH_STYLE: &str = "forcePathStyle";
+/// StorageClass: `retain` (default) or `delete`.
+pub const DELETE_POLICY: &str = "deletePolicy";
+/// Volume attribute: the volume's prefix inside the bucket.
+pub const PREFIX: &str = "prefix";
+/// Volume attribute: whose credentials the mount uses (`driver` is the only one so far).
+pub const AUTHENTICATION_SOURCE: &str = "authenticationSource";
+
+/// Keys csi-provisioner adds with `--extra-create-metadata`.
+pub const PVC_NAME: &str = "csi.storage.k8s.io/pvc/name";
+pub const PVC_NAMESPACE: &str = "csi.storage.k8s.io/pvc/namespace";
+pub const PV_NAME: &str = "csi.storage.k8s.io/pv/name";
+
+/// Everything under this prefix is set by Kubernetes components (provisioner metadata, secret
+/// references, kubelet's pod info) and is never an error.
+pub const KUBERNETES_PREFIX: &str = "csi.storage.k8s.io/";
+
+/// Kubelet's pod info keys (CSIDriver `podInfoOnMount`).
+pub const POD_NAME: &str = "csi.storage.k8s.io/pod.name";
+pub const POD_NAMESPACE: &str = "csi.storage.k8s.io/pod.namespace";
+pub const POD_UID: &str = "csi.storage.k8s.io/pod.uid";
+pub const SERVICE_ACCOUNT_NAME: &str = "csi.storage.k8s.io/serviceAccount.name";
+pub const EPHEMERAL: &str = "csi.storage.k8s.io/ephemeral";

@@ -1,0 +1,77 @@
+//! What a Ferry volume is, parsed and validated at the edge.
+//!
+//! Everything the controller and the node read from Kubernetes — StorageClass parameters, the
+//! volume id, the volume context, PV mount options in Mountpoint's syntax — is turned into typed,
+//! validated values here, so the gRPC services only deal with well-formed volumes. Every key is a
+//! constant in [`keys`]. Errors name the offending key or option.
+
+pub mod id;
+pub mod keys;
+pub mod options;
+pub mod params;
+pub mod spec;
+pub mod validate;
+
+pub use id::VolumeId;
+pub use options::{MetadataTtl, MountOptions};
+pub use params::{DeletePolicy, StorageClassParams};
+pub use spec::VolumeSpec;
+
+/// The CSI driver name: the `provisioner` of a StorageClass and the `driver` of a PV.
+pub const DRIVER_NAME: &str = "s3.csi.ferry.dev";
+
+/// Where a bucket lives: the parts of the S3 client configuration that a volume may choose.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    /// `None`: AWS's regional endpoint.
+    pub endpoint_url: Option<String>,
+    /// `None`: the client's default (the SDK chain, else us-east-1).
+    pub region: Option<String>,
+    pub force_path_style: bool,
+}
+
+/// A volume description that cannot be used, naming what is wrong.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum VolumeError {
+    #[error("missing required {what} {key:?}")]
+    Missing { what: &'static str, key: String },
+    #[error("invalid {what} {key:?}: {reason}")]
+    Invalid {
+        what: &'static str,
+        key: String,
+        reason: String,
+    },
+    #[error("unknown {what} {key:?}")]
+    Unknown { what: &'static str, key: String },
+    #[error("unsupported {what} {key:?}: {reason}")]
+    Unsupported {
+        what: &'static str,
+        key: String,
+        reason: String,
+    },
+    #[error("conflicting values for {key:?}: {a:?} and {b:?}")]
+    Conflict { key: String, a: String, b: String },
+}
+
+impl VolumeError {
+    pub(crate) fn invalid(what: &'static str, key: &str, reason: impl Into<String>) -> Self {
+        VolumeError::Invalid {
+            what,
+            key: key.to_string(),
+            reason: reason.into(),
+        }
+    }
+}
+
+/// Parses a boolean the way Kubernetes users write one in YAML string maps.
+pub(crate) fn parse_bool(what: &'static str, key: &str, v: &str) -> Result<bool, VolumeError> {
+    match v.trim().to_ascii_lowercase().as_str() {
+        "true" | "yes" | "1" => Ok(true),
+        "false" | "no" | "0" | "" => Ok(false),
+        _ => Err(VolumeError::invalid(
+            what,
+            key,
+            format!("{v:?} is not a boolean (true or false)"),
+        )),
+    }
+}

@@ -1,0 +1,233 @@
+//! PV `mountOptions` in Mountpoint's (`mount-s3`) syntax.
+//!
+//! Kubernetes hands a PV's `mountOptions` to the node as `mount_flags`, one string per list entry.
+//! Each entry is `name`, `name value`, `name=value`, optionally with a leading `--`, as Mountpoint's
+//! CSI driver accepts them, so a PV written for it works by changing only the driver name.
+
+use std::str::FromStr;
+
+use crate::{validate, VolumeError};
+
+const WHAT: &str = "mount option";
+
+/// How long metadata (attributes, listings, negative lookups) is trusted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum MetadataTtl {
+    Seconds(u64),
+    /// Never revalidate: for datasets that do not change while mounted.
+    Indefinite,
+    /// Revalidate as soon as allowed (`minimal` in mount-s3): no caching beyond one operation.
+    Minimal,
+}
+
+impl FromStr for MetadataTtl {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "indefinite" => Ok(MetadataTtl::Indefinite),
+            "minimal" => Ok(MetadataTtl::Minimal),
+            n => n
+                .parse::<u64>()
+                .map(MetadataTtl::Seconds)
+                .map_err(|_| format!("{s:?} is not a number of seconds, \"indefinite\" or \"minimal\"")),
+        }
+    }
+}
+
+/// Mount options. `None` fields take the node's defaults.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Hash)]
+pub struct MountOptions {
+    pub prefix: Option<String>,
+    pub region: Option<String>,
+    pub endpoint_url: Option<String>,
+    pub force_path_style: bool,
+    pub read_only: bool,
+    pub allow_delete: bool,
+    pub allow_overwrite: bool,
+    pub allow_other: bool,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub file_mode: Option<u16>,
+    pub dir_mode: Option<u16>,
+    pub metadata_ttl: Option<MetadataTtl>,
+}
+
+/// mount-s3 options that only tune logging or threads: accepted so migrated PVs mount, and ignored
+/// because the node plugin's own settings govern them.
+const IGNORED: &[&str] = &[
+    "debug",
+    "debug-crt",
+    "no-log",
+    "log-directory",
+    "log-metrics",
+    "max-threads",
+    "foreground",
+    "auto-unmount",
+];
+
+/// mount-s3 options Ferry refuses, because silently ignoring them would change what lands in S3
+/// or who pays for it.
+const REFUSED: &[&str] = &[
+    "storage-class",
+    "sse",
+    "sse-kms-key-id",
+    "requester-pays",
+    "expected-bucket-owner",
+    "transfer-acceleration",
+    "dual-stack",
+    "incremental-upload",
+    "upload-checksums",
+    "bucket-type",
+    "profile",
+    "allow-root",
+    "cache",
+    "cache-xz",
+    "max-cache-size",
+    "negative-metadata-ttl",
+];
+
+impl MountOptions {
+    /// Parses mount flags. An unknown or malformed option is an error naming it.
+    pub fn parse<S: AsRef<str>>(flags: &[S]) -> Result<Self, VolumeError> {
+        let mut o = MountOptions::default();
+        for raw in flags {
+            let raw = raw.as_ref();
+            // Kubernetes may join several options with commas in one entry.
+            for entry in raw.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+                o.apply(entry)?;
+            }
+        }
+        Ok(o)
+    }
+
+    fn apply(&mut self, entry: &str) -> Result<(), VolumeError> {
+        let entry = entry.strip_prefix("--").unwrap_or(entry);
+        let (name, value) = match entry.split_once(['=', ' ']) {
+            Some((n, v)) => (n.trim(), Some(v.trim())),
+            None => (entry, None),
+        };
+        let need = |v: Option<&str>| -> Result<String, VolumeError> {
+            match v {
+                Some(v) if !v.is_empty() => Ok(v.to_string()),
+                _ => Err(VolumeError::invalid(WHAT, name, "needs a value")),
+            }
+        };
+        let flag = |v: Option<&str>| -> Result<bool, VolumeError> {
+            match v {
+                None => Ok(true),
+                Some(v) => crate::parse_bool(WHAT, name, v),
+            }
+        };
+        let num = |v: Option<&str>| -> Result<u32, VolumeError> {
+            let v = need(v)?;
+            v.parse::<u32>()
+                .map_err(|_| VolumeError::invalid(WHAT, name, format!("{v:?} is not a number")))
+        };
+        let mode = |v: Option<&str>| -> Result<u16, VolumeError> {
+            let v = need(v)?;
+            u16::from_str_radix(v.trim_start_matches("0o"), 8)
+                .ok()
+                .filter(|m| *m <= 0o7777)
+                .ok_or_else(|| VolumeError::invalid(WHAT, name, format!("{v:?} is not an octal mode")))
+        };
+        match name {
+            "prefix" => self.prefix = Some(validate::prefix(name, &need(value)?, true)?),
+            "region" => {
+                let v = need(value)?;
+                validate::region(name, &v)?;
+                self.region = Some(v);
+            }
+            "endpoint-url" => {
+                let v = need(value)?;
+                validate::endpoint_url(name, &v)?;
+                self.endpoint_url = Some(v);
+            }
+            "force-path-style" => self.force_path_style = flag(value)?,
+            "read-only" | "ro" => self.read_only = flag(value)?,
+            "rw" => self.read_only = !flag(value)?,
+            "allow-delete" => self.allow_delete = flag(value)?,
+            "allow-overwrite" => self.allow_overwrite = flag(value)?,
+            "allow-other" => self.allow_other = flag(value)?,
+            "uid" => self.uid = Some(num(value)?),
+            "gid" => self.gid = Some(num(value)?),
+            "file-mode" => self.file_mode = Some(mode(value)?),
+            "dir-mode" => self.dir_mode = Some(mode(value)?),
+            "metadata-ttl" => {
+                let v = need(value)?;
+                self.metadata_ttl = Some(v.parse().map_err(|e| VolumeError::invalid(WHAT, name, e))?);
+            }
+            n if IGNORED.contains(&n) => {}
+            n if REFUSED.contains(&n) => {
+                return Err(VolumeError::Unsupported {
+                    what: WHAT,
+                    key: n.to_string(),
+                    reason: "Ferry does not implement it yet, and ignoring it would change behaviour"
+                        .to_string(),
+                })
+            }
+            n => {
+                return Err(VolumeError::Unknown {
+                    what: WHAT,
+                    key: n.to_string(),
+                })
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mountpoint_syntax() {
+        let o = MountOptions::parse(&[
+            "prefix some/prefix/",
+            "region us-west-2",
+            "--endpoint-url=http://127.0.0.1:9000",
+            "force-path-style",
+            "uid=1000",
+            "gid=2000",
+            "dir-mode=755",
+            "file-mode=0644",
+            "allow-other",
+            "allow-delete",
+            "allow-overwrite",
+            "read-only",
+            "debug",
+            "metadata-ttl indefinite",
+        ])
+        .unwrap();
+        assert_eq!(o.prefix.as_deref(), Some("some/prefix/"));
+        assert_eq!(o.region.as_deref(), Some("us-west-2"));
+        assert_eq!(o.endpoint_url.as_deref(), Some("http://127.0.0.1:9000"));
+        assert!(o.force_path_style && o.allow_other && o.allow_delete && o.allow_overwrite && o.read_only);
+        assert_eq!((o.uid, o.gid), (Some(1000), Some(2000)));
+        assert_eq!((o.file_mode, o.dir_mode), (Some(0o644), Some(0o755)));
+        assert_eq!(o.metadata_ttl, Some(MetadataTtl::Indefinite));
+    }
+
+    #[test]
+    fn comma_joined_entries() {
+        let o = MountOptions::parse(&["uid=1,gid=2,allow-other"]).unwrap();
+        assert_eq!((o.uid, o.gid, o.allow_other), (Some(1), Some(2), true));
+    }
+
+    #[test]
+    fn bad_options_are_named() {
+        for (flags, needle) in [
+            (vec!["no-such-thing"], "no-such-thing"),
+            (vec!["uid=abc"], "uid"),
+            (vec!["file-mode=999"], "file-mode"),
+            (vec!["region"], "region"),
+            (vec!["prefix ../x"], "prefix"),
+            (vec!["storage-class GLACIER"], "storage-class"),
+            (vec!["allow-delete=maybe"], "allow-delete"),
+            (vec!["metadata-ttl soon"], "metadata-ttl"),
+        ] {
+            let e = MountOptions::parse(&flags).unwrap_err();
+            assert!(e.to_string().contains(needle), "{flags:?}: {e}");
+        }
+    }
+}

@@ -1,0 +1,265 @@
+//! StorageClass parameters of a dynamically provisioned volume, and its prefix template.
+
+use std::collections::HashMap;
+
+use crate::{keys, parse_bool, validate, Endpoint, VolumeError};
+
+/// What DeleteVolume does to the data under the volume's prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum DeletePolicy {
+    /// Keep every object (the default).
+    #[default]
+    Retain,
+    /// Delete every object under the volume's prefix, and nothing outside it.
+    Delete,
+}
+
+/// Validated StorageClass parameters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StorageClassParams {
+    pub bucket: String,
+    /// Normalised: empty or ending in `/`.
+    pub base_prefix: String,
+    pub prefix_template: Template,
+    pub endpoint: Endpoint,
+    pub delete_policy: DeletePolicy,
+}
+
+const WHAT: &str = "StorageClass parameter";
+
+impl StorageClassParams {
+    /// Parses CreateVolume's `parameters`. Unknown keys are errors (a typo must not silently change
+    /// where data goes); keys under `csi.storage.k8s.io/` belong to Kubernetes and are skipped.
+    pub fn parse(params: &HashMap<String, String>) -> Result<Self, VolumeError> {
+        let mut bucket = None;
+        let mut base_prefix = String::new();
+        let mut template = Template::default();
+        let mut endpoint = Endpoint::default();
+        let mut delete_policy = DeletePolicy::Retain;
+        let mut sorted: Vec<_> = params.iter().collect();
+        sorted.sort();
+        for (k, v) in sorted {
+            match k.as_str() {
+                keys::BUCKET_NAME => {
+                    validate::bucket_name(k, v)?;
+                    bucket = Some(v.clone());
+                }
+                keys::BASE_PREFIX => base_prefix = validate::prefix(k, v, true)?,
+                keys::PREFIX_TEMPLATE => template = Template::parse(v)?,
+                keys::REGION => {
+                    validate::region(k, v)?;
+                    endpoint.region = Some(v.clone());
+                }
+                keys::ENDPOINT_URL => {
+                    validate::endpoint_url(k, v)?;
+                    endpoint.endpoint_url = Some(v.clone());
+                }
+                keys::FORCE_PATH_STYLE => endpoint.force_path_style = parse_bool(WHAT, k, v)?,
+                keys::DELETE_POLICY => {
+                    delete_policy = match v.as_str() {
+                        "retain" | "Retain" => DeletePolicy::Retain,
+                        "delete" | "Delete" => DeletePolicy::Delete,
+                        _ => {
+                            return Err(VolumeError::invalid(
+                                WHAT,
+                                k,
+                                format!("{v:?} must be \"retain\" or \"delete\""),
+                            ))
+                        }
+                    }
+                }
+                other if other.starts_with(keys::KUBERNETES_PREFIX) => {}
+                other => {
+                    return Err(VolumeError::Unknown {
+                        what: WHAT,
+                        key: other.to_string(),
+                    })
+                }
+            }
+        }
+        let bucket = bucket.ok_or(VolumeError::Missing {
+            what: WHAT,
+            key: keys::BUCKET_NAME.to_string(),
+        })?;
+        Ok(StorageClassParams {
+            bucket,
+            base_prefix,
+            prefix_template: template,
+            endpoint,
+            delete_policy,
+        })
+    }
+
+    /// The prefix of the volume named `name`: `basePrefix` + the expanded template + `/`.
+    pub fn volume_prefix(
+        &self,
+        name: &str,
+        params: &HashMap<String, String>,
+    ) -> Result<String, VolumeError> {
+        let rel = self.prefix_template.expand(name, params)?;
+        validate::prefix(keys::PREFIX_TEMPLATE, &format!("{}{rel}", self.base_prefix), false)
+    }
+}
+
+/// One piece of a prefix template.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Piece {
+    Literal(String),
+    VolumeName,
+    PvcNamespace,
+    PvcName,
+    PvName,
+}
+
+/// A prefix template such as `${pvc.namespace}/${pvc.name}`. The default is the volume name.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Template(Vec<Piece>);
+
+impl Default for Template {
+    fn default() -> Self {
+        Template(vec![Piece::VolumeName])
+    }
+}
+
+impl Template {
+    /// Parses a template; `${volume.name}`, `${pvc.namespace}`, `${pvc.name}` and `${pv.name}` are
+    /// the variables. `$$` is a literal `$`.
+    pub fn parse(s: &str) -> Result<Self, VolumeError> {
+        let bad = |reason: String| Err(VolumeError::invalid(WHAT, keys::PREFIX_TEMPLATE, reason));
+        let mut pieces = Vec::new();
+        let mut lit = String::new();
+        let mut rest = s;
+        while let Some(i) = rest.find('$') {
+            lit.push_str(&rest[..i]);
+            rest = &rest[i..];
+            if let Some(r) = rest.strip_prefix("$$") {
+                lit.push('$');
+                rest = r;
+                continue;
+            }
+            let Some(body) = rest.strip_prefix("${") else {
+                return bad(format!("{s:?}: '$' must start a ${{variable}} (write $$ for a literal $)"));
+            };
+            let Some(end) = body.find('}') else {
+                return bad(format!("{s:?}: unclosed ${{"));
+            };
+            let piece = match &body[..end] {
+                "volume.name" => Piece::VolumeName,
+                "pvc.namespace" => Piece::PvcNamespace,
+                "pvc.name" => Piece::PvcName,
+                "pv.name" => Piece::PvName,
+                other => {
+                    return bad(format!(
+                        "{s:?}: unknown variable ${{{other}}} (known: volume.name, pvc.namespace, pvc.name, pv.name)"
+                    ))
+                }
+            };
+            if !lit.is_empty() {
+                pieces.push(Piece::Literal(std::mem::take(&mut lit)));
+            }
+            pieces.push(piece);
+            rest = &body[end + 1..];
+        }
+        lit.push_str(rest);
+        if !lit.is_empty() {
+            pieces.push(Piece::Literal(lit));
+        }
+        if pieces.is_empty() {
+            return bad("the template is empty".to_string());
+        }
+        Ok(Template(pieces))
+    }
+
+    /// Expands the template with the volume name and csi-provisioner's extra metadata.
+    pub fn expand(&self, name: &str, params: &HashMap<String, String>) -> Result<String, VolumeError> {
+        let meta = |key: &str| {
+            params
+                .get(key)
+                .filter(|v| !v.is_empty())
+                .cloned()
+                .ok_or_else(|| VolumeError::Missing {
+                    what: "provisioner metadata (run csi-provisioner with --extra-create-metadata)",
+                    key: key.to_string(),
+                })
+        };
+        let mut out = String::new();
+        for p in &self.0 {
+            match p {
+                Piece::Literal(s) => out.push_str(s),
+                Piece::VolumeName => out.push_str(name),
+                Piece::PvcNamespace => out.push_str(&meta(keys::PVC_NAMESPACE)?),
+                Piece::PvcName => out.push_str(&meta(keys::PVC_NAME)?),
+                Piece::PvName => out.push_str(&meta(keys::PV_NAME)?),
+            }
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(kv: &[(&str, &str)]) -> HashMap<String, String> {
+        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn minimal_and_full() {
+        let p = StorageClassParams::parse(&map(&[("bucketName", "data")])).unwrap();
+        assert_eq!(p.base_prefix, "");
+        assert_eq!(p.delete_policy, DeletePolicy::Retain);
+        assert_eq!(p.volume_prefix("pvc-1", &HashMap::new()).unwrap(), "pvc-1/");
+
+        let params = map(&[
+            ("bucketName", "data"),
+            ("basePrefix", "k8s"),
+            ("prefixTemplate", "${pvc.namespace}/${pvc.name}"),
+            ("region", "eu-west-1"),
+            ("endpointUrl", "http://127.0.0.1:9000"),
+            ("forcePathStyle", "true"),
+            ("deletePolicy", "delete"),
+            ("csi.storage.k8s.io/pvc/name", "claim"),
+            ("csi.storage.k8s.io/pvc/namespace", "ml"),
+            ("csi.storage.k8s.io/provisioner-secret-name", "s"),
+        ]);
+        let p = StorageClassParams::parse(&params).unwrap();
+        assert_eq!(p.delete_policy, DeletePolicy::Delete);
+        assert!(p.endpoint.force_path_style);
+        assert_eq!(p.volume_prefix("pvc-1", &params).unwrap(), "k8s/ml/claim/");
+    }
+
+    #[test]
+    fn errors_name_the_key() {
+        let e = StorageClassParams::parse(&HashMap::new()).unwrap_err();
+        assert!(e.to_string().contains("bucketName"));
+        let e = StorageClassParams::parse(&map(&[("bucketName", "data"), ("bucketname", "x")])).unwrap_err();
+        assert!(e.to_string().contains("\"bucketname\""), "{e}");
+        let e = StorageClassParams::parse(&map(&[("bucketName", "data"), ("deletePolicy", "wipe")])).unwrap_err();
+        assert!(e.to_string().contains("deletePolicy"), "{e}");
+        let e = StorageClassParams::parse(&map(&[("bucketName", "data"), ("prefixTemplate", "${pod.name}")]))
+            .unwrap_err();
+        assert!(e.to_string().contains("pod.name"), "{e}");
+    }
+
+    #[test]
+    fn template_needs_metadata_and_rejects_escapes() {
+        let p = StorageClassParams::parse(&map(&[("bucketName", "data"), ("prefixTemplate", "${pvc.name}")]))
+            .unwrap();
+        let e = p.volume_prefix("v", &HashMap::new()).unwrap_err();
+        assert!(e.to_string().contains("extra-create-metadata"), "{e}");
+        let p = StorageClassParams::parse(&map(&[("bucketName", "data"), ("prefixTemplate", "../${volume.name}")]))
+            .unwrap();
+        assert!(p.volume_prefix("v", &HashMap::new()).is_err());
+        let params = map(&[("csi.storage.k8s.io/pvc/name", "..")]);
+        let p = StorageClassParams::parse(&map(&[("bucketName", "data"), ("prefixTemplate", "${pvc.name}")]))
+            .unwrap();
+        assert!(p.volume_prefix("v", &params).is_err());
+        assert_eq!(
+            Template::parse("a$$b-${volume.name}").unwrap().expand("v", &HashMap::new()).unwrap(),
+            "a$b-v"
+        );
+        assert!(Template::parse("a$b").is_err());
+        assert!(Template::parse("${pvc.name").is_err());
+    }
+}

@@ -1,0 +1,178 @@
+//! What the node mounts: a volume context (from CreateVolume or a static PV's `volumeAttributes`)
+//! merged with the PV's mount options.
+
+use std::collections::HashMap;
+
+use crate::{keys, parse_bool, validate, Endpoint, MountOptions, VolumeError, VolumeId};
+
+/// A fully described mount: bucket, prefix, endpoint and options.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct VolumeSpec {
+    pub bucket: String,
+    /// Empty (whole bucket) or ending in `/`.
+    pub prefix: String,
+    pub endpoint: Endpoint,
+    pub options: MountOptions,
+}
+
+const WHAT: &str = "volume attribute";
+
+/// The volume context CreateVolume returns for a dynamic volume.
+pub fn volume_context(id: &VolumeId) -> HashMap<String, String> {
+    let mut ctx = HashMap::new();
+    ctx.insert(keys::BUCKET_NAME.to_string(), id.bucket.clone());
+    ctx.insert(keys::PREFIX.to_string(), id.prefix.clone());
+    if let Some(r) = &id.endpoint.region {
+        ctx.insert(keys::REGION.to_string(), r.clone());
+    }
+    if let Some(e) = &id.endpoint.endpoint_url {
+        ctx.insert(keys::ENDPOINT_URL.to_string(), e.clone());
+    }
+    if id.endpoint.force_path_style {
+        ctx.insert(keys::FORCE_PATH_STYLE.to_string(), "true".to_string());
+    }
+    ctx
+}
+
+fn merge(key: &str, attr: Option<String>, opt: Option<String>) -> Result<Option<String>, VolumeError> {
+    match (attr, opt) {
+        (Some(a), Some(b)) if a != b => Err(VolumeError::Conflict {
+            key: key.to_string(),
+            a,
+            b,
+        }),
+        (a, b) => Ok(a.or(b)),
+    }
+}
+
+impl VolumeSpec {
+    /// Builds the spec from NodePublishVolume's volume context and mount flags. Unknown attributes
+    /// are errors; attributes set by Kubernetes (`csi.storage.k8s.io/…`) are skipped. A value given
+    /// both as an attribute and as a mount option must agree.
+    pub fn from_publish<S: AsRef<str>>(
+        context: &HashMap<String, String>,
+        mount_flags: &[S],
+    ) -> Result<Self, VolumeError> {
+        let options = MountOptions::parse(mount_flags)?;
+        let mut bucket = None;
+        let mut prefix = None;
+        let mut endpoint = Endpoint::default();
+        let mut sorted: Vec<_> = context.iter().collect();
+        sorted.sort();
+        for (k, v) in sorted {
+            match k.as_str() {
+                keys::BUCKET_NAME => {
+                    validate::bucket_name(k, v)?;
+                    bucket = Some(v.clone());
+                }
+                keys::PREFIX => prefix = Some(validate::prefix(k, v, true)?),
+                keys::REGION => {
+                    validate::region(k, v)?;
+                    endpoint.region = Some(v.clone());
+                }
+                keys::ENDPOINT_URL => {
+                    validate::endpoint_url(k, v)?;
+                    endpoint.endpoint_url = Some(v.clone());
+                }
+                keys::FORCE_PATH_STYLE => endpoint.force_path_style = parse_bool(WHAT, k, v)?,
+                keys::AUTHENTICATION_SOURCE => match v.as_str() {
+                    "driver" | "" => {}
+                    other => {
+                        return Err(VolumeError::Unsupported {
+                            what: WHAT,
+                            key: k.clone(),
+                            reason: format!("{other:?}: only \"driver\" is supported"),
+                        })
+                    }
+                },
+                keys::EPHEMERAL if v == "true" => {
+                    return Err(VolumeError::Unsupported {
+                        what: WHAT,
+                        key: k.clone(),
+                        reason: "inline ephemeral volumes are not supported".to_string(),
+                    })
+                }
+                other if other.starts_with(keys::KUBERNETES_PREFIX) => {}
+                other => {
+                    return Err(VolumeError::Unknown {
+                        what: WHAT,
+                        key: other.to_string(),
+                    })
+                }
+            }
+        }
+        let bucket = bucket.ok_or(VolumeError::Missing {
+            what: WHAT,
+            key: keys::BUCKET_NAME.to_string(),
+        })?;
+        let prefix = merge(keys::PREFIX, prefix, options.prefix.clone())?.unwrap_or_default();
+        endpoint.region = merge(keys::REGION, endpoint.region, options.region.clone())?;
+        endpoint.endpoint_url = merge(keys::ENDPOINT_URL, endpoint.endpoint_url, options.endpoint_url.clone())?;
+        endpoint.force_path_style |= options.force_path_style;
+        Ok(VolumeSpec {
+            bucket,
+            prefix,
+            endpoint,
+            options,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::DeletePolicy;
+
+    fn map(kv: &[(&str, &str)]) -> HashMap<String, String> {
+        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn dynamic_context_round_trips() {
+        let id = VolumeId {
+            bucket: "data".into(),
+            prefix: "a/b/".into(),
+            endpoint: Endpoint {
+                endpoint_url: Some("http://127.0.0.1:1".into()),
+                region: Some("eu-west-1".into()),
+                force_path_style: true,
+            },
+            delete_policy: DeletePolicy::Delete,
+        };
+        let mut ctx = volume_context(&id);
+        ctx.insert(keys::POD_NAME.into(), "p".into());
+        let spec = VolumeSpec::from_publish::<&str>(&ctx, &[]).unwrap();
+        assert_eq!((spec.bucket.as_str(), spec.prefix.as_str()), ("data", "a/b/"));
+        assert_eq!(spec.endpoint, id.endpoint);
+    }
+
+    #[test]
+    fn mountpoint_static_pv() {
+        let ctx = map(&[("bucketName", "my-bucket")]);
+        let spec = VolumeSpec::from_publish(
+            &ctx,
+            &["prefix datasets/", "region us-east-1", "allow-other", "uid=1000"],
+        )
+        .unwrap();
+        assert_eq!(spec.prefix, "datasets/");
+        assert_eq!(spec.endpoint.region.as_deref(), Some("us-east-1"));
+        assert_eq!(spec.options.uid, Some(1000));
+        let whole = VolumeSpec::from_publish::<&str>(&ctx, &[]).unwrap();
+        assert_eq!(whole.prefix, "");
+    }
+
+    #[test]
+    fn errors() {
+        let e = VolumeSpec::from_publish::<&str>(&HashMap::new(), &[]).unwrap_err();
+        assert!(e.to_string().contains("bucketName"));
+        let e = VolumeSpec::from_publish(&map(&[("bucketName", "b-1"), ("prefix", "x/")]), &["prefix y/"])
+            .unwrap_err();
+        assert!(e.to_string().contains("prefix"), "{e}");
+        let e = VolumeSpec::from_publish::<&str>(&map(&[("bucketName", "b-1"), ("colour", "red")]), &[])
+            .unwrap_err();
+        assert!(e.to_string().contains("colour"), "{e}");
+        let e = VolumeSpec::from_publish::<&str>(&map(&[("bucketName", "b-1"), ("authenticationSource", "pod")]), &[])
+            .unwrap_err();
+        assert!(e.to_string().contains("authenticationSource"), "{e}");
+    }
+}

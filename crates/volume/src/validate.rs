@@ -1,0 +1,165 @@
+//! Validation of bucket names, prefixes, regions and endpoint URLs.
+
+use crate::VolumeError;
+
+/// Checks a bucket name against S3's naming rules: 3–63 characters of lowercase letters, digits,
+/// `.` and `-`, starting and ending with a letter or digit, no `..`, not an IPv4 address.
+pub fn bucket_name(key: &str, name: &str) -> Result<(), VolumeError> {
+    let bad = |reason: &str| Err(VolumeError::invalid("bucket name", key, format!("{name:?} {reason}")));
+    if name.len() < 3 || name.len() > 63 {
+        return bad("must be 3 to 63 characters long");
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_lowercase() || c.is_ascii_digit() || *c == '.' || *c == '-'))
+    {
+        return bad(&format!(
+            "contains {c:?}: only lowercase letters, digits, '.' and '-' are allowed"
+        ));
+    }
+    let first = name.as_bytes()[0];
+    let last = name.as_bytes()[name.len() - 1];
+    if !first.is_ascii_alphanumeric() || !last.is_ascii_alphanumeric() {
+        return bad("must start and end with a letter or digit");
+    }
+    if name.contains("..") {
+        return bad("must not contain two adjacent periods");
+    }
+    if name.split('.').count() == 4 && name.split('.').all(|p| p.parse::<u8>().is_ok()) {
+        return bad("must not be formatted as an IP address");
+    }
+    Ok(())
+}
+
+/// Normalises a key prefix: no leading `/`, no empty, `.` or `..` segments, ends with `/` unless
+/// empty. `allow_empty` is false for dynamically provisioned volumes, whose prefix must be theirs.
+pub fn prefix(key: &str, raw: &str, allow_empty: bool) -> Result<String, VolumeError> {
+    let bad = |reason: String| Err(VolumeError::invalid("prefix", key, reason));
+    let trimmed = raw.strip_suffix('/').unwrap_or(raw);
+    if trimmed.is_empty() {
+        if allow_empty && raw.is_empty() {
+            return Ok(String::new());
+        }
+        return bad(format!(
+            "{raw:?} would be the whole bucket; a volume needs a non-empty prefix"
+        ));
+    }
+    if raw.starts_with('/') {
+        return bad(format!("{raw:?} must not start with '/'"));
+    }
+    for seg in trimmed.split('/') {
+        match seg {
+            "" => return bad(format!("{raw:?} has an empty path segment ('//')")),
+            "." | ".." => return bad(format!("{raw:?} has a {seg:?} segment")),
+            _ => {}
+        }
+        if seg.len() > 255 {
+            return bad(format!("{raw:?} has a segment longer than 255 bytes"));
+        }
+        if seg.contains('\0') {
+            return bad(format!("{raw:?} contains a NUL byte"));
+        }
+    }
+    if trimmed.len() + 1 > 1024 {
+        return bad("is longer than S3's 1024-byte key limit".to_string());
+    }
+    Ok(format!("{trimmed}/"))
+}
+
+/// A region name: lowercase letters, digits and `-`.
+pub fn region(key: &str, r: &str) -> Result<(), VolumeError> {
+    if r.is_empty()
+        || r.len() > 64
+        || !r
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '-')
+    {
+        return Err(VolumeError::invalid(
+            "region",
+            key,
+            format!("{r:?} is not a region name (like us-east-1)"),
+        ));
+    }
+    Ok(())
+}
+
+/// An endpoint URL: `http://` or `https://`, a host, an optional port, no query or credentials.
+pub fn endpoint_url(key: &str, url: &str) -> Result<(), VolumeError> {
+    let bad = |reason: &str| Err(VolumeError::invalid("endpoint URL", key, format!("{url:?} {reason}")));
+    let rest = match url.split_once("://") {
+        Some(("http" | "https", rest)) => rest,
+        _ => return bad("must start with http:// or https://"),
+    };
+    let authority = rest.split('/').next().unwrap_or("");
+    if authority.is_empty() {
+        return bad("has no host");
+    }
+    if authority.contains('@') {
+        return bad("must not carry credentials");
+    }
+    if url.contains(['?', '#', ' ']) {
+        return bad("must not contain a query, fragment or space");
+    }
+    if let Some((_, port)) = authority.rsplit_once(':') {
+        if !authority.ends_with(']') && port.parse::<u16>().is_err() {
+            return bad("has an invalid port");
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bucket_names() {
+        for ok in ["abc", "my-bucket.data", "a1b", &"a".repeat(63)] {
+            bucket_name("bucketName", ok).unwrap();
+        }
+        for bad in [
+            "ab",
+            &"a".repeat(64),
+            "My-Bucket",
+            "my_bucket",
+            "-abc",
+            "abc-",
+            "a..b",
+            "192.168.1.1",
+            "a/b",
+            "",
+        ] {
+            let e = bucket_name("bucketName", bad).unwrap_err();
+            assert!(e.to_string().contains("bucketName"), "{e}");
+        }
+    }
+
+    #[test]
+    fn prefixes() {
+        assert_eq!(prefix("p", "a/b", false).unwrap(), "a/b/");
+        assert_eq!(prefix("p", "a/b/", false).unwrap(), "a/b/");
+        assert_eq!(prefix("p", "", true).unwrap(), "");
+        for bad in ["", "/", "/a", "a//b", "a/./b", "a/..", "..", "./"] {
+            assert!(prefix("p", bad, false).is_err(), "{bad:?}");
+        }
+        assert!(prefix("p", "/", true).is_err());
+        assert!(prefix("p", &"x".repeat(256), false).is_err());
+    }
+
+    #[test]
+    fn endpoints_and_regions() {
+        for ok in [
+            "http://127.0.0.1:9000",
+            "https://s3.example.com",
+            "https://s3.example.com/base",
+            "http://[::1]:9000",
+        ] {
+            endpoint_url("e", ok).unwrap();
+        }
+        for bad in ["s3.example.com", "ftp://x", "http://", "http://u:p@x", "http://x:99999", "http://x/?a=b"] {
+            assert!(endpoint_url("e", bad).is_err(), "{bad}");
+        }
+        region("r", "eu-west-1").unwrap();
+        assert!(region("r", "EU_WEST").is_err());
+    }
+}

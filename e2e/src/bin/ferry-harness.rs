@@ -1,0 +1,275 @@
+//! `ferry-harness`: the README's demo (`demo`) and the csi-sanity run (`sanity`), both against the
+//! real binaries, a real S3 server on loopback and real FUSE mounts.
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+
+use anyhow::{bail, Context, Result};
+use bytes::Bytes;
+use clap::{Parser, Subcommand};
+use ferry_e2e::{bin_dir, mount_capability, Plugin};
+use ferry_proto::csi::v1 as pb;
+use ferry_store::{ListRequest, ObjectStore, S3Store};
+use pb::volume_capability::access_mode::Mode;
+
+#[derive(Parser)]
+#[command(about = "Ferry's demo and csi-sanity harness")]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Start a local S3 server and both binaries, provision a volume through CSI, publish it and
+    /// show the files through the mount.
+    Demo {
+        /// Keep the volume mounted until Ctrl-C, to explore it from another shell.
+        #[arg(long)]
+        keep: bool,
+    },
+    /// Run csi-sanity against the controller and node, with test volumes on a real S3 server.
+    Sanity {
+        /// The csi-sanity binary (default: $FERRY_TOOLS/csi-sanity, then PATH).
+        #[arg(long)]
+        csi_sanity: Option<PathBuf>,
+        /// Extra arguments for csi-sanity (e.g. -ginkgo.focus=...).
+        #[arg(last = true)]
+        extra: Vec<String>,
+    },
+}
+
+fn main() -> Result<()> {
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Runtime::new()?;
+    rt.block_on(async {
+        match cli.command {
+            Cmd::Demo { keep } => demo(keep).await,
+            Cmd::Sanity { csi_sanity, extra } => sanity(csi_sanity, extra).await,
+        }
+    })
+}
+
+fn say(s: &str) {
+    println!("\x1b[1m==> {s}\x1b[0m");
+}
+
+/// A deterministic pseudo-random payload.
+fn payload(seed: u64, len: usize) -> Bytes {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut v = Vec::with_capacity(len);
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    Bytes::from(v)
+}
+
+fn list_tree(dir: &Path, root: &Path) -> Result<()> {
+    let mut entries: Vec<_> = std::fs::read_dir(dir)?.collect::<Result<_, _>>()?;
+    entries.sort_by_key(|e| e.file_name());
+    for e in entries {
+        let md = e.metadata()?;
+        let rel = e.path().strip_prefix(root)?.display().to_string();
+        use std::os::unix::fs::PermissionsExt;
+        println!(
+            "    {} {:o} {:>10}  {}{}",
+            if md.is_dir() { 'd' } else { '-' },
+            md.permissions().mode() & 0o7777,
+            md.len(),
+            rel,
+            if md.is_dir() { "/" } else { "" }
+        );
+        if md.is_dir() {
+            list_tree(&e.path(), root)?;
+        }
+    }
+    Ok(())
+}
+
+async fn demo(keep: bool) -> Result<()> {
+    say("starting a local S3 server (versitygw), ferry-controller and ferry-node");
+    let plugin = Plugin::start(&bin_dir()?).await?;
+    println!("    S3 endpoint {}", plugin.s3.endpoint_url());
+    println!("    logs in {}", plugin.dir.path().display());
+    let bucket = "ferry-demo";
+    plugin.s3.create_bucket(bucket).await;
+    let s3 = S3Store::new(plugin.s3.s3_config()).await?;
+
+    say("CreateVolume pvc-demo (StorageClass: bucketName=ferry-demo basePrefix=datasets deletePolicy=delete)");
+    let mut ctrl = plugin.controller().await?;
+    let params: HashMap<String, String> = [
+        ("bucketName", bucket),
+        ("basePrefix", "datasets"),
+        ("deletePolicy", "delete"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let cap = mount_capability(Mode::SingleNodeWriter, &["allow-delete"]);
+    let vol = ctrl
+        .create_volume(pb::CreateVolumeRequest {
+            name: "pvc-demo".into(),
+            parameters: params,
+            volume_capabilities: vec![cap.clone()],
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .volume
+        .context("CreateVolume returned no volume")?;
+    println!("    volume_id      {}", vol.volume_id);
+    println!("    volume_context {:?}", vol.volume_context);
+    let prefix = vol.volume_context.get("prefix").cloned().unwrap_or_default();
+
+    say("uploading a small dataset under the volume's prefix through the S3 API");
+    let mut files: Vec<(String, Bytes)> = vec![
+        ("README.txt".into(), Bytes::from_static(b"A tiny dataset served by Ferry.\n")),
+        ("labels.csv".into(), Bytes::from_static(b"id,label\n0,cat\n1,dog\n")),
+    ];
+    for i in 0..3u64 {
+        files.push((format!("train/shard-{i:04}.bin"), payload(i, 3 << 20)));
+    }
+    files.push(("val/shard-0000.bin".into(), payload(99, 1 << 20)));
+    for (k, v) in &files {
+        s3.put(bucket, &format!("{prefix}{k}"), v.clone()).await?;
+    }
+
+    let target = plugin.target_path("demo-pod", "pvc-demo")?;
+    say(&format!("NodePublishVolume at {}", target.display()));
+    let mut node = plugin.node().await?;
+    node.node_publish_volume(pb::NodePublishVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(cap),
+        volume_context: vol.volume_context.clone(),
+        ..Default::default()
+    })
+    .await?;
+
+    say("the volume through the mount");
+    list_tree(&target, &target)?;
+    println!("    $ cat README.txt\n    {}", std::fs::read_to_string(target.join("README.txt"))?.trim_end());
+
+    say("reading every file back through the mount and comparing with what was uploaded");
+    for (k, v) in &files {
+        let mut got = Vec::new();
+        std::fs::File::open(target.join(k))?.read_to_end(&mut got)?;
+        if got != v.as_ref() {
+            bail!("{k}: the mount returned different bytes");
+        }
+        println!("    {k}: {} bytes identical", got.len());
+    }
+
+    say("writing results/metrics.json through the mount");
+    std::fs::create_dir(target.join("results"))?;
+    std::fs::write(target.join("results/metrics.json"), b"{\"loss\": 0.01}\n")?;
+    let info = s3.head(bucket, &format!("{prefix}results/metrics.json")).await?;
+    println!("    in S3 as s3://{bucket}/{} ({} bytes)", info.key, info.size);
+
+    if keep {
+        say(&format!(
+            "mounted at {} — explore it from another shell; Ctrl-C to clean up",
+            target.display()
+        ));
+        tokio::signal::ctrl_c().await?;
+    }
+
+    say("NodeUnpublishVolume, then DeleteVolume (deletePolicy delete)");
+    node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        target_path: target.display().to_string(),
+    })
+    .await?;
+    ctrl.delete_volume(pb::DeleteVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        secrets: Default::default(),
+    })
+    .await?;
+    let left = s3
+        .list(bucket, ListRequest { prefix: &prefix, ..Default::default() })
+        .await?;
+    println!(
+        "    target removed: {}; objects left under {prefix}: {}",
+        !target.exists(),
+        left.objects.len()
+    );
+    say("demo complete");
+    Ok(())
+}
+
+async fn sanity(bin: Option<PathBuf>, extra: Vec<String>) -> Result<()> {
+    let bin = match bin {
+        Some(b) => b,
+        None => {
+            let tools = std::env::var_os("FERRY_TOOLS")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/ferry-tools/bin"));
+            let p = tools.join("csi-sanity");
+            if p.exists() {
+                p
+            } else {
+                PathBuf::from("csi-sanity")
+            }
+        }
+    };
+    let plugin = Plugin::start(&bin_dir()?).await?;
+    plugin.s3.create_bucket("sanity").await;
+    let params = plugin.dir.path().join("params.yaml");
+    std::fs::write(
+        &params,
+        "bucketName: sanity\nbasePrefix: csi-sanity\ndeletePolicy: delete\n",
+    )?;
+    let pods = plugin.kubelet_root().join("pods");
+    let mut cmd = Command::new(&bin);
+    cmd.arg(format!("-csi.endpoint=unix://{}", plugin.node_socket.display()))
+        .arg(format!(
+            "-csi.controllerendpoint=unix://{}",
+            plugin.controller_socket.display()
+        ))
+        .arg(format!("-csi.mountdir={}", pods.join("sanity-mount").display()))
+        .arg(format!("-csi.stagingdir={}", pods.join("sanity-staging").display()))
+        .arg(format!("-csi.testvolumeparameters={}", params.display()))
+        .arg("-ginkgo.v")
+        .args(&extra)
+        .stdout(Stdio::piped());
+    println!("$ {cmd:?}");
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("running {} (install it with scripts/setup.sh)", bin.display()))?;
+    let out = child.stdout.take().expect("piped");
+    let mut summary = None;
+    let mut ran = None;
+    for line in BufReader::new(out).lines() {
+        let line = line?;
+        println!("{line}");
+        if line.contains("Passed |") && line.contains("Failed |") {
+            summary = Some(line.clone());
+        }
+        if line.starts_with("Ran ") && line.contains("Specs") {
+            ran = Some(line.clone());
+        }
+    }
+    let status = child.wait()?;
+    drop(plugin);
+    let summary = summary.context("csi-sanity printed no summary line")?;
+    let count = |word: &str| -> u64 {
+        summary
+            .split('|')
+            .find(|p| p.contains(word))
+            .and_then(|p| p.split_whitespace().find_map(|w| w.parse().ok()))
+            .unwrap_or(0)
+    };
+    let (passed, failed, skipped) = (count("Passed"), count("Failed"), count("Skipped"));
+    println!("{}", ran.unwrap_or_default());
+    println!("csi-sanity: {passed} passed, {failed} failed, {skipped} skipped");
+    if !status.success() || failed > 0 {
+        bail!("csi-sanity failed ({status})");
+    }
+    Ok(())
+}

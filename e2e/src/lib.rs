@@ -1,0 +1,217 @@
+//! End-to-end harness: runs the real `ferry-controller` and `ferry-node` binaries against a real S3
+//! server (versitygw on loopback) and talks CSI to them over their unix sockets, as kubelet and
+//! csi-provisioner would.
+
+use std::fs::File;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context, Result};
+use ferry_proto::csi::v1 as pb;
+use ferry_testkit::S3Server;
+use hyper_util::rt::TokioIo;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+pub use pb::controller_client::ControllerClient;
+pub use pb::identity_client::IdentityClient;
+pub use pb::node_client::NodeClient;
+
+/// Connects a gRPC channel to a unix socket.
+pub async fn unix_channel(path: &Path) -> Result<Channel> {
+    let path = path.to_path_buf();
+    Endpoint::try_from("http://[::]:50051")?
+        .connect_with_connector(tower::service_fn(move |_: Uri| {
+            let path = path.clone();
+            async move {
+                let stream = tokio::net::UnixStream::connect(path).await?;
+                Ok::<_, std::io::Error>(TokioIo::new(stream))
+            }
+        }))
+        .await
+        .with_context(|| "connecting to the CSI socket")
+}
+
+/// The directory holding this executable's sibling binaries (`target/debug` or `target/release`).
+pub fn bin_dir() -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let mut dir = exe.parent().context("executable has no directory")?.to_path_buf();
+    if dir.ends_with("deps") {
+        dir.pop();
+    }
+    Ok(dir)
+}
+
+/// A running plugin: S3 server, controller and node processes, and a scratch kubelet root.
+pub struct Plugin {
+    pub s3: S3Server,
+    pub dir: tempfile::TempDir,
+    pub controller_socket: PathBuf,
+    pub node_socket: PathBuf,
+    children: Vec<(String, Child)>,
+}
+
+impl Plugin {
+    /// Starts versitygw, then `ferry-controller` and `ferry-node` from `bins`, configured to use
+    /// that server by default with its root credentials, and waits until both answer Probe.
+    pub async fn start(bins: &Path) -> Result<Self> {
+        let s3 = S3Server::start();
+        let dir = tempfile::Builder::new().prefix("ferry-e2e-").tempdir()?;
+        let kubelet = dir.path().join("kubelet");
+        std::fs::create_dir_all(kubelet.join("pods"))?;
+        let mut plugin = Plugin {
+            controller_socket: dir.path().join("controller/csi.sock"),
+            node_socket: dir.path().join("node/csi.sock"),
+            s3,
+            dir,
+            children: Vec::new(),
+        };
+        let ctrl = plugin.spawn(
+            bins,
+            "ferry-controller",
+            &[
+                "--csi-endpoint",
+                &format!("unix://{}", plugin.controller_socket.display()),
+            ],
+        )?;
+        plugin.children.push(("ferry-controller".into(), ctrl));
+        let node = plugin.spawn(
+            bins,
+            "ferry-node",
+            &[
+                "serve",
+                "--csi-endpoint",
+                &format!("unix://{}", plugin.node_socket.display()),
+                "--node-id",
+                "e2e-node",
+                "--kubelet-root",
+                &kubelet.display().to_string(),
+            ],
+        )?;
+        plugin.children.push(("ferry-node".into(), node));
+        for socket in [plugin.controller_socket.clone(), plugin.node_socket.clone()] {
+            plugin.wait_ready(&socket).await?;
+        }
+        Ok(plugin)
+    }
+
+    fn spawn(&self, bins: &Path, name: &str, args: &[&str]) -> Result<Child> {
+        let exe = bins.join(name);
+        if !exe.exists() {
+            bail!(
+                "{} not found: build it first (cargo build -p {name})",
+                exe.display()
+            );
+        }
+        let log = File::create(self.log_path(name))?;
+        Command::new(&exe)
+            .args(args)
+            .env_clear()
+            .env("PATH", std::env::var_os("PATH").unwrap_or_default())
+            .env("HOME", std::env::var_os("HOME").unwrap_or_default())
+            .env("FERRY_LOG", std::env::var("FERRY_LOG").unwrap_or_else(|_| "info".into()))
+            .env("AWS_ACCESS_KEY_ID", self.s3.access_key())
+            .env("AWS_SECRET_ACCESS_KEY", self.s3.secret_key())
+            .env("AWS_REGION", "us-east-1")
+            .env("AWS_EC2_METADATA_DISABLED", "true")
+            .env("FERRY_ENDPOINT_URL", self.s3.endpoint_url())
+            .env("FERRY_FORCE_PATH_STYLE", "true")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", exe.display()))
+    }
+
+    /// Where a process's log goes.
+    pub fn log_path(&self, name: &str) -> PathBuf {
+        self.dir.path().join(format!("{name}.log"))
+    }
+
+    /// The kubelet root the node plugin accepts targets under.
+    pub fn kubelet_root(&self) -> PathBuf {
+        self.dir.path().join("kubelet")
+    }
+
+    /// A kubelet-style target path for a pod and a PV (its parent is created, as kubelet does).
+    pub fn target_path(&self, pod_uid: &str, pv: &str) -> Result<PathBuf> {
+        let parent = self
+            .kubelet_root()
+            .join("pods")
+            .join(pod_uid)
+            .join("volumes/kubernetes.io~csi")
+            .join(pv);
+        std::fs::create_dir_all(&parent)?;
+        Ok(parent.join("mount"))
+    }
+
+    async fn wait_ready(&mut self, socket: &Path) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            for (name, child) in &mut self.children {
+                if let Some(status) = child.try_wait()? {
+                    let log = std::fs::read_to_string(self.dir.path().join(format!("{name}.log")))
+                        .unwrap_or_default();
+                    bail!("{name} exited with {status} during start-up:\n{log}");
+                }
+            }
+            if socket.exists() {
+                if let Ok(ch) = unix_channel(socket).await {
+                    let ready = IdentityClient::new(ch)
+                        .probe(pb::ProbeRequest {})
+                        .await
+                        .map(|r| r.into_inner().ready.unwrap_or(true));
+                    if let Ok(true) = ready {
+                        return Ok(());
+                    }
+                }
+            }
+            if Instant::now() > deadline {
+                bail!("{} did not become ready within 60 s", socket.display());
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    pub async fn controller(&self) -> Result<ControllerClient<Channel>> {
+        Ok(ControllerClient::new(unix_channel(&self.controller_socket).await?))
+    }
+
+    pub async fn node(&self) -> Result<NodeClient<Channel>> {
+        Ok(NodeClient::new(unix_channel(&self.node_socket).await?))
+    }
+
+    /// Sends SIGTERM to both processes and waits for them.
+    pub fn stop(&mut self) {
+        for (_, child) in &mut self.children {
+            // SAFETY: kill(2) on a child pid we own; at worst it fails with ESRCH.
+            unsafe {
+                libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
+            }
+        }
+        for (_, child) in &mut self.children {
+            let _ = child.wait();
+        }
+        self.children.clear();
+    }
+}
+
+impl Drop for Plugin {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+/// A mount capability with the given access mode and mount flags.
+pub fn mount_capability(mode: pb::volume_capability::access_mode::Mode, flags: &[&str]) -> pb::VolumeCapability {
+    pb::VolumeCapability {
+        access_type: Some(pb::volume_capability::AccessType::Mount(
+            pb::volume_capability::MountVolume {
+                fs_type: String::new(),
+                mount_flags: flags.iter().map(|s| s.to_string()).collect(),
+                volume_mount_group: String::new(),
+            },
+        )),
+        access_mode: Some(pb::volume_capability::AccessMode { mode: mode as i32 }),
+    }
+}

@@ -1,0 +1,448 @@
+//! CSI-level integration tests: the controller and node services served on unix sockets in this
+//! process, a real S3 server (versitygw) on loopback, real FUSE mounts, and gRPC clients speaking
+//! CSI to them the way csi-provisioner and kubelet do.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use bytes::Bytes;
+use ferry_controller::ControllerService;
+use ferry_csi::pb::controller_server::ControllerServer;
+use ferry_csi::pb::node_server::NodeServer;
+use ferry_csi::stores::S3Stores;
+use ferry_e2e::{mount_capability, unix_channel, ControllerClient, NodeClient};
+use ferry_node::mounts::MountTable;
+use ferry_node::{NodeConfig, NodeService};
+use ferry_proto::csi::v1 as pb;
+use ferry_store::{ListRequest, ObjectStore, S3Credentials, S3Store};
+use ferry_testkit::S3Server;
+use ferry_volume::{Endpoint, MetadataTtl};
+use pb::volume_capability::access_mode::Mode;
+use tonic::transport::Channel;
+use tonic::Code;
+
+struct Env {
+    s3: S3Server,
+    store: S3Store,
+    dir: tempfile::TempDir,
+    ctrl: ControllerClient<Channel>,
+    node: NodeClient<Channel>,
+    mounts: Arc<MountTable>,
+}
+
+impl Env {
+    async fn start() -> Env {
+        ferry_testkit::init_tracing();
+        let s3 = S3Server::start();
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("kubelet/pods")).unwrap();
+        let defaults = Endpoint {
+            endpoint_url: Some(s3.endpoint_url().to_string()),
+            region: Some("us-east-1".into()),
+            force_path_style: true,
+        };
+        let creds = S3Credentials::Static {
+            access_key_id: s3.access_key().to_string(),
+            secret_access_key: s3.secret_key().to_string(),
+            session_token: None,
+        };
+        let stores = Arc::new(S3Stores::with_credentials(defaults, creds));
+        let mounts = Arc::new(MountTable::default());
+        let node = NodeService::new(
+            NodeConfig {
+                node_id: "test-node".into(),
+                kubelet_root: dir.path().join("kubelet"),
+                default_metadata_ttl: MetadataTtl::Seconds(1),
+            },
+            stores.clone(),
+            mounts.clone(),
+        );
+        let ctrl_sock = dir.path().join("ctrl.sock");
+        let node_sock = dir.path().join("node.sock");
+        let ctrl_in = ferry_csi::endpoint::bind(&ctrl_sock).unwrap();
+        let node_in = ferry_csi::endpoint::bind(&node_sock).unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .layer(ferry_csi::log::RpcLogLayer)
+                .add_service(ControllerServer::new(ControllerService::new(stores)))
+                .serve_with_incoming(ctrl_in),
+        );
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .layer(ferry_csi::log::RpcLogLayer)
+                .add_service(NodeServer::new(node))
+                .serve_with_incoming(node_in),
+        );
+        let store = S3Store::new(s3.s3_config()).await.unwrap();
+        Env {
+            ctrl: ControllerClient::new(unix_channel(&ctrl_sock).await.unwrap()),
+            node: NodeClient::new(unix_channel(&node_sock).await.unwrap()),
+            s3,
+            store,
+            dir,
+            mounts,
+        }
+    }
+
+    fn target(&self, pod: &str, pv: &str) -> PathBuf {
+        let parent = self
+            .dir
+            .path()
+            .join("kubelet/pods")
+            .join(pod)
+            .join("volumes/kubernetes.io~csi")
+            .join(pv);
+        std::fs::create_dir_all(&parent).unwrap();
+        parent.join("mount")
+    }
+
+    async fn keys(&self, bucket: &str, prefix: &str) -> Vec<String> {
+        let mut keys = Vec::new();
+        let mut token = None;
+        loop {
+            let page = self
+                .store
+                .list(
+                    bucket,
+                    ListRequest {
+                        prefix,
+                        continuation: token.take(),
+                        ..Default::default()
+                    },
+                )
+                .await
+                .unwrap();
+            keys.extend(page.objects.into_iter().map(|o| o.key));
+            match page.next_token {
+                Some(t) => token = Some(t),
+                None => return keys,
+            }
+        }
+    }
+
+    async fn publish(
+        &mut self,
+        volume_id: &str,
+        target: &std::path::Path,
+        cap: pb::VolumeCapability,
+        ctx: HashMap<String, String>,
+        readonly: bool,
+    ) -> Result<(), tonic::Status> {
+        self.node
+            .node_publish_volume(pb::NodePublishVolumeRequest {
+                volume_id: volume_id.into(),
+                target_path: target.display().to_string(),
+                volume_capability: Some(cap),
+                volume_context: ctx,
+                readonly,
+                ..Default::default()
+            })
+            .await
+            .map(drop)
+    }
+
+    async fn unpublish(&mut self, volume_id: &str, target: &std::path::Path) -> Result<(), tonic::Status> {
+        self.node
+            .node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+                volume_id: volume_id.into(),
+                target_path: target.display().to_string(),
+            })
+            .await
+            .map(drop)
+    }
+}
+
+fn map(kv: &[(&str, &str)]) -> HashMap<String, String> {
+    kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+fn payload(seed: u8, len: usize) -> Bytes {
+    Bytes::from(
+        (0..len)
+            .map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_left(seed as u32) as u8)
+            .collect::<Vec<u8>>(),
+    )
+}
+
+/// The issue's lifecycle: CreateVolume, objects written through S3, NodePublish, byte-for-byte
+/// reads through the mount, NodeUnpublish, DeleteVolume with deletePolicy delete, and the prefix
+/// empty while a sibling prefix is untouched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn dynamic_volume_lifecycle_with_delete_policy() {
+    let mut env = Env::start().await;
+    env.s3.create_bucket("data").await;
+    // A sibling that shares the volume prefix's first characters must survive the delete.
+    env.store.put("data", "vols/pvc-1x/keep.txt", Bytes::from_static(b"sibling")).await.unwrap();
+    env.store.put("data", "vols/other/keep.txt", Bytes::from_static(b"sibling")).await.unwrap();
+
+    let cap = mount_capability(Mode::SingleNodeWriter, &[]);
+    let params = map(&[("bucketName", "data"), ("basePrefix", "vols"), ("deletePolicy", "delete")]);
+    let vol = env
+        .ctrl
+        .create_volume(pb::CreateVolumeRequest {
+            name: "pvc-1".into(),
+            parameters: params.clone(),
+            volume_capabilities: vec![cap.clone()],
+            capacity_range: Some(pb::CapacityRange { required_bytes: 1 << 30, limit_bytes: 0 }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(vol.volume_context.get("prefix").map(String::as_str), Some("vols/pvc-1/"));
+    assert_eq!(vol.capacity_bytes, 1 << 30);
+
+    // Idempotent by name; the same name with other parameters is AlreadyExists.
+    let again = env
+        .ctrl
+        .create_volume(pb::CreateVolumeRequest {
+            name: "pvc-1".into(),
+            parameters: params.clone(),
+            volume_capabilities: vec![cap.clone()],
+            capacity_range: Some(pb::CapacityRange { required_bytes: 1 << 30, limit_bytes: 0 }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert_eq!(again.volume_id, vol.volume_id);
+    let conflict = env
+        .ctrl
+        .create_volume(pb::CreateVolumeRequest {
+            name: "pvc-1".into(),
+            parameters: map(&[("bucketName", "data"), ("basePrefix", "elsewhere")]),
+            volume_capabilities: vec![cap.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(conflict.code(), Code::AlreadyExists, "{conflict:?}");
+
+    let files: Vec<(String, Bytes)> = vec![
+        ("a.txt".into(), Bytes::from_static(b"hello ferry\n")),
+        ("empty".into(), Bytes::new()),
+        ("dir/b.bin".into(), payload(1, 300_000)),
+        ("dir/sub/c.bin".into(), payload(2, 9 << 20)),
+    ];
+    for (k, v) in &files {
+        env.store.put("data", &format!("vols/pvc-1/{k}"), v.clone()).await.unwrap();
+    }
+
+    let target = env.target("pod-1", "pvc-1");
+    env.publish(&vol.volume_id, &target, cap.clone(), vol.volume_context.clone(), false)
+        .await
+        .unwrap();
+    // The same request again is OK.
+    env.publish(&vol.volume_id, &target, cap.clone(), vol.volume_context.clone(), false)
+        .await
+        .unwrap();
+    let t = target.clone();
+    let expected = files.clone();
+    tokio::task::spawn_blocking(move || {
+        let mut names: Vec<_> = std::fs::read_dir(&t)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["a.txt", "dir", "empty"]);
+        for (k, v) in &expected {
+            let got = std::fs::read(t.join(k)).unwrap();
+            assert!(got == v.as_ref(), "{k}: bytes differ ({} vs {})", got.len(), v.len());
+            assert_eq!(std::fs::metadata(t.join(k)).unwrap().len(), v.len() as u64);
+        }
+        std::fs::write(t.join("written.txt"), b"through the mount").unwrap();
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        env.store.get_range("data", "vols/pvc-1/written.txt", 0..17, None).await.unwrap(),
+        Bytes::from_static(b"through the mount")
+    );
+
+    env.unpublish(&vol.volume_id, &target).await.unwrap();
+    assert!(!target.exists(), "unpublish removes the target directory");
+    assert!(env.mounts.is_empty());
+    // Unpublishing again is OK.
+    env.unpublish(&vol.volume_id, &target).await.unwrap();
+
+    env.ctrl
+        .delete_volume(pb::DeleteVolumeRequest { volume_id: vol.volume_id.clone(), secrets: Default::default() })
+        .await
+        .unwrap();
+    assert!(env.keys("data", "vols/pvc-1/").await.is_empty(), "the prefix is empty");
+    assert_eq!(
+        env.keys("data", "vols/").await,
+        ["vols/other/keep.txt", "vols/pvc-1x/keep.txt"],
+        "siblings are untouched"
+    );
+    // Deleting again is OK.
+    env.ctrl
+        .delete_volume(pb::DeleteVolumeRequest { volume_id: vol.volume_id, secrets: Default::default() })
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn retain_policy_keeps_data() {
+    let mut env = Env::start().await;
+    env.s3.create_bucket("keep").await;
+    let cap = mount_capability(Mode::SingleNodeWriter, &[]);
+    let vol = env
+        .ctrl
+        .create_volume(pb::CreateVolumeRequest {
+            name: "pvc-r".into(),
+            parameters: map(&[("bucketName", "keep")]),
+            volume_capabilities: vec![cap],
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    env.store.put("keep", "pvc-r/x", Bytes::from_static(b"x")).await.unwrap();
+    env.ctrl
+        .delete_volume(pb::DeleteVolumeRequest { volume_id: vol.volume_id, secrets: Default::default() })
+        .await
+        .unwrap();
+    assert_eq!(env.keys("keep", "").await, ["pvc-r/x"]);
+}
+
+/// A static PV written for Mountpoint's CSI driver: `bucketName` attribute, options in mount-s3
+/// syntax as PV mountOptions. Only the driver name changes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn mountpoint_static_pv_mounts_and_reads() {
+    let mut env = Env::start().await;
+    env.s3.create_bucket("mp-bucket").await;
+    env.store.put("mp-bucket", "datasets/imagenet/0.jpg", payload(3, 4096)).await.unwrap();
+    env.store.put("mp-bucket", "other/secret.txt", Bytes::from_static(b"no")).await.unwrap();
+    let cap = mount_capability(
+        Mode::MultiNodeReaderOnly,
+        &["prefix datasets/", "uid=1000", "gid=2000", "file-mode=0444", "dir-mode=0555", "allow-other"],
+    );
+    let target = env.target("pod-s", "static-pv");
+    env.publish("any-unique-handle", &target, cap, map(&[("bucketName", "mp-bucket")]), false)
+        .await
+        .unwrap();
+    let t = target.clone();
+    tokio::task::spawn_blocking(move || {
+        use std::os::unix::fs::MetadataExt;
+        let names: Vec<_> = std::fs::read_dir(&t)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        assert_eq!(names, ["imagenet"]);
+        let f = t.join("imagenet/0.jpg");
+        assert_eq!(std::fs::read(&f).unwrap(), payload(3, 4096));
+        let md = std::fs::metadata(&f).unwrap();
+        assert_eq!((md.uid(), md.gid(), md.mode() & 0o7777), (1000, 2000, 0o444));
+        assert_eq!(std::fs::metadata(t.join("imagenet")).unwrap().mode() & 0o7777, 0o555);
+        // A reader-only access mode makes the mount read-only.
+        let err = std::fs::write(t.join("new.txt"), b"x").unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc_erofs()), "{err}");
+    })
+    .await
+    .unwrap();
+    env.unpublish("any-unique-handle", &target).await.unwrap();
+}
+
+fn libc_erofs() -> i32 {
+    30 // EROFS on Linux
+}
+
+/// Every bad input is refused with the spec's code and a message naming what was wrong, and
+/// nothing is mounted or created.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn bad_input_is_refused_with_clear_errors() {
+    let mut env = Env::start().await;
+    env.s3.create_bucket("good-bucket").await;
+    let cap = mount_capability(Mode::SingleNodeWriter, &[]);
+    let ctx = map(&[("bucketName", "good-bucket")]);
+
+    let create = |name: &str, params: HashMap<String, String>, cap: pb::VolumeCapability| pb::CreateVolumeRequest {
+        name: name.into(),
+        parameters: params,
+        volume_capabilities: vec![cap],
+        ..Default::default()
+    };
+    let cases = vec![
+        (create("", ctx.clone(), cap.clone()), "name"),
+        (create("v", map(&[]), cap.clone()), "bucketName"),
+        (create("v", map(&[("bucketName", "Bad_Bucket")]), cap.clone()), "bucketName"),
+        (create("v", map(&[("bucketName", "good-bucket"), ("colour", "red")]), cap.clone()), "colour"),
+        (
+            create("v", map(&[("bucketName", "good-bucket"), ("prefixTemplate", "../x")]), cap.clone()),
+            "prefix",
+        ),
+        (create("v", ctx.clone(), mount_capability(Mode::SingleNodeWriter, &["bogus-opt"])), "bogus-opt"),
+        (
+            create(
+                "v",
+                ctx.clone(),
+                pb::VolumeCapability {
+                    access_type: Some(pb::volume_capability::AccessType::Block(Default::default())),
+                    access_mode: Some(pb::volume_capability::AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+                },
+            ),
+            "block",
+        ),
+    ];
+    for (req, needle) in cases {
+        let e = env.ctrl.create_volume(req).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains(needle), "{needle}: {}", e.message());
+    }
+    let e = env
+        .ctrl
+        .create_volume(create("v", map(&[("bucketName", "no-such-bucket")]), cap.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("no-such-bucket"));
+
+    // Node: target outside the kubelet root, relative, or with '..'.
+    let outside = env.dir.path().join("elsewhere/mount");
+    for t in [outside.clone(), PathBuf::from("relative/mount"), env.dir.path().join("kubelet/pods/../../x")] {
+        let e = env.publish("vol", &t, cap.clone(), ctx.clone(), false).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{t:?}: {e:?}");
+        assert!(e.message().contains("target_path"), "{}", e.message());
+    }
+    assert!(!outside.exists(), "nothing is created outside the kubelet root");
+    let target = env.target("pod-b", "pv-b");
+    for (ctx, flags, needle) in [
+        (map(&[]), vec![], "bucketName"),
+        (map(&[("bucketName", "x")]), vec![], "bucketName"),
+        (ctx.clone(), vec!["nope=1"], "nope"),
+        (ctx.clone(), vec!["uid=-1"], "uid"),
+    ] {
+        let e = env
+            .publish("vol", &target, mount_capability(Mode::SingleNodeWriter, &flags), ctx, false)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        assert!(e.message().contains(needle), "{needle}: {}", e.message());
+    }
+    let e = env
+        .publish("vol", &target, cap.clone(), map(&[("bucketName", "missing-bucket")]), false)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    assert!(!target.exists(), "a refused publish leaves no target behind");
+
+    // Same target, another volume: AlreadyExists; same volume, other options: AlreadyExists.
+    env.publish("vol-a", &target, cap.clone(), ctx.clone(), false).await.unwrap();
+    let e = env.publish("vol-b", &target, cap.clone(), ctx.clone(), false).await.unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
+    let e = env.publish("vol-a", &target, cap.clone(), ctx.clone(), true).await.unwrap_err();
+    assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
+    // Unpublish of another volume at that target: NotFound, and the mount stays.
+    let e = env.unpublish("vol-b", &target).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    assert_eq!(env.mounts.len(), 1);
+    env.unpublish("vol-a", &target).await.unwrap();
+}

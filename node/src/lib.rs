@@ -1,0 +1,13 @@
+//! Ferry's CSI node plugin as a library, so tests can serve it in-process.
+//!
+//! - [`service`]: the Node service (NodePublishVolume mounts, NodeUnpublishVolume unmounts);
+//! - [`mounts`]: the table of live mounts, one FUSE session each, all in this process;
+//! - [`targetpath`]: kubelet target-path checks;
+//! - [`mountinfo`]: what the kernel says is mounted where.
+
+pub mod mountinfo;
+pub mod mounts;
+pub mod service;
+pub mod targetpath;
+
+pub use service::{NodeConfig, NodeService};

@@ -1,0 +1,315 @@
+//! `ferry-node`: the CSI node plugin (`serve`) and a standalone `mount` command.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use clap::{Args, Parser, Subcommand};
+use ferry_csi::identity::IdentityService;
+use ferry_csi::pb::identity_server::IdentityServer;
+use ferry_csi::pb::node_server::NodeServer;
+use ferry_csi::pb::plugin_capability::service::Type as PluginCap;
+use ferry_csi::stores::{S3Stores, Stores};
+use ferry_node::mounts::{MountTable, Published};
+use ferry_node::{NodeConfig, NodeService};
+use ferry_volume::{Endpoint, MetadataTtl, MountOptions, VolumeSpec};
+
+#[derive(Debug, Parser)]
+#[command(version, about = "Ferry CSI node plugin and S3 mounter")]
+struct Cli {
+    /// Log filter (tracing EnvFilter syntax).
+    #[arg(long, env = "FERRY_LOG", default_value = "info", global = true)]
+    log: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Serve the CSI Identity and Node services (the DaemonSet's command).
+    Serve(ServeArgs),
+    /// Mount a bucket (or a prefix of it) at a directory, like mount-s3.
+    Mount(MountArgs),
+}
+
+#[derive(Debug, Args)]
+struct ServeArgs {
+    /// CSI endpoint, `unix:///path/to/csi.sock`.
+    #[arg(long, env = "CSI_ENDPOINT", default_value = "unix:///csi/csi.sock")]
+    csi_endpoint: String,
+    /// This node's id, as NodeGetInfo reports it (the Kubernetes node name).
+    #[arg(long, env = "NODE_ID")]
+    node_id: String,
+    /// Kubelet's root directory: every target path must lie below it.
+    #[arg(long, env = "KUBELET_ROOT", default_value = "/var/lib/kubelet")]
+    kubelet_root: PathBuf,
+    /// Default S3 endpoint URL for volumes that name none.
+    #[arg(long, env = "FERRY_ENDPOINT_URL")]
+    endpoint_url: Option<String>,
+    /// Default region for volumes that name none.
+    #[arg(long, env = "FERRY_REGION")]
+    region: Option<String>,
+    /// Use path-style addressing by default.
+    #[arg(long, env = "FERRY_FORCE_PATH_STYLE")]
+    force_path_style: bool,
+    /// Metadata TTL for volumes without a `metadata-ttl` option: seconds, `indefinite` or `minimal`.
+    #[arg(long, env = "FERRY_METADATA_TTL", default_value = "1", value_parser = parse_ttl)]
+    metadata_ttl: MetadataTtl,
+}
+
+#[derive(Debug, Args)]
+struct MountArgs {
+    /// Bucket to mount.
+    bucket: String,
+    /// Directory to mount at.
+    directory: PathBuf,
+    /// Mount only keys under this prefix (ends with '/').
+    #[arg(long)]
+    prefix: Option<String>,
+    /// S3 endpoint URL (S3-compatible stores).
+    #[arg(long)]
+    endpoint_url: Option<String>,
+    /// Bucket region.
+    #[arg(long)]
+    region: Option<String>,
+    /// Path-style addressing.
+    #[arg(long)]
+    force_path_style: bool,
+    /// Mount read-only.
+    #[arg(long)]
+    read_only: bool,
+    /// Allow deleting files and directories.
+    #[arg(long)]
+    allow_delete: bool,
+    /// Allow overwriting existing files (open with O_TRUNC).
+    #[arg(long)]
+    allow_overwrite: bool,
+    /// Allow other users (than the one mounting) to access the mount.
+    #[arg(long)]
+    allow_other: bool,
+    /// Owner of files and directories.
+    #[arg(long)]
+    uid: Option<u32>,
+    /// Group of files and directories.
+    #[arg(long)]
+    gid: Option<u32>,
+    /// Permission bits of files, octal.
+    #[arg(long, value_parser = parse_mode)]
+    file_mode: Option<u16>,
+    /// Permission bits of directories, octal.
+    #[arg(long, value_parser = parse_mode)]
+    dir_mode: Option<u16>,
+    /// How long metadata is trusted: seconds, `indefinite` or `minimal`.
+    #[arg(long, value_parser = parse_ttl)]
+    metadata_ttl: Option<MetadataTtl>,
+    /// Stay in the foreground until unmounted or interrupted.
+    #[arg(short, long)]
+    foreground: bool,
+}
+
+fn parse_ttl(s: &str) -> Result<MetadataTtl, String> {
+    s.parse()
+}
+
+fn parse_mode(s: &str) -> Result<u16, String> {
+    u16::from_str_radix(s.trim_start_matches("0o"), 8)
+        .ok()
+        .filter(|m| *m <= 0o7777)
+        .ok_or_else(|| format!("{s:?} is not an octal mode"))
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Mount(args) if !args.foreground => daemonize(),
+        command => {
+            ferry_csi::log::init(&cli.log).map_err(anyhow::Error::msg)?;
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .enable_all()
+                .build()
+                .context("starting the tokio runtime")?;
+            rt.block_on(async move {
+                match command {
+                    Command::Serve(args) => serve(args).await,
+                    Command::Mount(args) => mount(args).await,
+                }
+            })
+        }
+    }
+}
+
+/// Runs this same command with `--foreground` in a new session, detached, and returns once the
+/// directory is mounted (or the child failed, with its status).
+fn daemonize() -> anyhow::Result<()> {
+    use std::os::unix::process::CommandExt;
+    let exe = std::env::current_exe().context("finding our own executable")?;
+    let mut args: Vec<String> = std::env::args().skip(1).collect();
+    args.push("--foreground".to_string());
+    let dir = {
+        let cli = Cli::parse();
+        match cli.command {
+            Command::Mount(m) => std::fs::canonicalize(&m.directory)
+                .with_context(|| format!("mount directory {}", m.directory.display()))?,
+            Command::Serve(_) => unreachable!("only mount daemonizes"),
+        }
+    };
+    let mut child = std::process::Command::new(exe)
+        .args(&args)
+        .stdin(std::process::Stdio::null())
+        .process_group(0)
+        .spawn()
+        .context("starting the background mount process")?;
+    loop {
+        if let Some(status) = child.try_wait()? {
+            bail!("the mount process exited with {status}");
+        }
+        if ferry_node::mountinfo::mounted_at(&dir)?.is_some_and(|m| m.fs_type.contains("ferry")) {
+            println!("mounted at {} (pid {})", dir.display(), child.id());
+            return Ok(());
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn endpoint(url: &Option<String>, region: &Option<String>, path_style: bool) -> anyhow::Result<Endpoint> {
+    if let Some(u) = url {
+        ferry_volume::validate::endpoint_url("--endpoint-url", u)?;
+    }
+    if let Some(r) = region {
+        ferry_volume::validate::region("--region", r)?;
+    }
+    Ok(Endpoint {
+        endpoint_url: url.clone(),
+        region: region.clone(),
+        force_path_style: path_style,
+    })
+}
+
+async fn mount(a: MountArgs) -> anyhow::Result<()> {
+    ferry_volume::validate::bucket_name("bucket", &a.bucket)?;
+    let prefix = match &a.prefix {
+        Some(p) => ferry_volume::validate::prefix("--prefix", p, true)?,
+        None => String::new(),
+    };
+    let stores = S3Stores::new(endpoint(&a.endpoint_url, &a.region, a.force_path_style)?);
+    let store = stores.get(&Endpoint::default()).await?;
+    store
+        .head_bucket(&a.bucket)
+        .await
+        .with_context(|| format!("checking bucket {:?}", a.bucket))?;
+    // SAFETY: getuid/getgid have no preconditions and cannot fail.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let published = Published {
+        volume_id: format!("{}/{}", a.bucket, prefix),
+        spec: VolumeSpec {
+            bucket: a.bucket.clone(),
+            prefix,
+            endpoint: Endpoint::default(),
+            options: MountOptions {
+                read_only: a.read_only,
+                allow_delete: a.allow_delete,
+                allow_overwrite: a.allow_overwrite,
+                allow_other: a.allow_other,
+                uid: Some(a.uid.unwrap_or(uid)),
+                gid: Some(a.gid.unwrap_or(gid)),
+                file_mode: a.file_mode,
+                dir_mode: a.dir_mode,
+                metadata_ttl: a.metadata_ttl,
+                ..Default::default()
+            },
+        },
+        read_only: a.read_only,
+        mount_group: None,
+    };
+    let mut config = ferry_node::service::mount_config(&published, MetadataTtl::Seconds(1));
+    config.allow_other = a.allow_other;
+    let dir = a.directory.clone();
+    let rt = tokio::runtime::Handle::current();
+    let handle = tokio::task::spawn_blocking(move || ferry_fs::mount(store, config, &dir, rt))
+        .await?
+        .with_context(|| format!("mounting at {}", a.directory.display()))?;
+    tracing::info!(bucket = %a.bucket, directory = %a.directory.display(), "mounted; unmount with `umount` or Ctrl-C");
+    let dir = a.directory.clone();
+    // Wait for a signal or for an external unmount.
+    let external = async {
+        loop {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            match ferry_node::mountinfo::mounted_at(&dir) {
+                Ok(Some(_)) => {}
+                _ => return,
+            }
+        }
+    };
+    tokio::select! {
+        _ = ferry_csi::endpoint::shutdown_signal() => {
+            tokio::task::spawn_blocking(move || handle.unmount()).await??;
+        }
+        _ = external => {
+            tracing::info!("unmounted externally");
+            drop(handle);
+        }
+    }
+    Ok(())
+}
+
+async fn serve(a: ServeArgs) -> anyhow::Result<()> {
+    let socket = ferry_csi::endpoint::parse(&a.csi_endpoint).map_err(anyhow::Error::msg)?;
+    if a.node_id.is_empty() {
+        bail!("--node-id (NODE_ID) must not be empty");
+    }
+    let stores: Arc<dyn Stores> = Arc::new(S3Stores::new(endpoint(
+        &a.endpoint_url,
+        &a.region,
+        a.force_path_style,
+    )?));
+    let mounts = Arc::new(MountTable::default());
+    let node = NodeService::new(
+        NodeConfig {
+            node_id: a.node_id.clone(),
+            kubelet_root: a.kubelet_root.clone(),
+            default_metadata_ttl: a.metadata_ttl,
+        },
+        stores,
+        mounts.clone(),
+    );
+    let identity = IdentityService::new(
+        // The plugin as a whole provides the controller service (served by ferry-controller).
+        vec![PluginCap::ControllerService],
+        Box::new(|| Box::pin(async { fuse_device_usable() })),
+    );
+    let incoming = ferry_csi::endpoint::bind(&socket)
+        .with_context(|| format!("binding CSI socket {}", socket.display()))?;
+    tracing::info!(endpoint = %socket.display(), node_id = %a.node_id, version = ferry_csi::VERSION, "ferry-node serving");
+    tonic::transport::Server::builder()
+        .layer(ferry_csi::log::RpcLogLayer)
+        .add_service(IdentityServer::new(identity))
+        .add_service(NodeServer::new(node))
+        .serve_with_incoming_shutdown(incoming, ferry_csi::endpoint::shutdown_signal())
+        .await
+        .context("serving gRPC")?;
+    let _ = std::fs::remove_file(&socket);
+    // Live mounts are left in place: unmounting them would show pods an empty directory whose
+    // writes land on the node's disk. When this process exits their FUSE connections end and
+    // they fail with ENOTCONN until kubelet unpublishes them (which detaches the dead mount).
+    let live = mounts.list();
+    if !live.is_empty() {
+        tracing::warn!(mounts = live.len(), "exiting with live mounts; they fail with ENOTCONN until unpublished");
+        for (target, volume) in &live {
+            tracing::warn!(target = %target.display(), volume_id = %volume, "live mount");
+        }
+        std::mem::forget(mounts.drain());
+    }
+    tracing::info!("ferry-node stopped");
+    Ok(())
+}
+
+/// Readiness: `/dev/fuse` can be opened.
+fn fuse_device_usable() -> Result<(), String> {
+    std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/fuse")
+        .map(drop)
+        .map_err(|e| format!("cannot open /dev/fuse: {e}"))
+}

@@ -1,0 +1,75 @@
+//! The table of live mounts: target path -> what is mounted there and its FUSE session.
+//!
+//! Every mount is an in-process FUSE session of its own (its own kernel connection and thread), so
+//! one mount failing does not touch the others. The table is plain data (the published request, the
+//! mount config) beside each session handle.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use ferry_fs::{MountConfig, MountHandle};
+use ferry_volume::VolumeSpec;
+
+/// What a NodePublishVolume asked for; a repeat with the same key is idempotent.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Published {
+    pub volume_id: String,
+    pub spec: VolumeSpec,
+    pub read_only: bool,
+    pub mount_group: Option<u32>,
+}
+
+/// One live mount.
+pub struct Mounted {
+    pub published: Published,
+    pub config: MountConfig,
+    pub handle: MountHandle,
+}
+
+/// Live mounts by target path.
+#[derive(Default)]
+pub struct MountTable {
+    mounts: Mutex<HashMap<PathBuf, Mounted>>,
+}
+
+impl MountTable {
+    pub fn get(&self, target: &Path) -> Option<Published> {
+        self.mounts
+            .lock()
+            .unwrap()
+            .get(target)
+            .map(|m| m.published.clone())
+    }
+
+    pub fn insert(&self, target: PathBuf, m: Mounted) {
+        self.mounts.lock().unwrap().insert(target, m);
+    }
+
+    pub fn remove(&self, target: &Path) -> Option<Mounted> {
+        self.mounts.lock().unwrap().remove(target)
+    }
+
+    pub fn len(&self) -> usize {
+        self.mounts.lock().unwrap().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Targets and volume ids, for logs.
+    pub fn list(&self) -> Vec<(PathBuf, String)> {
+        self.mounts
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(t, m)| (t.clone(), m.published.volume_id.clone()))
+            .collect()
+    }
+
+    /// Takes every mount out of the table (for shutdown).
+    pub fn drain(&self) -> Vec<(PathBuf, Mounted)> {
+        self.mounts.lock().unwrap().drain().collect()
+    }
+}

@@ -1,0 +1,360 @@
+//! The CSI Node service: NodePublishVolume mounts a prefix with the in-process FUSE filesystem,
+//! NodeUnpublishVolume unmounts it and removes the target directory.
+//!
+//! Staging, expansion and volume stats are not offered (the capabilities list is empty), so kubelet
+//! calls only publish and unpublish.
+
+use std::collections::HashSet;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use ferry_csi::capability;
+use ferry_csi::error::{require, Result};
+use ferry_csi::pb;
+use ferry_csi::pb::node_server::Node;
+use ferry_csi::stores::Stores;
+use ferry_csi::CsiError;
+use ferry_fs::{MetadataTtl as FsTtl, MountConfig};
+use ferry_store::StoreError;
+use ferry_volume::{MetadataTtl, VolumeSpec};
+use tonic::{Request, Response, Status};
+use tracing::{info, instrument, warn};
+
+use crate::mountinfo;
+use crate::mounts::{MountTable, Mounted, Published};
+use crate::targetpath;
+
+/// Node-level settings.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    pub node_id: String,
+    /// Targets must lie below this directory.
+    pub kubelet_root: PathBuf,
+    /// Metadata TTL for volumes that do not set `metadata-ttl`.
+    pub default_metadata_ttl: MetadataTtl,
+}
+
+/// The node service.
+pub struct NodeService {
+    config: NodeConfig,
+    stores: Arc<dyn Stores>,
+    mounts: Arc<MountTable>,
+    in_flight: Mutex<HashSet<PathBuf>>,
+    runtime: tokio::runtime::Handle,
+}
+
+struct InFlight<'a> {
+    set: &'a Mutex<HashSet<PathBuf>>,
+    key: PathBuf,
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.set.lock().unwrap().remove(&self.key);
+    }
+}
+
+fn unimplemented<T>(rpc: &str) -> Result<Response<T>, Status> {
+    Err(Status::unimplemented(format!("{rpc} is not supported by Ferry")))
+}
+
+/// Converts a volume's TTL setting into the filesystem's.
+pub fn fs_ttl(ttl: MetadataTtl) -> FsTtl {
+    match ttl {
+        MetadataTtl::Seconds(s) => FsTtl::Duration(Duration::from_secs(s)),
+        MetadataTtl::Minimal => FsTtl::Duration(Duration::ZERO),
+        MetadataTtl::Indefinite => FsTtl::Indefinite,
+    }
+}
+
+/// The filesystem configuration of a published volume.
+///
+/// CSI mounts allow other users by default: the pod's processes do not run as the node plugin's
+/// user, and the kernel still enforces the file and directory modes (`default_permissions`).
+pub fn mount_config(p: &Published, default_ttl: MetadataTtl) -> MountConfig {
+    let o = &p.spec.options;
+    MountConfig {
+        bucket: p.spec.bucket.clone(),
+        prefix: p.spec.prefix.clone(),
+        read_only: p.read_only,
+        allow_delete: o.allow_delete,
+        allow_overwrite: o.allow_overwrite,
+        uid: o.uid.unwrap_or(0),
+        gid: o.gid.or(p.mount_group).unwrap_or(0),
+        file_mode: o.file_mode.unwrap_or(if p.mount_group.is_some() { 0o664 } else { 0o644 }),
+        dir_mode: o.dir_mode.unwrap_or(if p.mount_group.is_some() { 0o775 } else { 0o755 }),
+        allow_other: true,
+        metadata_ttl: fs_ttl(o.metadata_ttl.unwrap_or(default_ttl)),
+        fs_name: format!("ferry:{}/{}", p.spec.bucket, p.spec.prefix),
+    }
+}
+
+impl NodeService {
+    pub fn new(config: NodeConfig, stores: Arc<dyn Stores>, mounts: Arc<MountTable>) -> Self {
+        NodeService {
+            config,
+            stores,
+            mounts,
+            in_flight: Mutex::new(HashSet::new()),
+            runtime: tokio::runtime::Handle::current(),
+        }
+    }
+
+    fn begin(&self, target: &Path) -> Result<InFlight<'_>> {
+        let mut set = self.in_flight.lock().unwrap();
+        if !set.insert(target.to_path_buf()) {
+            return Err(CsiError::Aborted(format!(
+                "an operation on target {} is already in progress",
+                target.display()
+            )));
+        }
+        Ok(InFlight {
+            set: &self.in_flight,
+            key: target.to_path_buf(),
+        })
+    }
+
+    /// Detaches a mount at `target` that this process does not own: a dead FUSE mount left by an
+    /// earlier node plugin process (its connection ended with that process).
+    fn clear_stale(target: &Path) -> Result<()> {
+        let mounted = mountinfo::mounted_at(target)
+            .map_err(|e| CsiError::Internal(format!("reading mountinfo: {e}")))?;
+        if let Some(m) = mounted {
+            warn!(target = %target.display(), fs_type = %m.fs_type, source = %m.source, "detaching a mount this process does not own");
+            mountinfo::detach(target).map_err(|e| {
+                CsiError::Internal(format!("detaching stale mount at {}: {e}", target.display()))
+            })?;
+        }
+        Ok(())
+    }
+
+    #[instrument(skip_all, fields(volume_id = %req.volume_id, target_path = %req.target_path))]
+    async fn publish(&self, req: pb::NodePublishVolumeRequest) -> Result<pb::NodePublishVolumeResponse> {
+        let volume_id = require("volume_id", &req.volume_id)?;
+        require("target_path", &req.target_path)?;
+        let cap = req
+            .volume_capability
+            .as_ref()
+            .ok_or_else(|| CsiError::InvalidArgument("volume_capability is required".to_string()))?;
+        let mode = capability::check(cap)?;
+        let target = targetpath::check(&self.config.kubelet_root, &req.target_path)?;
+        let spec = VolumeSpec::from_publish(&req.volume_context, capability::mount_flags(cap))?;
+        let mount_group = match &cap.access_type {
+            Some(pb::volume_capability::AccessType::Mount(m)) if !m.volume_mount_group.is_empty() => {
+                Some(m.volume_mount_group.parse::<u32>().map_err(|_| {
+                    CsiError::InvalidArgument(format!(
+                        "volume_mount_group {:?} is not a numeric group id",
+                        m.volume_mount_group
+                    ))
+                })?)
+            }
+            _ => None,
+        };
+        let published = Published {
+            volume_id: volume_id.to_string(),
+            read_only: req.readonly || capability::mode_read_only(mode) || spec.options.read_only,
+            spec,
+            mount_group,
+        };
+        let _guard = self.begin(&target)?;
+
+        if let Some(existing) = self.mounts.get(&target) {
+            if existing == published {
+                info!("already published");
+                return Ok(pb::NodePublishVolumeResponse {});
+            }
+            return Err(CsiError::AlreadyExists(if existing.volume_id != published.volume_id {
+                format!(
+                    "target {} already has volume {:?} published",
+                    target.display(),
+                    existing.volume_id
+                )
+            } else {
+                format!(
+                    "volume {volume_id:?} is already published at {} with other options",
+                    target.display()
+                )
+            }));
+        }
+        Self::clear_stale(&target)?;
+
+        let store = self
+            .stores
+            .get(&published.spec.endpoint)
+            .await
+            .map_err(|e| CsiError::from_store("creating the S3 client", e))?;
+        match store.head_bucket(&published.spec.bucket).await {
+            Ok(()) => {}
+            Err(StoreError::NoSuchBucket(_) | StoreError::NotFound(_)) => {
+                return Err(CsiError::NotFound(format!(
+                    "bucket {:?} does not exist",
+                    published.spec.bucket
+                )))
+            }
+            Err(e) => {
+                return Err(CsiError::from_store(
+                    &format!("checking bucket {:?}", published.spec.bucket),
+                    e,
+                ))
+            }
+        }
+
+        match std::fs::create_dir(&target) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                if !target.is_dir() {
+                    return Err(CsiError::InvalidArgument(format!(
+                        "target_path {} exists and is not a directory",
+                        target.display()
+                    )));
+                }
+            }
+            Err(e) => {
+                return Err(CsiError::Internal(format!(
+                    "creating target directory {}: {e} (its parent must exist)",
+                    target.display()
+                )))
+            }
+        }
+
+        let config = mount_config(&published, self.config.default_metadata_ttl);
+        let runtime = self.runtime.clone();
+        let (mount_target, mount_config) = (target.clone(), config.clone());
+        let handle = tokio::task::spawn_blocking(move || {
+            ferry_fs::mount(store, mount_config, &mount_target, runtime)
+        })
+        .await
+        .map_err(|e| CsiError::Internal(format!("mount task failed: {e}")))?
+        .map_err(|e| CsiError::Internal(format!("mounting at {}: {e}", target.display())))?;
+        info!(
+            bucket = %published.spec.bucket,
+            prefix = %published.spec.prefix,
+            read_only = published.read_only,
+            pod_uid = targetpath::pod_uid(&self.config.kubelet_root, &target).unwrap_or("-"),
+            "published"
+        );
+        self.mounts.insert(
+            target,
+            Mounted {
+                published,
+                config,
+                handle,
+            },
+        );
+        Ok(pb::NodePublishVolumeResponse {})
+    }
+
+    #[instrument(skip_all, fields(volume_id = %req.volume_id, target_path = %req.target_path))]
+    async fn unpublish(&self, req: pb::NodeUnpublishVolumeRequest) -> Result<pb::NodeUnpublishVolumeResponse> {
+        let volume_id = require("volume_id", &req.volume_id)?;
+        require("target_path", &req.target_path)?;
+        let target = targetpath::check(&self.config.kubelet_root, &req.target_path)?;
+        let _guard = self.begin(&target)?;
+        if let Some(existing) = self.mounts.get(&target) {
+            if existing.volume_id != volume_id {
+                return Err(CsiError::NotFound(format!(
+                    "volume {volume_id:?} is not published at {} (volume {:?} is)",
+                    target.display(),
+                    existing.volume_id
+                )));
+            }
+        }
+        if let Some(m) = self.mounts.remove(&target) {
+            let t = target.clone();
+            let res = tokio::task::spawn_blocking(move || m.handle.unmount())
+                .await
+                .map_err(|e| CsiError::Internal(format!("unmount task failed: {e}")))?;
+            if let Err(e) = res {
+                warn!(error = %e, "clean unmount failed; detaching");
+                mountinfo::detach(&t).map_err(|e| {
+                    CsiError::Internal(format!("unmounting {}: {e}", t.display()))
+                })?;
+            }
+        } else {
+            Self::clear_stale(&target)?;
+        }
+        match std::fs::remove_dir(&target) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => {
+                return Err(CsiError::Internal(format!(
+                    "removing target directory {}: {e}",
+                    target.display()
+                )))
+            }
+        }
+        info!("unpublished");
+        Ok(pb::NodeUnpublishVolumeResponse {})
+    }
+}
+
+#[tonic::async_trait]
+impl Node for NodeService {
+    async fn node_publish_volume(
+        &self,
+        request: Request<pb::NodePublishVolumeRequest>,
+    ) -> Result<Response<pb::NodePublishVolumeResponse>, Status> {
+        Ok(Response::new(self.publish(request.into_inner()).await?))
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        request: Request<pb::NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<pb::NodeUnpublishVolumeResponse>, Status> {
+        Ok(Response::new(self.unpublish(request.into_inner()).await?))
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        _request: Request<pb::NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<pb::NodeGetCapabilitiesResponse>, Status> {
+        use pb::node_service_capability::{rpc::Type, Rpc, Type as CapType};
+        Ok(Response::new(pb::NodeGetCapabilitiesResponse {
+            capabilities: vec![pb::NodeServiceCapability {
+                r#type: Some(CapType::Rpc(Rpc {
+                    r#type: Type::VolumeMountGroup as i32,
+                })),
+            }],
+        }))
+    }
+
+    async fn node_get_info(
+        &self,
+        _request: Request<pb::NodeGetInfoRequest>,
+    ) -> Result<Response<pb::NodeGetInfoResponse>, Status> {
+        Ok(Response::new(pb::NodeGetInfoResponse {
+            node_id: self.config.node_id.clone(),
+            max_volumes_per_node: 0,
+            accessible_topology: None,
+        }))
+    }
+
+    async fn node_stage_volume(
+        &self,
+        _r: Request<pb::NodeStageVolumeRequest>,
+    ) -> Result<Response<pb::NodeStageVolumeResponse>, Status> {
+        unimplemented("NodeStageVolume")
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        _r: Request<pb::NodeUnstageVolumeRequest>,
+    ) -> Result<Response<pb::NodeUnstageVolumeResponse>, Status> {
+        unimplemented("NodeUnstageVolume")
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        _r: Request<pb::NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<pb::NodeGetVolumeStatsResponse>, Status> {
+        unimplemented("NodeGetVolumeStats")
+    }
+
+    async fn node_expand_volume(
+        &self,
+        _r: Request<pb::NodeExpandVolumeRequest>,
+    ) -> Result<Response<pb::NodeExpandVolumeResponse>, Status> {
+        unimplemented("NodeExpandVolume")
+    }
+}

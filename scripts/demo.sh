@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# The demo: a local S3 server (versitygw on loopback), ferry-controller and ferry-node; provisions a
+# volume through CSI, uploads a small dataset, publishes the volume at a kubelet-style target path
+# and shows the files through the FUSE mount. `scripts/demo.sh --keep` leaves it mounted until Ctrl-C.
+# Must run as root (FUSE mounts).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+"$(dirname "$0")/setup.sh"
+export FERRY_TOOLS=${FERRY_TOOLS:-$HOME/.cache/ferry-tools/bin}
+export PATH="$FERRY_TOOLS:$PATH"
+cargo build --locked --workspace --bins
+exec target/debug/ferry-harness demo "$@"

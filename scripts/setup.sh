@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Installs everything Ferry's demo and test suite need on a Debian machine, idempotently:
+#   - Debian packages: fuse3 (fusermount3, /dev/fuse userspace), build essentials;
+#   - Go-built judges and servers, into $FERRY_TOOLS (default ~/.cache/ferry-tools/bin), built from
+#     the Go module proxy: csi-sanity (the CSI conformance suite) and versitygw (an S3 server).
+# Nothing is written into the repository. Safe to run again: present tools are kept.
+set -euo pipefail
+
+FERRY_TOOLS=${FERRY_TOOLS:-$HOME/.cache/ferry-tools/bin}
+CSI_SANITY_VERSION=v5.4.0
+VERSITYGW_VERSION=v1.7.0
+mkdir -p "$FERRY_TOOLS"
+
+log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
+
+need_root() {
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "setup: run as root (FUSE mounts and apt-get need it): sudo $0" >&2
+    exit 1
+  fi
+}
+
+install_debian_packages() {
+  local missing=()
+  command -v fusermount3 >/dev/null || missing+=(fuse3)
+  command -v cc >/dev/null || missing+=(build-essential)
+  command -v git >/dev/null || missing+=(git)
+  command -v curl >/dev/null || missing+=(curl)
+  if [ ${#missing[@]} -gt 0 ]; then
+    log "apt-get install ${missing[*]}"
+    need_root
+    apt-get update -q
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}"
+  fi
+  if [ ! -e /dev/fuse ]; then
+    echo "setup: /dev/fuse is missing: load the fuse module (modprobe fuse) or run where FUSE is available" >&2
+    exit 1
+  fi
+}
+
+check_toolchains() {
+  command -v cargo >/dev/null || { echo "setup: cargo (Rust 1.95) is required: https://rustup.rs" >&2; exit 1; }
+  command -v go >/dev/null || { echo "setup: go (1.24+) is required to build csi-sanity and versitygw" >&2; exit 1; }
+}
+
+# go_tool NAME VERSION MODULE_PATH: installs MODULE_PATH@VERSION as $FERRY_TOOLS/NAME unless that
+# version is already there (a stamp file remembers which version the binary is).
+go_tool() {
+  local name=$1 version=$2 module=$3
+  local stamp="$FERRY_TOOLS/.$name.version"
+  if [ -x "$FERRY_TOOLS/$name" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$version" ]; then
+    return
+  fi
+  log "go install $module@$version (into $FERRY_TOOLS)"
+  GOBIN="$FERRY_TOOLS" GOFLAGS=-buildvcs=false go install "$module@$version"
+  echo "$version" >"$stamp"
+}
+
+install_debian_packages
+check_toolchains
+go_tool csi-sanity "$CSI_SANITY_VERSION" github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
+go_tool versitygw "$VERSITYGW_VERSION" github.com/versity/versitygw/cmd/versitygw
+log "tools ready in $FERRY_TOOLS"

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The whole test suite, as CI runs it (.ci/run calls this):
+#   1. installs what it needs (scripts/setup.sh);
+#   2. gates: cargo fmt --check, cargo clippy --all-targets -D warnings;
+#   3. cargo test --workspace: unit tests on the in-memory store, property tests, and integration
+#      tests against a real S3 server (versitygw on loopback) through real FUSE mounts;
+#   4. csi-sanity v5.4.0 against ferry-controller and ferry-node on unix sockets, with test volumes
+#      on the real S3 server.
+# Must run as root (FUSE mounts). Exits non-zero on the first failing step.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+"$(dirname "$0")/setup.sh"
+export FERRY_TOOLS=${FERRY_TOOLS:-$HOME/.cache/ferry-tools/bin}
+export PATH="$FERRY_TOOLS:$PATH"
+
+step() { printf '\n\033[1m==> %s\033[0m\n' "$*" >&2; }
+
+step "cargo fmt --check"
+cargo fmt --all -- --check
+
+step "cargo clippy --all-targets -- -D warnings"
+cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "cargo test --workspace"
+cargo test --workspace --locked --no-fail-fast
+
+step "csi-sanity $(cat "$FERRY_TOOLS/.csi-sanity.version" 2>/dev/null)"
+cargo build --locked --workspace --bins
+target/debug/ferry-harness sanity
+
+step "all tests passed"
