@@ -20,7 +20,7 @@ pub const NAME_MAX: usize = 255;
 pub const KEY_MAX: usize = 1024;
 
 /// File or directory: the only two kinds Ferry shows.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum Kind {
     File,
     Dir,

@@ -236,6 +236,7 @@ async fn sanity(bin: Option<PathBuf>, extra: Vec<String>) -> Result<()> {
         .arg(format!("-csi.stagingdir={}", pods.join("sanity-staging").display()))
         .arg(format!("-csi.testvolumeparameters={}", params.display()))
         .arg("-ginkgo.v")
+        .arg("-ginkgo.no-color")
         .args(&extra)
         .stdout(Stdio::piped());
     println!("$ {cmd:?}");

@@ -1,0 +1,402 @@
+//! Reference-model test of the core: random sequences of create+write, read, list, stat, unlink,
+//! mkdir, rmdir and "the kernel forgets everything", run against `Fs` on a `MemoryStore` (driven
+//! the way the kernel drives it: a lookup per path segment, then the operation) and against a
+//! `BTreeMap` model; every result and every errno must agree.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::ffi::OsStr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_fs::fs::{DirEntry, DirSink, Entry, Fs};
+use ferry_fs::handles::PART_SIZE;
+use ferry_fs::inode::{Ino, ROOT_INO};
+use ferry_fs::names::Kind;
+use ferry_fs::{FsError, MetadataTtl, MountConfig};
+use ferry_store::MemoryStore;
+use proptest::prelude::*;
+
+const B: &str = "bkt";
+const DIRS: [&str; 2] = ["d0", "d1"];
+const FILES: [&str; 3] = ["f0", "f1", "f2"];
+const PID: u32 = 7;
+
+#[derive(Debug, Clone)]
+enum Op {
+    Write {
+        dir: Option<usize>,
+        file: usize,
+        len: usize,
+        seed: u8,
+        chunk: usize,
+    },
+    Read {
+        dir: Option<usize>,
+        file: usize,
+    },
+    List {
+        dir: Option<usize>,
+    },
+    Stat {
+        dir: Option<usize>,
+        file: usize,
+    },
+    Unlink {
+        dir: Option<usize>,
+        file: usize,
+    },
+    Mkdir {
+        dir: usize,
+    },
+    Rmdir {
+        dir: usize,
+    },
+    ForgetAll,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    let dir = prop::option::of(0..DIRS.len());
+    let file = 0..FILES.len();
+    let len = prop_oneof![20 => 0..3000usize, 1 => Just(PART_SIZE + 4321)];
+    prop_oneof![
+        4 => (dir.clone(), file.clone(), len, any::<u8>(), 1..5000usize)
+            .prop_map(|(dir, file, len, seed, chunk)| Op::Write { dir, file, len, seed, chunk }),
+        3 => (dir.clone(), file.clone()).prop_map(|(dir, file)| Op::Read { dir, file }),
+        2 => dir.clone().prop_map(|dir| Op::List { dir }),
+        2 => (dir.clone(), file.clone()).prop_map(|(dir, file)| Op::Stat { dir, file }),
+        2 => (dir, file).prop_map(|(dir, file)| Op::Unlink { dir, file }),
+        2 => (0..DIRS.len()).prop_map(|dir| Op::Mkdir { dir }),
+        2 => (0..DIRS.len()).prop_map(|dir| Op::Rmdir { dir }),
+        1 => Just(Op::ForgetAll),
+    ]
+}
+
+fn bytes(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32).wrapping_mul(2_654_435_761).to_le_bytes()[2] ^ seed)
+        .collect()
+}
+
+fn path(dir: Option<usize>, file: usize) -> String {
+    match dir {
+        Some(d) => format!("{}/{}", DIRS[d], FILES[file]),
+        None => FILES[file].to_owned(),
+    }
+}
+
+/// What the model and the filesystem must both say.
+#[derive(Debug, PartialEq, Eq)]
+enum Outcome {
+    Ok,
+    Data(Vec<u8>),
+    Names(Vec<(String, Kind)>),
+    Size(u64),
+    Err(i32),
+}
+
+#[derive(Default)]
+struct Model {
+    files: BTreeMap<String, Vec<u8>>,
+    dirs: BTreeSet<String>,
+}
+
+impl Model {
+    fn dir_ok(&self, dir: Option<usize>) -> bool {
+        dir.is_none_or(|d| self.dirs.contains(DIRS[d]))
+    }
+
+    fn apply(&mut self, op: &Op) -> Outcome {
+        match *op {
+            Op::Write {
+                dir,
+                file,
+                len,
+                seed,
+                ..
+            } => {
+                if !self.dir_ok(dir) {
+                    return Outcome::Err(libc::ENOENT);
+                }
+                self.files.insert(path(dir, file), bytes(len, seed));
+                Outcome::Ok
+            }
+            Op::Read { dir, file } => match self.files.get(&path(dir, file)) {
+                Some(d) if self.dir_ok(dir) => Outcome::Data(d.clone()),
+                _ => Outcome::Err(libc::ENOENT),
+            },
+            Op::Stat { dir, file } => match self.files.get(&path(dir, file)) {
+                Some(d) if self.dir_ok(dir) => Outcome::Size(d.len() as u64),
+                _ => Outcome::Err(libc::ENOENT),
+            },
+            Op::List { dir } => {
+                if !self.dir_ok(dir) {
+                    return Outcome::Err(libc::ENOENT);
+                }
+                let mut names: Vec<(String, Kind)> = match dir {
+                    None => {
+                        let mut v: Vec<_> = self
+                            .files
+                            .keys()
+                            .filter(|k| !k.contains('/'))
+                            .map(|k| (k.clone(), Kind::File))
+                            .collect();
+                        v.extend(self.dirs.iter().map(|d| (d.clone(), Kind::Dir)));
+                        v
+                    }
+                    Some(d) => {
+                        let prefix = format!("{}/", DIRS[d]);
+                        self.files
+                            .keys()
+                            .filter_map(|k| k.strip_prefix(&prefix))
+                            .map(|n| (n.to_owned(), Kind::File))
+                            .collect()
+                    }
+                };
+                names.sort();
+                Outcome::Names(names)
+            }
+            Op::Unlink { dir, file } => {
+                if self.dir_ok(dir) && self.files.remove(&path(dir, file)).is_some() {
+                    Outcome::Ok
+                } else {
+                    Outcome::Err(libc::ENOENT)
+                }
+            }
+            Op::Mkdir { dir } => {
+                if self.dirs.insert(DIRS[dir].to_owned()) {
+                    Outcome::Ok
+                } else {
+                    Outcome::Err(libc::EEXIST)
+                }
+            }
+            Op::Rmdir { dir } => {
+                let name = DIRS[dir];
+                if !self.dirs.contains(name) {
+                    Outcome::Err(libc::ENOENT)
+                } else if self.files.keys().any(|k| k.starts_with(&format!("{name}/"))) {
+                    Outcome::Err(libc::ENOTEMPTY)
+                } else {
+                    self.dirs.remove(name);
+                    Outcome::Ok
+                }
+            }
+            Op::ForgetAll => Outcome::Ok,
+        }
+    }
+
+    /// Directories pinned as local after the kernel forgets everything: the empty ones.
+    fn empty_dirs(&self) -> usize {
+        self.dirs
+            .iter()
+            .filter(|d| !self.files.keys().any(|k| k.starts_with(&format!("{d}/"))))
+            .count()
+    }
+}
+
+/// Drives `Fs` the way the kernel does, remembering references to forget and inode numbers.
+struct Kernel {
+    fs: Fs,
+    refs: HashMap<Ino, u64>,
+    inos: HashMap<(String, Kind), Ino>,
+}
+
+struct Names(Vec<(String, Kind)>);
+
+impl DirSink for Names {
+    fn add(&mut self, e: &DirEntry<'_>) -> bool {
+        if e.name != "." && e.name != ".." {
+            self.0.push((e.name.to_owned(), e.kind));
+        }
+        false
+    }
+}
+
+impl Kernel {
+    async fn lookup(&mut self, parent: Ino, parent_path: &str, name: &str) -> Result<Entry, FsError> {
+        let e = self.fs.lookup(parent, OsStr::new(name)).await?;
+        *self.refs.entry(e.attr.ino).or_default() += 1;
+        let path = if parent_path.is_empty() {
+            name.to_owned()
+        } else {
+            format!("{parent_path}/{name}")
+        };
+        let known = *self.inos.entry((path.clone(), e.attr.kind)).or_insert(e.attr.ino);
+        assert_eq!(known, e.attr.ino, "inode number of {path} changed");
+        Ok(e)
+    }
+
+    /// The directory holding `dir`'s files (the root for `None`).
+    async fn dir(&mut self, dir: Option<usize>) -> Result<Ino, FsError> {
+        match dir {
+            None => Ok(ROOT_INO),
+            Some(d) => {
+                let e = self.lookup(ROOT_INO, "", DIRS[d]).await?;
+                if e.attr.kind != Kind::Dir {
+                    return Err(FsError::NotDir);
+                }
+                Ok(e.attr.ino)
+            }
+        }
+    }
+
+    fn forget_all(&mut self) {
+        for (ino, n) in self.refs.drain() {
+            self.fs.forget(ino, n);
+        }
+    }
+
+    async fn apply(&mut self, op: &Op) -> Outcome {
+        match self.run(op).await {
+            Ok(o) => o,
+            Err(e) => Outcome::Err(e.errno()),
+        }
+    }
+
+    async fn run(&mut self, op: &Op) -> Result<Outcome, FsError> {
+        match *op {
+            Op::Write {
+                dir,
+                file,
+                len,
+                seed,
+                chunk,
+            } => {
+                let parent = self.dir(dir).await?;
+                let parent_path = dir.map_or("", |d| DIRS[d]);
+                let name = FILES[file];
+                let fh = match self.lookup(parent, parent_path, name).await {
+                    Ok(e) => {
+                        let flags = libc::O_WRONLY | libc::O_TRUNC;
+                        self.fs.open(e.attr.ino, flags, PID).await?.fh
+                    }
+                    Err(FsError::NotFound) => {
+                        let (e, o) = self.fs.create(parent, OsStr::new(name), PID).await?;
+                        *self.refs.entry(e.attr.ino).or_default() += 1;
+                        o.fh
+                    }
+                    Err(e) => return Err(e),
+                };
+                let data = bytes(len, seed);
+                let mut off = 0u64;
+                for c in data.chunks(chunk) {
+                    self.fs.write(fh, off, c).await?;
+                    off += c.len() as u64;
+                }
+                self.fs.flush(fh, PID).await?;
+                self.fs.release(fh).await?;
+                Ok(Outcome::Ok)
+            }
+            Op::Read { dir, file } => {
+                let parent = self.dir(dir).await?;
+                let e = self
+                    .lookup(parent, dir.map_or("", |d| DIRS[d]), FILES[file])
+                    .await?;
+                let o = self.fs.open(e.attr.ino, libc::O_RDONLY, PID).await?;
+                let mut out = Vec::new();
+                loop {
+                    let got = self.fs.read(o.fh, out.len() as u64, 128 * 1024).await?;
+                    if got.is_empty() {
+                        break;
+                    }
+                    out.extend_from_slice(&got);
+                }
+                self.fs.release(o.fh).await?;
+                Ok(Outcome::Data(out))
+            }
+            Op::Stat { dir, file } => {
+                let parent = self.dir(dir).await?;
+                let e = self
+                    .lookup(parent, dir.map_or("", |d| DIRS[d]), FILES[file])
+                    .await?;
+                Ok(Outcome::Size(self.fs.getattr(e.attr.ino).await?.attr.size))
+            }
+            Op::List { dir } => {
+                let ino = self.dir(dir).await?;
+                let fh = self.fs.opendir(ino)?;
+                let mut names = Names(Vec::new());
+                let r = self.fs.readdir(ino, fh, 0, false, &mut names).await;
+                self.fs.releasedir(fh);
+                r?;
+                names.0.sort();
+                Ok(Outcome::Names(names.0))
+            }
+            Op::Unlink { dir, file } => {
+                let parent = self.dir(dir).await?;
+                self.lookup(parent, dir.map_or("", |d| DIRS[d]), FILES[file])
+                    .await?;
+                self.fs.unlink(parent, OsStr::new(FILES[file])).await?;
+                Ok(Outcome::Ok)
+            }
+            Op::Mkdir { dir } => match self.lookup(ROOT_INO, "", DIRS[dir]).await {
+                Ok(_) => Err(FsError::Exists),
+                Err(FsError::NotFound) => {
+                    let e = self.fs.mkdir(ROOT_INO, OsStr::new(DIRS[dir])).await?;
+                    *self.refs.entry(e.attr.ino).or_default() += 1;
+                    Ok(Outcome::Ok)
+                }
+                Err(e) => Err(e),
+            },
+            Op::Rmdir { dir } => {
+                self.lookup(ROOT_INO, "", DIRS[dir]).await?;
+                self.fs.rmdir(ROOT_INO, OsStr::new(DIRS[dir])).await?;
+                Ok(Outcome::Ok)
+            }
+            Op::ForgetAll => {
+                self.forget_all();
+                Ok(Outcome::Ok)
+            }
+        }
+    }
+}
+
+fn check(ops: &[Op], ttl: MetadataTtl) -> Result<(), TestCaseError> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let store = MemoryStore::new();
+        store.create_bucket(B);
+        let mut cfg = MountConfig::new(B);
+        cfg.read_only = false;
+        cfg.allow_delete = true;
+        cfg.allow_overwrite = true;
+        cfg.metadata_ttl = ttl;
+        let mut kernel = Kernel {
+            fs: Fs::new(Arc::new(store.clone()), cfg),
+            refs: HashMap::new(),
+            inos: HashMap::new(),
+        };
+        let mut model = Model::default();
+        for (i, op) in ops.iter().enumerate() {
+            let want = model.apply(op);
+            let got = kernel.apply(op).await;
+            prop_assert_eq!(got, want, "step {}: {:?}", i, op);
+            // The store holds exactly the model's files (no stray markers or uploads).
+            let keys: Vec<String> = model.files.keys().cloned().collect();
+            prop_assert_eq!(store.keys(B), keys, "step {}: {:?}", i, op);
+            prop_assert_eq!(store.pending_uploads(B), 0);
+        }
+        kernel.forget_all();
+        prop_assert_eq!(
+            kernel.fs.table_sizes(),
+            (1 + model.empty_dirs(), 0),
+            "after forgetting everything only the root and empty local dirs stay"
+        );
+        Ok(())
+    })
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    #[test]
+    fn matches_the_model_with_indefinite_ttl(ops in prop::collection::vec(op(), 1..40)) {
+        check(&ops, MetadataTtl::Indefinite)?;
+    }
+
+    #[test]
+    fn matches_the_model_with_zero_ttl(ops in prop::collection::vec(op(), 1..40)) {
+        check(&ops, MetadataTtl::Duration(Duration::ZERO))?;
+    }
+}

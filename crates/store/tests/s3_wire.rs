@@ -1,0 +1,263 @@
+//! [`S3Store`] against a scripted HTTP server on loopback: error mapping end to end, SDK retries,
+//! and the body checks (short bodies, broken streams, servers that ignore `Range`).
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use ferry_store::{ObjectStore, S3Config, S3Credentials, S3Options, S3Store, StoreError};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// A server answering the n-th request with `responses[n]` (the last one repeats), one request per
+/// connection. Returns the store pointed at it and the request counter.
+async fn scripted(responses: Vec<Vec<u8>>) -> (S3Store, Arc<AtomicUsize>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let count = Arc::new(AtomicUsize::new(0));
+    let served = count.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut sock, _)) = listener.accept().await else {
+                return;
+            };
+            let n = served.fetch_add(1, Ordering::SeqCst);
+            let response = responses[n.min(responses.len() - 1)].clone();
+            tokio::spawn(async move {
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                    match sock.read(&mut chunk).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(k) => buf.extend_from_slice(&chunk[..k]),
+                    }
+                }
+                let _ = sock.write_all(&response).await;
+                let _ = sock.shutdown().await;
+            });
+        }
+    });
+    let cfg = S3Config {
+        endpoint_url: Some(format!("http://{addr}")),
+        region: Some("us-east-1".into()),
+        force_path_style: true,
+        credentials: S3Credentials::Static {
+            access_key_id: "a".into(),
+            secret_access_key: "s".into(),
+            session_token: None,
+        },
+    };
+    let opts = S3Options {
+        max_attempts: 3,
+        initial_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(5),
+        body_attempts: 3,
+        ..S3Options::default()
+    };
+    (S3Store::with_options(cfg, opts).await.unwrap(), count)
+}
+
+fn response(status: &str, headers: &[(&str, String)], body: &[u8]) -> Vec<u8> {
+    let mut r = format!("HTTP/1.1 {status}\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        r.push_str(&format!("{k}: {v}\r\n"));
+    }
+    r.push_str("\r\n");
+    let mut r = r.into_bytes();
+    r.extend_from_slice(body);
+    r
+}
+
+fn s3_error(status: &str, code: &str) -> Vec<u8> {
+    let body = format!(
+        "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>{code}</Code><Message>scripted {code}</Message><RequestId>REQ1</RequestId></Error>"
+    );
+    response(
+        status,
+        &[
+            ("Content-Type", "application/xml".into()),
+            ("Content-Length", body.len().to_string()),
+        ],
+        body.as_bytes(),
+    )
+}
+
+/// A 206 whose headers promise `promised` bytes of the range; `body` is what is really sent.
+fn partial(first: u64, last: u64, total: u64, content_length: usize, body: &[u8]) -> Vec<u8> {
+    response(
+        "206 Partial Content",
+        &[
+            ("Content-Range", format!("bytes {first}-{last}/{total}")),
+            ("Content-Length", content_length.to_string()),
+            ("ETag", "\"abc\"".into()),
+        ],
+        body,
+    )
+}
+
+#[tokio::test]
+async fn good_partial_response() {
+    let (s, n) = scripted(vec![partial(2, 5, 10, 4, b"2345")]).await;
+    assert_eq!(s.get_range("b", "k", 2..6, None).await.unwrap(), "2345");
+    assert_eq!(n.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test]
+async fn short_body_per_content_range_is_retried_then_corrupt() {
+    // Content-Length agrees with the body, but Content-Range promised 10 bytes.
+    let (s, n) = scripted(vec![partial(0, 9, 10, 5, b"01234")]).await;
+    let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
+    assert!(matches!(e, StoreError::Corrupt(_)), "{e:?}");
+    assert_eq!(n.load(Ordering::SeqCst), 3, "body_attempts reads");
+}
+
+#[tokio::test]
+async fn short_body_recovers_on_retry() {
+    let (s, n) = scripted(vec![
+        partial(0, 9, 10, 5, b"01234"),
+        partial(0, 9, 10, 10, b"0123456789"),
+    ])
+    .await;
+    assert_eq!(s.get_range("b", "k", 0..10, None).await.unwrap(), "0123456789");
+    assert_eq!(n.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn connection_closed_mid_body_is_retried() {
+    // Content-Length 10, 5 bytes, then the connection closes.
+    let (s, n) = scripted(vec![
+        partial(0, 9, 10, 10, b"01234"),
+        partial(0, 9, 10, 10, b"0123456789"),
+    ])
+    .await;
+    assert_eq!(s.get_range("b", "k", 0..10, None).await.unwrap(), "0123456789");
+    assert_eq!(n.load(Ordering::SeqCst), 2);
+
+    let (s, n) = scripted(vec![partial(0, 9, 10, 10, b"01234")]).await;
+    let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
+    assert!(e.is_retryable(), "{e:?}");
+    assert!(matches!(e, StoreError::Transient(_)), "{e:?}");
+    assert_eq!(n.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn wrong_content_range_is_corrupt() {
+    // Asked 0..10, the server sends bytes 3-9.
+    let (s, _) = scripted(vec![partial(3, 9, 10, 7, b"3456789")]).await;
+    let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
+    assert!(matches!(e, StoreError::Corrupt(_)), "{e:?}");
+}
+
+#[tokio::test]
+async fn server_ignoring_range_is_sliced() {
+    let whole = response(
+        "200 OK",
+        &[("Content-Length", "10".into()), ("ETag", "\"abc\"".into())],
+        b"0123456789",
+    );
+    let (s, _) = scripted(vec![whole]).await;
+    assert_eq!(s.get_range("b", "k", 2..5, None).await.unwrap(), "234");
+    assert_eq!(s.get_range("b", "k", 8..50, None).await.unwrap(), "89");
+    let e = s.get_range("b", "k", 10..12, None).await.unwrap_err();
+    assert!(matches!(e, StoreError::InvalidRequest(_)), "{e:?}");
+}
+
+#[tokio::test]
+async fn throttling_is_retried_by_the_sdk_then_throttled() {
+    let (s, n) = scripted(vec![s3_error("503 Slow Down", "SlowDown")]).await;
+    let e = s.get_range("b", "k", 0..1, None).await.unwrap_err();
+    assert!(matches!(e, StoreError::Throttled(_)), "{e:?}");
+    assert!(e.to_string().contains("SlowDown"), "{e}");
+    assert!(e.to_string().len() < 300, "concise message: {e}");
+    assert_eq!(n.load(Ordering::SeqCst), 3, "max_attempts");
+
+    let (s, n) = scripted(vec![
+        s3_error("503 Slow Down", "SlowDown"),
+        partial(0, 0, 1, 1, b"x"),
+    ])
+    .await;
+    assert_eq!(s.get_range("b", "k", 0..1, None).await.unwrap(), "x");
+    assert_eq!(n.load(Ordering::SeqCst), 2);
+}
+
+#[tokio::test]
+async fn server_errors_are_transient() {
+    let (s, n) = scripted(vec![s3_error("500 Internal Server Error", "InternalError")]).await;
+    let e = s.put("b", "k", "x".into()).await.unwrap_err();
+    assert!(matches!(e, StoreError::Transient(_)), "{e:?}");
+    assert_eq!(n.load(Ordering::SeqCst), 3);
+    // Some servers answer 500 with no body to a HEAD of a "directory" key: plain Transient.
+    let (s, _) = scripted(vec![response(
+        "500 Internal Server Error",
+        &[("Content-Length", "0".into())],
+        b"",
+    )])
+    .await;
+    let e = s.head("b", "dir/").await.unwrap_err();
+    assert!(matches!(e, StoreError::Transient(_)), "{e:?}");
+}
+
+#[tokio::test]
+async fn client_errors_map_without_retries() {
+    let cases: Vec<(&str, &str, fn(&StoreError) -> bool)> = vec![
+        ("403 Forbidden", "AccessDenied", |e| {
+            matches!(e, StoreError::AccessDenied(_))
+        }),
+        ("404 Not Found", "NoSuchBucket", |e| {
+            matches!(e, StoreError::NoSuchBucket(b) if b == "b")
+        }),
+        ("404 Not Found", "NoSuchKey", |e| {
+            matches!(e, StoreError::NotFound(k) if k == "k")
+        }),
+        ("412 Precondition Failed", "PreconditionFailed", |e| {
+            matches!(e, StoreError::PreconditionFailed(_))
+        }),
+        ("416 Requested Range Not Satisfiable", "InvalidRange", |e| {
+            matches!(e, StoreError::InvalidRequest(_))
+        }),
+        ("400 Bad Request", "InvalidArgument", |e| {
+            matches!(e, StoreError::InvalidRequest(_))
+        }),
+        ("501 Not Implemented", "NotImplemented", |e| {
+            matches!(e, StoreError::Other(_))
+        }),
+    ];
+    for (status, code, check) in cases {
+        let (s, n) = scripted(vec![s3_error(status, code)]).await;
+        let e = s.get_range("b", "k", 0..1, Some("\"abc\"")).await.unwrap_err();
+        assert!(check(&e), "{status} {code}: {e:?}");
+        assert_eq!(n.load(Ordering::SeqCst), 1, "{code} is not retried");
+    }
+    // HEAD: bare statuses, no body.
+    let bare = |status: &str| response(status, &[("Content-Length", "0".into())], b"");
+    let (s, _) = scripted(vec![bare("404 Not Found")]).await;
+    assert!(matches!(s.head("b", "k").await, Err(StoreError::NotFound(_))));
+    assert!(matches!(
+        s.head_bucket("b").await,
+        Err(StoreError::NoSuchBucket(_))
+    ));
+    let (s, _) = scripted(vec![bare("403 Forbidden")]).await;
+    assert!(matches!(s.head("b", "k").await, Err(StoreError::AccessDenied(_))));
+    let (s, _) = scripted(vec![bare("429 Too Many Requests")]).await;
+    assert!(matches!(s.head("b", "k").await, Err(StoreError::Throttled(_))));
+}
+
+#[tokio::test]
+async fn delete_many_names_the_failed_key() {
+    let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<DeleteResult><Error><Key>a/locked</Key><Code>AccessDenied</Code><Message>Access Denied</Message></Error></DeleteResult>";
+    let ok = response(
+        "200 OK",
+        &[
+            ("Content-Type", "application/xml".into()),
+            ("Content-Length", body.len().to_string()),
+        ],
+        body.as_bytes(),
+    );
+    let (s, _) = scripted(vec![ok]).await;
+    let e = s
+        .delete_many("b", &["a/free".into(), "a/locked".into()])
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StoreError::AccessDenied(_)), "{e:?}");
+    assert!(e.to_string().contains("a/locked"), "{e}");
+}
