@@ -50,7 +50,9 @@ impl Drop for InFlight<'_> {
 }
 
 fn unimplemented<T>(rpc: &str) -> Result<Response<T>, Status> {
-    Err(Status::unimplemented(format!("{rpc} is not supported by Ferry")))
+    Err(Status::unimplemented(format!(
+        "{rpc} is not supported by Ferry"
+    )))
 }
 
 impl ControllerService {
@@ -104,10 +106,13 @@ impl ControllerService {
             .map_err(|e| CsiError::from_store("creating the S3 client", e))?;
         match store.head_bucket(&id.bucket).await {
             Ok(()) => Ok(()),
-            Err(StoreError::NoSuchBucket(_) | StoreError::NotFound(_)) => Err(CsiError::FailedPrecondition(
-                format!("bucket {:?} does not exist", id.bucket),
+            Err(StoreError::NoSuchBucket(_) | StoreError::NotFound(_)) => Err(
+                CsiError::FailedPrecondition(format!("bucket {:?} does not exist", id.bucket)),
+            ),
+            Err(e) => Err(CsiError::from_store(
+                &format!("checking bucket {:?}", id.bucket),
+                e,
             )),
-            Err(e) => Err(CsiError::from_store(&format!("checking bucket {:?}", id.bucket), e)),
         }
     }
 
@@ -115,7 +120,9 @@ impl ControllerService {
     async fn create(&self, req: pb::CreateVolumeRequest) -> Result<pb::CreateVolumeResponse> {
         let name = require("name", &req.name)?;
         if req.volume_capabilities.is_empty() {
-            return Err(CsiError::InvalidArgument("volume_capabilities are required".to_string()));
+            return Err(CsiError::InvalidArgument(
+                "volume_capabilities are required".to_string(),
+            ));
         }
         for cap in &req.volume_capabilities {
             capability::check(cap)?;
@@ -210,7 +217,9 @@ impl ControllerService {
     ) -> Result<pb::ValidateVolumeCapabilitiesResponse> {
         let volume_id = require("volume_id", &req.volume_id)?;
         if req.volume_capabilities.is_empty() {
-            return Err(CsiError::InvalidArgument("volume_capabilities are required".to_string()));
+            return Err(CsiError::InvalidArgument(
+                "volume_capabilities are required".to_string(),
+            ));
         }
         let id = VolumeId::parse(volume_id)
             .map_err(|e| CsiError::NotFound(format!("volume {volume_id:?} does not exist: {e}")))?;
@@ -346,5 +355,158 @@ impl Controller for ControllerService {
         _r: Request<pb::ControllerModifyVolumeRequest>,
     ) -> Result<Response<pb::ControllerModifyVolumeResponse>, Status> {
         unimplemented("ControllerModifyVolume")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_csi::stores::FixedStore;
+    use ferry_store::MemoryStore;
+    use pb::volume_capability::access_mode::Mode;
+    use pb::volume_capability::{AccessMode, AccessType, MountVolume};
+
+    fn service() -> (ControllerService, Arc<MemoryStore>) {
+        let mem = Arc::new(MemoryStore::new());
+        mem.create_bucket("data");
+        (
+            ControllerService::new(Arc::new(FixedStore(mem.clone()))),
+            mem,
+        )
+    }
+
+    fn cap(mode: Mode) -> pb::VolumeCapability {
+        pb::VolumeCapability {
+            access_type: Some(AccessType::Mount(MountVolume::default())),
+            access_mode: Some(AccessMode { mode: mode as i32 }),
+        }
+    }
+
+    fn create_req(name: &str, params: &[(&str, &str)]) -> pb::CreateVolumeRequest {
+        pb::CreateVolumeRequest {
+            name: name.into(),
+            parameters: params
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            volume_capabilities: vec![cap(Mode::MultiNodeReaderOnly)],
+            ..Default::default()
+        }
+    }
+
+    #[tokio::test]
+    async fn delete_policy_delete_empties_only_the_prefix() {
+        let (svc, mem) = service();
+        let vol = svc
+            .create(create_req(
+                "v1",
+                &[
+                    ("bucketName", "data"),
+                    ("prefixTemplate", "${pvc.namespace}/${pvc.name}"),
+                    ("deletePolicy", "delete"),
+                    ("csi.storage.k8s.io/pvc/namespace", "ml"),
+                    ("csi.storage.k8s.io/pvc/name", "imagenet"),
+                ],
+            ))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        assert_eq!(vol.volume_context["prefix"], "ml/imagenet/");
+        for i in 0..2500 {
+            mem.insert("data", &format!("ml/imagenet/{i}"), "x");
+        }
+        mem.insert("data", "ml/imagenet2/keep", "x");
+        mem.insert("data", "ml/keep", "x");
+        svc.delete(pb::DeleteVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            secrets: Default::default(),
+        })
+        .await
+        .unwrap();
+        assert_eq!(mem.keys("data"), ["ml/imagenet2/keep", "ml/keep"]);
+    }
+
+    #[tokio::test]
+    async fn retain_keeps_and_unknown_ids_are_ok() {
+        let (svc, mem) = service();
+        let vol = svc
+            .create(create_req("v2", &[("bucketName", "data")]))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        mem.insert("data", "v2/a", "x");
+        svc.delete(pb::DeleteVolumeRequest {
+            volume_id: vol.volume_id,
+            secrets: Default::default(),
+        })
+        .await
+        .unwrap();
+        assert_eq!(mem.keys("data"), ["v2/a"]);
+        svc.delete(pb::DeleteVolumeRequest {
+            volume_id: "not-ours".into(),
+            secrets: Default::default(),
+        })
+        .await
+        .unwrap();
+    }
+
+    #[tokio::test]
+    async fn validate_and_conflicts() {
+        let (svc, _mem) = service();
+        let vol = svc
+            .create(create_req("v3", &[("bucketName", "data")]))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        let ok = svc
+            .validate(pb::ValidateVolumeCapabilitiesRequest {
+                volume_id: vol.volume_id.clone(),
+                volume_capabilities: vec![cap(Mode::SingleNodeWriter)],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert!(ok.confirmed.is_some());
+        let refused = svc
+            .validate(pb::ValidateVolumeCapabilitiesRequest {
+                volume_id: vol.volume_id.clone(),
+                volume_capabilities: vec![cap(Mode::MultiNodeSingleWriter)],
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        assert!(
+            refused.confirmed.is_none() && refused.message.contains("MULTI_NODE_SINGLE_WRITER")
+        );
+        let e = svc
+            .validate(pb::ValidateVolumeCapabilitiesRequest {
+                volume_id: "data/missing-bucket-volume".into(),
+                volume_capabilities: vec![cap(Mode::SingleNodeWriter)],
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert!(matches!(e, CsiError::NotFound(_)), "{e:?}");
+        let mut other = create_req("v3", &[("bucketName", "data")]);
+        other.capacity_range = Some(pb::CapacityRange {
+            required_bytes: 5,
+            limit_bytes: 0,
+        });
+        assert!(matches!(
+            svc.create(other).await.unwrap_err(),
+            CsiError::AlreadyExists(_)
+        ));
+        let mut bad_range = create_req("v4", &[("bucketName", "data")]);
+        bad_range.capacity_range = Some(pb::CapacityRange {
+            required_bytes: 10,
+            limit_bytes: 5,
+        });
+        assert!(matches!(
+            svc.create(bad_range).await.unwrap_err(),
+            CsiError::OutOfRange(_)
+        ));
     }
 }

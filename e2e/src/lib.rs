@@ -35,7 +35,10 @@ pub async fn unix_channel(path: &Path) -> Result<Channel> {
 /// The directory holding this executable's sibling binaries (`target/debug` or `target/release`).
 pub fn bin_dir() -> Result<PathBuf> {
     let exe = std::env::current_exe()?;
-    let mut dir = exe.parent().context("executable has no directory")?.to_path_buf();
+    let mut dir = exe
+        .parent()
+        .context("executable has no directory")?
+        .to_path_buf();
     if dir.ends_with("deps") {
         dir.pop();
     }
@@ -109,7 +112,10 @@ impl Plugin {
             .env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("HOME", std::env::var_os("HOME").unwrap_or_default())
-            .env("FERRY_LOG", std::env::var("FERRY_LOG").unwrap_or_else(|_| "info".into()))
+            .env(
+                "FERRY_LOG",
+                std::env::var("FERRY_LOG").unwrap_or_else(|_| "info".into()),
+            )
             .env("AWS_ACCESS_KEY_ID", self.s3.access_key())
             .env("AWS_SECRET_ACCESS_KEY", self.s3.secret_key())
             .env("AWS_REGION", "us-east-1")
@@ -174,7 +180,9 @@ impl Plugin {
     }
 
     pub async fn controller(&self) -> Result<ControllerClient<Channel>> {
-        Ok(ControllerClient::new(unix_channel(&self.controller_socket).await?))
+        Ok(ControllerClient::new(
+            unix_channel(&self.controller_socket).await?,
+        ))
     }
 
     pub async fn node(&self) -> Result<NodeClient<Channel>> {
@@ -203,7 +211,10 @@ impl Drop for Plugin {
 }
 
 /// A mount capability with the given access mode and mount flags.
-pub fn mount_capability(mode: pb::volume_capability::access_mode::Mode, flags: &[&str]) -> pb::VolumeCapability {
+pub fn mount_capability(
+    mode: pb::volume_capability::access_mode::Mode,
+    flags: &[&str],
+) -> pb::VolumeCapability {
     pb::VolumeCapability {
         access_type: Some(pb::volume_capability::AccessType::Mount(
             pb::volume_capability::MountVolume {

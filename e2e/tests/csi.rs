@@ -142,7 +142,11 @@ impl Env {
             .map(drop)
     }
 
-    async fn unpublish(&mut self, volume_id: &str, target: &std::path::Path) -> Result<(), tonic::Status> {
+    async fn unpublish(
+        &mut self,
+        volume_id: &str,
+        target: &std::path::Path,
+    ) -> Result<(), tonic::Status> {
         self.node
             .node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
                 volume_id: volume_id.into(),
@@ -154,13 +158,19 @@ impl Env {
 }
 
 fn map(kv: &[(&str, &str)]) -> HashMap<String, String> {
-    kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    kv.iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }
 
 fn payload(seed: u8, len: usize) -> Bytes {
     Bytes::from(
         (0..len)
-            .map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_left(seed as u32) as u8)
+            .map(|i| {
+                (i as u32)
+                    .wrapping_mul(2_654_435_761)
+                    .rotate_left(seed as u32) as u8
+            })
             .collect::<Vec<u8>>(),
     )
 }
@@ -173,18 +183,39 @@ async fn dynamic_volume_lifecycle_with_delete_policy() {
     let mut env = Env::start().await;
     env.s3.create_bucket("data").await;
     // A sibling that shares the volume prefix's first characters must survive the delete.
-    env.store.put("data", "vols/pvc-1x/keep.txt", Bytes::from_static(b"sibling")).await.unwrap();
-    env.store.put("data", "vols/other/keep.txt", Bytes::from_static(b"sibling")).await.unwrap();
+    env.store
+        .put(
+            "data",
+            "vols/pvc-1x/keep.txt",
+            Bytes::from_static(b"sibling"),
+        )
+        .await
+        .unwrap();
+    env.store
+        .put(
+            "data",
+            "vols/other/keep.txt",
+            Bytes::from_static(b"sibling"),
+        )
+        .await
+        .unwrap();
 
     let cap = mount_capability(Mode::SingleNodeWriter, &[]);
-    let params = map(&[("bucketName", "data"), ("basePrefix", "vols"), ("deletePolicy", "delete")]);
+    let params = map(&[
+        ("bucketName", "data"),
+        ("basePrefix", "vols"),
+        ("deletePolicy", "delete"),
+    ]);
     let vol = env
         .ctrl
         .create_volume(pb::CreateVolumeRequest {
             name: "pvc-1".into(),
             parameters: params.clone(),
             volume_capabilities: vec![cap.clone()],
-            capacity_range: Some(pb::CapacityRange { required_bytes: 1 << 30, limit_bytes: 0 }),
+            capacity_range: Some(pb::CapacityRange {
+                required_bytes: 1 << 30,
+                limit_bytes: 0,
+            }),
             ..Default::default()
         })
         .await
@@ -192,7 +223,10 @@ async fn dynamic_volume_lifecycle_with_delete_policy() {
         .into_inner()
         .volume
         .unwrap();
-    assert_eq!(vol.volume_context.get("prefix").map(String::as_str), Some("vols/pvc-1/"));
+    assert_eq!(
+        vol.volume_context.get("prefix").map(String::as_str),
+        Some("vols/pvc-1/")
+    );
     assert_eq!(vol.capacity_bytes, 1 << 30);
 
     // Idempotent by name; the same name with other parameters is AlreadyExists.
@@ -202,7 +236,10 @@ async fn dynamic_volume_lifecycle_with_delete_policy() {
             name: "pvc-1".into(),
             parameters: params.clone(),
             volume_capabilities: vec![cap.clone()],
-            capacity_range: Some(pb::CapacityRange { required_bytes: 1 << 30, limit_bytes: 0 }),
+            capacity_range: Some(pb::CapacityRange {
+                required_bytes: 1 << 30,
+                limit_bytes: 0,
+            }),
             ..Default::default()
         })
         .await
@@ -230,17 +267,32 @@ async fn dynamic_volume_lifecycle_with_delete_policy() {
         ("dir/sub/c.bin".into(), payload(2, 9 << 20)),
     ];
     for (k, v) in &files {
-        env.store.put("data", &format!("vols/pvc-1/{k}"), v.clone()).await.unwrap();
+        env.store
+            .put("data", &format!("vols/pvc-1/{k}"), v.clone())
+            .await
+            .unwrap();
     }
 
     let target = env.target("pod-1", "pvc-1");
-    env.publish(&vol.volume_id, &target, cap.clone(), vol.volume_context.clone(), false)
-        .await
-        .unwrap();
+    env.publish(
+        &vol.volume_id,
+        &target,
+        cap.clone(),
+        vol.volume_context.clone(),
+        false,
+    )
+    .await
+    .unwrap();
     // The same request again is OK.
-    env.publish(&vol.volume_id, &target, cap.clone(), vol.volume_context.clone(), false)
-        .await
-        .unwrap();
+    env.publish(
+        &vol.volume_id,
+        &target,
+        cap.clone(),
+        vol.volume_context.clone(),
+        false,
+    )
+    .await
+    .unwrap();
     let t = target.clone();
     let expected = files.clone();
     tokio::task::spawn_blocking(move || {
@@ -252,7 +304,12 @@ async fn dynamic_volume_lifecycle_with_delete_policy() {
         assert_eq!(names, ["a.txt", "dir", "empty"]);
         for (k, v) in &expected {
             let got = std::fs::read(t.join(k)).unwrap();
-            assert!(got == v.as_ref(), "{k}: bytes differ ({} vs {})", got.len(), v.len());
+            assert!(
+                got == v.as_ref(),
+                "{k}: bytes differ ({} vs {})",
+                got.len(),
+                v.len()
+            );
             assert_eq!(std::fs::metadata(t.join(k)).unwrap().len(), v.len() as u64);
         }
         std::fs::write(t.join("written.txt"), b"through the mount").unwrap();
@@ -260,7 +317,10 @@ async fn dynamic_volume_lifecycle_with_delete_policy() {
     .await
     .unwrap();
     assert_eq!(
-        env.store.get_range("data", "vols/pvc-1/written.txt", 0..17, None).await.unwrap(),
+        env.store
+            .get_range("data", "vols/pvc-1/written.txt", 0..17, None)
+            .await
+            .unwrap(),
         Bytes::from_static(b"through the mount")
     );
 
@@ -271,10 +331,16 @@ async fn dynamic_volume_lifecycle_with_delete_policy() {
     env.unpublish(&vol.volume_id, &target).await.unwrap();
 
     env.ctrl
-        .delete_volume(pb::DeleteVolumeRequest { volume_id: vol.volume_id.clone(), secrets: Default::default() })
+        .delete_volume(pb::DeleteVolumeRequest {
+            volume_id: vol.volume_id.clone(),
+            secrets: Default::default(),
+        })
         .await
         .unwrap();
-    assert!(env.keys("data", "vols/pvc-1/").await.is_empty(), "the prefix is empty");
+    assert!(
+        env.keys("data", "vols/pvc-1/").await.is_empty(),
+        "the prefix is empty"
+    );
     assert_eq!(
         env.keys("data", "vols/").await,
         ["vols/other/keep.txt", "vols/pvc-1x/keep.txt"],
@@ -282,7 +348,10 @@ async fn dynamic_volume_lifecycle_with_delete_policy() {
     );
     // Deleting again is OK.
     env.ctrl
-        .delete_volume(pb::DeleteVolumeRequest { volume_id: vol.volume_id, secrets: Default::default() })
+        .delete_volume(pb::DeleteVolumeRequest {
+            volume_id: vol.volume_id,
+            secrets: Default::default(),
+        })
         .await
         .unwrap();
 }
@@ -305,9 +374,15 @@ async fn retain_policy_keeps_data() {
         .into_inner()
         .volume
         .unwrap();
-    env.store.put("keep", "pvc-r/x", Bytes::from_static(b"x")).await.unwrap();
+    env.store
+        .put("keep", "pvc-r/x", Bytes::from_static(b"x"))
+        .await
+        .unwrap();
     env.ctrl
-        .delete_volume(pb::DeleteVolumeRequest { volume_id: vol.volume_id, secrets: Default::default() })
+        .delete_volume(pb::DeleteVolumeRequest {
+            volume_id: vol.volume_id,
+            secrets: Default::default(),
+        })
         .await
         .unwrap();
     assert_eq!(env.keys("keep", "").await, ["pvc-r/x"]);
@@ -319,16 +394,35 @@ async fn retain_policy_keeps_data() {
 async fn mountpoint_static_pv_mounts_and_reads() {
     let mut env = Env::start().await;
     env.s3.create_bucket("mp-bucket").await;
-    env.store.put("mp-bucket", "datasets/imagenet/0.jpg", payload(3, 4096)).await.unwrap();
-    env.store.put("mp-bucket", "other/secret.txt", Bytes::from_static(b"no")).await.unwrap();
-    let cap = mount_capability(
-        Mode::MultiNodeReaderOnly,
-        &["prefix datasets/", "uid=1000", "gid=2000", "file-mode=0444", "dir-mode=0555", "allow-other"],
-    );
-    let target = env.target("pod-s", "static-pv");
-    env.publish("any-unique-handle", &target, cap, map(&[("bucketName", "mp-bucket")]), false)
+    env.store
+        .put("mp-bucket", "datasets/imagenet/0.jpg", payload(3, 4096))
         .await
         .unwrap();
+    env.store
+        .put("mp-bucket", "other/secret.txt", Bytes::from_static(b"no"))
+        .await
+        .unwrap();
+    let cap = mount_capability(
+        Mode::MultiNodeReaderOnly,
+        &[
+            "prefix datasets/",
+            "uid=1000",
+            "gid=2000",
+            "file-mode=0444",
+            "dir-mode=0555",
+            "allow-other",
+        ],
+    );
+    let target = env.target("pod-s", "static-pv");
+    env.publish(
+        "any-unique-handle",
+        &target,
+        cap,
+        map(&[("bucketName", "mp-bucket")]),
+        false,
+    )
+    .await
+    .unwrap();
     let t = target.clone();
     tokio::task::spawn_blocking(move || {
         use std::os::unix::fs::MetadataExt;
@@ -340,8 +434,14 @@ async fn mountpoint_static_pv_mounts_and_reads() {
         let f = t.join("imagenet/0.jpg");
         assert_eq!(std::fs::read(&f).unwrap(), payload(3, 4096));
         let md = std::fs::metadata(&f).unwrap();
-        assert_eq!((md.uid(), md.gid(), md.mode() & 0o7777), (1000, 2000, 0o444));
-        assert_eq!(std::fs::metadata(t.join("imagenet")).unwrap().mode() & 0o7777, 0o555);
+        assert_eq!(
+            (md.uid(), md.gid(), md.mode() & 0o7777),
+            (1000, 2000, 0o444)
+        );
+        assert_eq!(
+            std::fs::metadata(t.join("imagenet")).unwrap().mode() & 0o7777,
+            0o555
+        );
         // A reader-only access mode makes the mount read-only.
         let err = std::fs::write(t.join("new.txt"), b"x").unwrap_err();
         assert_eq!(err.raw_os_error(), Some(libc_erofs()), "{err}");
@@ -364,29 +464,54 @@ async fn bad_input_is_refused_with_clear_errors() {
     let cap = mount_capability(Mode::SingleNodeWriter, &[]);
     let ctx = map(&[("bucketName", "good-bucket")]);
 
-    let create = |name: &str, params: HashMap<String, String>, cap: pb::VolumeCapability| pb::CreateVolumeRequest {
-        name: name.into(),
-        parameters: params,
-        volume_capabilities: vec![cap],
-        ..Default::default()
+    let create = |name: &str, params: HashMap<String, String>, cap: pb::VolumeCapability| {
+        pb::CreateVolumeRequest {
+            name: name.into(),
+            parameters: params,
+            volume_capabilities: vec![cap],
+            ..Default::default()
+        }
     };
     let cases = vec![
         (create("", ctx.clone(), cap.clone()), "name"),
         (create("v", map(&[]), cap.clone()), "bucketName"),
-        (create("v", map(&[("bucketName", "Bad_Bucket")]), cap.clone()), "bucketName"),
-        (create("v", map(&[("bucketName", "good-bucket"), ("colour", "red")]), cap.clone()), "colour"),
         (
-            create("v", map(&[("bucketName", "good-bucket"), ("prefixTemplate", "../x")]), cap.clone()),
+            create("v", map(&[("bucketName", "Bad_Bucket")]), cap.clone()),
+            "bucketName",
+        ),
+        (
+            create(
+                "v",
+                map(&[("bucketName", "good-bucket"), ("colour", "red")]),
+                cap.clone(),
+            ),
+            "colour",
+        ),
+        (
+            create(
+                "v",
+                map(&[("bucketName", "good-bucket"), ("prefixTemplate", "../x")]),
+                cap.clone(),
+            ),
             "prefix",
         ),
-        (create("v", ctx.clone(), mount_capability(Mode::SingleNodeWriter, &["bogus-opt"])), "bogus-opt"),
+        (
+            create(
+                "v",
+                ctx.clone(),
+                mount_capability(Mode::SingleNodeWriter, &["bogus-opt"]),
+            ),
+            "bogus-opt",
+        ),
         (
             create(
                 "v",
                 ctx.clone(),
                 pb::VolumeCapability {
                     access_type: Some(pb::volume_capability::AccessType::Block(Default::default())),
-                    access_mode: Some(pb::volume_capability::AccessMode { mode: Mode::SingleNodeWriter as i32 }),
+                    access_mode: Some(pb::volume_capability::AccessMode {
+                        mode: Mode::SingleNodeWriter as i32,
+                    }),
                 },
             ),
             "block",
@@ -399,7 +524,11 @@ async fn bad_input_is_refused_with_clear_errors() {
     }
     let e = env
         .ctrl
-        .create_volume(create("v", map(&[("bucketName", "no-such-bucket")]), cap.clone()))
+        .create_volume(create(
+            "v",
+            map(&[("bucketName", "no-such-bucket")]),
+            cap.clone(),
+        ))
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
@@ -407,12 +536,22 @@ async fn bad_input_is_refused_with_clear_errors() {
 
     // Node: target outside the kubelet root, relative, or with '..'.
     let outside = env.dir.path().join("elsewhere/mount");
-    for t in [outside.clone(), PathBuf::from("relative/mount"), env.dir.path().join("kubelet/pods/../../x")] {
-        let e = env.publish("vol", &t, cap.clone(), ctx.clone(), false).await.unwrap_err();
+    for t in [
+        outside.clone(),
+        PathBuf::from("relative/mount"),
+        env.dir.path().join("kubelet/pods/../../x"),
+    ] {
+        let e = env
+            .publish("vol", &t, cap.clone(), ctx.clone(), false)
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument, "{t:?}: {e:?}");
         assert!(e.message().contains("target_path"), "{}", e.message());
     }
-    assert!(!outside.exists(), "nothing is created outside the kubelet root");
+    assert!(
+        !outside.exists(),
+        "nothing is created outside the kubelet root"
+    );
     let target = env.target("pod-b", "pv-b");
     for (ctx, flags, needle) in [
         (map(&[]), vec![], "bucketName"),
@@ -421,24 +560,47 @@ async fn bad_input_is_refused_with_clear_errors() {
         (ctx.clone(), vec!["uid=-1"], "uid"),
     ] {
         let e = env
-            .publish("vol", &target, mount_capability(Mode::SingleNodeWriter, &flags), ctx, false)
+            .publish(
+                "vol",
+                &target,
+                mount_capability(Mode::SingleNodeWriter, &flags),
+                ctx,
+                false,
+            )
             .await
             .unwrap_err();
         assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
         assert!(e.message().contains(needle), "{needle}: {}", e.message());
     }
     let e = env
-        .publish("vol", &target, cap.clone(), map(&[("bucketName", "missing-bucket")]), false)
+        .publish(
+            "vol",
+            &target,
+            cap.clone(),
+            map(&[("bucketName", "missing-bucket")]),
+            false,
+        )
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
-    assert!(!target.exists(), "a refused publish leaves no target behind");
+    assert!(
+        !target.exists(),
+        "a refused publish leaves no target behind"
+    );
 
     // Same target, another volume: AlreadyExists; same volume, other options: AlreadyExists.
-    env.publish("vol-a", &target, cap.clone(), ctx.clone(), false).await.unwrap();
-    let e = env.publish("vol-b", &target, cap.clone(), ctx.clone(), false).await.unwrap_err();
+    env.publish("vol-a", &target, cap.clone(), ctx.clone(), false)
+        .await
+        .unwrap();
+    let e = env
+        .publish("vol-b", &target, cap.clone(), ctx.clone(), false)
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
-    let e = env.publish("vol-a", &target, cap.clone(), ctx.clone(), true).await.unwrap_err();
+    let e = env
+        .publish("vol-a", &target, cap.clone(), ctx.clone(), true)
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
     // Unpublish of another volume at that target: NotFound, and the mount stays.
     let e = env.unpublish("vol-b", &target).await.unwrap_err();

@@ -172,7 +172,11 @@ fn daemonize() -> anyhow::Result<()> {
     }
 }
 
-fn endpoint(url: &Option<String>, region: &Option<String>, path_style: bool) -> anyhow::Result<Endpoint> {
+fn endpoint(
+    url: &Option<String>,
+    region: &Option<String>,
+    path_style: bool,
+) -> anyhow::Result<Endpoint> {
     if let Some(u) = url {
         ferry_volume::validate::endpoint_url("--endpoint-url", u)?;
     }
@@ -294,7 +298,10 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     // they fail with ENOTCONN until kubelet unpublishes them (which detaches the dead mount).
     let live = mounts.list();
     if !live.is_empty() {
-        tracing::warn!(mounts = live.len(), "exiting with live mounts; they fail with ENOTCONN until unpublished");
+        tracing::warn!(
+            mounts = live.len(),
+            "exiting with live mounts; they fail with ENOTCONN until unpublished"
+        );
         for (target, volume) in &live {
             tracing::warn!(target = %target.display(), volume_id = %volume, "live mount");
         }

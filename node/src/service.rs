@@ -56,7 +56,9 @@ impl Drop for InFlight<'_> {
 }
 
 fn unimplemented<T>(rpc: &str) -> Result<Response<T>, Status> {
-    Err(Status::unimplemented(format!("{rpc} is not supported by Ferry")))
+    Err(Status::unimplemented(format!(
+        "{rpc} is not supported by Ferry"
+    )))
 }
 
 /// Converts a volume's TTL setting into the filesystem's.
@@ -82,8 +84,16 @@ pub fn mount_config(p: &Published, default_ttl: MetadataTtl) -> MountConfig {
         allow_overwrite: o.allow_overwrite,
         uid: o.uid.unwrap_or(0),
         gid: o.gid.or(p.mount_group).unwrap_or(0),
-        file_mode: o.file_mode.unwrap_or(if p.mount_group.is_some() { 0o664 } else { 0o644 }),
-        dir_mode: o.dir_mode.unwrap_or(if p.mount_group.is_some() { 0o775 } else { 0o755 }),
+        file_mode: o.file_mode.unwrap_or(if p.mount_group.is_some() {
+            0o664
+        } else {
+            0o644
+        }),
+        dir_mode: o.dir_mode.unwrap_or(if p.mount_group.is_some() {
+            0o775
+        } else {
+            0o755
+        }),
         allow_other: true,
         metadata_ttl: fs_ttl(o.metadata_ttl.unwrap_or(default_ttl)),
         fs_name: format!("ferry:{}/{}", p.spec.bucket, p.spec.prefix),
@@ -123,25 +133,32 @@ impl NodeService {
         if let Some(m) = mounted {
             warn!(target = %target.display(), fs_type = %m.fs_type, source = %m.source, "detaching a mount this process does not own");
             mountinfo::detach(target).map_err(|e| {
-                CsiError::Internal(format!("detaching stale mount at {}: {e}", target.display()))
+                CsiError::Internal(format!(
+                    "detaching stale mount at {}: {e}",
+                    target.display()
+                ))
             })?;
         }
         Ok(())
     }
 
     #[instrument(skip_all, fields(volume_id = %req.volume_id, target_path = %req.target_path))]
-    async fn publish(&self, req: pb::NodePublishVolumeRequest) -> Result<pb::NodePublishVolumeResponse> {
+    async fn publish(
+        &self,
+        req: pb::NodePublishVolumeRequest,
+    ) -> Result<pb::NodePublishVolumeResponse> {
         let volume_id = require("volume_id", &req.volume_id)?;
         require("target_path", &req.target_path)?;
-        let cap = req
-            .volume_capability
-            .as_ref()
-            .ok_or_else(|| CsiError::InvalidArgument("volume_capability is required".to_string()))?;
+        let cap = req.volume_capability.as_ref().ok_or_else(|| {
+            CsiError::InvalidArgument("volume_capability is required".to_string())
+        })?;
         let mode = capability::check(cap)?;
         let target = targetpath::check(&self.config.kubelet_root, &req.target_path)?;
         let spec = VolumeSpec::from_publish(&req.volume_context, capability::mount_flags(cap))?;
         let mount_group = match &cap.access_type {
-            Some(pb::volume_capability::AccessType::Mount(m)) if !m.volume_mount_group.is_empty() => {
+            Some(pb::volume_capability::AccessType::Mount(m))
+                if !m.volume_mount_group.is_empty() =>
+            {
                 Some(m.volume_mount_group.parse::<u32>().map_err(|_| {
                     CsiError::InvalidArgument(format!(
                         "volume_mount_group {:?} is not a numeric group id",
@@ -164,18 +181,20 @@ impl NodeService {
                 info!("already published");
                 return Ok(pb::NodePublishVolumeResponse {});
             }
-            return Err(CsiError::AlreadyExists(if existing.volume_id != published.volume_id {
-                format!(
-                    "target {} already has volume {:?} published",
-                    target.display(),
-                    existing.volume_id
-                )
-            } else {
-                format!(
-                    "volume {volume_id:?} is already published at {} with other options",
-                    target.display()
-                )
-            }));
+            return Err(CsiError::AlreadyExists(
+                if existing.volume_id != published.volume_id {
+                    format!(
+                        "target {} already has volume {:?} published",
+                        target.display(),
+                        existing.volume_id
+                    )
+                } else {
+                    format!(
+                        "volume {volume_id:?} is already published at {} with other options",
+                        target.display()
+                    )
+                },
+            ));
         }
         Self::clear_stale(&target)?;
 
@@ -246,7 +265,10 @@ impl NodeService {
     }
 
     #[instrument(skip_all, fields(volume_id = %req.volume_id, target_path = %req.target_path))]
-    async fn unpublish(&self, req: pb::NodeUnpublishVolumeRequest) -> Result<pb::NodeUnpublishVolumeResponse> {
+    async fn unpublish(
+        &self,
+        req: pb::NodeUnpublishVolumeRequest,
+    ) -> Result<pb::NodeUnpublishVolumeResponse> {
         let volume_id = require("volume_id", &req.volume_id)?;
         require("target_path", &req.target_path)?;
         let target = targetpath::check(&self.config.kubelet_root, &req.target_path)?;
@@ -267,9 +289,8 @@ impl NodeService {
                 .map_err(|e| CsiError::Internal(format!("unmount task failed: {e}")))?;
             if let Err(e) = res {
                 warn!(error = %e, "clean unmount failed; detaching");
-                mountinfo::detach(&t).map_err(|e| {
-                    CsiError::Internal(format!("unmounting {}: {e}", t.display()))
-                })?;
+                mountinfo::detach(&t)
+                    .map_err(|e| CsiError::Internal(format!("unmounting {}: {e}", t.display())))?;
             }
         } else {
             Self::clear_stale(&target)?;

@@ -11,7 +11,11 @@ use ferry_csi::CsiError;
 /// Checks that `target` is an absolute, normal path strictly below `root`.
 pub fn check(root: &Path, target: &str) -> Result<PathBuf, CsiError> {
     let path = Path::new(target);
-    let bad = |why: &str| Err(CsiError::InvalidArgument(format!("target_path {target:?} {why}")));
+    let bad = |why: &str| {
+        Err(CsiError::InvalidArgument(format!(
+            "target_path {target:?} {why}"
+        )))
+    };
     if !path.is_absolute() {
         return bad("must be absolute");
     }

@@ -38,12 +38,10 @@ pub fn check(cap: &VolumeCapability) -> Result<Mode, CsiError> {
                 "volume_capability.access_type is required (mount)".to_string(),
             ))
         }
-        Some(AccessType::Block(_)) => {
-            return Err(CsiError::InvalidArgument(
-                "block access is not supported: Ferry volumes are filesystems (use access type mount)"
-                    .to_string(),
-            ))
-        }
+        Some(AccessType::Block(_)) => return Err(CsiError::InvalidArgument(
+            "block access is not supported: Ferry volumes are filesystems (use access type mount)"
+                .to_string(),
+        )),
         Some(AccessType::Mount(m)) => {
             MountOptions::parse(&m.mount_flags)?;
         }
@@ -51,7 +49,9 @@ pub fn check(cap: &VolumeCapability) -> Result<Mode, CsiError> {
     let raw = cap
         .access_mode
         .as_ref()
-        .ok_or_else(|| CsiError::InvalidArgument("volume_capability.access_mode is required".to_string()))?
+        .ok_or_else(|| {
+            CsiError::InvalidArgument("volume_capability.access_mode is required".to_string())
+        })?
         .mode;
     let mode = Mode::try_from(raw)
         .map_err(|_| CsiError::InvalidArgument(format!("unknown access mode {raw}")))?;
@@ -87,10 +87,17 @@ mod tests {
     #[test]
     fn checks() {
         let mount = || Some(AccessType::Mount(MountVolume::default()));
-        assert_eq!(check(&cap(mount(), Mode::SingleNodeWriter)).unwrap(), Mode::SingleNodeWriter);
+        assert_eq!(
+            check(&cap(mount(), Mode::SingleNodeWriter)).unwrap(),
+            Mode::SingleNodeWriter
+        );
         assert!(check(&cap(mount(), Mode::MultiNodeSingleWriter)).is_err());
         assert!(check(&cap(mount(), Mode::Unknown)).is_err());
-        assert!(check(&cap(Some(AccessType::Block(BlockVolume {})), Mode::SingleNodeWriter)).is_err());
+        assert!(check(&cap(
+            Some(AccessType::Block(BlockVolume {})),
+            Mode::SingleNodeWriter
+        ))
+        .is_err());
         assert!(check(&cap(None, Mode::SingleNodeWriter)).is_err());
         let bad_flag = Some(AccessType::Mount(MountVolume {
             mount_flags: vec!["bogus".into()],

@@ -51,9 +51,18 @@ mod tests {
 
     #[test]
     fn parses_endpoints() {
-        assert_eq!(parse("unix:///csi/csi.sock").unwrap(), PathBuf::from("/csi/csi.sock"));
-        assert_eq!(parse("unix:/csi/csi.sock").unwrap(), PathBuf::from("/csi/csi.sock"));
-        assert_eq!(parse("/csi/csi.sock").unwrap(), PathBuf::from("/csi/csi.sock"));
+        assert_eq!(
+            parse("unix:///csi/csi.sock").unwrap(),
+            PathBuf::from("/csi/csi.sock")
+        );
+        assert_eq!(
+            parse("unix:/csi/csi.sock").unwrap(),
+            PathBuf::from("/csi/csi.sock")
+        );
+        assert_eq!(
+            parse("/csi/csi.sock").unwrap(),
+            PathBuf::from("/csi/csi.sock")
+        );
         assert!(parse("tcp://127.0.0.1:10000").is_err());
         assert!(parse("unix://relative.sock").is_err());
     }

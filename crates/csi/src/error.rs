@@ -69,7 +69,9 @@ impl CsiError {
         let msg = format!("{what}: {e}");
         match e {
             StoreError::NotFound(_) | StoreError::NoSuchBucket(_) => CsiError::NotFound(msg),
-            StoreError::AccessDenied(_) | StoreError::Credentials(_) => CsiError::PermissionDenied(msg),
+            StoreError::AccessDenied(_) | StoreError::Credentials(_) => {
+                CsiError::PermissionDenied(msg)
+            }
             StoreError::InvalidRequest(_) => CsiError::InvalidArgument(msg),
             StoreError::PreconditionFailed(_) => CsiError::Aborted(msg),
             StoreError::Throttled(_) | StoreError::Transient(_) | StoreError::Corrupt(_) => {

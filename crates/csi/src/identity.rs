@@ -50,15 +50,20 @@ impl Identity for IdentityService {
             .capabilities
             .iter()
             .map(|t| pb::PluginCapability {
-                r#type: Some(pb::plugin_capability::Type::Service(pb::plugin_capability::Service {
-                    r#type: *t as i32,
-                })),
+                r#type: Some(pb::plugin_capability::Type::Service(
+                    pb::plugin_capability::Service { r#type: *t as i32 },
+                )),
             })
             .collect();
-        Ok(Response::new(pb::GetPluginCapabilitiesResponse { capabilities }))
+        Ok(Response::new(pb::GetPluginCapabilitiesResponse {
+            capabilities,
+        }))
     }
 
-    async fn probe(&self, _req: Request<pb::ProbeRequest>) -> Result<Response<pb::ProbeResponse>, Status> {
+    async fn probe(
+        &self,
+        _req: Request<pb::ProbeRequest>,
+    ) -> Result<Response<pb::ProbeResponse>, Status> {
         let ready = match (self.ready)().await {
             Ok(()) => true,
             Err(reason) => {

@@ -36,7 +36,10 @@ fn decode_message(raw: &str) -> String {
     let mut i = 0;
     while i < bytes.len() {
         if bytes[i] == b'%' {
-            if let Some(b) = raw.get(i + 1..i + 3).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+            if let Some(b) = raw
+                .get(i + 1..i + 3)
+                .and_then(|h| u8::from_str_radix(h, 16).ok())
+            {
                 out.push(b);
                 i += 3;
                 continue;
@@ -99,19 +102,12 @@ where
                         tracing::warn!(rpc = %method, code = %code_name, ms = format_args!("{ms:.1}"), %message, "rpc failed");
                     }
                 }
-                Err(e) => tracing::warn!(rpc = %method, ms = format_args!("{ms:.1}"), error = %e, "rpc transport error"),
+                Err(e) => {
+                    tracing::warn!(rpc = %method, ms = format_args!("{ms:.1}"), error = %e, "rpc transport error")
+                }
             }
             res
         })
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn decodes_grpc_message() {
-        assert_eq!(super::decode_message("a%20b%25c"), "a b%c");
-        assert_eq!(super::decode_message("bad%zz"), "bad%zz");
     }
 }
 
@@ -125,4 +121,13 @@ pub fn init(filter: &str) -> Result<(), String> {
         .with_writer(std::io::stderr)
         .try_init()
         .map_err(|e| e.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn decodes_grpc_message() {
+        assert_eq!(super::decode_message("a%20b%25c"), "a b%c");
+        assert_eq!(super::decode_message("bad%zz"), "bad%zz");
+    }
 }

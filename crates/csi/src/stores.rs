@@ -48,7 +48,10 @@ impl S3Stores {
     /// The endpoint a volume really uses once the driver's defaults fill its gaps.
     pub fn resolve(&self, e: &Endpoint) -> Endpoint {
         Endpoint {
-            endpoint_url: e.endpoint_url.clone().or_else(|| self.defaults.endpoint_url.clone()),
+            endpoint_url: e
+                .endpoint_url
+                .clone()
+                .or_else(|| self.defaults.endpoint_url.clone()),
             region: e.region.clone().or_else(|| self.defaults.region.clone()),
             force_path_style: e.force_path_style || self.defaults.force_path_style,
         }
@@ -58,8 +61,8 @@ impl S3Stores {
     pub async fn check_default_credentials(&self) -> Result<(), String> {
         let e = self.resolve(&Endpoint::default());
         let store = S3Store::new(self.config(e))
-        .await
-        .map_err(|e| e.to_string())?;
+            .await
+            .map_err(|e| e.to_string())?;
         store.check_credentials().await.map_err(|e| e.to_string())
     }
 }

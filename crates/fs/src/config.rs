@@ -72,11 +72,15 @@ impl MountConfig {
                 }
             }
             if self.prefix.len() >= KEY_MAX {
-                return Err(ConfigError::new("prefix leaves no room for a key (1024 bytes)"));
+                return Err(ConfigError::new(
+                    "prefix leaves no room for a key (1024 bytes)",
+                ));
             }
         }
         if self.file_mode > 0o7777 || self.dir_mode > 0o7777 {
-            return Err(ConfigError::new("file_mode and dir_mode are permission bits (<= 0o7777)"));
+            return Err(ConfigError::new(
+                "file_mode and dir_mode are permission bits (<= 0o7777)",
+            ));
         }
         if self.fs_name.is_empty()
             || self
@@ -168,10 +172,7 @@ mod tests {
     fn ttl_parses() {
         assert_eq!("indefinite".parse(), Ok(MetadataTtl::Indefinite));
         assert_eq!(" Indefinite ".parse(), Ok(MetadataTtl::Indefinite));
-        assert_eq!(
-            "0".parse(),
-            Ok(MetadataTtl::Duration(Duration::ZERO))
-        );
+        assert_eq!("0".parse(), Ok(MetadataTtl::Duration(Duration::ZERO)));
         assert_eq!(
             "2.5".parse(),
             Ok(MetadataTtl::Duration(Duration::from_millis(2500)))
@@ -179,7 +180,10 @@ mod tests {
         assert!("-1".parse::<MetadataTtl>().is_err());
         assert!("soon".parse::<MetadataTtl>().is_err());
         assert!("NaN".parse::<MetadataTtl>().is_err());
-        for ttl in [MetadataTtl::Indefinite, MetadataTtl::Duration(Duration::from_secs(3))] {
+        for ttl in [
+            MetadataTtl::Indefinite,
+            MetadataTtl::Duration(Duration::from_secs(3)),
+        ] {
             assert_eq!(ttl.to_string().parse(), Ok(ttl));
         }
         assert_eq!(MetadataTtl::Indefinite.kernel_ttl(), KERNEL_FOREVER);

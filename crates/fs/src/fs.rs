@@ -405,8 +405,7 @@ impl Fs {
         let key = {
             let st = self.lock();
             let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
-            if inode.kind == Kind::Dir || inode.is_local() || inode.valid.is_valid(Instant::now())
-            {
+            if inode.kind == Kind::Dir || inode.is_local() || inode.valid.is_valid(Instant::now()) {
                 return Ok(self.entry_of(inode));
             }
             file_key(&self.cfg.prefix, &inode.path)
@@ -448,7 +447,8 @@ impl Fs {
             if req.mode.is_some_and(|m| m & 0o7777 != u32::from(perm)) {
                 return Err(FsError::NotPermitted("chmod: modes are set per mount"));
             }
-            if req.uid.is_some_and(|u| u != self.cfg.uid) || req.gid.is_some_and(|g| g != self.cfg.gid)
+            if req.uid.is_some_and(|u| u != self.cfg.uid)
+                || req.gid.is_some_and(|g| g != self.cfg.gid)
             {
                 return Err(FsError::NotPermitted("chown: owners are set per mount"));
             }
@@ -765,7 +765,9 @@ impl Fs {
                         _ => (key, Some(*ino)),
                     }
                 }
-                Found::Fresh { kind: Kind::Dir, .. } => return Err(FsError::IsDir),
+                Found::Fresh {
+                    kind: Kind::Dir, ..
+                } => return Err(FsError::IsDir),
                 Found::Fresh { .. } => (key, st.inodes.child(parent, name).map(|c| c.ino)),
             }
         };
@@ -947,10 +949,11 @@ impl Fs {
                     ));
                 }
                 if !self.cfg.allow_overwrite {
-                    return Err(FsError::NotPermitted("overwrites are disabled on this mount"));
+                    return Err(FsError::NotPermitted(
+                        "overwrites are disabled on this mount",
+                    ));
                 }
-                let (parent, name, path) =
-                    (inode.parent, inode.name.clone(), inode.path.clone());
+                let (parent, name, path) = (inode.parent, inode.name.clone(), inode.path.clone());
                 let fh = st.handles.peek_next();
                 let inode = st.inodes.get_mut(ino).expect("checked");
                 inode.state = InodeState::Writing { fh };
@@ -998,9 +1001,9 @@ impl Fs {
         }
         let keep_cache = meta.etag.is_some() && inode.last_open_etag == meta.etag;
         inode.last_open_etag = meta.etag.clone();
-        let fh = st
-            .handles
-            .insert(Handle::Read(ReadHandle::new(ino, key, meta.etag, meta.size)));
+        let fh = st.handles.insert(Handle::Read(ReadHandle::new(
+            ino, key, meta.etag, meta.size,
+        )));
         Ok(Opened { fh, keep_cache })
     }
 
@@ -1210,7 +1213,13 @@ impl Fs {
         let number = i32::try_from(up.parts.len() + 1).map_err(|_| FsError::FileTooLarge)?;
         let done = self
             .store
-            .upload_part(self.bucket(), &w.key, &up.upload_id, number, Bytes::from(part))
+            .upload_part(
+                self.bucket(),
+                &w.key,
+                &up.upload_id,
+                number,
+                Bytes::from(part),
+            )
             .await?;
         up.parts.push(PartRecord {
             number,
@@ -1255,7 +1264,10 @@ impl Fs {
         let result = match w.upload.is_some() {
             false => {
                 let body = Bytes::from(std::mem::take(&mut w.pending));
-                self.store.put(self.bucket(), &w.key, body).await.map_err(FsError::from)
+                self.store
+                    .put(self.bucket(), &w.key, body)
+                    .await
+                    .map_err(FsError::from)
             }
             true => {
                 let last = std::mem::take(&mut w.pending);

@@ -34,7 +34,12 @@ fn n(s: &str) -> &OsStr {
 
 fn data(len: usize, seed: u8) -> Vec<u8> {
     (0..len)
-        .map(|i| (i as u32).wrapping_mul(2_654_435_761).rotate_left(seed as u32 % 31) as u8 ^ seed)
+        .map(|i| {
+            (i as u32)
+                .wrapping_mul(2_654_435_761)
+                .rotate_left(seed as u32 % 31) as u8
+                ^ seed
+        })
         .collect()
 }
 
@@ -138,20 +143,32 @@ async fn lookup_getattr_read() {
     let a = walk(&fs, "a.txt").await.unwrap();
     assert_eq!(a.attr.kind, Kind::File);
     assert_eq!(a.attr.size, 5);
-    assert_eq!((a.attr.perm, a.attr.uid, a.attr.gid, a.attr.nlink), (0o644, 1000, 2000, 1));
+    assert_eq!(
+        (a.attr.perm, a.attr.uid, a.attr.gid, a.attr.nlink),
+        (0o644, 1000, 2000, 1)
+    );
     assert_eq!(a.ttl, Duration::from_secs(1));
     let d = walk(&fs, "dir").await.unwrap();
-    assert_eq!((d.attr.kind, d.attr.perm, d.attr.nlink), (Kind::Dir, 0o755, 2));
+    assert_eq!(
+        (d.attr.kind, d.attr.perm, d.attr.nlink),
+        (Kind::Dir, 0o755, 2)
+    );
     let b = walk(&fs, "dir/b.bin").await.unwrap();
     assert_eq!(b.attr.size, big.len() as u64);
-    assert_eq!(fs.getattr(b.attr.ino).await.unwrap().attr.size, big.len() as u64);
+    assert_eq!(
+        fs.getattr(b.attr.ino).await.unwrap().attr.size,
+        big.len() as u64
+    );
     assert_eq!(read_all(&fs, a.attr.ino, 4096).await, b"hello");
     assert_eq!(read_all(&fs, b.attr.ino, 128 * 1024).await, big);
     assert_eq!(read_all(&fs, b.attr.ino, 7000).await, big);
 
     assert_eq!(errno(walk(&fs, "nope").await), libc::ENOENT);
     assert_eq!(errno(walk(&fs, "a.txt/x").await), libc::ENOTDIR);
-    assert_eq!(errno(fs.open(d.attr.ino, libc::O_RDONLY, PID).await), libc::EISDIR);
+    assert_eq!(
+        errno(fs.open(d.attr.ino, libc::O_RDONLY, PID).await),
+        libc::EISDIR
+    );
     assert_eq!(errno(fs.opendir(a.attr.ino)), libc::ENOTDIR);
     // Same path, same inode number.
     assert_eq!(walk(&fs, "dir/b.bin").await.unwrap().attr.ino, b.attr.ino);
@@ -185,7 +202,10 @@ async fn implicit_dirs_and_markers() {
     assert_eq!(m.attr.kind, Kind::Dir);
     assert!(names(&fs, m.attr.ino).await.is_empty());
     let m2 = walk(&fs, "m2").await.unwrap();
-    assert_eq!(names(&fs, m2.attr.ino).await, [("f".to_owned(), Kind::File)]);
+    assert_eq!(
+        names(&fs, m2.attr.ino).await,
+        [("f".to_owned(), Kind::File)]
+    );
     let y = walk(&fs, "x/y").await.unwrap();
     assert_eq!(y.attr.kind, Kind::Dir);
     assert_eq!(names(&fs, y.attr.ino).await, [("z".to_owned(), Kind::File)]);
@@ -285,13 +305,18 @@ async fn pagination_lists_every_entry_once_with_stable_offsets() {
     };
     fs.readdir(big, fh, resume, false, &mut rest).await.unwrap();
     assert_eq!(sink.got.len() - 2 + rest.got.len(), total + 20);
-    assert!(rest.got.iter().all(|(name, ..)| name != "a-new-first-entry"));
+    assert!(rest
+        .got
+        .iter()
+        .all(|(name, ..)| name != "a-new-first-entry"));
     // Re-reading from an old offset gives the same entries.
     let mut again = VecSink {
         cap: 5,
         got: Vec::new(),
     };
-    fs.readdir(big, fh, resume, false, &mut again).await.unwrap();
+    fs.readdir(big, fh, resume, false, &mut again)
+        .await
+        .unwrap();
     assert_eq!(
         again.got.iter().map(|e| &e.0).collect::<Vec<_>>(),
         rest.got[..5].iter().map(|e| &e.0).collect::<Vec<_>>()
@@ -372,7 +397,10 @@ async fn forget_keeps_table_bounded_and_inos_stable() {
     fs.forget(a, 102);
     assert_eq!(fs.table_sizes().0, 1);
     for (i, ino) in first.iter().enumerate() {
-        assert_eq!(walk(&fs, &format!("a/b/f{i}")).await.unwrap().attr.ino, *ino);
+        assert_eq!(
+            walk(&fs, &format!("a/b/f{i}")).await.unwrap().attr.ino,
+            *ino
+        );
     }
 }
 
@@ -384,7 +412,11 @@ async fn ttl_and_negative_cache() {
     assert_eq!((s.head, s.list), (1, 1), "HEAD and LIST once");
     store.insert(B, "late", &b"123"[..]);
     assert_eq!(errno(fs.lookup(ROOT_INO, n("late")).await), libc::ENOENT);
-    assert_eq!(store.stats().total_requests(), 2, "answered by the negative cache");
+    assert_eq!(
+        store.stats().total_requests(),
+        2,
+        "answered by the negative cache"
+    );
     tokio::time::advance(Duration::from_secs(11)).await;
     let e = fs.lookup(ROOT_INO, n("late")).await.unwrap();
     assert_eq!(e.attr.size, 3);
@@ -443,7 +475,10 @@ async fn changed_object_is_estale_and_reopen_sees_new_version() {
     let v2 = data(3 << 20, 2);
     store.insert(B, "f", v2.clone());
     // A GET outside the buffer carries If-Match with the ETag of the open: refused.
-    assert_eq!(errno(fs.read(o.fh, (5 << 19) + 7, 4096).await), libc::ESTALE);
+    assert_eq!(
+        errno(fs.read(o.fh, (5 << 19) + 7, 4096).await),
+        libc::ESTALE
+    );
     fs.release(o.fh).await.unwrap();
     // A new open after the TTL pins the new version (no page-cache reuse: the ETag changed).
     tokio::time::advance(Duration::from_secs(2)).await;
@@ -481,7 +516,11 @@ async fn sequential_reads_use_growing_windows_random_reads_do_not() {
     // Past the end: empty, no GET.
     assert!(fs.read(o.fh, 20 << 20, 4096).await.unwrap().is_empty());
     let s = store.stats();
-    assert_eq!((s.get, s.get_bytes), (4, 4 * 4096), "random reads fetch what they ask");
+    assert_eq!(
+        (s.get, s.get_bytes),
+        (4, 4 * 4096),
+        "random reads fetch what they ask"
+    );
     fs.release(o.fh).await.unwrap();
 }
 
@@ -503,7 +542,10 @@ async fn concurrent_reads_on_one_handle() {
     for t in tasks {
         let (i, got) = t.await.unwrap();
         let got = got.unwrap();
-        assert_eq!(&got[..], &body[(i * chunk) as usize..((i + 1) * chunk) as usize]);
+        assert_eq!(
+            &got[..],
+            &body[(i * chunk) as usize..((i + 1) * chunk) as usize]
+        );
     }
     fs.release(o.fh).await.unwrap();
 }
@@ -516,8 +558,14 @@ async fn small_write_is_one_put_visible_at_flush() {
     assert_eq!(fs.write(o.fh, 0, b"hello ").await.unwrap(), 6);
     assert_eq!(fs.write(o.fh, 6, b"world").await.unwrap(), 5);
     assert_eq!(fs.getattr(e.attr.ino).await.unwrap().attr.size, 11);
-    assert!(store.get_object(B, "new.txt").is_none(), "not visible before flush");
-    assert_eq!(errno(fs.open(e.attr.ino, libc::O_RDONLY, PID).await), libc::EBUSY);
+    assert!(
+        store.get_object(B, "new.txt").is_none(),
+        "not visible before flush"
+    );
+    assert_eq!(
+        errno(fs.open(e.attr.ino, libc::O_RDONLY, PID).await),
+        libc::EBUSY
+    );
     // A flush from another process (a forked child closing its copy) does not complete it.
     fs.flush(o.fh, PID + 1).await.unwrap();
     assert!(store.get_object(B, "new.txt").is_none());
@@ -529,7 +577,10 @@ async fn small_write_is_one_put_visible_at_flush() {
     let s = store.stats();
     assert_eq!((s.put, s.create_multipart), (1, 0));
     assert_eq!(read_all(&fs, e.attr.ino, 4096).await, b"hello world");
-    assert_eq!(names(&fs, ROOT_INO).await, [("new.txt".to_owned(), Kind::File)]);
+    assert_eq!(
+        names(&fs, ROOT_INO).await,
+        [("new.txt".to_owned(), Kind::File)]
+    );
     assert_eq!(fs.getattr(e.attr.ino).await.unwrap().attr.size, 11);
 }
 
@@ -549,7 +600,12 @@ async fn large_write_is_multipart() {
     assert_eq!(store.get_object(B, "big.bin").unwrap(), &body[..]);
     let s = store.stats();
     assert_eq!(
-        (s.put, s.create_multipart, s.upload_part, s.complete_multipart),
+        (
+            s.put,
+            s.create_multipart,
+            s.upload_part,
+            s.complete_multipart
+        ),
         (0, 1, 3, 1),
         "8 + 8 + 4 MiB"
     );
@@ -568,7 +624,11 @@ async fn write_rules() {
     let (e, o) = fs.create(ROOT_INO, n("f"), PID).await.unwrap();
     fs.write(o.fh, 0, b"abc").await.unwrap();
     assert_eq!(errno(fs.write(o.fh, 10, b"x").await), libc::EINVAL, "hole");
-    assert_eq!(errno(fs.write(o.fh, 1, b"x").await), libc::EINVAL, "rewrite");
+    assert_eq!(
+        errno(fs.write(o.fh, 1, b"x").await),
+        libc::EINVAL,
+        "rewrite"
+    );
     assert_eq!(errno(fs.read(o.fh, 0, 3).await), libc::EBADF);
     // Truncation to the current size is a no-op, to 0 restarts, others refused.
     let attr = |size| SetAttr {
@@ -591,7 +651,10 @@ async fn write_rules() {
         ..Default::default()
     };
     fs.setattr(e.attr.ino, chmod(0o100644)).await.unwrap();
-    assert_eq!(errno(fs.setattr(e.attr.ino, chmod(0o600)).await), libc::EPERM);
+    assert_eq!(
+        errno(fs.setattr(e.attr.ino, chmod(0o600)).await),
+        libc::EPERM
+    );
     let chown = SetAttr {
         uid: Some(0),
         ..Default::default()
@@ -603,7 +666,10 @@ async fn write_rules() {
     assert_eq!(errno(fs.setattr(e.attr.ino, attr(0)).await), libc::EPERM);
     // Creating an existing name.
     assert_eq!(errno(fs.create(ROOT_INO, n("f"), PID).await), libc::EEXIST);
-    assert_eq!(errno(fs.create(ROOT_INO, OsStr::new(".."), PID).await), libc::EINVAL);
+    assert_eq!(
+        errno(fs.create(ROOT_INO, OsStr::new(".."), PID).await),
+        libc::EINVAL
+    );
     assert_eq!(
         errno(fs.create(ROOT_INO, n(&"n".repeat(256)), PID).await),
         libc::ENAMETOOLONG
@@ -617,20 +683,37 @@ async fn overwrite_rules() {
     store.insert(B, "f", &b"old"[..]);
     let ino = walk(&fs, "f").await.unwrap().attr.ino;
     let wr = libc::O_WRONLY;
-    assert_eq!(errno(fs.open(ino, wr | libc::O_TRUNC, PID).await), libc::EPERM);
+    assert_eq!(
+        errno(fs.open(ino, wr | libc::O_TRUNC, PID).await),
+        libc::EPERM
+    );
     assert_eq!(errno(fs.open(ino, wr, PID).await), libc::EPERM);
-    assert_eq!(errno(fs.open(ino, libc::O_RDWR | libc::O_APPEND, PID).await), libc::EPERM);
+    assert_eq!(
+        errno(fs.open(ino, libc::O_RDWR | libc::O_APPEND, PID).await),
+        libc::EPERM
+    );
 
     let (store, fs) = setup(|_| {});
     store.insert(B, "f", &b"old"[..]);
     let ino = walk(&fs, "f").await.unwrap().attr.ino;
-    assert_eq!(errno(fs.open(ino, wr, PID).await), libc::EPERM, "no in-place edits");
+    assert_eq!(
+        errno(fs.open(ino, wr, PID).await),
+        libc::EPERM,
+        "no in-place edits"
+    );
     let o = fs.open(ino, wr | libc::O_TRUNC, PID).await.unwrap();
     assert_eq!(errno(fs.open(ino, libc::O_RDONLY, PID).await), libc::EBUSY);
-    assert_eq!(errno(fs.open(ino, wr | libc::O_TRUNC, PID).await), libc::EBUSY);
+    assert_eq!(
+        errno(fs.open(ino, wr | libc::O_TRUNC, PID).await),
+        libc::EBUSY
+    );
     assert_eq!(fs.getattr(ino).await.unwrap().attr.size, 0);
     fs.write(o.fh, 0, b"new!").await.unwrap();
-    assert_eq!(store.get_object(B, "f").unwrap(), &b"old"[..], "old until flush");
+    assert_eq!(
+        store.get_object(B, "f").unwrap(),
+        &b"old"[..],
+        "old until flush"
+    );
     fs.release(o.fh).await.unwrap();
     assert_eq!(store.get_object(B, "f").unwrap(), &b"new!"[..]);
     assert_eq!(read_all(&fs, ino, 100).await, b"new!");
@@ -648,7 +731,10 @@ async fn read_only_mount_refuses_every_mutation() {
     assert_eq!(errno(fs.mkdir(ROOT_INO, n("nd")).await), rofs);
     assert_eq!(errno(fs.unlink(ROOT_INO, n("f")).await), rofs);
     assert_eq!(errno(fs.rmdir(ROOT_INO, n("d")).await), rofs);
-    assert_eq!(errno(fs.open(f, libc::O_WRONLY | libc::O_TRUNC, PID).await), rofs);
+    assert_eq!(
+        errno(fs.open(f, libc::O_WRONLY | libc::O_TRUNC, PID).await),
+        rofs
+    );
     assert_eq!(errno(fs.setattr(f, SetAttr::default()).await), rofs);
     assert_eq!(errno(fs.rename()), rofs);
     assert_eq!(read_all(&fs, f, 10).await, b"x");
@@ -693,7 +779,9 @@ async fn delete_rules() {
     fs.unlink(full, n("a")).await.unwrap();
     assert!(store.keys(B).iter().all(|k| !k.starts_with("full")));
     assert_eq!(walk(&fs, "full").await.unwrap().attr.kind, Kind::Dir);
-    assert!(names(&fs, ROOT_INO).await.contains(&("full".to_owned(), Kind::Dir)));
+    assert!(names(&fs, ROOT_INO)
+        .await
+        .contains(&("full".to_owned(), Kind::Dir)));
     fs.rmdir(ROOT_INO, n("full")).await.unwrap();
     assert_eq!(errno(walk(&fs, "full").await), libc::ENOENT);
 }
@@ -808,7 +896,10 @@ async fn head_error_on_a_directory_is_ignored_when_list_proves_it() {
         failing: vec!["dir".into(), "plain".into()],
     };
     let fs = Fs::new(Arc::new(store), MountConfig::new(B));
-    assert_eq!(fs.lookup(ROOT_INO, n("dir")).await.unwrap().attr.kind, Kind::Dir);
+    assert_eq!(
+        fs.lookup(ROOT_INO, n("dir")).await.unwrap().attr.kind,
+        Kind::Dir
+    );
     assert_eq!(errno(fs.lookup(ROOT_INO, n("plain")).await), libc::EIO);
 }
 
@@ -824,7 +915,9 @@ async fn snapshot_round_trips_and_resumes_an_upload() {
     let body = data(9 << 20, 3);
     let (_, wo) = fs.create(ROOT_INO, n("w"), PID).await.unwrap();
     fs.write(wo.fh, 0, &body[..5 << 20]).await.unwrap();
-    fs.write(wo.fh, 5 << 20, &body[5 << 20..(17 << 19)]).await.unwrap();
+    fs.write(wo.fh, 5 << 20, &body[5 << 20..(17 << 19)])
+        .await
+        .unwrap();
 
     let snap = fs.snapshot().await;
     let json = serde_json::to_string(&snap).unwrap();
@@ -835,7 +928,10 @@ async fn snapshot_round_trips_and_resumes_an_upload() {
     fs2.write(wo.fh, 17 << 19, &body[17 << 19..]).await.unwrap();
     fs2.release(wo.fh).await.unwrap();
     assert_eq!(store.get_object(B, "w").unwrap(), &body[..]);
-    assert_eq!(&fs2.read(ro.fh, 100, 100).await.unwrap()[..], &data(1000, 1)[100..200]);
+    assert_eq!(
+        &fs2.read(ro.fh, 100, 100).await.unwrap()[..],
+        &data(1000, 1)[100..200]
+    );
     fs2.release(ro.fh).await.unwrap();
     fs2.releasedir(dh);
     // A new handle number does not collide with restored ones.

@@ -11,8 +11,8 @@ use std::time::SystemTime;
 use fuser::{
     AccessFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
     INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
-    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen,
-    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
+    ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use tokio::runtime::Handle;
 
@@ -104,7 +104,8 @@ struct PlainSink<'a>(&'a mut ReplyDirectory);
 
 impl DirSink for PlainSink<'_> {
     fn add(&mut self, e: &DirEntry<'_>) -> bool {
-        self.0.add(INodeNo(e.ino), e.offset, file_type(e.kind), e.name)
+        self.0
+            .add(INodeNo(e.ino), e.offset, file_type(e.kind), e.name)
     }
 }
 

@@ -77,8 +77,10 @@ impl ReadHandle {
     /// The bytes `start..end` if the buffer holds all of them.
     pub fn buffered(&self, start: u64, end: u64) -> Option<Bytes> {
         let buf = self.buffer.as_ref()?;
-        (buf.start <= start && end <= buf.end())
-            .then(|| buf.data.slice((start - buf.start) as usize..(end - buf.start) as usize))
+        (buf.start <= start && end <= buf.end()).then(|| {
+            buf.data
+                .slice((start - buf.start) as usize..(end - buf.start) as usize)
+        })
     }
 
     /// Whether a read at `offset` continues a sequential stream: it starts where the last one
@@ -222,7 +224,10 @@ mod tests {
             data: Bytes::from(vec![7u8; 1 << 20]),
         });
         h.next_offset = 128 << 10;
-        assert!(h.is_sequential(256 << 10), "reordered read-ahead inside the buffer");
+        assert!(
+            h.is_sequential(256 << 10),
+            "reordered read-ahead inside the buffer"
+        );
         assert!(h.is_sequential(1 << 20));
         assert!(!h.is_sequential(50 << 20));
         assert_eq!(h.buffered(10, 20).unwrap().len(), 10);

@@ -222,7 +222,11 @@ impl InodeTable {
         let parent_path = self.inodes.get(&parent)?.path.clone();
         let path = child_path(&parent_path, name);
         let ino = self.ino_for(parent, name, &path, kind);
-        let previous = self.inodes.get_mut(&parent)?.children.insert(name.to_owned(), ino);
+        let previous = self
+            .inodes
+            .get_mut(&parent)?
+            .children
+            .insert(name.to_owned(), ino);
         if let Some(old) = previous.filter(|&old| old != ino) {
             self.maybe_remove(old);
         }
@@ -327,7 +331,10 @@ mod tests {
         assert_ne!(a, ROOT_INO);
         assert_eq!(t.ino_for(a, "f", "a/f", Kind::File), f);
         assert_ne!(t.ino_for(ROOT_INO, "a", "a", Kind::File), a);
-        assert_eq!(hash_ino(Kind::File, "a/f", 0), hash_ino(Kind::File, "a/f", 0));
+        assert_eq!(
+            hash_ino(Kind::File, "a/f", 0),
+            hash_ino(Kind::File, "a/f", 0)
+        );
     }
 
     #[test]
@@ -365,9 +372,14 @@ mod tests {
     #[test]
     fn validity() {
         let now = Instant::now();
-        assert!(!Validity::new(MetadataTtl::Duration(std::time::Duration::ZERO), now).is_valid(now));
+        assert!(
+            !Validity::new(MetadataTtl::Duration(std::time::Duration::ZERO), now).is_valid(now)
+        );
         assert!(Validity::new(MetadataTtl::Indefinite, now).is_valid(now));
-        let v = Validity::new(MetadataTtl::Duration(std::time::Duration::from_secs(1)), now);
+        let v = Validity::new(
+            MetadataTtl::Duration(std::time::Duration::from_secs(1)),
+            now,
+        );
         assert!(v.is_valid(now));
         assert!(!v.is_valid(now + std::time::Duration::from_secs(1)));
     }

@@ -75,9 +75,9 @@ pub fn lookup_name(name: &OsStr) -> Result<&str, FsError> {
 
 /// A name to create: it must be a valid key segment (UTF-8 etc.), else `EINVAL`/`ENAMETOOLONG`.
 pub fn new_name(name: &OsStr) -> Result<&str, FsError> {
-    let name = name
-        .to_str()
-        .ok_or(FsError::InvalidArgument("names must be UTF-8 (S3 keys are)"))?;
+    let name = name.to_str().ok_or(FsError::InvalidArgument(
+        "names must be UTF-8 (S3 keys are)",
+    ))?;
     if name.len() > NAME_MAX {
         return Err(FsError::NameTooLong);
     }
@@ -156,7 +156,8 @@ impl ListingBuilder {
     pub fn add_page(&mut self, objects: &[ObjectInfo], common_prefixes: &[String]) {
         for prefix in common_prefixes {
             let Some(rest) = prefix.strip_prefix(self.dir_prefix.as_str()) else {
-                self.hidden.push((prefix.clone(), "outside the listed prefix"));
+                self.hidden
+                    .push((prefix.clone(), "outside the listed prefix"));
                 continue;
             };
             let name = rest.strip_suffix('/').unwrap_or(rest);
@@ -169,7 +170,8 @@ impl ListingBuilder {
         }
         for object in objects {
             let Some(name) = object.key.strip_prefix(self.dir_prefix.as_str()) else {
-                self.hidden.push((object.key.clone(), "outside the listed prefix"));
+                self.hidden
+                    .push((object.key.clone(), "outside the listed prefix"));
                 continue;
             };
             if name.is_empty() {
@@ -242,7 +244,10 @@ mod tests {
             lookup_name(OsStr::new(&"x".repeat(256))),
             Err(FsError::NameTooLong)
         ));
-        assert!(matches!(new_name(OsStr::new("..")), Err(FsError::InvalidArgument(_))));
+        assert!(matches!(
+            new_name(OsStr::new("..")),
+            Err(FsError::InvalidArgument(_))
+        ));
     }
 
     #[test]
@@ -254,10 +259,19 @@ mod tests {
         );
         b.add_page(&[obj("p/z", 3)], &["p/../".into()]);
         let l = b.finish();
-        let names: Vec<_> = l.entries.iter().map(|e| (e.name.as_str(), e.kind)).collect();
+        let names: Vec<_> = l
+            .entries
+            .iter()
+            .map(|e| (e.name.as_str(), e.kind))
+            .collect();
         assert_eq!(
             names,
-            [("d", Kind::Dir), ("x", Kind::Dir), ("y", Kind::File), ("z", Kind::File)]
+            [
+                ("d", Kind::Dir),
+                ("x", Kind::Dir),
+                ("y", Kind::File),
+                ("z", Kind::File)
+            ]
         );
         assert!(l.has_marker);
         assert_eq!(l.hidden.len(), 4, "{:?}", l.hidden);

@@ -108,7 +108,11 @@ fn read_write_unlink_through_the_kernel() {
     assert!(fs::metadata(root.join("dir/sub")).unwrap().is_dir());
     assert_eq!(fs::read(root.join("hello.txt")).unwrap(), b"hello, world\n");
     assert_eq!(fs::read(root.join("dir/a.bin")).unwrap(), big);
-    assert_eq!(fs::read(root.join("dir/a.bin")).unwrap(), big, "warm re-read");
+    assert_eq!(
+        fs::read(root.join("dir/a.bin")).unwrap(),
+        big,
+        "warm re-read"
+    );
     assert!(fs::read_dir(root.join("marker")).unwrap().next().is_none());
     assert!(fs::read_dir(root.join("weird")).unwrap().next().is_none());
     assert_eq!(
@@ -181,7 +185,9 @@ fn read_write_unlink_through_the_kernel() {
     fs::remove_file(root.join("new.txt")).unwrap();
     assert!(store.get_object(B, "new.txt").is_none());
     assert_eq!(
-        fs::metadata(root.join("new.txt")).unwrap_err().raw_os_error(),
+        fs::metadata(root.join("new.txt"))
+            .unwrap_err()
+            .raw_os_error(),
         Some(libc::ENOENT)
     );
     let err = fs::remove_dir(root.join("dir")).unwrap_err();
@@ -189,7 +195,10 @@ fn read_write_unlink_through_the_kernel() {
     fs::remove_dir(root.join("marker")).unwrap();
     assert!(store.get_object(B, "marker/").is_none());
     fs::remove_file(root.join("nd/f")).unwrap();
-    assert!(fs::metadata(root.join("nd")).unwrap().is_dir(), "emptied dir stays");
+    assert!(
+        fs::metadata(root.join("nd")).unwrap().is_dir(),
+        "emptied dir stays"
+    );
     fs::remove_dir(root.join("nd")).unwrap();
 
     handle.unmount().unwrap();

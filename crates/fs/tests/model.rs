@@ -173,7 +173,11 @@ impl Model {
                 let name = DIRS[dir];
                 if !self.dirs.contains(name) {
                     Outcome::Err(libc::ENOENT)
-                } else if self.files.keys().any(|k| k.starts_with(&format!("{name}/"))) {
+                } else if self
+                    .files
+                    .keys()
+                    .any(|k| k.starts_with(&format!("{name}/")))
+                {
                     Outcome::Err(libc::ENOTEMPTY)
                 } else {
                     self.dirs.remove(name);
@@ -212,7 +216,12 @@ impl DirSink for Names {
 }
 
 impl Kernel {
-    async fn lookup(&mut self, parent: Ino, parent_path: &str, name: &str) -> Result<Entry, FsError> {
+    async fn lookup(
+        &mut self,
+        parent: Ino,
+        parent_path: &str,
+        name: &str,
+    ) -> Result<Entry, FsError> {
         let e = self.fs.lookup(parent, OsStr::new(name)).await?;
         *self.refs.entry(e.attr.ino).or_default() += 1;
         let path = if parent_path.is_empty() {
@@ -220,7 +229,10 @@ impl Kernel {
         } else {
             format!("{parent_path}/{name}")
         };
-        let known = *self.inos.entry((path.clone(), e.attr.kind)).or_insert(e.attr.ino);
+        let known = *self
+            .inos
+            .entry((path.clone(), e.attr.kind))
+            .or_insert(e.attr.ino);
         assert_eq!(known, e.attr.ino, "inode number of {path} changed");
         Ok(e)
     }

@@ -132,8 +132,19 @@ impl<S: ObjectStore> FaultyStore<S> {
 
     /// Every call of one of `ops` fails with `error` with probability `p`, before reaching the
     /// inner store. Pass [`Op::ALL`] for every operation.
-    pub fn fail_with_probability(&self, ops: impl IntoIterator<Item = Op>, p: f64, error: StoreError) {
-        self.add(ops.into_iter().collect(), Effect::FailBefore, error, None, p);
+    pub fn fail_with_probability(
+        &self,
+        ops: impl IntoIterator<Item = Op>,
+        p: f64,
+        error: StoreError,
+    ) {
+        self.add(
+            ops.into_iter().collect(),
+            Effect::FailBefore,
+            error,
+            None,
+            p,
+        );
     }
 
     /// Like [`FaultyStore::fail_with_probability`], but the inner store performs the call first.
@@ -148,7 +159,13 @@ impl<S: ObjectStore> FaultyStore<S> {
 
     /// The next `n` non-empty `get_range` bodies come back shorter than the inner store returned.
     pub fn truncate_next(&self, n: u64) {
-        self.add(vec![Op::Get], Effect::Truncate, truncated_marker(), Some(n), 1.0);
+        self.add(
+            vec![Op::Get],
+            Effect::Truncate,
+            truncated_marker(),
+            Some(n),
+            1.0,
+        );
     }
 
     /// Each non-empty `get_range` body is cut short with probability `p`.
@@ -267,8 +284,14 @@ struct XorShift(u64);
 impl XorShift {
     fn new(seed: u64) -> Self {
         // The state must never be zero; mix the seed so nearby seeds diverge at once.
-        let mixed = seed.wrapping_add(0x9e37_79b9_7f4a_7c15).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        XorShift(if mixed == 0 { 0x2545_f491_4f6c_dd1d } else { mixed })
+        let mixed = seed
+            .wrapping_add(0x9e37_79b9_7f4a_7c15)
+            .wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        XorShift(if mixed == 0 {
+            0x2545_f491_4f6c_dd1d
+        } else {
+            mixed
+        })
     }
 
     fn next_u64(&mut self) -> u64 {
@@ -289,7 +312,8 @@ impl XorShift {
 #[async_trait]
 impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
     async fn head_bucket(&self, bucket: &str) -> Result<()> {
-        self.run(Op::HeadBucket, self.inner.head_bucket(bucket)).await
+        self.run(Op::HeadBucket, self.inner.head_bucket(bucket))
+            .await
     }
 
     async fn list(&self, bucket: &str, req: ListRequest<'_>) -> Result<ListPage> {
@@ -337,8 +361,11 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
     }
 
     async fn create_multipart(&self, bucket: &str, key: &str) -> Result<String> {
-        self.run(Op::CreateMultipart, self.inner.create_multipart(bucket, key))
-            .await
+        self.run(
+            Op::CreateMultipart,
+            self.inner.create_multipart(bucket, key),
+        )
+        .await
     }
 
     async fn upload_part(
@@ -445,8 +472,14 @@ mod tests {
         let f = faulty(1);
         f.fail_next(Op::Delete, 1, StoreError::AccessDenied("first".into()));
         f.fail_next(Op::Delete, 1, StoreError::NotFound("second".into()));
-        assert!(matches!(f.delete(B, "k").await, Err(StoreError::AccessDenied(_))));
-        assert!(matches!(f.delete(B, "k").await, Err(StoreError::NotFound(_))));
+        assert!(matches!(
+            f.delete(B, "k").await,
+            Err(StoreError::AccessDenied(_))
+        ));
+        assert!(matches!(
+            f.delete(B, "k").await,
+            Err(StoreError::NotFound(_))
+        ));
         f.delete(B, "k").await.unwrap();
     }
 
@@ -465,7 +498,10 @@ mod tests {
         assert_eq!(a, pattern(42).await, "same seed, same faults");
         assert_ne!(a, pattern(43).await, "another seed, other faults");
         let failures = a.iter().filter(|&&x| x).count();
-        assert!((220..380).contains(&failures), "{failures} of 1000 at p=0.3");
+        assert!(
+            (220..380).contains(&failures),
+            "{failures} of 1000 at p=0.3"
+        );
 
         let f = faulty(7);
         f.fail_with_probability([Op::List], 0.0, transient());
@@ -504,7 +540,11 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn latency_uses_tokio_time() {
         let f = faulty(5);
-        f.set_latency([Op::Get], Duration::from_millis(100), Duration::from_millis(50));
+        f.set_latency(
+            [Op::Get],
+            Duration::from_millis(100),
+            Duration::from_millis(50),
+        );
         let start = tokio::time::Instant::now();
         f.get_range(B, "k", 0..1, None).await.unwrap();
         let took = start.elapsed();

@@ -46,10 +46,12 @@ pub(crate) fn digest(data: &[u8]) -> [u8; 16] {
 /// Lower-case hex of `bytes`.
 pub(crate) fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write;
-    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
 }
 
 fn compress(state: &mut [u32; 4], block: &[u8]) {
@@ -70,10 +72,7 @@ fn compress(state: &mut [u32; 4], block: &[u8]) {
             2 => (b ^ c ^ d, (3 * i + 5) % 16),
             _ => (c ^ (b | !d), (7 * i) % 16),
         };
-        let f = f
-            .wrapping_add(a)
-            .wrapping_add(K[i])
-            .wrapping_add(m[g]);
+        let f = f.wrapping_add(a).wrapping_add(K[i]).wrapping_add(m[g]);
         a = d;
         d = c;
         c = b;
@@ -110,7 +109,12 @@ mod tests {
             ),
         ];
         for (input, want) in cases {
-            assert_eq!(hex(&digest(input)), want, "md5({:?})", String::from_utf8_lossy(input));
+            assert_eq!(
+                hex(&digest(input)),
+                want,
+                "md5({:?})",
+                String::from_utf8_lossy(input)
+            );
         }
     }
 

@@ -354,7 +354,10 @@ fn list_objects(objects: &BTreeMap<String, Object>, req: &ListRequest<'_>) -> Re
         if !key.starts_with(prefix) {
             break; // keys under a prefix are contiguous; we are past them
         }
-        if skip_prefix.as_ref().is_some_and(|p| key.starts_with(p.as_str())) {
+        if skip_prefix
+            .as_ref()
+            .is_some_and(|p| key.starts_with(p.as_str()))
+        {
             continue;
         }
         if entries == max {
@@ -659,7 +662,10 @@ mod tests {
     async fn unknown_bucket_is_no_such_bucket() {
         let s = store();
         let e = s.head_bucket("nope").await.unwrap_err();
-        assert!(matches!(e, StoreError::NoSuchBucket(ref b) if b == "nope"), "{e:?}");
+        assert!(
+            matches!(e, StoreError::NoSuchBucket(ref b) if b == "nope"),
+            "{e:?}"
+        );
         assert!(matches!(
             s.list("nope", req("")).await,
             Err(StoreError::NoSuchBucket(_))
@@ -709,8 +715,14 @@ mod tests {
         for k in ["a", "ab/1", "ab/2", "abc", "b/1", "a/x"] {
             s.insert(B, k, "x");
         }
-        assert_eq!(keys(&s.list(B, req("ab")).await.unwrap()), ["ab/1", "ab/2", "abc"]);
-        assert_eq!(keys(&s.list(B, req("ab/")).await.unwrap()), ["ab/1", "ab/2"]);
+        assert_eq!(
+            keys(&s.list(B, req("ab")).await.unwrap()),
+            ["ab/1", "ab/2", "abc"]
+        );
+        assert_eq!(
+            keys(&s.list(B, req("ab/")).await.unwrap()),
+            ["ab/1", "ab/2"]
+        );
         assert!(s.list(B, req("zz")).await.unwrap().objects.is_empty());
     }
 
@@ -1012,7 +1024,7 @@ mod tests {
         );
         assert!(lm <= SystemTime::now());
         let listed = s.list(B, req("")).await.unwrap();
-        assert_eq!(listed.objects, [info.clone()]);
+        assert_eq!(listed.objects, std::slice::from_ref(&info));
 
         let put2 = s.put(B, "k", Bytes::from_static(b"abd")).await.unwrap();
         assert_ne!(put2.etag, put.etag, "new content, new ETag");
@@ -1048,7 +1060,10 @@ mod tests {
     async fn get_range_clips_and_refuses_out_of_range() {
         let s = store();
         s.insert(B, "k", "0123456789");
-        assert_eq!(s.get_range(B, "k", 0..10, None).await.unwrap(), "0123456789");
+        assert_eq!(
+            s.get_range(B, "k", 0..10, None).await.unwrap(),
+            "0123456789"
+        );
         assert_eq!(s.get_range(B, "k", 2..5, None).await.unwrap(), "234");
         assert_eq!(s.get_range(B, "k", 8..100, None).await.unwrap(), "89");
         assert_eq!(s.get_range(B, "k", 9..10, None).await.unwrap(), "9");
@@ -1076,7 +1091,10 @@ mod tests {
     async fn get_range_if_match() {
         let s = store();
         let etag = s.insert(B, "k", "hello");
-        assert_eq!(s.get_range(B, "k", 0..5, Some(&etag)).await.unwrap(), "hello");
+        assert_eq!(
+            s.get_range(B, "k", 0..5, Some(&etag)).await.unwrap(),
+            "hello"
+        );
         // Unquoted is accepted too.
         let bare = etag.trim_matches('"').to_owned();
         assert_eq!(s.get_range(B, "k", 0..2, Some(&bare)).await.unwrap(), "he");
@@ -1096,9 +1114,18 @@ mod tests {
         assert_eq!(s.pending_uploads(B), 1);
         // Upload out of order, and replace part 2.
         let p3 = s.upload_part(B, "big", &id, 3, "cc".into()).await.unwrap();
-        let _old = s.upload_part(B, "big", &id, 2, "XXXX".into()).await.unwrap();
-        let p2 = s.upload_part(B, "big", &id, 2, "bbbb".into()).await.unwrap();
-        let p1 = s.upload_part(B, "big", &id, 1, "aaaa".into()).await.unwrap();
+        let _old = s
+            .upload_part(B, "big", &id, 2, "XXXX".into())
+            .await
+            .unwrap();
+        let p2 = s
+            .upload_part(B, "big", &id, 2, "bbbb".into())
+            .await
+            .unwrap();
+        let p1 = s
+            .upload_part(B, "big", &id, 1, "aaaa".into())
+            .await
+            .unwrap();
         assert!(s.head(B, "big").await.is_err(), "invisible before complete");
         let done = s
             .complete_multipart(B, "big", &id, vec![p1, p2, p3])
@@ -1129,7 +1156,10 @@ mod tests {
         let p1 = s.upload_part(B, "k", &id, 1, "a".into()).await.unwrap();
         let _p2 = s.upload_part(B, "k", &id, 2, "b".into()).await.unwrap();
         let p5 = s.upload_part(B, "k", &id, 5, "c".into()).await.unwrap();
-        let done = s.complete_multipart(B, "k", &id, vec![p1, p5]).await.unwrap();
+        let done = s
+            .complete_multipart(B, "k", &id, vec![p1, p5])
+            .await
+            .unwrap();
         assert!(done.etag.unwrap().ends_with("-2\""));
         assert_eq!(s.get_object(B, "k").unwrap(), "ac");
     }
@@ -1185,7 +1215,9 @@ mod tests {
         let big = Bytes::from(vec![7u8; MIN_PART_SIZE as usize]);
         let p1 = s.upload_part(B, "k", &id, 1, big.clone()).await.unwrap();
         let p2 = s.upload_part(B, "k", &id, 2, "tail".into()).await.unwrap();
-        s.complete_multipart(B, "k", &id, vec![p1, p2]).await.unwrap();
+        s.complete_multipart(B, "k", &id, vec![p1, p2])
+            .await
+            .unwrap();
         assert_eq!(s.head(B, "k").await.unwrap().size, MIN_PART_SIZE + 4);
     }
 

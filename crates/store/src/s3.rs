@@ -223,13 +223,11 @@ impl S3Store {
     pub async fn create_bucket(&self, bucket: &str) -> Result<()> {
         use aws_sdk_s3::types::{BucketLocationConstraint, CreateBucketConfiguration};
         let region = self.client.config().region().map(|r| r.to_string());
-        let location = region
-            .filter(|r| r != "us-east-1")
-            .map(|r| {
-                CreateBucketConfiguration::builder()
-                    .location_constraint(BucketLocationConstraint::from(r.as_str()))
-                    .build()
-            });
+        let location = region.filter(|r| r != "us-east-1").map(|r| {
+            CreateBucketConfiguration::builder()
+                .location_constraint(BucketLocationConstraint::from(r.as_str()))
+                .build()
+        });
         match self
             .client
             .create_bucket()
@@ -248,20 +246,15 @@ impl S3Store {
     /// without sending a request to S3: readiness probes use it. The error never carries a secret.
     pub async fn check_credentials(&self) -> Result<()> {
         use aws_credential_types::provider::ProvideCredentials;
-        let provider = self
-            .credentials
-            .as_ref()
-            .ok_or_else(|| StoreError::Credentials("no credentials provider is configured".into()))?;
-        provider
-            .provide_credentials()
-            .await
-            .map(drop)
-            .map_err(|e| {
-                StoreError::Credentials(format!(
-                    "no credentials could be resolved: {}",
-                    error_chain(&e)
-                ))
-            })
+        let provider = self.credentials.as_ref().ok_or_else(|| {
+            StoreError::Credentials("no credentials provider is configured".into())
+        })?;
+        provider.provide_credentials().await.map(drop).map_err(|e| {
+            StoreError::Credentials(format!(
+                "no credentials could be resolved: {}",
+                error_chain(&e)
+            ))
+        })
     }
 
     /// The endpoint URL, or `aws:<region>` for AWS itself: a stable name for cache keys.
@@ -489,7 +482,10 @@ fn credentials_failure(err: &(dyn std::error::Error + 'static)) -> bool {
 }
 
 /// Maps any SDK failure onto [`StoreError`].
-fn map_sdk_error<E>(err: SdkError<E, aws_sdk_s3::config::http::HttpResponse>, target: Target<'_>) -> StoreError
+fn map_sdk_error<E>(
+    err: SdkError<E, aws_sdk_s3::config::http::HttpResponse>,
+    target: Target<'_>,
+) -> StoreError
 where
     E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
 {
@@ -872,7 +868,11 @@ mod tests {
             force_path_style: true,
             credentials: creds.clone(),
         };
-        for text in [format!("{creds:?}"), format!("{cfg:?}"), format!("{cfg:#?}")] {
+        for text in [
+            format!("{creds:?}"),
+            format!("{cfg:?}"),
+            format!("{cfg:#?}"),
+        ] {
             assert!(!text.contains("wJalr"), "{text}");
             assert!(!text.contains("FwoG"), "{text}");
             assert!(text.contains("<redacted>"), "{text}");
@@ -891,8 +891,18 @@ mod tests {
     fn content_range_parsing() {
         assert_eq!(parse_content_range("bytes 0-9/10"), Some((0, 9, Some(10))));
         assert_eq!(parse_content_range("bytes 5-5/*"), Some((5, 5, None)));
-        assert_eq!(parse_content_range(" bytes  2-3/100 "), Some((2, 3, Some(100))));
-        for bad in ["", "bytes */10", "bytes 9-0/10", "items 0-1/2", "bytes 0-x/2", "bytes 0-1"] {
+        assert_eq!(
+            parse_content_range(" bytes  2-3/100 "),
+            Some((2, 3, Some(100)))
+        );
+        for bad in [
+            "",
+            "bytes */10",
+            "bytes 9-0/10",
+            "items 0-1/2",
+            "bytes 0-x/2",
+            "bytes 0-1",
+        ] {
             assert_eq!(parse_content_range(bad), None, "{bad}");
         }
     }
@@ -909,7 +919,11 @@ mod tests {
             (Some(403), Some("SignatureDoesNotMatch"), Kind::AccessDenied),
             (Some(403), None, Kind::AccessDenied),
             (Some(400), Some("ExpiredToken"), Kind::AccessDenied),
-            (Some(412), Some("PreconditionFailed"), Kind::PreconditionFailed),
+            (
+                Some(412),
+                Some("PreconditionFailed"),
+                Kind::PreconditionFailed,
+            ),
             (Some(412), None, Kind::PreconditionFailed),
             (Some(416), Some("InvalidRange"), Kind::InvalidRequest),
             (Some(416), None, Kind::InvalidRequest),
@@ -933,7 +947,6 @@ mod tests {
             assert_eq!(classify(status, code), want, "{status:?} {code:?}");
         }
     }
-
 
     fn local_cfg() -> S3Config {
         S3Config {
@@ -961,7 +974,9 @@ mod tests {
 
     #[tokio::test]
     async fn endpoint_id_names_the_endpoint_or_region() {
-        let s = S3Store::with_options(local_cfg(), fast_opts()).await.unwrap();
+        let s = S3Store::with_options(local_cfg(), fast_opts())
+            .await
+            .unwrap();
         assert_eq!(s.endpoint_id(), "http://127.0.0.1:1");
         assert!(format!("{s:?}").contains("127.0.0.1:1"));
         let mut aws = local_cfg();
@@ -982,7 +997,9 @@ mod tests {
 
     #[tokio::test]
     async fn connection_refused_is_transient() {
-        let s = S3Store::with_options(local_cfg(), fast_opts()).await.unwrap();
+        let s = S3Store::with_options(local_cfg(), fast_opts())
+            .await
+            .unwrap();
         let e = s.head("b", "k").await.unwrap_err();
         assert!(matches!(e, StoreError::Transient(_)), "{e:?}");
         assert!(e.is_retryable());
@@ -990,7 +1007,9 @@ mod tests {
 
     #[tokio::test]
     async fn empty_range_is_refused_without_a_request() {
-        let s = S3Store::with_options(local_cfg(), fast_opts()).await.unwrap();
+        let s = S3Store::with_options(local_cfg(), fast_opts())
+            .await
+            .unwrap();
         let e = s.get_range("b", "k", 4..4, None).await.unwrap_err();
         assert!(matches!(e, StoreError::InvalidRequest(_)), "{e:?}");
         s.delete_many("b", &[]).await.unwrap();
@@ -1034,7 +1053,9 @@ mod tests {
 
     #[tokio::test]
     async fn static_credentials_check_without_a_request() {
-        let s = S3Store::with_options(local_cfg(), fast_opts()).await.unwrap();
+        let s = S3Store::with_options(local_cfg(), fast_opts())
+            .await
+            .unwrap();
         // Port 1 refuses connections: success proves no request was sent.
         s.check_credentials().await.unwrap();
     }

@@ -1,10 +1,23 @@
 //! The same behavioural checks against [`MemoryStore`] and against [`S3Store`] on a real S3 server
 //! (versitygw, started per test by `ferry-testkit`).
 //!
-//! Each `check_*` body is written once against `&dyn ObjectStore`; [`both!`] runs it on both
-//! backends. Where versitygw differs from AWS S3 the difference is named in a `VERSITYGW:` comment,
-//! and the checks accept only variations that real S3 (or a real S3-compatible server) may also
-//! show; anything else is asserted strictly.
+//! Each check is written once against `&dyn ObjectStore`; [`both!`] runs it on both backends. Where
+//! versitygw differs from AWS S3 the difference is named in a `VERSITYGW:` comment, and the checks
+//! accept only variations that real S3 may also show; anything else is asserted strictly.
+//!
+//! VERSITYGW (v1.7.0, posix backend) differences from S3 that these checks steer around, because
+//! they are not S3-legal and so no shared check may accept them:
+//! - Keys are paths: `a` as an object and `a/b` as another cannot coexist (409
+//!   ObjectParentIsFile); a `dir/` marker object must be empty (400 DirectoryObjectContainsData);
+//!   `a//b` is stored and listed as `a/b`; keys with a `..` segment are refused (400).
+//! - Continuation tokens are the last key returned, in clear, and are not validated: a garbage
+//!   token lists from after that string, where S3 answers 400 InvalidArgument.
+//!
+//! Where it matches S3 (checked here, strictly): ETags are the quoted MD5 for PUT and
+//! `"<md5>-<parts>"` for multipart, and LIST carries the same ETag as HEAD; listing is in byte
+//! order across directory boundaries (`a-b` < `a/x` < `a0`); HEAD of a prefix is 404; ranges past
+//! the end and any range of an empty object are 416; If-Match mismatch is 412; EntityTooSmall and
+//! InvalidPart are enforced on complete; `max-keys=0` returns an empty, untruncated page.
 
 use std::collections::BTreeSet;
 use std::time::{Duration, SystemTime};
@@ -150,7 +163,11 @@ async fn list_delimiter_and_pagination(store: &dyn ObjectStore, bucket: &str) {
     // Recursive listing, 4 a page: every key under the prefix, in order, once.
     let (all, none, pages) = list_all(store, bucket, "ds/", None, Some(4)).await;
     assert!(none.is_empty());
-    let mut want: Vec<String> = keys.iter().filter(|k| k.starts_with("ds/")).cloned().collect();
+    let mut want: Vec<String> = keys
+        .iter()
+        .filter(|k| k.starts_with("ds/"))
+        .cloned()
+        .collect();
     want.sort();
     assert_eq!(all, want);
     assert_eq!(pages.len(), want.len().div_ceil(4));
@@ -207,13 +224,19 @@ async fn list_byte_order(store: &dyn ObjectStore, bucket: &str) {
 async fn head_and_etags(store: &dyn ObjectStore, bucket: &str) {
     let before = SystemTime::now() - Duration::from_secs(5);
     let etag = put(store, bucket, "h/obj", "some content").await;
-    assert!(etag.starts_with('"') && etag.ends_with('"'), "quoted ETag: {etag}");
+    assert!(
+        etag.starts_with('"') && etag.ends_with('"'),
+        "quoted ETag: {etag}"
+    );
     let info = store.head(bucket, "h/obj").await.unwrap();
     assert_eq!(info.key, "h/obj");
     assert_eq!(info.size, 12);
     assert_eq!(info.etag.as_deref(), Some(etag.as_str()));
     let lm = info.last_modified.expect("HEAD has Last-Modified");
-    assert!(lm >= before && lm <= SystemTime::now() + Duration::from_secs(5), "{lm:?}");
+    assert!(
+        lm >= before && lm <= SystemTime::now() + Duration::from_secs(5),
+        "{lm:?}"
+    );
 
     // LIST describes the object the same way. (S3 may omit nothing here; a server that leaves the
     // ETag out of LIST would give None, which ObjectInfo allows.)
@@ -244,23 +267,33 @@ async fn head_and_etags(store: &dyn ObjectStore, bucket: &str) {
 
     // Missing keys.
     let e = store.head(bucket, "h/missing").await.unwrap_err();
-    assert!(matches!(e, StoreError::NotFound(ref k) if k == "h/missing"), "{e:?}");
+    assert!(
+        matches!(e, StoreError::NotFound(ref k) if k == "h/missing"),
+        "{e:?}"
+    );
     // "h" is only a prefix, never an object.
     let e = store.head(bucket, "h").await.unwrap_err();
-    assert!(matches!(e, StoreError::NotFound(_)), "HEAD of a prefix: {e:?}");
-    // VERSITYGW: "h/" names the directory holding h/obj on the posix backend; see the report in
-    // `head_directory_key` below for what it answers. S3 answers 404.
-    head_directory_key(store, bucket, "h/").await;
-}
-
-/// HEAD of `key` where `key` ends in '/' and only keys below it exist. S3: 404 NotFound.
-/// Some S3-compatible servers map such a key to a directory and answer otherwise; accepted here:
-/// NotFound, or a Transient error (a 500), which callers treat like any server failure.
-async fn head_directory_key(store: &dyn ObjectStore, bucket: &str, key: &str) {
-    match store.head(bucket, key).await {
-        Err(StoreError::NotFound(_)) => {}
-        other => panic!("HEAD {key}: {other:?}"),
-    }
+    assert!(
+        matches!(e, StoreError::NotFound(_)),
+        "HEAD of a prefix: {e:?}"
+    );
+    // "h/" with keys below it but no object of its own: S3 answers 404. VERSITYGW: on the posix
+    // backend "h/" is a real directory, yet v1.7.0 answers 404 too (it only reports a directory
+    // that carries a "dir/" marker object), so this stays strict. Other servers are known to answer
+    // 500 here; S3Store maps that to Transient without special-casing it.
+    let e = store.head(bucket, "h/").await.unwrap_err();
+    assert!(
+        matches!(e, StoreError::NotFound(_)),
+        "HEAD of a directory key: {e:?}"
+    );
+    // A zero-byte "directory marker" object may sit beside keys below it.
+    put(store, bucket, "h/", Bytes::new()).await;
+    assert_eq!(store.head(bucket, "h/").await.unwrap().size, 0);
+    let (listed, _, _) = list_all(store, bucket, "h/", None, None).await;
+    assert_eq!(listed, ["h/", "h/empty", "h/obj"]);
+    let (files, dirs, _) = list_all(store, bucket, "", Some("/"), None).await;
+    assert!(files.is_empty(), "{files:?}");
+    assert_eq!(dirs, ["h/"]);
 }
 
 async fn ranged_get(store: &dyn ObjectStore, bucket: &str) {
@@ -286,7 +319,10 @@ async fn ranged_get(store: &dyn ObjectStore, bucket: &str) {
         .get_range(bucket, "r/missing", 0..1, None)
         .await
         .unwrap_err();
-    assert!(matches!(e, StoreError::NotFound(ref k) if k == "r/missing"), "{e:?}");
+    assert!(
+        matches!(e, StoreError::NotFound(ref k) if k == "r/missing"),
+        "{e:?}"
+    );
     // A larger object read in pieces.
     let big: Vec<u8> = (0..3 * 1024 * 1024u32).map(|i| (i % 253) as u8).collect();
     put(store, bucket, "r/big", big.clone()).await;
@@ -318,7 +354,12 @@ async fn if_match(store: &dyn ObjectStore, bucket: &str) {
         .unwrap_err();
     assert!(matches!(e, StoreError::PreconditionFailed(_)), "{e:?}");
     let e = store
-        .get_range(bucket, "m/obj", 0..7, Some("\"0123456789abcdef0123456789abcdef\""))
+        .get_range(
+            bucket,
+            "m/obj",
+            0..7,
+            Some("\"0123456789abcdef0123456789abcdef\""),
+        )
         .await
         .unwrap_err();
     assert!(matches!(e, StoreError::PreconditionFailed(_)), "{e:?}");
@@ -330,7 +371,11 @@ async fn if_match(store: &dyn ObjectStore, bucket: &str) {
 }
 
 fn part_data(part: u8, len: usize) -> Bytes {
-    Bytes::from((0..len).map(|i| part.wrapping_mul(31).wrapping_add(i as u8)).collect::<Vec<_>>())
+    Bytes::from(
+        (0..len)
+            .map(|i| part.wrapping_mul(31).wrapping_add(i as u8))
+            .collect::<Vec<_>>(),
+    )
 }
 
 async fn multipart_upload(store: &dyn ObjectStore, bucket: &str) {
@@ -354,7 +399,10 @@ async fn multipart_upload(store: &dyn ObjectStore, bucket: &str) {
         .unwrap();
     assert_eq!((c1.part_number, c2.part_number, c3.part_number), (1, 2, 3));
     let e = store.head(bucket, key).await.unwrap_err();
-    assert!(matches!(e, StoreError::NotFound(_)), "invisible until complete: {e:?}");
+    assert!(
+        matches!(e, StoreError::NotFound(_)),
+        "invisible until complete: {e:?}"
+    );
     let done = store
         .complete_multipart(bucket, key, &id, vec![c1, c2, c3])
         .await
@@ -371,7 +419,10 @@ async fn multipart_upload(store: &dyn ObjectStore, bucket: &str) {
     let at = |off: u64, len: u64| store.get_range(bucket, key, off..off + len, None);
     assert_eq!(at(0, 100).await.unwrap(), p1[..100]);
     let b = p1.len() as u64;
-    assert_eq!(at(b - 2, 4).await.unwrap()[..], [&p1[p1.len() - 2..], &p2[..2]].concat()[..]);
+    assert_eq!(
+        at(b - 2, 4).await.unwrap()[..],
+        [&p1[p1.len() - 2..], &p2[..2]].concat()[..]
+    );
     let c = b + p2.len() as u64;
     assert_eq!(at(c, 2000).await.unwrap(), p3);
 }
@@ -392,7 +443,10 @@ async fn multipart_abort_and_errors(store: &dyn ObjectStore, bucket: &str) {
         .upload_part(bucket, key, &id, 2, part_data(2, 10))
         .await
         .unwrap_err();
-    assert!(matches!(e, StoreError::NotFound(_)), "upload after abort: {e:?}");
+    assert!(
+        matches!(e, StoreError::NotFound(_)),
+        "upload after abort: {e:?}"
+    );
     let e = store
         .complete_multipart(bucket, key, "no-such-upload-id", vec![])
         .await
@@ -435,7 +489,9 @@ async fn multipart_abort_and_errors(store: &dyn ObjectStore, bucket: &str) {
 }
 
 async fn delete_many_and_delete_prefix(store: &dyn ObjectStore, bucket: &str) {
-    let keys: Vec<String> = (0..1100).map(|i| format!("del/d{}/k{i:05}", i % 3)).collect();
+    let keys: Vec<String> = (0..1100)
+        .map(|i| format!("del/d{}/k{i:05}", i % 3))
+        .collect();
     put_many(store, bucket, &keys).await;
     let siblings: Vec<String> = ["del-sibling/x", "delx", "de/l", "dek/y"]
         .iter()
@@ -455,7 +511,10 @@ async fn delete_many_and_delete_prefix(store: &dyn ObjectStore, bucket: &str) {
     batch.push("del/never-existed".into());
     store.delete_many(bucket, &batch).await.unwrap();
     for k in &keys[..10] {
-        assert!(matches!(store.head(bucket, k).await, Err(StoreError::NotFound(_))));
+        assert!(matches!(
+            store.head(bucket, k).await,
+            Err(StoreError::NotFound(_))
+        ));
     }
     store.delete(bucket, &keys[10]).await.unwrap();
     store.delete(bucket, &keys[10]).await.unwrap(); // deleting a missing key succeeds
@@ -465,7 +524,10 @@ async fn delete_many_and_delete_prefix(store: &dyn ObjectStore, bucket: &str) {
     let (left, _, _) = list_all(store, bucket, "del/", None, None).await;
     assert!(left.is_empty(), "{left:?}");
     let (all, _, _) = list_all(store, bucket, "", None, None).await;
-    assert_eq!(all.iter().cloned().collect::<BTreeSet<_>>(), siblings.iter().cloned().collect());
+    assert_eq!(
+        all.iter().cloned().collect::<BTreeSet<_>>(),
+        siblings.iter().cloned().collect()
+    );
     // Nothing left: a second pass deletes nothing.
     assert_eq!(delete_prefix(store, bucket, "del/").await.unwrap(), 0);
     assert!(matches!(
@@ -478,12 +540,18 @@ async fn missing_bucket_and_keys(store: &dyn ObjectStore, bucket: &str) {
     store.head_bucket(bucket).await.unwrap();
     let nb = "ferry-no-such-bucket";
     let e = store.head_bucket(nb).await.unwrap_err();
-    assert!(matches!(e, StoreError::NoSuchBucket(ref b) if b == nb), "{e:?}");
+    assert!(
+        matches!(e, StoreError::NoSuchBucket(ref b) if b == nb),
+        "{e:?}"
+    );
     let e = store.list(nb, ListRequest::default()).await.unwrap_err();
     assert!(matches!(e, StoreError::NoSuchBucket(_)), "{e:?}");
     let e = store.get_range(nb, "k", 0..1, None).await.unwrap_err();
     assert!(matches!(e, StoreError::NoSuchBucket(_)), "{e:?}");
-    let e = store.put(nb, "k", Bytes::from_static(b"x")).await.unwrap_err();
+    let e = store
+        .put(nb, "k", Bytes::from_static(b"x"))
+        .await
+        .unwrap_err();
     assert!(matches!(e, StoreError::NoSuchBucket(_)), "{e:?}");
     // HEAD responses have no body, so S3 cannot say which of bucket or key is missing: a bare 404.
     let e = store.head(nb, "k").await.unwrap_err();
@@ -491,7 +559,10 @@ async fn missing_bucket_and_keys(store: &dyn ObjectStore, bucket: &str) {
         matches!(e, StoreError::NotFound(_) | StoreError::NoSuchBucket(_)),
         "{e:?}"
     );
-    let e = store.get_range(bucket, "missing", 0..1, None).await.unwrap_err();
+    let e = store
+        .get_range(bucket, "missing", 0..1, None)
+        .await
+        .unwrap_err();
     assert!(matches!(e, StoreError::NotFound(_)), "{e:?}");
     store.delete(bucket, "missing").await.unwrap();
 }
@@ -507,7 +578,10 @@ async fn empty_object_ranges() {
     for store in [&memory as &dyn ObjectStore, &s3] {
         put(store, B, "empty", Bytes::new()).await;
         let e = store.get_range(B, "empty", 0..1, None).await.unwrap_err();
-        assert!(matches!(e, StoreError::InvalidRequest(_)), "{store:?}: {e:?}");
+        assert!(
+            matches!(e, StoreError::InvalidRequest(_)),
+            "{store:?}: {e:?}"
+        );
     }
 }
 
@@ -532,38 +606,4 @@ async fn concurrent_use_of_one_client() {
         t.await.unwrap();
     }
     assert!(store.endpoint_id().starts_with("http://127.0.0.1:"));
-}
-
-#[tokio::test]
-#[ignore = "prints what the server answers; run by hand"]
-async fn probe_versitygw() {
-    let server = S3Server::start();
-    server.create_bucket(B).await;
-    let s = server.store().await;
-    let etag = put(&s, B, "p/a", "x").await;
-    let page = s.list(B, ListRequest { prefix: "p/", ..Default::default() }).await.unwrap();
-    println!("PUT etag {etag}; LIST {:?}", page.objects);
-    println!("HEAD p/ -> {:?}", s.head(B, "p/").await);
-    println!("HEAD p -> {:?}", s.head(B, "p").await);
-    println!("GET p/ -> {:?}", s.get_range(B, "p/", 0..1, None).await);
-    println!("PUT p/a/b (a is a file) -> {:?}", s.put(B, "p/a/b", "y".into()).await);
-    println!("PUT p/ (dir marker) -> {:?}", s.put(B, "p/", Bytes::new()).await);
-    let page = s.list(B, ListRequest { prefix: "p/", ..Default::default() }).await.unwrap();
-    println!("LIST after marker {:?}", page.objects);
-    println!("HEAD p/ -> {:?}", s.head(B, "p/").await);
-    println!("PUT p/d/ (marker with no children) -> {:?}", s.put(B, "p/d/", "nonempty".into()).await);
-    println!("list max_keys 0 -> {:?}", s.list(B, ListRequest { max_keys: Some(0), ..Default::default() }).await);
-    let tok = s.list(B, ListRequest { max_keys: Some(1), ..Default::default() }).await.unwrap().next_token;
-    println!("token {tok:?}");
-    println!("bad token -> {:?}", s.list(B, ListRequest { continuation: Some("garbage".into()), ..Default::default() }).await);
-    let id = s.create_multipart(B, "p/mp").await.unwrap();
-    println!("upload id {id}; part 0 -> {:?}", s.upload_part(B, "p/mp", &id, 0, "x".into()).await);
-    println!("abort twice -> {:?} {:?}", s.abort_multipart(B, "p/mp", &id).await, s.abort_multipart(B, "p/mp", &id).await);
-    let long = "k".repeat(1025);
-    println!("put 1025-byte key -> {:?}", s.put(B, &long, "x".into()).await);
-    println!("put key with .. -> {:?}", s.put(B, "p/../../escape", "x".into()).await);
-    println!("put key a//b -> {:?}", s.put(B, "p/a2//b", "x".into()).await);
-    let page = s.list(B, ListRequest::default()).await.unwrap();
-    println!("LIST all {:?}", page.objects.iter().map(|o| &o.key).collect::<Vec<_>>());
-    println!("log: {}", server.log());
 }

@@ -118,7 +118,10 @@ async fn short_body_recovers_on_retry() {
         partial(0, 9, 10, 10, b"0123456789"),
     ])
     .await;
-    assert_eq!(s.get_range("b", "k", 0..10, None).await.unwrap(), "0123456789");
+    assert_eq!(
+        s.get_range("b", "k", 0..10, None).await.unwrap(),
+        "0123456789"
+    );
     assert_eq!(n.load(Ordering::SeqCst), 2);
 }
 
@@ -130,7 +133,10 @@ async fn connection_closed_mid_body_is_retried() {
         partial(0, 9, 10, 10, b"0123456789"),
     ])
     .await;
-    assert_eq!(s.get_range("b", "k", 0..10, None).await.unwrap(), "0123456789");
+    assert_eq!(
+        s.get_range("b", "k", 0..10, None).await.unwrap(),
+        "0123456789"
+    );
     assert_eq!(n.load(Ordering::SeqCst), 2);
 
     let (s, n) = scripted(vec![partial(0, 9, 10, 10, b"01234")]).await;
@@ -197,18 +203,25 @@ async fn server_errors_are_transient() {
     assert!(matches!(e, StoreError::Transient(_)), "{e:?}");
 }
 
+/// Whether an error is the expected one.
+type Check = fn(&StoreError) -> bool;
+
 #[tokio::test]
 async fn client_errors_map_without_retries() {
-    let cases: Vec<(&str, &str, fn(&StoreError) -> bool)> = vec![
+    let cases: Vec<(&str, &str, Check)> = vec![
         ("403 Forbidden", "AccessDenied", |e| {
             matches!(e, StoreError::AccessDenied(_))
         }),
-        ("404 Not Found", "NoSuchBucket", |e| {
-            matches!(e, StoreError::NoSuchBucket(b) if b == "b")
-        }),
-        ("404 Not Found", "NoSuchKey", |e| {
-            matches!(e, StoreError::NotFound(k) if k == "k")
-        }),
+        (
+            "404 Not Found",
+            "NoSuchBucket",
+            |e| matches!(e, StoreError::NoSuchBucket(b) if b == "b"),
+        ),
+        (
+            "404 Not Found",
+            "NoSuchKey",
+            |e| matches!(e, StoreError::NotFound(k) if k == "k"),
+        ),
         ("412 Precondition Failed", "PreconditionFailed", |e| {
             matches!(e, StoreError::PreconditionFailed(_))
         }),
@@ -224,22 +237,34 @@ async fn client_errors_map_without_retries() {
     ];
     for (status, code, check) in cases {
         let (s, n) = scripted(vec![s3_error(status, code)]).await;
-        let e = s.get_range("b", "k", 0..1, Some("\"abc\"")).await.unwrap_err();
+        let e = s
+            .get_range("b", "k", 0..1, Some("\"abc\""))
+            .await
+            .unwrap_err();
         assert!(check(&e), "{status} {code}: {e:?}");
         assert_eq!(n.load(Ordering::SeqCst), 1, "{code} is not retried");
     }
     // HEAD: bare statuses, no body.
     let bare = |status: &str| response(status, &[("Content-Length", "0".into())], b"");
     let (s, _) = scripted(vec![bare("404 Not Found")]).await;
-    assert!(matches!(s.head("b", "k").await, Err(StoreError::NotFound(_))));
+    assert!(matches!(
+        s.head("b", "k").await,
+        Err(StoreError::NotFound(_))
+    ));
     assert!(matches!(
         s.head_bucket("b").await,
         Err(StoreError::NoSuchBucket(_))
     ));
     let (s, _) = scripted(vec![bare("403 Forbidden")]).await;
-    assert!(matches!(s.head("b", "k").await, Err(StoreError::AccessDenied(_))));
+    assert!(matches!(
+        s.head("b", "k").await,
+        Err(StoreError::AccessDenied(_))
+    ));
     let (s, _) = scripted(vec![bare("429 Too Many Requests")]).await;
-    assert!(matches!(s.head("b", "k").await, Err(StoreError::Throttled(_))));
+    assert!(matches!(
+        s.head("b", "k").await,
+        Err(StoreError::Throttled(_))
+    ));
 }
 
 #[tokio::test]

@@ -227,7 +227,12 @@ impl S3Server {
             .await
             .create_bucket(name)
             .await
-            .unwrap_or_else(|e| panic!("creating bucket {name}: {e}\n--- server log ---\n{}", self.log()));
+            .unwrap_or_else(|e| {
+                panic!(
+                    "creating bucket {name}: {e}\n--- server log ---\n{}",
+                    self.log()
+                )
+            });
     }
 }
 
@@ -257,7 +262,9 @@ fn wait_for_port(child: &mut Child, port: u16) -> Result<(), String> {
             return Ok(());
         }
         if Instant::now() > deadline {
-            return Err(format!("port {port} did not answer within {START_TIMEOUT:?}"));
+            return Err(format!(
+                "port {port} did not answer within {START_TIMEOUT:?}"
+            ));
         }
         std::thread::sleep(Duration::from_millis(20));
     }

@@ -48,9 +48,15 @@ async fn wrong_credentials_are_refused() {
         .unwrap();
     let e = store.head("kit", "x").await.unwrap_err();
     // HEAD has no body: versitygw's 403 carries no code, so this is the bare-status mapping.
-    assert!(matches!(e, ferry_store::StoreError::AccessDenied(_)), "{e:?}");
+    assert!(
+        matches!(e, ferry_store::StoreError::AccessDenied(_)),
+        "{e:?}"
+    );
     let e = store.list("kit", Default::default()).await.unwrap_err();
-    assert!(matches!(e, ferry_store::StoreError::AccessDenied(_)), "{e:?}");
+    assert!(
+        matches!(e, ferry_store::StoreError::AccessDenied(_)),
+        "{e:?}"
+    );
 }
 
 #[test]
@@ -58,5 +64,8 @@ fn xattr_probe_runs() {
     // Just exercises the probe; the answer depends on the filesystem.
     let dir = tempfile::tempdir().unwrap();
     let _ = supports_user_xattrs(dir.path());
-    assert!(std::fs::read_dir(dir.path()).unwrap().next().is_none(), "probe file cleaned up");
+    assert!(
+        std::fs::read_dir(dir.path()).unwrap().next().is_none(),
+        "probe file cleaned up"
+    );
 }

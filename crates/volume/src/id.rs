@@ -111,7 +111,13 @@ impl VolumeId {
                     v.endpoint.endpoint_url = Some(val);
                 }
                 "pathstyle" if val == "1" => v.endpoint.force_path_style = true,
-                _ => return Err(VolumeError::invalid(WHAT, id, format!("unknown field {kv:?}"))),
+                _ => {
+                    return Err(VolumeError::invalid(
+                        WHAT,
+                        id,
+                        format!("unknown field {kv:?}"),
+                    ))
+                }
             }
         }
         Ok(v)
@@ -137,7 +143,16 @@ mod tests {
 
     #[test]
     fn rejects_foreign_ids() {
-        for bad in ["", "some-vol-id", "data/", "data//x/", "Data/x/", "data/x/?policy=wipe", "data/x?y/", "data/x/?z=1"] {
+        for bad in [
+            "",
+            "some-vol-id",
+            "data/",
+            "data//x/",
+            "Data/x/",
+            "data/x/?policy=wipe",
+            "data/x?y/",
+            "data/x/?z=1",
+        ] {
             assert!(VolumeId::parse(bad).is_err(), "{bad:?}");
         }
     }

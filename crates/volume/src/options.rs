@@ -26,10 +26,9 @@ impl FromStr for MetadataTtl {
         match s {
             "indefinite" => Ok(MetadataTtl::Indefinite),
             "minimal" => Ok(MetadataTtl::Minimal),
-            n => n
-                .parse::<u64>()
-                .map(MetadataTtl::Seconds)
-                .map_err(|_| format!("{s:?} is not a number of seconds, \"indefinite\" or \"minimal\"")),
+            n => n.parse::<u64>().map(MetadataTtl::Seconds).map_err(|_| {
+                format!("{s:?} is not a number of seconds, \"indefinite\" or \"minimal\"")
+            }),
         }
     }
 }
@@ -128,7 +127,9 @@ impl MountOptions {
             u16::from_str_radix(v.trim_start_matches("0o"), 8)
                 .ok()
                 .filter(|m| *m <= 0o7777)
-                .ok_or_else(|| VolumeError::invalid(WHAT, name, format!("{v:?} is not an octal mode")))
+                .ok_or_else(|| {
+                    VolumeError::invalid(WHAT, name, format!("{v:?} is not an octal mode"))
+                })
         };
         match name {
             "prefix" => self.prefix = Some(validate::prefix(name, &need(value)?, true)?),
@@ -154,15 +155,17 @@ impl MountOptions {
             "dir-mode" => self.dir_mode = Some(mode(value)?),
             "metadata-ttl" => {
                 let v = need(value)?;
-                self.metadata_ttl = Some(v.parse().map_err(|e| VolumeError::invalid(WHAT, name, e))?);
+                self.metadata_ttl =
+                    Some(v.parse().map_err(|e| VolumeError::invalid(WHAT, name, e))?);
             }
             n if IGNORED.contains(&n) => {}
             n if REFUSED.contains(&n) => {
                 return Err(VolumeError::Unsupported {
                     what: WHAT,
                     key: n.to_string(),
-                    reason: "Ferry does not implement it yet, and ignoring it would change behaviour"
-                        .to_string(),
+                    reason:
+                        "Ferry does not implement it yet, and ignoring it would change behaviour"
+                            .to_string(),
                 })
             }
             n => {
@@ -202,7 +205,13 @@ mod tests {
         assert_eq!(o.prefix.as_deref(), Some("some/prefix/"));
         assert_eq!(o.region.as_deref(), Some("us-west-2"));
         assert_eq!(o.endpoint_url.as_deref(), Some("http://127.0.0.1:9000"));
-        assert!(o.force_path_style && o.allow_other && o.allow_delete && o.allow_overwrite && o.read_only);
+        assert!(
+            o.force_path_style
+                && o.allow_other
+                && o.allow_delete
+                && o.allow_overwrite
+                && o.read_only
+        );
         assert_eq!((o.uid, o.gid), (Some(1000), Some(2000)));
         assert_eq!((o.file_mode, o.dir_mode), (Some(0o644), Some(0o755)));
         assert_eq!(o.metadata_ttl, Some(MetadataTtl::Indefinite));

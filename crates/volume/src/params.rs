@@ -97,7 +97,11 @@ impl StorageClassParams {
         params: &HashMap<String, String>,
     ) -> Result<String, VolumeError> {
         let rel = self.prefix_template.expand(name, params)?;
-        validate::prefix(keys::PREFIX_TEMPLATE, &format!("{}{rel}", self.base_prefix), false)
+        validate::prefix(
+            keys::PREFIX_TEMPLATE,
+            &format!("{}{rel}", self.base_prefix),
+            false,
+        )
     }
 }
 
@@ -138,7 +142,9 @@ impl Template {
                 continue;
             }
             let Some(body) = rest.strip_prefix("${") else {
-                return bad(format!("{s:?}: '$' must start a ${{variable}} (write $$ for a literal $)"));
+                return bad(format!(
+                    "{s:?}: '$' must start a ${{variable}} (write $$ for a literal $)"
+                ));
             };
             let Some(end) = body.find('}') else {
                 return bad(format!("{s:?}: unclosed ${{"));
@@ -171,7 +177,11 @@ impl Template {
     }
 
     /// Expands the template with the volume name and csi-provisioner's extra metadata.
-    pub fn expand(&self, name: &str, params: &HashMap<String, String>) -> Result<String, VolumeError> {
+    pub fn expand(
+        &self,
+        name: &str,
+        params: &HashMap<String, String>,
+    ) -> Result<String, VolumeError> {
         let meta = |key: &str| {
             params
                 .get(key)
@@ -201,7 +211,9 @@ mod tests {
     use super::*;
 
     fn map(kv: &[(&str, &str)]) -> HashMap<String, String> {
-        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        kv.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -233,30 +245,48 @@ mod tests {
     fn errors_name_the_key() {
         let e = StorageClassParams::parse(&HashMap::new()).unwrap_err();
         assert!(e.to_string().contains("bucketName"));
-        let e = StorageClassParams::parse(&map(&[("bucketName", "data"), ("bucketname", "x")])).unwrap_err();
-        assert!(e.to_string().contains("\"bucketname\""), "{e}");
-        let e = StorageClassParams::parse(&map(&[("bucketName", "data"), ("deletePolicy", "wipe")])).unwrap_err();
-        assert!(e.to_string().contains("deletePolicy"), "{e}");
-        let e = StorageClassParams::parse(&map(&[("bucketName", "data"), ("prefixTemplate", "${pod.name}")]))
+        let e = StorageClassParams::parse(&map(&[("bucketName", "data"), ("bucketname", "x")]))
             .unwrap_err();
+        assert!(e.to_string().contains("\"bucketname\""), "{e}");
+        let e =
+            StorageClassParams::parse(&map(&[("bucketName", "data"), ("deletePolicy", "wipe")]))
+                .unwrap_err();
+        assert!(e.to_string().contains("deletePolicy"), "{e}");
+        let e = StorageClassParams::parse(&map(&[
+            ("bucketName", "data"),
+            ("prefixTemplate", "${pod.name}"),
+        ]))
+        .unwrap_err();
         assert!(e.to_string().contains("pod.name"), "{e}");
     }
 
     #[test]
     fn template_needs_metadata_and_rejects_escapes() {
-        let p = StorageClassParams::parse(&map(&[("bucketName", "data"), ("prefixTemplate", "${pvc.name}")]))
-            .unwrap();
+        let p = StorageClassParams::parse(&map(&[
+            ("bucketName", "data"),
+            ("prefixTemplate", "${pvc.name}"),
+        ]))
+        .unwrap();
         let e = p.volume_prefix("v", &HashMap::new()).unwrap_err();
         assert!(e.to_string().contains("extra-create-metadata"), "{e}");
-        let p = StorageClassParams::parse(&map(&[("bucketName", "data"), ("prefixTemplate", "../${volume.name}")]))
-            .unwrap();
+        let p = StorageClassParams::parse(&map(&[
+            ("bucketName", "data"),
+            ("prefixTemplate", "../${volume.name}"),
+        ]))
+        .unwrap();
         assert!(p.volume_prefix("v", &HashMap::new()).is_err());
         let params = map(&[("csi.storage.k8s.io/pvc/name", "..")]);
-        let p = StorageClassParams::parse(&map(&[("bucketName", "data"), ("prefixTemplate", "${pvc.name}")]))
-            .unwrap();
+        let p = StorageClassParams::parse(&map(&[
+            ("bucketName", "data"),
+            ("prefixTemplate", "${pvc.name}"),
+        ]))
+        .unwrap();
         assert!(p.volume_prefix("v", &params).is_err());
         assert_eq!(
-            Template::parse("a$$b-${volume.name}").unwrap().expand("v", &HashMap::new()).unwrap(),
+            Template::parse("a$$b-${volume.name}")
+                .unwrap()
+                .expand("v", &HashMap::new())
+                .unwrap(),
             "a$b-v"
         );
         assert!(Template::parse("a$b").is_err());

@@ -34,7 +34,11 @@ pub fn volume_context(id: &VolumeId) -> HashMap<String, String> {
     ctx
 }
 
-fn merge(key: &str, attr: Option<String>, opt: Option<String>) -> Result<Option<String>, VolumeError> {
+fn merge(
+    key: &str,
+    attr: Option<String>,
+    opt: Option<String>,
+) -> Result<Option<String>, VolumeError> {
     match (attr, opt) {
         (Some(a), Some(b)) if a != b => Err(VolumeError::Conflict {
             key: key.to_string(),
@@ -107,7 +111,11 @@ impl VolumeSpec {
         })?;
         let prefix = merge(keys::PREFIX, prefix, options.prefix.clone())?.unwrap_or_default();
         endpoint.region = merge(keys::REGION, endpoint.region, options.region.clone())?;
-        endpoint.endpoint_url = merge(keys::ENDPOINT_URL, endpoint.endpoint_url, options.endpoint_url.clone())?;
+        endpoint.endpoint_url = merge(
+            keys::ENDPOINT_URL,
+            endpoint.endpoint_url,
+            options.endpoint_url.clone(),
+        )?;
         endpoint.force_path_style |= options.force_path_style;
         Ok(VolumeSpec {
             bucket,
@@ -124,7 +132,9 @@ mod tests {
     use crate::DeletePolicy;
 
     fn map(kv: &[(&str, &str)]) -> HashMap<String, String> {
-        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        kv.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -142,7 +152,10 @@ mod tests {
         let mut ctx = volume_context(&id);
         ctx.insert(keys::POD_NAME.into(), "p".into());
         let spec = VolumeSpec::from_publish::<&str>(&ctx, &[]).unwrap();
-        assert_eq!((spec.bucket.as_str(), spec.prefix.as_str()), ("data", "a/b/"));
+        assert_eq!(
+            (spec.bucket.as_str(), spec.prefix.as_str()),
+            ("data", "a/b/")
+        );
         assert_eq!(spec.endpoint, id.endpoint);
     }
 
@@ -151,7 +164,12 @@ mod tests {
         let ctx = map(&[("bucketName", "my-bucket")]);
         let spec = VolumeSpec::from_publish(
             &ctx,
-            &["prefix datasets/", "region us-east-1", "allow-other", "uid=1000"],
+            &[
+                "prefix datasets/",
+                "region us-east-1",
+                "allow-other",
+                "uid=1000",
+            ],
         )
         .unwrap();
         assert_eq!(spec.prefix, "datasets/");
@@ -165,14 +183,23 @@ mod tests {
     fn errors() {
         let e = VolumeSpec::from_publish::<&str>(&HashMap::new(), &[]).unwrap_err();
         assert!(e.to_string().contains("bucketName"));
-        let e = VolumeSpec::from_publish(&map(&[("bucketName", "b-1"), ("prefix", "x/")]), &["prefix y/"])
-            .unwrap_err();
+        let e = VolumeSpec::from_publish(
+            &map(&[("bucketName", "b-1"), ("prefix", "x/")]),
+            &["prefix y/"],
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("prefix"), "{e}");
-        let e = VolumeSpec::from_publish::<&str>(&map(&[("bucketName", "b-1"), ("colour", "red")]), &[])
-            .unwrap_err();
+        let e = VolumeSpec::from_publish::<&str>(
+            &map(&[("bucketName", "b-1"), ("colour", "red")]),
+            &[],
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("colour"), "{e}");
-        let e = VolumeSpec::from_publish::<&str>(&map(&[("bucketName", "b-1"), ("authenticationSource", "pod")]), &[])
-            .unwrap_err();
+        let e = VolumeSpec::from_publish::<&str>(
+            &map(&[("bucketName", "b-1"), ("authenticationSource", "pod")]),
+            &[],
+        )
+        .unwrap_err();
         assert!(e.to_string().contains("authenticationSource"), "{e}");
     }
 }

@@ -5,7 +5,13 @@ use crate::VolumeError;
 /// Checks a bucket name against S3's naming rules: 3–63 characters of lowercase letters, digits,
 /// `.` and `-`, starting and ending with a letter or digit, no `..`, not an IPv4 address.
 pub fn bucket_name(key: &str, name: &str) -> Result<(), VolumeError> {
-    let bad = |reason: &str| Err(VolumeError::invalid("bucket name", key, format!("{name:?} {reason}")));
+    let bad = |reason: &str| {
+        Err(VolumeError::invalid(
+            "bucket name",
+            key,
+            format!("{name:?} {reason}"),
+        ))
+    };
     if name.len() < 3 || name.len() > 63 {
         return bad("must be 3 to 63 characters long");
     }
@@ -85,7 +91,13 @@ pub fn region(key: &str, r: &str) -> Result<(), VolumeError> {
 
 /// An endpoint URL: `http://` or `https://`, a host, an optional port, no query or credentials.
 pub fn endpoint_url(key: &str, url: &str) -> Result<(), VolumeError> {
-    let bad = |reason: &str| Err(VolumeError::invalid("endpoint URL", key, format!("{url:?} {reason}")));
+    let bad = |reason: &str| {
+        Err(VolumeError::invalid(
+            "endpoint URL",
+            key,
+            format!("{url:?} {reason}"),
+        ))
+    };
     let rest = match url.split_once("://") {
         Some(("http" | "https", rest)) => rest,
         _ => return bad("must start with http:// or https://"),
@@ -156,7 +168,14 @@ mod tests {
         ] {
             endpoint_url("e", ok).unwrap();
         }
-        for bad in ["s3.example.com", "ftp://x", "http://", "http://u:p@x", "http://x:99999", "http://x/?a=b"] {
+        for bad in [
+            "s3.example.com",
+            "ftp://x",
+            "http://",
+            "http://u:p@x",
+            "http://x:99999",
+            "http://x/?a=b",
+        ] {
             assert!(endpoint_url("e", bad).is_err(), "{bad}");
         }
         region("r", "eu-west-1").unwrap();

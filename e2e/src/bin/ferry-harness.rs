@@ -125,12 +125,22 @@ async fn demo(keep: bool) -> Result<()> {
         .context("CreateVolume returned no volume")?;
     println!("    volume_id      {}", vol.volume_id);
     println!("    volume_context {:?}", vol.volume_context);
-    let prefix = vol.volume_context.get("prefix").cloned().unwrap_or_default();
+    let prefix = vol
+        .volume_context
+        .get("prefix")
+        .cloned()
+        .unwrap_or_default();
 
     say("uploading a small dataset under the volume's prefix through the S3 API");
     let mut files: Vec<(String, Bytes)> = vec![
-        ("README.txt".into(), Bytes::from_static(b"A tiny dataset served by Ferry.\n")),
-        ("labels.csv".into(), Bytes::from_static(b"id,label\n0,cat\n1,dog\n")),
+        (
+            "README.txt".into(),
+            Bytes::from_static(b"A tiny dataset served by Ferry.\n"),
+        ),
+        (
+            "labels.csv".into(),
+            Bytes::from_static(b"id,label\n0,cat\n1,dog\n"),
+        ),
     ];
     for i in 0..3u64 {
         files.push((format!("train/shard-{i:04}.bin"), payload(i, 3 << 20)));
@@ -154,7 +164,10 @@ async fn demo(keep: bool) -> Result<()> {
 
     say("the volume through the mount");
     list_tree(&target, &target)?;
-    println!("    $ cat README.txt\n    {}", std::fs::read_to_string(target.join("README.txt"))?.trim_end());
+    println!(
+        "    $ cat README.txt\n    {}",
+        std::fs::read_to_string(target.join("README.txt"))?.trim_end()
+    );
 
     say("reading every file back through the mount and comparing with what was uploaded");
     for (k, v) in &files {
@@ -169,8 +182,13 @@ async fn demo(keep: bool) -> Result<()> {
     say("writing results/metrics.json through the mount");
     std::fs::create_dir(target.join("results"))?;
     std::fs::write(target.join("results/metrics.json"), b"{\"loss\": 0.01}\n")?;
-    let info = s3.head(bucket, &format!("{prefix}results/metrics.json")).await?;
-    println!("    in S3 as s3://{bucket}/{} ({} bytes)", info.key, info.size);
+    let info = s3
+        .head(bucket, &format!("{prefix}results/metrics.json"))
+        .await?;
+    println!(
+        "    in S3 as s3://{bucket}/{} ({} bytes)",
+        info.key, info.size
+    );
 
     if keep {
         say(&format!(
@@ -192,7 +210,13 @@ async fn demo(keep: bool) -> Result<()> {
     })
     .await?;
     let left = s3
-        .list(bucket, ListRequest { prefix: &prefix, ..Default::default() })
+        .list(
+            bucket,
+            ListRequest {
+                prefix: &prefix,
+                ..Default::default()
+            },
+        )
         .await?;
     println!(
         "    target removed: {}; objects left under {prefix}: {}",
@@ -209,7 +233,10 @@ async fn sanity(bin: Option<PathBuf>, extra: Vec<String>) -> Result<()> {
         None => {
             let tools = std::env::var_os("FERRY_TOOLS")
                 .map(PathBuf::from)
-                .unwrap_or_else(|| PathBuf::from(std::env::var("HOME").unwrap_or_default()).join(".cache/ferry-tools/bin"));
+                .unwrap_or_else(|| {
+                    PathBuf::from(std::env::var("HOME").unwrap_or_default())
+                        .join(".cache/ferry-tools/bin")
+                });
             let p = tools.join("csi-sanity");
             if p.exists() {
                 p
@@ -227,22 +254,34 @@ async fn sanity(bin: Option<PathBuf>, extra: Vec<String>) -> Result<()> {
     )?;
     let pods = plugin.kubelet_root().join("pods");
     let mut cmd = Command::new(&bin);
-    cmd.arg(format!("-csi.endpoint=unix://{}", plugin.node_socket.display()))
-        .arg(format!(
-            "-csi.controllerendpoint=unix://{}",
-            plugin.controller_socket.display()
-        ))
-        .arg(format!("-csi.mountdir={}", pods.join("sanity-mount").display()))
-        .arg(format!("-csi.stagingdir={}", pods.join("sanity-staging").display()))
-        .arg(format!("-csi.testvolumeparameters={}", params.display()))
-        .arg("-ginkgo.v")
-        .arg("-ginkgo.no-color")
-        .args(&extra)
-        .stdout(Stdio::piped());
+    cmd.arg(format!(
+        "-csi.endpoint=unix://{}",
+        plugin.node_socket.display()
+    ))
+    .arg(format!(
+        "-csi.controllerendpoint=unix://{}",
+        plugin.controller_socket.display()
+    ))
+    .arg(format!(
+        "-csi.mountdir={}",
+        pods.join("sanity-mount").display()
+    ))
+    .arg(format!(
+        "-csi.stagingdir={}",
+        pods.join("sanity-staging").display()
+    ))
+    .arg(format!("-csi.testvolumeparameters={}", params.display()))
+    .arg("-ginkgo.v")
+    .arg("-ginkgo.no-color")
+    .args(&extra)
+    .stdout(Stdio::piped());
     println!("$ {cmd:?}");
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("running {} (install it with scripts/setup.sh)", bin.display()))?;
+    let mut child = cmd.spawn().with_context(|| {
+        format!(
+            "running {} (install it with scripts/setup.sh)",
+            bin.display()
+        )
+    })?;
     let out = child.stdout.take().expect("piped");
     let mut summary = None;
     let mut ran = None;
