@@ -9,7 +9,22 @@
 //! - Checksums: requests carry checksums only where S3 requires them (DeleteObjects), and responses
 //!   are validated only where required, because many S3-compatible servers reject or mangle the
 //!   SDK's default trailing checksums. Integrity of reads rests on TLS plus the length checks here.
-//! - Errors map onto [`StoreError`] in [`map_sdk_error`] and [`classify`]; see the table there.
+//! - Errors map onto [`StoreError`] by S3 error code first, HTTP status second:
+//!
+//! | code / status | [`StoreError`] |
+//! |---|---|
+//! | `NoSuchBucket`; a bare 404 to HeadBucket | `NoSuchBucket` |
+//! | `NoSuchKey`, `NotFound`, `NoSuchUpload`, 404 | `NotFound` |
+//! | `AccessDenied`, `InvalidAccessKeyId`, `SignatureDoesNotMatch`, `ExpiredToken`, 401, 403 | `AccessDenied` |
+//! | `PreconditionFailed`, 412 | `PreconditionFailed` |
+//! | `InvalidRange`, 416, other 400 | `InvalidRequest` |
+//! | `SlowDown`, `Throttling*`, `RequestLimitExceeded`, `TooManyRequests`, 429, 503 | `Throttled` |
+//! | `RequestTimeout`, `InternalError`, other 5xx but 501; timeouts; connection failures | `Transient` |
+//! | the credentials provider failed (no request was sent) | `Credentials` |
+//! | body shorter or longer than its headers or the range say | `Corrupt` |
+//! | anything else (3xx, 405, 409, 501, ...) | `Other` |
+//!
+//! HEAD responses have no body, so a HeadObject on a missing bucket is a bare 404: `NotFound`.
 
 use std::fmt;
 use std::ops::Range;
@@ -355,10 +370,23 @@ impl S3Store {
     }
 }
 
+/// The SDK timeouts for attempts of at most `attempt`.
+///
+/// The SDK's read timeout runs from sending the request (body included) to the response head, so
+/// an upload that may take longer than [`S3Options::read_timeout`] needs a longer one too. The
+/// read timeout is part of the HTTP connector's settings, and the SDK builds one connector (and
+/// connection pool) per distinct setting, so it is rounded up to whole 5-minute steps to keep the
+/// number of variants small.
 fn timeouts(opts: &S3Options, attempt: Duration) -> TimeoutConfig {
+    const STEP: u64 = 300;
+    let read = if attempt <= opts.read_timeout {
+        opts.read_timeout
+    } else {
+        Duration::from_secs(attempt.as_secs().div_ceil(STEP).max(1) * STEP).max(opts.read_timeout)
+    };
     TimeoutConfig::builder()
         .connect_timeout(opts.connect_timeout)
-        .read_timeout(opts.read_timeout.max(attempt.min(opts.read_timeout * 10)))
+        .read_timeout(read)
         .operation_attempt_timeout(attempt)
         .build()
 }
@@ -885,6 +913,20 @@ mod tests {
         };
         assert!(format!("{no_token:?}").contains("session_token: None"));
         assert_eq!(format!("{:?}", S3Credentials::DefaultChain), "DefaultChain");
+    }
+
+    #[test]
+    fn upload_timeouts_grow_in_steps() {
+        let opts = S3Options::default();
+        let t = timeouts(&opts, opts.attempt_timeout);
+        assert_eq!(t.read_timeout(), Some(opts.read_timeout));
+        assert_eq!(t.operation_attempt_timeout(), Some(opts.attempt_timeout));
+        assert_eq!(t.connect_timeout(), Some(opts.connect_timeout));
+        let t = timeouts(&opts, Duration::from_secs(95));
+        assert_eq!(t.read_timeout(), Some(Duration::from_secs(300)));
+        assert_eq!(t.operation_attempt_timeout(), Some(Duration::from_secs(95)));
+        let t = timeouts(&opts, Duration::from_secs(301));
+        assert_eq!(t.read_timeout(), Some(Duration::from_secs(600)));
     }
 
     #[test]
