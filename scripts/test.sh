@@ -4,7 +4,8 @@
 #   2. gates: cargo fmt --check, cargo clippy --all-targets -D warnings;
 #   3. cargo test --workspace: unit tests on the in-memory store, property tests, and integration
 #      tests against a real S3 server (versitygw on loopback) through real FUSE mounts;
-#   4. csi-sanity v5.4.0 against ferry-controller and ferry-node on unix sockets, with test volumes
+#   4. a node plugin restart with live mounts, through the real binaries;
+#   5. csi-sanity v5.4.0 against ferry-controller and ferry-node on unix sockets, with test volumes
 #      on the real S3 server.
 # Must run as root (FUSE mounts). Exits non-zero on the first failing step.
 set -euo pipefail
@@ -25,8 +26,10 @@ cargo clippy --workspace --all-targets --locked -- -D warnings
 step "cargo test --workspace"
 cargo test --workspace --locked --no-fail-fast
 
-step "csi-sanity $(cat "$FERRY_TOOLS/.csi-sanity.version" 2>/dev/null)"
 cargo build --locked --workspace --bins
-target/debug/ferry-harness sanity
 
-step "all tests passed"
+step "node plugin restart with live mounts (real binaries)"
+target/debug/ferry-harness restart
+
+step "csi-sanity $(cat "$FERRY_TOOLS/.csi-sanity.version" 2>/dev/null)"
+target/debug/ferry-harness sanity

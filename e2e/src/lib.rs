@@ -2,7 +2,6 @@
 //! server (versitygw on loopback) and talks CSI to them over their unix sockets, as kubelet and
 //! csi-provisioner would.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -52,6 +51,7 @@ pub struct Plugin {
     pub controller_socket: PathBuf,
     pub node_socket: PathBuf,
     children: Vec<(String, Child)>,
+    bins: PathBuf,
 }
 
 impl Plugin {
@@ -60,14 +60,14 @@ impl Plugin {
     pub async fn start(bins: &Path) -> Result<Self> {
         let s3 = S3Server::start();
         let dir = tempfile::Builder::new().prefix("ferry-e2e-").tempdir()?;
-        let kubelet = dir.path().join("kubelet");
-        std::fs::create_dir_all(kubelet.join("pods"))?;
+        std::fs::create_dir_all(dir.path().join("kubelet/pods"))?;
         let mut plugin = Plugin {
             controller_socket: dir.path().join("controller/csi.sock"),
             node_socket: dir.path().join("node/csi.sock"),
             s3,
             dir,
             children: Vec::new(),
+            bins: bins.to_path_buf(),
         };
         let ctrl = plugin.spawn(
             bins,
@@ -78,24 +78,52 @@ impl Plugin {
             ],
         )?;
         plugin.children.push(("ferry-controller".into(), ctrl));
-        let node = plugin.spawn(
-            bins,
+        plugin.start_node()?;
+        for socket in [plugin.controller_socket.clone(), plugin.node_socket.clone()] {
+            plugin.wait_ready(&socket).await?;
+        }
+        Ok(plugin)
+    }
+
+    /// Starts a `ferry-node serve` process (the log is appended to across restarts).
+    pub fn start_node(&mut self) -> Result<()> {
+        let kubelet = self.kubelet_root();
+        let node = self.spawn(
+            &self.bins.clone(),
             "ferry-node",
             &[
                 "serve",
                 "--csi-endpoint",
-                &format!("unix://{}", plugin.node_socket.display()),
+                &format!("unix://{}", self.node_socket.display()),
                 "--node-id",
                 "e2e-node",
                 "--kubelet-root",
                 &kubelet.display().to_string(),
             ],
         )?;
-        plugin.children.push(("ferry-node".into(), node));
-        for socket in [plugin.controller_socket.clone(), plugin.node_socket.clone()] {
-            plugin.wait_ready(&socket).await?;
+        self.children.push(("ferry-node".into(), node));
+        Ok(())
+    }
+
+    /// Waits until the node plugin answers Probe (after [`Plugin::start_node`]).
+    pub async fn wait_node(&mut self) -> Result<()> {
+        let socket = self.node_socket.clone();
+        self.wait_ready(&socket).await
+    }
+
+    /// Sends SIGTERM to one process and waits for it to exit.
+    pub fn stop_process(&mut self, name: &str) -> Result<std::process::ExitStatus> {
+        let i = self
+            .children
+            .iter()
+            .position(|(n, _)| n == name)
+            .with_context(|| format!("{name} is not running"))?;
+        let (_, mut child) = self.children.remove(i);
+        // SAFETY: kill(2) on a child pid we own; at worst it fails with ESRCH.
+        unsafe {
+            libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
         }
-        Ok(plugin)
+        Ok(child.wait()?)
     }
 
     fn spawn(&self, bins: &Path, name: &str, args: &[&str]) -> Result<Child> {
@@ -106,7 +134,10 @@ impl Plugin {
                 exe.display()
             );
         }
-        let log = File::create(self.log_path(name))?;
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.log_path(name))?;
         Command::new(&exe)
             .args(args)
             .env_clear()

@@ -251,7 +251,8 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
         }
         _ = external => {
             tracing::info!("unmounted externally");
-            drop(handle);
+            // The kernel mount is already gone: dropping the handle would try to unmount again.
+            std::mem::forget(handle);
         }
     }
     Ok(())

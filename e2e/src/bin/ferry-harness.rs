@@ -30,6 +30,9 @@ enum Cmd {
         #[arg(long)]
         keep: bool,
     },
+    /// Check what a node plugin restart does to live mounts: SIGTERM leaves them in place (dead,
+    /// ENOTCONN), and a new process's NodeUnpublish detaches them and removes the target.
+    Restart,
     /// Run csi-sanity against the controller and node, with test volumes on a real S3 server.
     Sanity {
         /// The csi-sanity binary (default: $FERRY_TOOLS/csi-sanity, then PATH).
@@ -48,6 +51,7 @@ fn main() -> Result<()> {
         match cli.command {
             Cmd::Demo { keep } => demo(keep).await,
             Cmd::Sanity { csi_sanity, extra } => sanity(csi_sanity, extra).await,
+            Cmd::Restart => restart().await,
         }
     })
 }
@@ -224,6 +228,81 @@ async fn demo(keep: bool) -> Result<()> {
         left.objects.len()
     );
     say("demo complete");
+    Ok(())
+}
+
+async fn restart() -> Result<()> {
+    let mut plugin = Plugin::start(&bin_dir()?).await?;
+    plugin.s3.create_bucket("restart").await;
+    let s3 = S3Store::new(plugin.s3.s3_config()).await?;
+    s3.put(
+        "restart",
+        "vol/file.txt",
+        Bytes::from_static(b"still here\n"),
+    )
+    .await?;
+    let ctx: HashMap<String, String> = [("bucketName", "restart"), ("prefix", "vol/")]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    let cap = mount_capability(Mode::MultiNodeReaderOnly, &[]);
+    let publish = |target: &Path| pb::NodePublishVolumeRequest {
+        volume_id: "restart-vol".into(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(cap.clone()),
+        volume_context: ctx.clone(),
+        ..Default::default()
+    };
+    let (a, b) = (
+        plugin.target_path("pod-a", "pv")?,
+        plugin.target_path("pod-b", "pv")?,
+    );
+    let mut node = plugin.node().await?;
+    node.node_publish_volume(publish(&a)).await?;
+    node.node_publish_volume(publish(&b)).await?;
+    say("two mounts live; SIGTERM to ferry-node");
+    let status = plugin.stop_process("ferry-node")?;
+    println!("    ferry-node exited with {status}");
+    if !status.success() {
+        bail!("ferry-node did not exit cleanly on SIGTERM: {status}");
+    }
+    match std::fs::read_to_string(a.join("file.txt")) {
+        Err(e) if e.raw_os_error() == Some(107) => {
+            println!("    {}: {e} (ENOTCONN, as documented)", a.display())
+        }
+        other => bail!("expected ENOTCONN from the dead mount, got {other:?}"),
+    }
+    say("a new ferry-node: NodePublish at target A recovers it, NodeUnpublish at target B cleans up");
+    plugin.start_node()?;
+    plugin.wait_node().await?;
+    let mut node = plugin.node().await?;
+    node.node_publish_volume(publish(&a)).await?;
+    let text = std::fs::read_to_string(a.join("file.txt"))?;
+    println!("    {} reads {:?} again", a.display(), text);
+    if text != "still here\n" {
+        bail!("unexpected content after recovery: {text:?}");
+    }
+    node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+        volume_id: "restart-vol".into(),
+        target_path: b.display().to_string(),
+    })
+    .await?;
+    if b.exists() {
+        bail!("the dead mount's target {} was not removed", b.display());
+    }
+    node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+        volume_id: "restart-vol".into(),
+        target_path: a.display().to_string(),
+    })
+    .await?;
+    let ours = std::fs::read_to_string("/proc/self/mountinfo")?
+        .lines()
+        .filter(|l| l.contains(&plugin.dir.path().display().to_string()))
+        .count();
+    if ours != 0 {
+        bail!("{ours} mounts left under {}", plugin.dir.path().display());
+    }
+    println!("restart: 1 passed, 0 failed");
     Ok(())
 }
 
