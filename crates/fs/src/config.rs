@@ -96,6 +96,13 @@ impl MountConfig {
     }
 }
 
+/// [`MountConfig::new`] with an empty bucket, for struct-update syntax (set `bucket` and `fs_name`).
+impl Default for MountConfig {
+    fn default() -> Self {
+        MountConfig::new("")
+    }
+}
+
 /// A [`MountConfig`] the filesystem cannot serve.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid mount config: {0}")]

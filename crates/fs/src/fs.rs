@@ -150,8 +150,7 @@ fn stale(ino: Ino) -> FsError {
     FsError::Stale(format!("unknown inode {ino}"))
 }
 
-fn bad_fh(fh: u64) -> FsError {
-    let _ = fh;
+fn bad_fh() -> FsError {
     FsError::BadHandle("unknown file handle")
 }
 
@@ -275,7 +274,7 @@ impl Fs {
     }
 
     fn handle(&self, fh: u64) -> Result<Arc<tokio::sync::Mutex<Handle>>, FsError> {
-        self.lock().handles.get(fh).ok_or_else(|| bad_fh(fh))
+        self.lock().handles.get(fh).ok_or_else(bad_fh)
     }
 
     fn log_hidden(st: &mut FsState, hidden: Vec<(String, &'static str)>) {
@@ -437,37 +436,39 @@ impl Fs {
         if self.cfg.read_only {
             return Err(FsError::ReadOnly);
         }
-        let writer = {
-            let st = self.lock();
-            let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
-            let perm = match inode.kind {
-                Kind::Dir => self.cfg.dir_mode,
-                Kind::File => self.cfg.file_mode,
-            };
-            if req.mode.is_some_and(|m| m & 0o7777 != u32::from(perm)) {
-                return Err(FsError::NotPermitted("chmod: modes are set per mount"));
-            }
-            if req.uid.is_some_and(|u| u != self.cfg.uid)
-                || req.gid.is_some_and(|g| g != self.cfg.gid)
+        let writer =
             {
-                return Err(FsError::NotPermitted("chown: owners are set per mount"));
-            }
-            match (inode.kind, inode.state) {
-                (Kind::Dir, _) if req.size.is_some() => return Err(FsError::IsDir),
-                (_, InodeState::Writing { fh }) => Some(fh),
-                _ => None,
-            }
-        };
-        if let Some(size) = req.size {
-            let Some(fh) = writer else {
-                return Err(FsError::NotPermitted(
-                    "truncate: only a file being written through this mount can be truncated",
-                ));
+                let st = self.lock();
+                let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+                let perm = match inode.kind {
+                    Kind::Dir => self.cfg.dir_mode,
+                    Kind::File => self.cfg.file_mode,
+                };
+                if req.mode.is_some_and(|m| m & 0o7777 != u32::from(perm)) {
+                    return Err(FsError::NotPermitted("chmod: modes are set per mount"));
+                }
+                if req.uid.is_some_and(|u| u != self.cfg.uid)
+                    || req.gid.is_some_and(|g| g != self.cfg.gid)
+                {
+                    return Err(FsError::NotPermitted("chown: owners are set per mount"));
+                }
+                let known_size = inode.meta.as_ref().map(|m| m.size);
+                match (inode.kind, inode.state) {
+                    (Kind::Dir, _) if req.size.is_some() => return Err(FsError::IsDir),
+                    (_, InodeState::Writing { fh }) => Some(fh),
+                    // Truncating to the size it has changes nothing.
+                    _ if req.size.is_some() && req.size == known_size => None,
+                    _ if req.size.is_some() => return Err(FsError::NotPermitted(
+                        "truncate: only a file being written through this mount can be truncated",
+                    )),
+                    _ => None,
+                }
             };
+        if let (Some(size), Some(fh)) = (req.size, writer) {
             let h = self.handle(fh)?;
             let mut g = h.lock().await;
             let Handle::Write(w) = &mut *g else {
-                return Err(bad_fh(fh));
+                return Err(bad_fh());
             };
             match w.status {
                 WriteStatus::Open => {}
@@ -617,10 +618,10 @@ impl Fs {
         let h = self.handle(fh)?;
         let mut g = h.lock().await;
         let Handle::Dir(d) = &mut *g else {
-            return Err(bad_fh(fh));
+            return Err(bad_fh());
         };
         if d.ino != ino {
-            return Err(bad_fh(fh));
+            return Err(bad_fh());
         }
         if d.snapshot.is_none() || (offset == 0 && d.served) {
             d.snapshot = Some(self.list_dir(ino).await?);
@@ -928,7 +929,8 @@ impl Fs {
     /// `O_TRUNC` and `allow_overwrite`, and starts a new upload that replaces the object.
     /// `pid` is the opening process (only its `flush` completes an upload).
     pub async fn open(&self, ino: Ino, flags: i32, pid: u32) -> Result<Opened, FsError> {
-        let write = flags & libc::O_ACCMODE != libc::O_RDONLY;
+        // O_RDONLY|O_TRUNC truncates too (the kernel already checked write permission).
+        let write = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
         let (key, cached) = {
             let mut guard = self.lock();
             let st = &mut *guard;
@@ -1365,7 +1367,7 @@ impl Fs {
 
     /// `release` (last close): completes an upload still open and forgets the handle.
     pub async fn release(&self, fh: u64) -> Result<(), FsError> {
-        let h = self.lock().handles.remove(fh).ok_or_else(|| bad_fh(fh))?;
+        let h = self.lock().handles.remove(fh).ok_or_else(bad_fh)?;
         let mut g = h.lock().await;
         match &mut *g {
             Handle::Write(w) => self.complete(w).await,

@@ -662,8 +662,9 @@ async fn write_rules() {
     assert_eq!(errno(fs.setattr(e.attr.ino, chown).await), libc::EPERM);
     fs.release(o.fh).await.unwrap();
     assert_eq!(store.get_object(B, "f").unwrap(), &b"xyz"[..]);
-    // Existing file: truncate without a write handle is refused.
+    // Existing file: truncate without a write handle is refused (unless it changes nothing).
     assert_eq!(errno(fs.setattr(e.attr.ino, attr(0)).await), libc::EPERM);
+    fs.setattr(e.attr.ino, attr(3)).await.unwrap();
     // Creating an existing name.
     assert_eq!(errno(fs.create(ROOT_INO, n("f"), PID).await), libc::EEXIST);
     assert_eq!(
@@ -692,6 +693,8 @@ async fn overwrite_rules() {
         errno(fs.open(ino, libc::O_RDWR | libc::O_APPEND, PID).await),
         libc::EPERM
     );
+    let rdonly_trunc = libc::O_RDONLY | libc::O_TRUNC;
+    assert_eq!(errno(fs.open(ino, rdonly_trunc, PID).await), libc::EPERM);
 
     let (store, fs) = setup(|_| {});
     store.insert(B, "f", &b"old"[..]);

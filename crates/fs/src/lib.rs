@@ -3,7 +3,7 @@
 //! The core ([`fs::Fs`], with [`inode`], [`handles`], [`names`]) knows nothing of fuser: it works
 //! on inode and handle numbers and returns [`FsError`]s. [`fuse`] is a thin adapter implementing
 //! [`fuser::Filesystem`] on top of it, and [`FsError::errno`] is the one place errnos are chosen.
-//! [`mount`] wires the two to a kernel mount. Semantics: `crates/fs/SEMANTICS-DRAFT.md`.
+//! [`mount`] wires the two to a kernel mount. Semantics: `doc/SEMANTICS.md`.
 
 pub mod config;
 pub mod error;

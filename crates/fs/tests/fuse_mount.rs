@@ -42,14 +42,14 @@ fn mount_store(
 ) -> MountHandle {
     let mut cfg = MountConfig::new(B);
     cfg.fs_name = format!("ferry:{B}/");
-    cfg.uid = unsafe_free_uid();
+    cfg.uid = my_uid();
     cfg.gid = 0;
     tweak(&mut cfg);
     mount(Arc::new(store.clone()), cfg, dir, rt.handle().clone()).expect("mount")
 }
 
 /// The uid the files are shown with: ours (root in CI), so DefaultPermissions lets us write.
-fn unsafe_free_uid() -> u32 {
+fn my_uid() -> u32 {
     fs::metadata("/proc/self").map(|m| m.uid()).unwrap_or(0)
 }
 
@@ -104,7 +104,7 @@ fn read_write_unlink_through_the_kernel() {
     assert!(meta.is_file());
     assert_eq!(meta.len(), 13);
     assert_eq!(meta.permissions().mode() & 0o7777, 0o644);
-    assert_eq!(meta.uid(), unsafe_free_uid());
+    assert_eq!(meta.uid(), my_uid());
     assert!(fs::metadata(root.join("dir/sub")).unwrap().is_dir());
     assert_eq!(fs::read(root.join("hello.txt")).unwrap(), b"hello, world\n");
     assert_eq!(fs::read(root.join("dir/a.bin")).unwrap(), big);
@@ -219,9 +219,14 @@ fn read_only_mount() {
     let handle = mount_store(&store, dir.path(), &rt, |c| {
         c.prefix = "data/".into();
         c.metadata_ttl = MetadataTtl::Indefinite;
+        c.allow_other = true;
     });
     let root = handle.target().to_owned();
-    assert!(mountinfo_line(&root).unwrap().contains(" ro,"));
+    let line = mountinfo_line(&root).unwrap();
+    assert!(
+        line.contains(" ro,") && line.contains("allow_other"),
+        "{line}"
+    );
     assert_eq!(fs::read(root.join("shard-0")).unwrap(), body(1 << 20, 4));
     let err = fs::write(root.join("x"), b"no").unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EROFS));
