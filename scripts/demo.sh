@@ -5,7 +5,7 @@
 # Must run as root (FUSE mounts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-"$(dirname "$0")/setup.sh"
+./scripts/setup.sh
 export FERRY_TOOLS=${FERRY_TOOLS:-$HOME/.cache/ferry-tools/bin}
 export PATH="$FERRY_TOOLS:$PATH"
 cargo build --locked --workspace --bins

@@ -26,6 +26,7 @@ install_debian_packages() {
   command -v cc >/dev/null || missing+=(build-essential)
   command -v git >/dev/null || missing+=(git)
   command -v curl >/dev/null || missing+=(curl)
+  [ -e /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)
   if [ ${#missing[@]} -gt 0 ]; then
     log "apt-get install ${missing[*]}"
     need_root

@@ -11,7 +11,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-"$(dirname "$0")/setup.sh"
+./scripts/setup.sh
 export FERRY_TOOLS=${FERRY_TOOLS:-$HOME/.cache/ferry-tools/bin}
 export PATH="$FERRY_TOOLS:$PATH"
 

@@ -27,23 +27,29 @@ struct Created {
     capacity: i64,
 }
 
-/// The controller service.
+/// The controller service. CreateVolume and DeleteVolume run in tasks of their own, so a caller
+/// that gives up does not cancel a prefix deletion halfway (it is idempotent, but should finish).
+#[derive(Clone)]
 pub struct ControllerService {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
     stores: Arc<dyn Stores>,
     /// Volumes created by this process, by name. A restart forgets them, which only matters for
     /// a repeated name with other parameters: the new request then succeeds instead of failing.
     created: Mutex<HashMap<String, Created>>,
     /// Names and volume ids with an operation in flight: a concurrent one gets Aborted.
-    in_flight: Mutex<HashSet<String>>,
+    in_flight: Arc<Mutex<HashSet<String>>>,
 }
 
 /// Releases an in-flight name when the operation ends.
-struct InFlight<'a> {
-    set: &'a Mutex<HashSet<String>>,
+struct InFlight {
+    set: Arc<Mutex<HashSet<String>>>,
     key: String,
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlight {
     fn drop(&mut self) {
         self.set.lock().unwrap().remove(&self.key);
     }
@@ -58,13 +64,17 @@ fn unimplemented<T>(rpc: &str) -> Result<Response<T>, Status> {
 impl ControllerService {
     pub fn new(stores: Arc<dyn Stores>) -> Self {
         ControllerService {
-            stores,
-            created: Mutex::new(HashMap::new()),
-            in_flight: Mutex::new(HashSet::new()),
+            inner: Arc::new(Inner {
+                stores,
+                created: Mutex::new(HashMap::new()),
+                in_flight: Arc::new(Mutex::new(HashSet::new())),
+            }),
         }
     }
+}
 
-    fn begin(&self, key: String) -> Result<InFlight<'_>> {
+impl Inner {
+    fn begin(&self, key: String) -> Result<InFlight> {
         let mut set = self.in_flight.lock().unwrap();
         if !set.insert(key.clone()) {
             return Err(CsiError::Aborted(format!(
@@ -72,7 +82,7 @@ impl ControllerService {
             )));
         }
         Ok(InFlight {
-            set: &self.in_flight,
+            set: self.in_flight.clone(),
             key,
         })
     }
@@ -104,8 +114,16 @@ impl ControllerService {
             .get(&id.endpoint)
             .await
             .map_err(|e| CsiError::from_store("creating the S3 client", e))?;
-        match store.head_bucket(&id.bucket).await {
-            Ok(()) => Ok(()),
+        // A one-key LIST of the volume's prefix rather than HeadBucket: IAM policies that scope
+        // ListBucket to a prefix allow it where HeadBucket is denied.
+        let probe = ferry_store::ListRequest {
+            prefix: &id.prefix,
+            delimiter: Some("/"),
+            max_keys: Some(1),
+            ..Default::default()
+        };
+        match store.list(&id.bucket, probe).await {
+            Ok(_) => Ok(()),
             Err(StoreError::NoSuchBucket(_) | StoreError::NotFound(_)) => Err(
                 CsiError::FailedPrecondition(format!("bucket {:?} does not exist", id.bucket)),
             ),
@@ -256,21 +274,33 @@ impl Controller for ControllerService {
         &self,
         request: Request<pb::CreateVolumeRequest>,
     ) -> Result<Response<pb::CreateVolumeResponse>, Status> {
-        Ok(Response::new(self.create(request.into_inner()).await?))
+        let inner = self.inner.clone();
+        let req = request.into_inner();
+        let res = tokio::spawn(async move { inner.create(req).await })
+            .await
+            .map_err(|e| Status::internal(format!("CreateVolume task failed: {e}")))?;
+        Ok(Response::new(res?))
     }
 
     async fn delete_volume(
         &self,
         request: Request<pb::DeleteVolumeRequest>,
     ) -> Result<Response<pb::DeleteVolumeResponse>, Status> {
-        Ok(Response::new(self.delete(request.into_inner()).await?))
+        let inner = self.inner.clone();
+        let req = request.into_inner();
+        let res = tokio::spawn(async move { inner.delete(req).await })
+            .await
+            .map_err(|e| Status::internal(format!("DeleteVolume task failed: {e}")))?;
+        Ok(Response::new(res?))
     }
 
     async fn validate_volume_capabilities(
         &self,
         request: Request<pb::ValidateVolumeCapabilitiesRequest>,
     ) -> Result<Response<pb::ValidateVolumeCapabilitiesResponse>, Status> {
-        Ok(Response::new(self.validate(request.into_inner()).await?))
+        Ok(Response::new(
+            self.inner.validate(request.into_inner()).await?,
+        ))
     }
 
     async fn controller_get_capabilities(
@@ -366,13 +396,11 @@ mod tests {
     use pb::volume_capability::access_mode::Mode;
     use pb::volume_capability::{AccessMode, AccessType, MountVolume};
 
-    fn service() -> (ControllerService, Arc<MemoryStore>) {
+    fn service() -> (Arc<Inner>, Arc<MemoryStore>) {
         let mem = Arc::new(MemoryStore::new());
         mem.create_bucket("data");
-        (
-            ControllerService::new(Arc::new(FixedStore(mem.clone()))),
-            mem,
-        )
+        let svc = ControllerService::new(Arc::new(FixedStore(mem.clone())));
+        (svc.inner, mem)
     }
 
     fn cap(mode: Mode) -> pb::VolumeCapability {
@@ -399,10 +427,10 @@ mod tests {
         let (svc, mem) = service();
         let vol = svc
             .create(create_req(
-                "v1",
+                "imagenet",
                 &[
                     ("bucketName", "data"),
-                    ("prefixTemplate", "${pvc.namespace}/${pvc.name}"),
+                    ("prefixTemplate", "${pvc.namespace}/${volume.name}"),
                     ("deletePolicy", "delete"),
                     ("csi.storage.k8s.io/pvc/namespace", "ml"),
                     ("csi.storage.k8s.io/pvc/name", "imagenet"),

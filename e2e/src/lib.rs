@@ -165,6 +165,19 @@ impl Plugin {
         self.dir.path().join(format!("{name}.log"))
     }
 
+    /// Fails if a secret (the S3 secret key, or any of `extra`) appears in a process's log.
+    pub fn check_logs_for_secrets(&self, extra: &[&str]) -> Result<()> {
+        for name in ["ferry-controller", "ferry-node"] {
+            let log = std::fs::read_to_string(self.log_path(name)).unwrap_or_default();
+            for secret in std::iter::once(self.s3.secret_key()).chain(extra.iter().copied()) {
+                if !secret.is_empty() && log.contains(secret) {
+                    bail!("{name}'s log contains a secret");
+                }
+            }
+        }
+        Ok(())
+    }
+
     /// The kubelet root the node plugin accepts targets under.
     pub fn kubelet_root(&self) -> PathBuf {
         self.dir.path().join("kubelet")

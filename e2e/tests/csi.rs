@@ -273,26 +273,21 @@ async fn dynamic_volume_lifecycle_with_delete_policy() {
             .unwrap();
     }
 
+    // As kubelet passes it: the PV's attributes plus what csi-provisioner and kubelet add.
+    let mut ctx = vol.volume_context.clone();
+    ctx.insert(
+        "storage.kubernetes.io/csiProvisionerIdentity".into(),
+        "1700000000000-8081-s3.csi.ferry.dev".into(),
+    );
+    ctx.insert("csi.storage.k8s.io/pod.name".into(), "trainer-0".into());
     let target = env.target("pod-1", "pvc-1");
-    env.publish(
-        &vol.volume_id,
-        &target,
-        cap.clone(),
-        vol.volume_context.clone(),
-        false,
-    )
-    .await
-    .unwrap();
+    env.publish(&vol.volume_id, &target, cap.clone(), ctx.clone(), false)
+        .await
+        .unwrap();
     // The same request again is OK.
-    env.publish(
-        &vol.volume_id,
-        &target,
-        cap.clone(),
-        vol.volume_context.clone(),
-        false,
-    )
-    .await
-    .unwrap();
+    env.publish(&vol.volume_id, &target, cap.clone(), ctx.clone(), false)
+        .await
+        .unwrap();
     let t = target.clone();
     let expected = files.clone();
     tokio::task::spawn_blocking(move || {
@@ -607,4 +602,91 @@ async fn bad_input_is_refused_with_clear_errors() {
     assert_eq!(e.code(), Code::NotFound, "{e:?}");
     assert_eq!(env.mounts.len(), 1);
     env.unpublish("vol-a", &target).await.unwrap();
+}
+
+/// `readonly: true` on NodePublishVolume (a PVC mounted `readOnly`) makes the mount refuse writes
+/// even with a writer access mode; a second pod's mount of the same volume stays writable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn readonly_publish_refuses_writes() {
+    let mut env = Env::start().await;
+    env.s3.create_bucket("ro-bucket").await;
+    env.store
+        .put("ro-bucket", "v/a.txt", Bytes::from_static(b"a"))
+        .await
+        .unwrap();
+    let cap = mount_capability(Mode::SingleNodeMultiWriter, &[]);
+    let ctx = map(&[("bucketName", "ro-bucket"), ("prefix", "v/")]);
+    let (ro, rw) = (env.target("pod-ro", "pv"), env.target("pod-rw", "pv"));
+    env.publish("v", &ro, cap.clone(), ctx.clone(), true)
+        .await
+        .unwrap();
+    env.publish("v", &rw, cap.clone(), ctx.clone(), false)
+        .await
+        .unwrap();
+    let (r, w) = (ro.clone(), rw.clone());
+    tokio::task::spawn_blocking(move || {
+        assert_eq!(std::fs::read(r.join("a.txt")).unwrap(), b"a");
+        let err = std::fs::write(r.join("b.txt"), b"x").unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc_erofs()), "{err}");
+        std::fs::write(w.join("b.txt"), b"x").unwrap();
+    })
+    .await
+    .unwrap();
+    env.unpublish("v", &ro).await.unwrap();
+    env.unpublish("v", &rw).await.unwrap();
+    assert_eq!(
+        env.store
+            .get_range("ro-bucket", "v/b.txt", 0..1, None)
+            .await
+            .unwrap(),
+        Bytes::from_static(b"x")
+    );
+}
+
+/// CreateVolume refuses prefixes that would be the whole bucket or escape it, and a delete-policy
+/// template that could give two volumes one prefix.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unsafe_prefixes_are_refused() {
+    let mut env = Env::start().await;
+    env.s3.create_bucket("pfx").await;
+    let cap = mount_capability(Mode::SingleNodeWriter, &[]);
+    for (params, needle) in [
+        (
+            map(&[("bucketName", "pfx"), ("basePrefix", "/")]),
+            "basePrefix",
+        ),
+        (
+            map(&[("bucketName", "pfx"), ("basePrefix", "a/../b")]),
+            "basePrefix",
+        ),
+        (
+            map(&[("bucketName", "pfx"), ("prefixTemplate", ".")]),
+            "prefix",
+        ),
+        (
+            map(&[("bucketName", "pfx"), ("prefixTemplate", "$${x}/../..")]),
+            "prefix",
+        ),
+        (
+            map(&[
+                ("bucketName", "pfx"),
+                ("prefixTemplate", "${pvc.namespace}"),
+                ("deletePolicy", "delete"),
+            ]),
+            "prefixTemplate",
+        ),
+    ] {
+        let e = env
+            .ctrl
+            .create_volume(pb::CreateVolumeRequest {
+                name: "v".into(),
+                parameters: params.clone(),
+                volume_capabilities: vec![cap.clone()],
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{params:?}: {e:?}");
+        assert!(e.message().contains(needle), "{needle}: {}", e.message());
+    }
 }

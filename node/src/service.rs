@@ -35,21 +35,29 @@ pub struct NodeConfig {
     pub default_metadata_ttl: MetadataTtl,
 }
 
-/// The node service.
+/// The node service. Each publish and unpublish runs in a task of its own, so a caller that gives
+/// up (kubelet's RPC timeout) cannot cancel it halfway between mounting and recording the mount.
+#[derive(Clone)]
 pub struct NodeService {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
     config: NodeConfig,
+    /// The kubelet root with symlinks resolved: resolved targets are checked against it.
+    canonical_root: PathBuf,
     stores: Arc<dyn Stores>,
     mounts: Arc<MountTable>,
-    in_flight: Mutex<HashSet<PathBuf>>,
+    in_flight: Arc<Mutex<HashSet<PathBuf>>>,
     runtime: tokio::runtime::Handle,
 }
 
-struct InFlight<'a> {
-    set: &'a Mutex<HashSet<PathBuf>>,
+struct InFlight {
+    set: Arc<Mutex<HashSet<PathBuf>>>,
     key: PathBuf,
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for InFlight {
     fn drop(&mut self) {
         self.set.lock().unwrap().remove(&self.key);
     }
@@ -102,16 +110,23 @@ pub fn mount_config(p: &Published, default_ttl: MetadataTtl) -> MountConfig {
 
 impl NodeService {
     pub fn new(config: NodeConfig, stores: Arc<dyn Stores>, mounts: Arc<MountTable>) -> Self {
+        let canonical_root = std::fs::canonicalize(&config.kubelet_root)
+            .unwrap_or_else(|_| config.kubelet_root.clone());
         NodeService {
-            config,
-            stores,
-            mounts,
-            in_flight: Mutex::new(HashSet::new()),
-            runtime: tokio::runtime::Handle::current(),
+            inner: Arc::new(Inner {
+                config,
+                canonical_root,
+                stores,
+                mounts,
+                in_flight: Arc::new(Mutex::new(HashSet::new())),
+                runtime: tokio::runtime::Handle::current(),
+            }),
         }
     }
+}
 
-    fn begin(&self, target: &Path) -> Result<InFlight<'_>> {
+impl Inner {
+    fn begin(&self, target: &Path) -> Result<InFlight> {
         let mut set = self.in_flight.lock().unwrap();
         if !set.insert(target.to_path_buf()) {
             return Err(CsiError::Aborted(format!(
@@ -120,7 +135,7 @@ impl NodeService {
             )));
         }
         Ok(InFlight {
-            set: &self.in_flight,
+            set: self.in_flight.clone(),
             key: target.to_path_buf(),
         })
     }
@@ -154,6 +169,12 @@ impl NodeService {
         })?;
         let mode = capability::check(cap)?;
         let target = targetpath::check(&self.config.kubelet_root, &req.target_path)?;
+        let target = targetpath::resolve(&self.canonical_root, &target)?.ok_or_else(|| {
+            CsiError::NotFound(format!(
+                "the parent directory of target_path {} does not exist",
+                target.display()
+            ))
+        })?;
         let spec = VolumeSpec::from_publish(&req.volume_context, capability::mount_flags(cap))?;
         let mount_group = match &cap.access_type {
             Some(pb::volume_capability::AccessType::Mount(m))
@@ -177,10 +198,21 @@ impl NodeService {
         let _guard = self.begin(&target)?;
 
         if let Some(existing) = self.mounts.get(&target) {
-            if existing == published {
+            let alive = mountinfo::mounted_at(&target)
+                .map_err(|e| CsiError::Internal(format!("reading mountinfo: {e}")))?
+                .is_some_and(|m| m.fs_type.starts_with("fuse"));
+            if !alive {
+                // Unmounted behind our back (or its session died): forget it and mount afresh.
+                warn!("the recorded mount is gone; mounting again");
+                if let Some(m) = self.mounts.remove(&target) {
+                    std::mem::forget(m.handle);
+                }
+            } else if existing == published {
                 info!("already published");
                 return Ok(pb::NodePublishVolumeResponse {});
             }
+        }
+        if let Some(existing) = self.mounts.get(&target) {
             return Err(CsiError::AlreadyExists(
                 if existing.volume_id != published.volume_id {
                     format!(
@@ -203,8 +235,16 @@ impl NodeService {
             .get(&published.spec.endpoint)
             .await
             .map_err(|e| CsiError::from_store("creating the S3 client", e))?;
-        match store.head_bucket(&published.spec.bucket).await {
-            Ok(()) => {}
+        // A one-key LIST of the volume's own prefix: it works under IAM policies that scope
+        // ListBucket to the prefix, where HeadBucket would be denied.
+        let probe = ferry_store::ListRequest {
+            prefix: &published.spec.prefix,
+            delimiter: Some("/"),
+            max_keys: Some(1),
+            ..Default::default()
+        };
+        match store.list(&published.spec.bucket, probe).await {
+            Ok(_) => {}
             Err(StoreError::NoSuchBucket(_) | StoreError::NotFound(_)) => {
                 return Err(CsiError::NotFound(format!(
                     "bucket {:?} does not exist",
@@ -272,6 +312,10 @@ impl NodeService {
         let volume_id = require("volume_id", &req.volume_id)?;
         require("target_path", &req.target_path)?;
         let target = targetpath::check(&self.config.kubelet_root, &req.target_path)?;
+        let Some(target) = targetpath::resolve(&self.canonical_root, &target)? else {
+            info!("target's parent is gone; nothing to unpublish");
+            return Ok(pb::NodeUnpublishVolumeResponse {});
+        };
         let _guard = self.begin(&target)?;
         if let Some(existing) = self.mounts.get(&target) {
             if existing.volume_id != volume_id {
@@ -316,14 +360,24 @@ impl Node for NodeService {
         &self,
         request: Request<pb::NodePublishVolumeRequest>,
     ) -> Result<Response<pb::NodePublishVolumeResponse>, Status> {
-        Ok(Response::new(self.publish(request.into_inner()).await?))
+        let inner = self.inner.clone();
+        let req = request.into_inner();
+        let res = tokio::spawn(async move { inner.publish(req).await })
+            .await
+            .map_err(|e| Status::internal(format!("publish task failed: {e}")))?;
+        Ok(Response::new(res?))
     }
 
     async fn node_unpublish_volume(
         &self,
         request: Request<pb::NodeUnpublishVolumeRequest>,
     ) -> Result<Response<pb::NodeUnpublishVolumeResponse>, Status> {
-        Ok(Response::new(self.unpublish(request.into_inner()).await?))
+        let inner = self.inner.clone();
+        let req = request.into_inner();
+        let res = tokio::spawn(async move { inner.unpublish(req).await })
+            .await
+            .map_err(|e| Status::internal(format!("unpublish task failed: {e}")))?;
+        Ok(Response::new(res?))
     }
 
     async fn node_get_capabilities(
@@ -345,7 +399,7 @@ impl Node for NodeService {
         _request: Request<pb::NodeGetInfoRequest>,
     ) -> Result<Response<pb::NodeGetInfoResponse>, Status> {
         Ok(Response::new(pb::NodeGetInfoResponse {
-            node_id: self.config.node_id.clone(),
+            node_id: self.inner.config.node_id.clone(),
             max_volumes_per_node: 0,
             accessible_topology: None,
         }))

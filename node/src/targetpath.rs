@@ -28,6 +28,36 @@ pub fn check(root: &Path, target: &str) -> Result<PathBuf, CsiError> {
     Ok(path.to_path_buf())
 }
 
+/// Resolves symlinks in the target's parent so the path used for mounting, mountinfo lookups and
+/// removal is the one the kernel reports, and checks that it still lies below the (canonical)
+/// kubelet root. `Ok(None)`: the parent does not exist, so nothing can be mounted there.
+pub fn resolve(canonical_root: &Path, target: &Path) -> Result<Option<PathBuf>, CsiError> {
+    let (Some(parent), Some(name)) = (target.parent(), target.file_name()) else {
+        return Err(CsiError::InvalidArgument(format!(
+            "target_path {} has no parent directory",
+            target.display()
+        )));
+    };
+    let parent = match std::fs::canonicalize(parent) {
+        Ok(p) => p,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => {
+            return Err(CsiError::Internal(format!(
+                "resolving {}: {e}",
+                parent.display()
+            )))
+        }
+    };
+    if !parent.starts_with(canonical_root) {
+        return Err(CsiError::InvalidArgument(format!(
+            "target_path {} resolves outside the kubelet root {}",
+            target.display(),
+            canonical_root.display()
+        )));
+    }
+    Ok(Some(parent.join(name)))
+}
+
 /// The pod uid in a kubelet target path, if it has the usual shape.
 pub fn pod_uid<'a>(root: &Path, target: &'a Path) -> Option<&'a str> {
     let rel = target.strip_prefix(root).ok()?;
@@ -41,6 +71,25 @@ pub fn pod_uid<'a>(root: &Path, target: &'a Path) -> Option<&'a str> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn resolves_symlinks_and_refuses_escapes() {
+        let dir = tempfile::tempdir().unwrap();
+        let root = dir.path().join("kubelet");
+        std::fs::create_dir_all(root.join("pods/p")).unwrap();
+        std::fs::create_dir_all(dir.path().join("outside")).unwrap();
+        std::os::unix::fs::symlink(dir.path().join("outside"), root.join("pods/escape")).unwrap();
+        let root = std::fs::canonicalize(&root).unwrap();
+        assert_eq!(
+            resolve(&root, &root.join("pods/p/mount")).unwrap(),
+            Some(root.join("pods/p/mount"))
+        );
+        assert!(resolve(&root, &root.join("pods/escape/mount")).is_err());
+        assert_eq!(
+            resolve(&root, &root.join("pods/missing/mount")).unwrap(),
+            None
+        );
+    }
 
     #[test]
     fn targets() {

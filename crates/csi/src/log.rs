@@ -1,8 +1,8 @@
 //! One tower layer that logs every gRPC call once: method, status code, message and duration.
 //!
 //! Request and response bodies are never logged, so secrets (NodePublish `secrets`, tokens in the
-//! volume context) cannot reach the log from here. Identity calls, which kubelet's liveness probe
-//! makes every few seconds, are logged at debug level; every other call at info (OK) or warn.
+//! volume context) cannot reach the log from here. Successful calls are logged at info, failed
+//! and cancelled ones at warn.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -66,14 +66,20 @@ where
     }
 
     fn call(&mut self, req: http::Request<B>) -> Self::Future {
-        let path = req.uri().path().to_string();
-        let start = Instant::now();
+        let mut entry = LogEntry {
+            method: req
+                .uri()
+                .path()
+                .rsplit('/')
+                .next()
+                .unwrap_or("")
+                .to_string(),
+            start: Instant::now(),
+            done: false,
+        };
         let fut = self.inner.call(req);
         Box::pin(async move {
             let res = fut.await;
-            let ms = start.elapsed().as_secs_f64() * 1000.0;
-            let method = path.rsplit('/').next().unwrap_or(&path).to_string();
-            let quiet = path.starts_with("/csi.v1.Identity/");
             match &res {
                 Ok(resp) => {
                     // Errors come as trailers-only responses: the status is in the headers. A
@@ -91,23 +97,41 @@ where
                         .and_then(|v| v.to_str().ok())
                         .map(decode_message)
                         .unwrap_or_default();
-                    let code_name = format!("{code:?}");
-                    if code == Code::Ok {
-                        if quiet {
-                            tracing::debug!(rpc = %method, code = %code_name, ms = format_args!("{ms:.1}"), "rpc");
-                        } else {
-                            tracing::info!(rpc = %method, code = %code_name, ms = format_args!("{ms:.1}"), "rpc");
-                        }
-                    } else {
-                        tracing::warn!(rpc = %method, code = %code_name, ms = format_args!("{ms:.1}"), %message, "rpc failed");
-                    }
+                    entry.finish(code, &message);
                 }
-                Err(e) => {
-                    tracing::warn!(rpc = %method, ms = format_args!("{ms:.1}"), error = %e, "rpc transport error")
-                }
+                Err(e) => entry.finish(Code::Unknown, &format!("transport error: {e}")),
             }
             res
         })
+    }
+}
+
+/// One RPC's log line, written exactly once: when the response is ready, or (if the client gave up
+/// and the call was dropped) with code `Cancelled`.
+struct LogEntry {
+    method: String,
+    start: Instant,
+    done: bool,
+}
+
+impl LogEntry {
+    fn finish(&mut self, code: Code, message: &str) {
+        self.done = true;
+        let ms = self.start.elapsed().as_secs_f64() * 1000.0;
+        let code_name = format!("{code:?}");
+        if code == Code::Ok {
+            tracing::info!(rpc = %self.method, code = %code_name, ms = format_args!("{ms:.1}"), "rpc");
+        } else {
+            tracing::warn!(rpc = %self.method, code = %code_name, ms = format_args!("{ms:.1}"), %message, "rpc failed");
+        }
+    }
+}
+
+impl Drop for LogEntry {
+    fn drop(&mut self) {
+        if !self.done {
+            self.finish(Code::Cancelled, "the client cancelled the call");
+        }
     }
 }
 

@@ -18,7 +18,7 @@ pub trait Stores: Send + Sync + 'static {
 pub struct S3Stores {
     defaults: Endpoint,
     credentials: S3Credentials,
-    clients: Mutex<HashMap<Endpoint, Arc<dyn ObjectStore>>>,
+    clients: Mutex<HashMap<Endpoint, Arc<S3Store>>>,
 }
 
 impl S3Stores {
@@ -57,10 +57,23 @@ impl S3Stores {
         }
     }
 
-    /// Readiness: the driver-level credentials resolve (the SDK chain yields credentials).
+    /// The (cached) client for an endpoint.
+    async fn client(&self, endpoint: &Endpoint) -> Result<Arc<S3Store>, StoreError> {
+        let e = self.resolve(endpoint);
+        let mut clients = self.clients.lock().await;
+        if let Some(c) = clients.get(&e) {
+            return Ok(c.clone());
+        }
+        let store = Arc::new(S3Store::new(self.config(e.clone())).await?);
+        clients.insert(e, store.clone());
+        Ok(store)
+    }
+
+    /// Readiness: the driver-level credentials resolve. Uses the cached client, whose credentials
+    /// provider caches too, so a liveness probe does not call STS or IMDS each time.
     pub async fn check_default_credentials(&self) -> Result<(), String> {
-        let e = self.resolve(&Endpoint::default());
-        let store = S3Store::new(self.config(e))
+        let store = self
+            .client(&Endpoint::default())
             .await
             .map_err(|e| e.to_string())?;
         store.check_credentials().await.map_err(|e| e.to_string())
@@ -70,14 +83,7 @@ impl S3Stores {
 #[tonic::async_trait]
 impl Stores for S3Stores {
     async fn get(&self, endpoint: &Endpoint) -> Result<Arc<dyn ObjectStore>, StoreError> {
-        let e = self.resolve(endpoint);
-        let mut clients = self.clients.lock().await;
-        if let Some(c) = clients.get(&e) {
-            return Ok(c.clone());
-        }
-        let store: Arc<dyn ObjectStore> = Arc::new(S3Store::new(self.config(e.clone())).await?);
-        clients.insert(e, store.clone());
-        Ok(store)
+        Ok(self.client(endpoint).await?)
     }
 }
 

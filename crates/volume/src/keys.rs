@@ -28,6 +28,10 @@ pub const PV_NAME: &str = "csi.storage.k8s.io/pv/name";
 /// references, kubelet's pod info) and is never an error.
 pub const KUBERNETES_PREFIX: &str = "csi.storage.k8s.io/";
 
+/// csi-provisioner also records its identity on every PV it provisions
+/// (`storage.kubernetes.io/csiProvisionerIdentity`); kubelet passes it on to NodePublishVolume.
+pub const STORAGE_PREFIX: &str = "storage.kubernetes.io/";
+
 /// Kubelet's pod info keys (CSIDriver `podInfoOnMount`).
 pub const POD_NAME: &str = "csi.storage.k8s.io/pod.name";
 pub const POD_NAMESPACE: &str = "csi.storage.k8s.io/pod.namespace";

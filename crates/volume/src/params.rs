@@ -81,6 +81,14 @@ impl StorageClassParams {
             what: WHAT,
             key: keys::BUCKET_NAME.to_string(),
         })?;
+        if delete_policy == DeletePolicy::Delete && !template.is_unique_per_volume() {
+            return Err(VolumeError::invalid(
+                WHAT,
+                keys::PREFIX_TEMPLATE,
+                "with deletePolicy delete the template must contain ${volume.name} or ${pv.name}: \
+                 otherwise two volumes can share a prefix and deleting one deletes the other's data",
+            ));
+        }
         Ok(StorageClassParams {
             bucket,
             base_prefix,
@@ -176,6 +184,13 @@ impl Template {
         Ok(Template(pieces))
     }
 
+    /// Whether every volume gets a prefix of its own (the template names the volume or the PV).
+    pub fn is_unique_per_volume(&self) -> bool {
+        self.0
+            .iter()
+            .any(|p| matches!(p, Piece::VolumeName | Piece::PvName))
+    }
+
     /// Expands the template with the volume name and csi-provisioner's extra metadata.
     pub fn expand(
         &self,
@@ -226,19 +241,23 @@ mod tests {
         let params = map(&[
             ("bucketName", "data"),
             ("basePrefix", "k8s"),
-            ("prefixTemplate", "${pvc.namespace}/${pvc.name}"),
+            ("prefixTemplate", "${pvc.namespace}/${pvc.name}/${pv.name}"),
             ("region", "eu-west-1"),
             ("endpointUrl", "http://127.0.0.1:9000"),
             ("forcePathStyle", "true"),
             ("deletePolicy", "delete"),
             ("csi.storage.k8s.io/pvc/name", "claim"),
             ("csi.storage.k8s.io/pvc/namespace", "ml"),
+            ("csi.storage.k8s.io/pv/name", "pvc-1"),
             ("csi.storage.k8s.io/provisioner-secret-name", "s"),
         ]);
         let p = StorageClassParams::parse(&params).unwrap();
         assert_eq!(p.delete_policy, DeletePolicy::Delete);
         assert!(p.endpoint.force_path_style);
-        assert_eq!(p.volume_prefix("pvc-1", &params).unwrap(), "k8s/ml/claim/");
+        assert_eq!(
+            p.volume_prefix("pvc-1", &params).unwrap(),
+            "k8s/ml/claim/pvc-1/"
+        );
     }
 
     #[test]
@@ -258,6 +277,33 @@ mod tests {
         ]))
         .unwrap_err();
         assert!(e.to_string().contains("pod.name"), "{e}");
+    }
+
+    #[test]
+    fn delete_policy_needs_a_prefix_per_volume() {
+        for t in ["${pvc.namespace}/${pvc.name}", "${pvc.namespace}", "shared"] {
+            let e = StorageClassParams::parse(&map(&[
+                ("bucketName", "data"),
+                ("prefixTemplate", t),
+                ("deletePolicy", "delete"),
+            ]))
+            .unwrap_err();
+            assert!(e.to_string().contains("prefixTemplate"), "{t}: {e}");
+        }
+        for t in ["${pvc.namespace}/${volume.name}", "${pv.name}"] {
+            StorageClassParams::parse(&map(&[
+                ("bucketName", "data"),
+                ("prefixTemplate", t),
+                ("deletePolicy", "delete"),
+            ]))
+            .unwrap();
+        }
+        // Retained volumes may share a prefix on purpose (several PVCs onto one dataset).
+        StorageClassParams::parse(&map(&[
+            ("bucketName", "data"),
+            ("prefixTemplate", "shared"),
+        ]))
+        .unwrap();
     }
 
     #[test]

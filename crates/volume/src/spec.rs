@@ -96,7 +96,9 @@ impl VolumeSpec {
                         reason: "inline ephemeral volumes are not supported".to_string(),
                     })
                 }
-                other if other.starts_with(keys::KUBERNETES_PREFIX) => {}
+                other
+                    if other.starts_with(keys::KUBERNETES_PREFIX)
+                        || other.starts_with(keys::STORAGE_PREFIX) => {}
                 other => {
                     return Err(VolumeError::Unknown {
                         what: WHAT,
@@ -151,6 +153,10 @@ mod tests {
         };
         let mut ctx = volume_context(&id);
         ctx.insert(keys::POD_NAME.into(), "p".into());
+        ctx.insert(
+            "storage.kubernetes.io/csiProvisionerIdentity".into(),
+            "1700000000000-8081-s3.csi.ferry.dev".into(),
+        );
         let spec = VolumeSpec::from_publish::<&str>(&ctx, &[]).unwrap();
         assert_eq!(
             (spec.bucket.as_str(), spec.prefix.as_str()),

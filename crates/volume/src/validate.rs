@@ -89,13 +89,37 @@ pub fn region(key: &str, r: &str) -> Result<(), VolumeError> {
     Ok(())
 }
 
+/// The URL as it may appear in an error or a log: user info and query removed, since a mistyped
+/// URL can carry credentials or a token there.
+pub fn redact_url(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let rest = rest.split(['?', '#']).next().unwrap_or("");
+    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
+    let redacted = authority.contains('@') || url.contains(['?', '#']);
+    let mut out = if scheme.is_empty() {
+        host.to_string()
+    } else {
+        format!("{scheme}://{host}")
+    };
+    if !path.is_empty() {
+        out.push('/');
+        out.push_str(path);
+    }
+    if redacted {
+        out.push_str(" (credentials/query redacted)");
+    }
+    out
+}
+
 /// An endpoint URL: `http://` or `https://`, a host, an optional port, no query or credentials.
 pub fn endpoint_url(key: &str, url: &str) -> Result<(), VolumeError> {
+    let shown = redact_url(url);
     let bad = |reason: &str| {
         Err(VolumeError::invalid(
             "endpoint URL",
             key,
-            format!("{url:?} {reason}"),
+            format!("{shown:?} {reason}"),
         ))
     };
     let rest = match url.split_once("://") {
@@ -178,6 +202,16 @@ mod tests {
         ] {
             assert!(endpoint_url("e", bad).is_err(), "{bad}");
         }
+        let e = endpoint_url(
+            "e",
+            "https://AKIAEXAMPLE:s3cr3t@s3.example.com/x?X-Amz-Signature=abc",
+        )
+        .unwrap_err();
+        assert!(
+            !e.to_string().contains("s3cr3t") && !e.to_string().contains("abc"),
+            "{e}"
+        );
+        assert!(!e.to_string().contains("AKIAEXAMPLE"), "{e}");
         region("r", "eu-west-1").unwrap();
         assert!(region("r", "EU_WEST").is_err());
     }

@@ -302,6 +302,7 @@ async fn restart() -> Result<()> {
     if ours != 0 {
         bail!("{ours} mounts left under {}", plugin.dir.path().display());
     }
+    plugin.check_logs_for_secrets(&[])?;
     println!("restart: 1 passed, 0 failed");
     Ok(())
 }
@@ -375,6 +376,7 @@ async fn sanity(bin: Option<PathBuf>, extra: Vec<String>) -> Result<()> {
         }
     }
     let status = child.wait()?;
+    plugin.check_logs_for_secrets(&[])?;
     drop(plugin);
     let summary = summary.context("csi-sanity printed no summary line")?;
     let count = |word: &str| -> u64 {
