@@ -28,6 +28,9 @@ struct Args {
     /// Use path-style addressing by default.
     #[arg(long, env = "FERRY_FORCE_PATH_STYLE")]
     force_path_style: bool,
+    /// Address of the Prometheus `/metrics` endpoint; `off` disables it.
+    #[arg(long, env = "FERRY_METRICS_ADDR", default_value = "0.0.0.0:9810")]
+    metrics_addr: String,
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, env = "FERRY_LOG", default_value = "info")]
     log: String,
@@ -44,6 +47,9 @@ async fn main() -> anyhow::Result<()> {
         ferry_volume::validate::region("--region", r)?;
     }
     let socket = ferry_csi::endpoint::parse(&args.csi_endpoint).map_err(anyhow::Error::msg)?;
+    ferry_metrics::start(&args.metrics_addr)
+        .await
+        .map_err(anyhow::Error::msg)?;
     let stores = Arc::new(S3Stores::new(Endpoint {
         endpoint_url: args.endpoint_url.clone(),
         region: args.region.clone(),

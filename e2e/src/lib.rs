@@ -75,6 +75,8 @@ impl Plugin {
             &[
                 "--csi-endpoint",
                 &format!("unix://{}", plugin.controller_socket.display()),
+                "--metrics-addr",
+                "127.0.0.1:0",
             ],
         )?;
         plugin.children.push(("ferry-controller".into(), ctrl));
@@ -99,6 +101,8 @@ impl Plugin {
                 "e2e-node",
                 "--kubelet-root",
                 &kubelet.display().to_string(),
+                "--metrics-addr",
+                "127.0.0.1:0",
             ],
         )?;
         self.children.push(("ferry-node".into(), node));

@@ -56,6 +56,9 @@ struct ServeArgs {
     /// Metadata TTL for volumes without a `metadata-ttl` option: seconds, `indefinite` or `minimal`.
     #[arg(long, env = "FERRY_METADATA_TTL", default_value = "1", value_parser = parse_ttl)]
     metadata_ttl: MetadataTtl,
+    /// Address of the Prometheus `/metrics` endpoint; `off` disables it.
+    #[arg(long, env = "FERRY_METRICS_ADDR", default_value = "0.0.0.0:9810")]
+    metrics_addr: String,
 }
 
 #[derive(Debug, Args)]
@@ -106,6 +109,9 @@ struct MountArgs {
     /// Stay in the foreground until unmounted or interrupted.
     #[arg(short, long)]
     foreground: bool,
+    /// Serve Prometheus metrics at this address (e.g. 127.0.0.1:9810).
+    #[arg(long)]
+    metrics_addr: Option<String>,
 }
 
 fn parse_ttl(s: &str) -> Result<MetadataTtl, String> {
@@ -192,6 +198,11 @@ fn endpoint(
 
 async fn mount(a: MountArgs) -> anyhow::Result<()> {
     ferry_volume::validate::bucket_name("bucket", &a.bucket)?;
+    if let Some(addr) = &a.metrics_addr {
+        ferry_metrics::start(addr)
+            .await
+            .map_err(anyhow::Error::msg)?;
+    }
     let prefix = match &a.prefix {
         Some(p) => ferry_volume::validate::prefix("--prefix", p, true)?,
         None => String::new(),
@@ -263,6 +274,9 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if a.node_id.is_empty() {
         bail!("--node-id (NODE_ID) must not be empty");
     }
+    ferry_metrics::start(&a.metrics_addr)
+        .await
+        .map_err(anyhow::Error::msg)?;
     let stores: Arc<dyn Stores> = Arc::new(S3Stores::new(endpoint(
         &a.endpoint_url,
         &a.region,

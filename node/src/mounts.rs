@@ -27,6 +27,14 @@ pub struct Mounted {
     pub handle: MountHandle,
 }
 
+fn mounts_gauge() -> std::sync::Arc<ferry_metrics::Gauge> {
+    ferry_metrics::global().gauge(
+        ferry_metrics::names::MOUNTS,
+        "Live FUSE mounts in this process.",
+        &[],
+    )
+}
+
 /// Live mounts by target path.
 #[derive(Default)]
 pub struct MountTable {
@@ -43,11 +51,16 @@ impl MountTable {
     }
 
     pub fn insert(&self, target: PathBuf, m: Mounted) {
-        self.mounts.lock().unwrap().insert(target, m);
+        let mut mounts = self.mounts.lock().unwrap();
+        mounts.insert(target, m);
+        mounts_gauge().set(mounts.len() as i64);
     }
 
     pub fn remove(&self, target: &Path) -> Option<Mounted> {
-        self.mounts.lock().unwrap().remove(target)
+        let mut mounts = self.mounts.lock().unwrap();
+        let m = mounts.remove(target);
+        mounts_gauge().set(mounts.len() as i64);
+        m
     }
 
     pub fn len(&self) -> usize {

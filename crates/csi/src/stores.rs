@@ -13,7 +13,7 @@ pub trait Stores: Send + Sync + 'static {
     async fn get(&self, endpoint: &Endpoint) -> Result<Arc<dyn ObjectStore>, StoreError>;
 }
 
-/// Real S3 clients with the driver's credentials (by default the AWS SDK's default chain). A
+/// Real S3 clients (counted in the metrics) with the driver's credentials (by default the AWS SDK's default chain). A
 /// volume's endpoint fields override the driver-level defaults field by field.
 pub struct S3Stores {
     defaults: Endpoint,
@@ -83,7 +83,8 @@ impl S3Stores {
 #[tonic::async_trait]
 impl Stores for S3Stores {
     async fn get(&self, endpoint: &Endpoint) -> Result<Arc<dyn ObjectStore>, StoreError> {
-        Ok(self.client(endpoint).await?)
+        let client: Arc<dyn ObjectStore> = self.client(endpoint).await?;
+        Ok(Arc::new(ferry_metrics::InstrumentedStore::new(client)))
     }
 }
 

@@ -1,0 +1,213 @@
+//! [`InstrumentedStore`]: counts every S3 request by operation and outcome, with latency and bytes.
+
+use std::future::Future;
+use std::ops::Range;
+use std::sync::Arc;
+use std::time::Instant;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use ferry_store::{
+    CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, PutResult, Result, StoreError,
+};
+
+use crate::{global, names};
+
+/// Wraps a store; everything it does is counted in the global registry.
+#[derive(Debug, Clone)]
+pub struct InstrumentedStore {
+    inner: Arc<dyn ObjectStore>,
+}
+
+impl InstrumentedStore {
+    pub fn new(inner: Arc<dyn ObjectStore>) -> Self {
+        InstrumentedStore { inner }
+    }
+}
+
+/// The `result` label of an outcome.
+fn outcome<T>(r: &Result<T>) -> &'static str {
+    match r {
+        Ok(_) => "ok",
+        Err(e) => match e {
+            StoreError::NotFound(_) => "not_found",
+            StoreError::NoSuchBucket(_) => "no_such_bucket",
+            StoreError::AccessDenied(_) => "access_denied",
+            StoreError::PreconditionFailed(_) => "precondition_failed",
+            StoreError::InvalidRequest(_) => "invalid_request",
+            StoreError::Throttled(_) => "throttled",
+            StoreError::Transient(_) => "transient",
+            StoreError::Corrupt(_) => "corrupt",
+            StoreError::Credentials(_) => "credentials",
+            StoreError::Other(_) => "other",
+        },
+    }
+}
+
+async fn timed<T>(op: &'static str, fut: impl Future<Output = Result<T>>) -> Result<T> {
+    let start = Instant::now();
+    let r = fut.await;
+    let reg = global();
+    reg.histogram(
+        names::S3_REQUEST_SECONDS,
+        "S3 request latency in seconds, by operation.",
+        &[("op", op)],
+    )
+    .observe(start.elapsed());
+    reg.counter(
+        names::S3_REQUESTS,
+        "S3 requests by operation and outcome.",
+        &[("op", op), ("result", outcome(&r))],
+    )
+    .inc();
+    r
+}
+
+fn bytes_in(n: usize) {
+    global()
+        .counter(
+            names::S3_BYTES_IN,
+            "Bytes received from S3 in GET bodies.",
+            &[],
+        )
+        .add(n as u64);
+}
+
+fn bytes_out(n: usize) {
+    global()
+        .counter(
+            names::S3_BYTES_OUT,
+            "Bytes sent to S3 in PUT and part bodies.",
+            &[],
+        )
+        .add(n as u64);
+}
+
+#[async_trait]
+impl ObjectStore for InstrumentedStore {
+    async fn head_bucket(&self, bucket: &str) -> Result<()> {
+        timed("head_bucket", self.inner.head_bucket(bucket)).await
+    }
+
+    async fn list(&self, bucket: &str, req: ListRequest<'_>) -> Result<ListPage> {
+        timed("list", self.inner.list(bucket, req)).await
+    }
+
+    async fn head(&self, bucket: &str, key: &str) -> Result<ObjectInfo> {
+        timed("head", self.inner.head(bucket, key)).await
+    }
+
+    async fn get_range(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+    ) -> Result<Bytes> {
+        let r = timed("get", self.inner.get_range(bucket, key, range, if_match)).await;
+        if let Ok(b) = &r {
+            bytes_in(b.len());
+        }
+        r
+    }
+
+    async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult> {
+        let n = body.len();
+        let r = timed("put", self.inner.put(bucket, key, body)).await;
+        if r.is_ok() {
+            bytes_out(n);
+        }
+        r
+    }
+
+    async fn create_multipart(&self, bucket: &str, key: &str) -> Result<String> {
+        timed("create_multipart", self.inner.create_multipart(bucket, key)).await
+    }
+
+    async fn upload_part(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        part_number: i32,
+        body: Bytes,
+    ) -> Result<CompletedPart> {
+        let n = body.len();
+        let r = timed(
+            "upload_part",
+            self.inner
+                .upload_part(bucket, key, upload_id, part_number, body),
+        )
+        .await;
+        if r.is_ok() {
+            bytes_out(n);
+        }
+        r
+    }
+
+    async fn complete_multipart(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+    ) -> Result<PutResult> {
+        timed(
+            "complete_multipart",
+            self.inner.complete_multipart(bucket, key, upload_id, parts),
+        )
+        .await
+    }
+
+    async fn abort_multipart(&self, bucket: &str, key: &str, upload_id: &str) -> Result<()> {
+        timed(
+            "abort_multipart",
+            self.inner.abort_multipart(bucket, key, upload_id),
+        )
+        .await
+    }
+
+    async fn delete(&self, bucket: &str, key: &str) -> Result<()> {
+        timed("delete", self.inner.delete(bucket, key)).await
+    }
+
+    async fn delete_many(&self, bucket: &str, keys: &[String]) -> Result<()> {
+        timed("delete_many", self.inner.delete_many(bucket, keys)).await
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_store::MemoryStore;
+
+    #[tokio::test]
+    async fn counts_requests_outcomes_and_bytes() {
+        let mem = Arc::new(MemoryStore::new());
+        mem.create_bucket("m");
+        let s = InstrumentedStore::new(mem);
+        let before_in = global().counter(names::S3_BYTES_IN, "", &[]).get();
+        s.put("m", "k", Bytes::from_static(b"hello")).await.unwrap();
+        s.get_range("m", "k", 0..5, None).await.unwrap();
+        assert!(s.head("m", "missing").await.is_err());
+        let reg = global();
+        assert!(
+            reg.counter(names::S3_REQUESTS, "", &[("op", "put"), ("result", "ok")])
+                .get()
+                >= 1
+        );
+        assert!(
+            reg.counter(
+                names::S3_REQUESTS,
+                "",
+                &[("op", "head"), ("result", "not_found")]
+            )
+            .get()
+                >= 1
+        );
+        assert!(reg.counter(names::S3_BYTES_IN, "", &[]).get() >= before_in + 5);
+        assert!(reg
+            .render()
+            .contains("ferry_s3_request_duration_seconds_bucket{op=\"get\""));
+    }
+}
