@@ -5,11 +5,12 @@
 //! that carries bucket, prefix, endpoint and delete policy (see [`ferry_volume::id`]), so DeleteVolume
 //! needs no state. Creating writes nothing to S3: the prefix exists once something is written to it.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use ferry_csi::capability;
-use ferry_csi::error::{require, Result};
+use ferry_csi::error::{require, unimplemented, Result};
+use ferry_csi::inflight::{InFlight, InFlightSet};
 use ferry_csi::pb;
 use ferry_csi::pb::controller_server::Controller;
 use ferry_csi::stores::Stores;
@@ -40,25 +41,7 @@ struct Inner {
     /// a repeated name with other parameters: the new request then succeeds instead of failing.
     created: Mutex<HashMap<String, Created>>,
     /// Names and volume ids with an operation in flight: a concurrent one gets Aborted.
-    in_flight: Arc<Mutex<HashSet<String>>>,
-}
-
-/// Releases an in-flight name when the operation ends.
-struct InFlight {
-    set: Arc<Mutex<HashSet<String>>>,
-    key: String,
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.set.lock().unwrap().remove(&self.key);
-    }
-}
-
-fn unimplemented<T>(rpc: &str) -> Result<Response<T>, Status> {
-    Err(Status::unimplemented(format!(
-        "{rpc} is not supported by Ferry"
-    )))
+    in_flight: InFlightSet<String>,
 }
 
 impl ControllerService {
@@ -67,24 +50,15 @@ impl ControllerService {
             inner: Arc::new(Inner {
                 stores,
                 created: Mutex::new(HashMap::new()),
-                in_flight: Arc::new(Mutex::new(HashSet::new())),
+                in_flight: InFlightSet::default(),
             }),
         }
     }
 }
 
 impl Inner {
-    fn begin(&self, key: String) -> Result<InFlight> {
-        let mut set = self.in_flight.lock().unwrap();
-        if !set.insert(key.clone()) {
-            return Err(CsiError::Aborted(format!(
-                "an operation on {key:?} is already in progress"
-            )));
-        }
-        Ok(InFlight {
-            set: self.in_flight.clone(),
-            key,
-        })
+    fn begin(&self, key: String) -> Result<InFlight<String>> {
+        self.in_flight.begin(key)
     }
 
     /// The capacity to report: what was asked for, not enforced (S3 is elastic).

@@ -4,13 +4,13 @@
 //! Staging, expansion and volume stats are not offered (the capabilities list is empty), so kubelet
 //! calls only publish and unpublish.
 
-use std::collections::HashSet;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use ferry_csi::capability;
-use ferry_csi::error::{require, Result};
+use ferry_csi::error::{require, unimplemented, Result};
+use ferry_csi::inflight::{InFlight, InFlightSet};
 use ferry_csi::pb;
 use ferry_csi::pb::node_server::Node;
 use ferry_csi::stores::Stores;
@@ -48,25 +48,9 @@ struct Inner {
     canonical_root: PathBuf,
     stores: Arc<dyn Stores>,
     mounts: Arc<MountTable>,
-    in_flight: Arc<Mutex<HashSet<PathBuf>>>,
-    runtime: tokio::runtime::Handle,
-}
-
-struct InFlight {
-    set: Arc<Mutex<HashSet<PathBuf>>>,
-    key: PathBuf,
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        self.set.lock().unwrap().remove(&self.key);
-    }
-}
-
-fn unimplemented<T>(rpc: &str) -> Result<Response<T>, Status> {
-    Err(Status::unimplemented(format!(
-        "{rpc} is not supported by Ferry"
-    )))
+    in_flight: InFlightSet<PathBuf>,
+    /// The runtime mounts serve on and the memory budget all their prefetching shares.
+    mount_context: ferry_fs::MountContext,
 }
 
 /// Converts a volume's TTL setting into the filesystem's.
@@ -118,26 +102,16 @@ impl NodeService {
                 canonical_root,
                 stores,
                 mounts,
-                in_flight: Arc::new(Mutex::new(HashSet::new())),
-                runtime: tokio::runtime::Handle::current(),
+                in_flight: InFlightSet::default(),
+                mount_context: ferry_fs::MountContext::new(tokio::runtime::Handle::current()),
             }),
         }
     }
 }
 
 impl Inner {
-    fn begin(&self, target: &Path) -> Result<InFlight> {
-        let mut set = self.in_flight.lock().unwrap();
-        if !set.insert(target.to_path_buf()) {
-            return Err(CsiError::Aborted(format!(
-                "an operation on target {} is already in progress",
-                target.display()
-            )));
-        }
-        Ok(InFlight {
-            set: self.in_flight.clone(),
-            key: target.to_path_buf(),
-        })
+    fn begin(&self, target: &Path) -> Result<InFlight<PathBuf>> {
+        self.in_flight.begin(target.to_path_buf())
     }
 
     /// Detaches a mount at `target` that this process does not own: a dead FUSE mount left by an
@@ -278,10 +252,10 @@ impl Inner {
         }
 
         let config = mount_config(&published, self.config.default_metadata_ttl);
-        let runtime = self.runtime.clone();
+        let mount_context = self.mount_context.clone();
         let (mount_target, mount_config) = (target.clone(), config.clone());
         let handle = tokio::task::spawn_blocking(move || {
-            ferry_fs::mount(store, mount_config, &mount_target, runtime)
+            ferry_fs::mount(store, mount_config, &mount_target, mount_context)
         })
         .await
         .map_err(|e| CsiError::Internal(format!("mount task failed: {e}")))?

@@ -92,3 +92,10 @@ pub fn require<'a>(field: &str, value: &'a str) -> Result<&'a str> {
     }
     Ok(value)
 }
+
+/// The answer to an RPC Ferry does not offer (and does not advertise).
+pub fn unimplemented<T>(rpc: &str) -> std::result::Result<tonic::Response<T>, Status> {
+    Err(Status::unimplemented(format!(
+        "{rpc} is not supported by Ferry"
+    )))
+}

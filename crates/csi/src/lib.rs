@@ -5,12 +5,14 @@
 //! - [`identity`]: the Identity service both binaries serve;
 //! - [`error`]: the one place where Ferry errors become gRPC statuses;
 //! - [`capability`]: volume capability checks both services share;
+//! - [`inflight`]: one operation per volume or target at a time;
 //! - [`stores`]: one S3 client per endpoint a volume names.
 
 pub mod capability;
 pub mod endpoint;
 pub mod error;
 pub mod identity;
+pub mod inflight;
 pub mod log;
 pub mod stores;
 

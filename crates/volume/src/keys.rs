@@ -38,3 +38,8 @@ pub const POD_NAMESPACE: &str = "csi.storage.k8s.io/pod.namespace";
 pub const POD_UID: &str = "csi.storage.k8s.io/pod.uid";
 pub const SERVICE_ACCOUNT_NAME: &str = "csi.storage.k8s.io/serviceAccount.name";
 pub const EPHEMERAL: &str = "csi.storage.k8s.io/ephemeral";
+
+/// Whether a key is set by Kubernetes components (never an error, never ours).
+pub fn is_kubernetes_key(key: &str) -> bool {
+    key.starts_with(KUBERNETES_PREFIX) || key.starts_with(STORAGE_PREFIX)
+}

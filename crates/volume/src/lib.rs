@@ -75,3 +75,31 @@ pub(crate) fn parse_bool(what: &'static str, key: &str, v: &str) -> Result<bool,
         )),
     }
 }
+
+/// Applies a key that StorageClass parameters and volume attributes share — `bucketName`,
+/// `region`, `endpointUrl`, `forcePathStyle` — after validating its value. `Ok(false)`: not one.
+pub(crate) fn apply_location(
+    what: &'static str,
+    key: &str,
+    value: &str,
+    bucket: &mut Option<String>,
+    endpoint: &mut Endpoint,
+) -> Result<bool, VolumeError> {
+    match key {
+        keys::BUCKET_NAME => {
+            validate::bucket_name(key, value)?;
+            *bucket = Some(value.to_string());
+        }
+        keys::REGION => {
+            validate::region(key, value)?;
+            endpoint.region = Some(value.to_string());
+        }
+        keys::ENDPOINT_URL => {
+            validate::endpoint_url(key, value)?;
+            endpoint.endpoint_url = Some(value.to_string());
+        }
+        keys::FORCE_PATH_STYLE => endpoint.force_path_style = parse_bool(what, key, value)?,
+        _ => return Ok(false),
+    }
+    Ok(true)
+}

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use crate::{keys, parse_bool, validate, Endpoint, VolumeError};
+use crate::{keys, validate, Endpoint, VolumeError};
 
 /// What DeleteVolume does to the data under the volume's prefix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -39,22 +39,12 @@ impl StorageClassParams {
         let mut sorted: Vec<_> = params.iter().collect();
         sorted.sort();
         for (k, v) in sorted {
+            if crate::apply_location(WHAT, k, v, &mut bucket, &mut endpoint)? {
+                continue;
+            }
             match k.as_str() {
-                keys::BUCKET_NAME => {
-                    validate::bucket_name(k, v)?;
-                    bucket = Some(v.clone());
-                }
                 keys::BASE_PREFIX => base_prefix = validate::prefix(k, v, true)?,
                 keys::PREFIX_TEMPLATE => template = Template::parse(v)?,
-                keys::REGION => {
-                    validate::region(k, v)?;
-                    endpoint.region = Some(v.clone());
-                }
-                keys::ENDPOINT_URL => {
-                    validate::endpoint_url(k, v)?;
-                    endpoint.endpoint_url = Some(v.clone());
-                }
-                keys::FORCE_PATH_STYLE => endpoint.force_path_style = parse_bool(WHAT, k, v)?,
                 keys::DELETE_POLICY => {
                     delete_policy = match v.as_str() {
                         "retain" | "Retain" => DeletePolicy::Retain,
@@ -68,12 +58,13 @@ impl StorageClassParams {
                         }
                     }
                 }
-                other if other.starts_with(keys::KUBERNETES_PREFIX) => {}
                 other => {
-                    return Err(VolumeError::Unknown {
-                        what: WHAT,
-                        key: other.to_string(),
-                    })
+                    if !keys::is_kubernetes_key(other) {
+                        return Err(VolumeError::Unknown {
+                            what: WHAT,
+                            key: other.to_string(),
+                        });
+                    }
                 }
             }
         }

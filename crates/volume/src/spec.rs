@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 
-use crate::{keys, parse_bool, validate, Endpoint, MountOptions, VolumeError, VolumeId};
+use crate::{keys, validate, Endpoint, MountOptions, VolumeError, VolumeId};
 
 /// A fully described mount: bucket, prefix, endpoint and options.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -64,21 +64,11 @@ impl VolumeSpec {
         let mut sorted: Vec<_> = context.iter().collect();
         sorted.sort();
         for (k, v) in sorted {
+            if crate::apply_location(WHAT, k, v, &mut bucket, &mut endpoint)? {
+                continue;
+            }
             match k.as_str() {
-                keys::BUCKET_NAME => {
-                    validate::bucket_name(k, v)?;
-                    bucket = Some(v.clone());
-                }
                 keys::PREFIX => prefix = Some(validate::prefix(k, v, true)?),
-                keys::REGION => {
-                    validate::region(k, v)?;
-                    endpoint.region = Some(v.clone());
-                }
-                keys::ENDPOINT_URL => {
-                    validate::endpoint_url(k, v)?;
-                    endpoint.endpoint_url = Some(v.clone());
-                }
-                keys::FORCE_PATH_STYLE => endpoint.force_path_style = parse_bool(WHAT, k, v)?,
                 keys::AUTHENTICATION_SOURCE => match v.as_str() {
                     "driver" | "" => {}
                     other => {
@@ -96,14 +86,13 @@ impl VolumeSpec {
                         reason: "inline ephemeral volumes are not supported".to_string(),
                     })
                 }
-                other
-                    if other.starts_with(keys::KUBERNETES_PREFIX)
-                        || other.starts_with(keys::STORAGE_PREFIX) => {}
                 other => {
-                    return Err(VolumeError::Unknown {
-                        what: WHAT,
-                        key: other.to_string(),
-                    })
+                    if !keys::is_kubernetes_key(other) {
+                        return Err(VolumeError::Unknown {
+                            what: WHAT,
+                            key: other.to_string(),
+                        });
+                    }
                 }
             }
         }
