@@ -240,8 +240,8 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
     let mut config = ferry_node::service::mount_config(&published, MetadataTtl::Seconds(1));
     config.allow_other = a.allow_other;
     let dir = a.directory.clone();
-    let rt = tokio::runtime::Handle::current();
-    let handle = tokio::task::spawn_blocking(move || ferry_fs::mount(store, config, &dir, rt))
+    let ctx = ferry_fs::MountContext::new(tokio::runtime::Handle::current());
+    let handle = tokio::task::spawn_blocking(move || ferry_fs::mount(store, config, &dir, ctx))
         .await?
         .with_context(|| format!("mounting at {}", a.directory.display()))?;
     tracing::info!(bucket = %a.bucket, directory = %a.directory.display(), "mounted; unmount with `umount` or Ctrl-C");

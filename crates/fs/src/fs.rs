@@ -5,7 +5,7 @@
 //! across an `.await`; each open handle has its own async mutex, held across its S3 calls so one
 //! handle's reads (or writes) are ordered while different handles proceed in parallel.
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
@@ -15,17 +15,19 @@ use ferry_store::{CompletedPart, ListRequest, ObjectStore, StoreError};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use crate::budget::{MemoryBudget, PrefetchConfig};
 use crate::config::MountConfig;
 use crate::error::FsError;
 use crate::handles::{
-    DirHandle, Handle, HandleTable, MultipartState, PartRecord, ReadBuffer, ReadHandle,
-    WriteHandle, WriteStatus, MAX_PARTS, PART_SIZE, READ_WINDOW_INITIAL, READ_WINDOW_MAX,
+    DirHandle, Handle, HandleTable, MultipartState, PartRecord, ReadHandle, WriteHandle,
+    WriteStatus, MAX_PARTS, PART_SIZE,
 };
 use crate::inode::{now_secs, CachedEntry, Ino, Inode, InodeState, InodeTable, Validity, ROOT_INO};
 use crate::names::{
     child_path, dir_prefix, file_key, lookup_name, new_name, Kind, ListedEntry, ListingBuilder,
     ObjectMeta, KEY_MAX,
 };
+use crate::prefetch::{fetch_exact, Part, SmallObjects, Source};
 
 /// Block size reported by `stat`.
 pub const BLKSIZE: u32 = 4096;
@@ -123,7 +125,15 @@ struct FsState {
     inodes: InodeTable,
     handles: HandleTable,
     hidden_logged: HashSet<String>,
+    /// Small objects fetched ahead of listing-order readers.
+    small: SmallObjects,
+    /// Per directory: the listing index of the file last opened for reading and how many opens
+    /// in a row followed listing order.
+    order: HashMap<Ino, (usize, u32)>,
 }
+
+/// Most directories whose listing-order streak is remembered.
+const ORDER_MAX: usize = 1024;
 
 /// What `find_child` learned about a name.
 enum Found {
@@ -144,6 +154,9 @@ pub struct Fs {
     cfg: MountConfig,
     mount_time: SystemTime,
     state: Mutex<FsState>,
+    /// The node-wide budget every prefetched byte is charged to.
+    budget: MemoryBudget,
+    prefetch: PrefetchConfig,
 }
 
 fn stale(ino: Ino) -> FsError {
@@ -155,8 +168,24 @@ fn bad_fh() -> FsError {
 }
 
 impl Fs {
-    /// A fresh filesystem for `cfg` (which should have passed [`MountConfig::validate`]).
+    /// A fresh filesystem for `cfg` (which should have passed [`MountConfig::validate`]) with
+    /// its own default budget and prefetch tuning (tests; mounts use [`Fs::with_budget`]).
     pub fn new(store: Arc<dyn ObjectStore>, cfg: MountConfig) -> Self {
+        Self::with_budget(
+            store,
+            cfg,
+            MemoryBudget::default(),
+            PrefetchConfig::default(),
+        )
+    }
+
+    /// A fresh filesystem whose prefetching is charged to `budget` (shared by the node's mounts).
+    pub fn with_budget(
+        store: Arc<dyn ObjectStore>,
+        cfg: MountConfig,
+        budget: MemoryBudget,
+        prefetch: PrefetchConfig,
+    ) -> Self {
         Fs {
             store,
             cfg,
@@ -165,12 +194,21 @@ impl Fs {
                 inodes: InodeTable::new(),
                 handles: HandleTable::default(),
                 hidden_logged: HashSet::new(),
+                small: SmallObjects::default(),
+                order: HashMap::new(),
             }),
+            budget,
+            prefetch,
         }
     }
 
-    /// Rebuilds a filesystem from [`Fs::snapshot`] (caches start expired).
-    pub fn from_snapshot(store: Arc<dyn ObjectStore>, snap: FsSnapshot) -> Self {
+    /// Rebuilds a filesystem from [`Fs::snapshot`] (caches start expired, nothing prefetched).
+    pub fn from_snapshot(
+        store: Arc<dyn ObjectStore>,
+        snap: FsSnapshot,
+        budget: MemoryBudget,
+        prefetch: PrefetchConfig,
+    ) -> Self {
         Fs {
             store,
             cfg: snap.config,
@@ -179,8 +217,22 @@ impl Fs {
                 inodes: snap.inodes,
                 handles: HandleTable::restore(snap.next_fh, snap.handles),
                 hidden_logged: HashSet::new(),
+                small: SmallObjects::default(),
+                order: HashMap::new(),
             }),
+            budget,
+            prefetch,
         }
+    }
+
+    /// The budget prefetching is charged to.
+    pub fn budget(&self) -> &MemoryBudget {
+        &self.budget
+    }
+
+    /// Small objects currently prefetched (or being fetched) and not yet opened.
+    pub fn small_objects_cached(&self) -> usize {
+        self.lock().small.len()
     }
 
     /// The inode and handle tables as plain data. Waits for in-flight operations on each handle.
@@ -518,13 +570,32 @@ impl Fs {
         self.lock().handles.remove(fh);
     }
 
-    /// Lists the directory (every page), merges local entries, refreshes the caches.
-    async fn list_dir(&self, ino: Ino) -> Result<Vec<ListedEntry>, FsError> {
+    /// The directory's entries, local ones merged in, and when S3's part was listed: from the
+    /// cached listing while it is valid, else listed (every page), refreshing the caches.
+    async fn list_dir(&self, ino: Ino) -> Result<(Vec<ListedEntry>, Instant), FsError> {
         let dprefix = {
             let st = self.lock();
             let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
             if inode.kind != Kind::Dir {
                 return Err(FsError::NotDir);
+            }
+            if let Some((listing, at)) = inode.cache.cached_listing(Instant::now()) {
+                let mut entries = Vec::clone(listing);
+                for (name, child) in &inode.children {
+                    let Some(c) = st.inodes.get(*child).filter(|c| c.is_local()) else {
+                        continue;
+                    };
+                    let local = ListedEntry {
+                        name: name.clone(),
+                        kind: c.kind,
+                        meta: c.meta.clone(),
+                    };
+                    match entries.binary_search_by(|e| e.name.as_str().cmp(name)) {
+                        Ok(i) => entries[i] = local,
+                        Err(i) => entries.insert(i, local),
+                    }
+                }
+                return Ok((entries, *at));
             }
             dir_prefix(&self.cfg.prefix, &inode.path)
         };
@@ -590,7 +661,9 @@ impl Fs {
         }
         dir.cache.entries.clear();
         dir.cache.entries_valid = valid;
+        dir.cache.listing = None;
         if valid.is_valid(now) {
+            dir.cache.listing = Some((Arc::new(remote.clone()), now));
             for e in &remote {
                 dir.cache.negative.remove(&e.name);
                 dir.cache.entries.insert(
@@ -602,7 +675,7 @@ impl Fs {
                 );
             }
         }
-        Ok(entries)
+        Ok((entries, now))
     }
 
     /// `readdir` / `readdirplus` from offset `offset` (0 = start; a repeated 0 lists again).
@@ -624,8 +697,9 @@ impl Fs {
             return Err(bad_fh());
         }
         if d.snapshot.is_none() || (offset == 0 && d.served) {
-            d.snapshot = Some(self.list_dir(ino).await?);
-            d.listed_at = Some(Instant::now());
+            let (entries, listed_at) = self.list_dir(ino).await?;
+            d.snapshot = Some(entries);
+            d.listed_at = Some(listed_at);
         }
         d.served = true;
         let entries = d.snapshot.as_deref().unwrap_or_default();
@@ -1003,14 +1077,39 @@ impl Fs {
         }
         let keep_cache = meta.etag.is_some() && inode.last_open_etag == meta.etag;
         inode.last_open_etag = meta.etag.clone();
-        let fh = st.handles.insert(Handle::Read(ReadHandle::new(
-            ino, key, meta.etag, meta.size,
-        )));
+        let (parent, name) = (inode.parent, inode.name.clone());
+        let mut handle = ReadHandle::new(ino, key, meta.etag, meta.size);
+        if let Some(etag) = handle.etag.as_deref() {
+            // Fetched ahead by a listing-order reader, for this very version: use it.
+            if let Some(part) = st.small.take(&handle.key, etag) {
+                if part.start == 0 && part.end == handle.size {
+                    handle.prefetch.parts.push_back(part);
+                }
+            }
+        }
+        self.prefetch_following(&mut st, parent, &name);
+        let fh = st.handles.insert(Handle::Read(handle));
         Ok(Opened { fh, keep_cache })
     }
 
-    /// One ranged GET pinned to the handle's ETag. A changed or vanished object is `ESTALE` and
-    /// drops the inode's cached metadata so the next open sees the new version.
+    /// A failed GET: a changed or vanished object is `ESTALE` and drops the inode's cached
+    /// metadata so the next open sees the new version.
+    fn read_error(&self, ino: Ino, e: StoreError) -> FsError {
+        match e {
+            StoreError::PreconditionFailed(_) | StoreError::NotFound(_) => {
+                if let Some(inode) = self.lock().inodes.get_mut(ino) {
+                    if !inode.is_local() {
+                        inode.valid = Validity::Expired;
+                    }
+                }
+                FsError::Stale(e.to_string())
+            }
+            e => e.into(),
+        }
+    }
+
+    /// One ranged GET pinned to the handle's ETag, of exactly `range` (a short body is retried
+    /// once, then `EIO`).
     async fn get(
         &self,
         ino: Ino,
@@ -1018,22 +1117,25 @@ impl Fs {
         etag: Option<&str>,
         range: std::ops::Range<u64>,
     ) -> Result<Bytes, FsError> {
-        match self.store.get_range(self.bucket(), key, range, etag).await {
-            Ok(data) => Ok(data),
-            Err(e @ (StoreError::PreconditionFailed(_) | StoreError::NotFound(_))) => {
-                if let Some(inode) = self.lock().inodes.get_mut(ino) {
-                    if !inode.is_local() {
-                        inode.valid = Validity::Expired;
-                    }
-                }
-                Err(FsError::Stale(e.to_string()))
-            }
-            Err(e) => Err(e.into()),
+        fetch_exact(&*self.store, self.bucket(), key, range, etag)
+            .await
+            .map_err(|e| self.read_error(ino, e))
+    }
+
+    fn source(&self, key: &str, etag: Option<&str>) -> Source {
+        Source {
+            store: self.store.clone(),
+            bucket: self.cfg.bucket.clone(),
+            key: key.to_owned(),
+            etag: etag.map(str::to_owned),
         }
     }
 
-    /// `read`: from the handle's buffer, else a GET — of a growing window (1 → 8 MiB) when the
-    /// reads are sequential (kept as the buffer), of exactly the asked range otherwise.
+    /// `read`. Sequential reads are served from parts fetched ahead by tasks (a window that grows
+    /// from [`PrefetchConfig::initial_window`] to [`PrefetchConfig::max_window`] as the reader
+    /// consumes parts, as far as the memory budget allows); any other read drops the parts
+    /// (aborting their GETs), resets the window and fetches just its range, rounded out to
+    /// [`PrefetchConfig::random_align`].
     pub async fn read(&self, fh: u64, offset: u64, size: u32) -> Result<Bytes, FsError> {
         let h = self.handle(fh)?;
         let mut g = h.lock().await;
@@ -1046,43 +1148,80 @@ impl Fs {
             return Ok(Bytes::new());
         }
         let end = r.size.min(offset.saturating_add(u64::from(size)));
-        if let Some(data) = r.buffered(offset, end) {
-            r.next_offset = end;
-            return Ok(data);
-        }
+        let cfg = &self.prefetch;
         if !r.is_sequential(offset) {
-            r.window = READ_WINDOW_INITIAL;
+            r.prefetch.reset();
             r.next_offset = end;
+            let align = cfg.random_align.max(1);
+            let start = offset - offset % align;
+            let stop = r.size.min(end.div_ceil(align).saturating_mul(align));
             let (ino, key, etag) = (r.ino, r.key.clone(), r.etag.clone());
             drop(g);
-            return self.get(ino, &key, etag.as_deref(), offset..end).await;
+            let data = self.get(ino, &key, etag.as_deref(), start..stop).await?;
+            return Ok(data.slice((offset - start) as usize..(end - start) as usize));
         }
+        if r.prefetch.window == 0 {
+            r.prefetch.window = cfg.initial_window.max(1);
+        }
+        if r.prefetch.span().is_some_and(|(_, e)| offset > e) {
+            // Skipped ahead past everything fetched (still within the tolerance): start there.
+            r.prefetch.parts.clear();
+        }
+        r.prefetch.consume_before(offset);
+        let src = self.source(&r.key, r.etag.as_deref());
+        r.prefetch.fill(&src, r.size, offset, cfg, &self.budget);
+
         let mut pieces: Vec<Bytes> = Vec::with_capacity(2);
         let mut pos = offset;
-        if let Some(buf) = &r.buffer {
-            if buf.start <= pos && pos < buf.end() {
-                let stop = end.min(buf.end());
-                pieces.push(
-                    buf.data
-                        .slice((pos - buf.start) as usize..(stop - buf.start) as usize),
-                );
-                pos = stop;
-            }
-        }
         while pos < end {
-            let fetch_end = r.size.min(pos + r.window.max(end - pos));
-            let data = self
-                .get(r.ino, &r.key, r.etag.as_deref(), pos..fetch_end)
-                .await?;
-            if data.is_empty() {
-                return Err(FsError::Stale(format!("{}: shorter than at open", r.key)));
+            let covering = r
+                .prefetch
+                .parts
+                .iter_mut()
+                .find(|p| p.start <= pos && pos < p.end);
+            let piece = match covering {
+                Some(part) => {
+                    let (pstart, pend) = (part.start, part.end);
+                    match part.data().await {
+                        Ok(data) => {
+                            let stop = end.min(pend);
+                            let piece =
+                                data.slice((pos - pstart) as usize..(stop - pstart) as usize);
+                            Ok(piece)
+                        }
+                        Err(e) => Err(self.read_error(r.ino, e)),
+                    }
+                }
+                None => {
+                    // Not fetched ahead (the budget is exhausted, or a reordered read behind
+                    // the parts): fetch just this piece.
+                    let stop = r
+                        .prefetch
+                        .parts
+                        .iter()
+                        .map(|p| p.start)
+                        .filter(|&s| s > pos)
+                        .min()
+                        .unwrap_or(end)
+                        .min(end);
+                    self.get(r.ino, &r.key, r.etag.as_deref(), pos..stop).await
+                }
+            };
+            match piece {
+                Ok(piece) => {
+                    pos += piece.len() as u64;
+                    pieces.push(piece);
+                }
+                Err(e) => {
+                    r.prefetch.reset();
+                    return Err(e);
+                }
             }
-            r.window = (r.window * 2).min(READ_WINDOW_MAX);
-            let stop = end.min(pos + data.len() as u64);
-            pieces.push(data.slice(..(stop - pos) as usize));
-            r.buffer = Some(ReadBuffer { start: pos, data });
-            pos = stop;
         }
+        for _ in 0..r.prefetch.consume_before(end) {
+            r.prefetch.window = (r.prefetch.window * 2).min(cfg.max_window.max(1));
+        }
+        r.prefetch.fill(&src, r.size, end, cfg, &self.budget);
         r.next_offset = end;
         Ok(match pieces.len() {
             1 => pieces.pop().expect("one"),
@@ -1094,6 +1233,68 @@ impl Fs {
                 out.freeze()
             }
         })
+    }
+
+    /// Cross-file prefetch: called when the file `name` of directory `parent` is opened for
+    /// reading. When the opens follow the directory's cached listing (this file is the one after
+    /// the previously opened one), fetches the next small files whole, ahead of their opens:
+    /// 2, 4, 8 … up to [`PrefetchConfig::small_objects_ahead`] while the pattern holds, each
+    /// charged to the budget (none when it is exhausted).
+    fn prefetch_following(&self, st: &mut FsState, parent: Ino, name: &str) {
+        let cfg = self.prefetch;
+        st.small.expire(cfg.small_object_ttl);
+        if cfg.small_object_max == 0 || cfg.small_objects_ahead == 0 {
+            return;
+        }
+        let now = Instant::now();
+        let Some(dir) = st.inodes.get(parent) else {
+            return;
+        };
+        let Some((listing, _)) = dir.cache.cached_listing(now) else {
+            return;
+        };
+        let Ok(idx) = listing.binary_search_by(|e| e.name.as_str().cmp(name)) else {
+            return;
+        };
+        let streak = match st.order.get(&parent) {
+            Some(&(last, streak)) if idx == last + 1 => streak + 1,
+            Some(&(last, streak)) if idx == last => streak,
+            _ => 0,
+        };
+        if st.order.len() >= ORDER_MAX && !st.order.contains_key(&parent) {
+            st.order.clear();
+        }
+        st.order.insert(parent, (idx, streak));
+        if streak == 0 {
+            return;
+        }
+        let ahead = (1usize << streak.min(16)).min(cfg.small_objects_ahead);
+        let listing = listing.clone();
+        let dir_path = dir.path.clone();
+        for e in listing.iter().skip(idx + 1).take(ahead) {
+            let Some(meta) = e.meta.as_ref().filter(|_| e.kind == Kind::File) else {
+                continue;
+            };
+            let Some(etag) = meta.etag.as_deref() else {
+                continue;
+            };
+            if meta.size == 0 || meta.size > cfg.small_object_max {
+                continue;
+            }
+            let key = file_key(&self.cfg.prefix, &child_path(&dir_path, &e.name));
+            if st.small.contains(&key, etag) {
+                continue;
+            }
+            let Some(reservation) = self.budget.try_reserve(meta.size) else {
+                break;
+            };
+            let part = Part::spawn(
+                &self.source(&key, Some(etag)),
+                0..meta.size,
+                Some(reservation),
+            );
+            st.small.insert(key, etag.to_owned(), part);
+        }
     }
 
     /// `create`: a new local file and a write handle; the object appears when the upload
@@ -1330,7 +1531,7 @@ impl Fs {
                 },
             );
         }
-        // Local ancestors now exist in S3 (implicitly).
+        // Local ancestors now exist in S3 (implicitly); their parents' cached listings lack them.
         let mut up = w.parent;
         while let Some(dir) = st.inodes.get_mut(up) {
             if dir.state != InodeState::LocalDir {
@@ -1339,6 +1540,9 @@ impl Fs {
             dir.state = InodeState::Remote;
             dir.valid = valid;
             up = dir.parent;
+            if let Some(parent) = st.inodes.get_mut(up) {
+                parent.cache.listing = None;
+            }
         }
         st.inodes.maybe_remove(w.ino);
         Ok(())
@@ -1371,7 +1575,12 @@ impl Fs {
         let mut g = h.lock().await;
         match &mut *g {
             Handle::Write(w) => self.complete(w).await,
-            Handle::Read(_) | Handle::Dir(_) => Ok(()),
+            Handle::Read(r) => {
+                // Aborts GETs in flight and gives their memory back.
+                r.prefetch.reset();
+                Ok(())
+            }
+            Handle::Dir(_) => Ok(()),
         }
     }
 }

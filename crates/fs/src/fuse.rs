@@ -20,6 +20,11 @@ use crate::error::FsError;
 use crate::fs::{Attr, DirEntry, DirSink, Fs, Opened, SetAttr};
 use crate::names::Kind;
 
+/// Kernel read-ahead asked for (the kernel caps it at what it offered).
+const READAHEAD: u32 = 1 << 20;
+/// Background requests (read-ahead, async reads) the kernel keeps in flight per mount.
+const MAX_BACKGROUND: u16 = 128;
+
 /// The [`fuser::Filesystem`] of one mount.
 #[derive(Debug)]
 pub struct FuseAdapter {
@@ -138,7 +143,14 @@ impl Filesystem for FuseAdapter {
                 tracing::debug!(?missing, "kernel lacks a FUSE capability");
             }
         }
-        let _ = config.set_max_background(64);
+        // Let the kernel read ahead as far as it allows (Ferry prefetches further itself) and keep
+        // many reads of many files in flight at once. max_write stays fuser's 16 MiB, from which
+        // it derives max_pages (the kernel caps it: 1 MiB reads and writes on most kernels).
+        if let Err(max) = config.set_max_readahead(READAHEAD) {
+            let _ = config.set_max_readahead(max);
+        }
+        let _ = config.set_max_background(MAX_BACKGROUND);
+        let _ = config.set_congestion_threshold(MAX_BACKGROUND / 4 * 3);
         Ok(())
     }
 

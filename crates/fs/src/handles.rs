@@ -1,27 +1,22 @@
-//! Open handles: read handles (ETag pinned at open, bounded sequential read-ahead buffer), write
+//! Open handles: read handles (ETag pinned at open, sequential read-ahead parts), write
 //! handles (sequential upload state) and directory handles (the listing snapshot readdir offsets
 //! index into). Plain data behind per-handle async locks; serde-able for a process handover.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Mutex as AsyncMutex;
 use tokio::time::Instant;
 
 use crate::inode::Ino;
 use crate::names::ListedEntry;
+use crate::prefetch::Prefetch;
 
 /// Size of every multipart part but the last; files up to this size are one PUT.
 pub const PART_SIZE: usize = 8 * 1024 * 1024;
 /// S3's limit on the number of parts.
 pub const MAX_PARTS: usize = 10_000;
-/// First GET size once a read looks sequential; doubled on each sequential GET.
-pub const READ_WINDOW_INITIAL: u64 = 1024 * 1024;
-/// Largest sequential GET, and so the most a handle buffers.
-pub const READ_WINDOW_MAX: u64 = 8 * 1024 * 1024;
-
 /// An open file or directory.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub enum Handle {
@@ -41,24 +36,9 @@ pub struct ReadHandle {
     pub size: u64,
     /// Where a sequential reader's next read starts.
     pub next_offset: u64,
-    /// The next sequential GET's size.
-    pub window: u64,
-    /// Bytes fetched ahead of the reader (at most [`READ_WINDOW_MAX`]); not carried over.
+    /// Parts fetched or being fetched ahead of the reader; not carried over.
     #[serde(skip)]
-    pub buffer: Option<ReadBuffer>,
-}
-
-/// A contiguous range of the object, starting at `start`.
-#[derive(Debug, Clone)]
-pub struct ReadBuffer {
-    pub start: u64,
-    pub data: Bytes,
-}
-
-impl ReadBuffer {
-    pub fn end(&self) -> u64 {
-        self.start + self.data.len() as u64
-    }
+    pub prefetch: Prefetch,
 }
 
 impl ReadHandle {
@@ -69,30 +49,20 @@ impl ReadHandle {
             etag,
             size,
             next_offset: 0,
-            window: READ_WINDOW_INITIAL,
-            buffer: None,
+            prefetch: Prefetch::default(),
         }
     }
 
-    /// The bytes `start..end` if the buffer holds all of them.
-    pub fn buffered(&self, start: u64, end: u64) -> Option<Bytes> {
-        let buf = self.buffer.as_ref()?;
-        (buf.start <= start && end <= buf.end()).then(|| {
-            buf.data
-                .slice((start - buf.start) as usize..(end - buf.start) as usize)
-        })
-    }
-
     /// Whether a read at `offset` continues a sequential stream: it starts where the last one
-    /// ended, or within (or a little past) the buffer, which tolerates the kernel's concurrent,
-    /// slightly reordered read-ahead requests.
+    /// ended, or within (or up to a window past) the fetched parts, which tolerates the kernel's
+    /// concurrent, slightly reordered read-ahead requests.
     pub fn is_sequential(&self, offset: u64) -> bool {
         if offset == self.next_offset {
             return true;
         }
-        self.buffer
-            .as_ref()
-            .is_some_and(|b| b.start <= offset && offset <= b.end() + self.window)
+        self.prefetch
+            .span()
+            .is_some_and(|(start, end)| start <= offset && offset <= end + self.prefetch.window)
     }
 }
 
@@ -216,21 +186,8 @@ mod tests {
 
     #[test]
     fn sequential_detection() {
-        let mut h = ReadHandle::new(2, "k".into(), None, 100 << 20);
+        let h = ReadHandle::new(2, "k".into(), None, 100 << 20);
         assert!(h.is_sequential(0));
         assert!(!h.is_sequential(4096));
-        h.buffer = Some(ReadBuffer {
-            start: 0,
-            data: Bytes::from(vec![7u8; 1 << 20]),
-        });
-        h.next_offset = 128 << 10;
-        assert!(
-            h.is_sequential(256 << 10),
-            "reordered read-ahead inside the buffer"
-        );
-        assert!(h.is_sequential(1 << 20));
-        assert!(!h.is_sequential(50 << 20));
-        assert_eq!(h.buffered(10, 20).unwrap().len(), 10);
-        assert!(h.buffered(10, (1 << 20) + 1).is_none());
     }
 }

@@ -8,13 +8,14 @@
 //! it over; cache validity is not carried over (it restarts expired).
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
 use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use crate::config::MetadataTtl;
-use crate::names::{child_path, Kind, ObjectMeta};
+use crate::names::{child_path, Kind, ListedEntry, ObjectMeta};
 
 pub type Ino = u64;
 pub const ROOT_INO: Ino = 1;
@@ -75,9 +76,19 @@ pub struct DirCache {
     pub entries: HashMap<String, CachedEntry>,
     pub entries_valid: Validity,
     pub negative: HashMap<String, Validity>,
+    /// The last listing (S3's entries, sorted by name) and when it was taken: new `opendir`s are
+    /// served from it while `entries_valid` holds. Dropped when this mount changes the directory.
+    pub listing: Option<(Arc<Vec<ListedEntry>>, Instant)>,
 }
 
 impl DirCache {
+    /// The last listing, while it is valid.
+    pub fn cached_listing(&self, now: Instant) -> Option<&(Arc<Vec<ListedEntry>>, Instant)> {
+        self.listing
+            .as_ref()
+            .filter(|_| self.entries_valid.is_valid(now))
+    }
+
     pub fn is_negative(&self, name: &str, now: Instant) -> bool {
         self.negative.get(name).is_some_and(|v| v.is_valid(now))
     }
@@ -102,12 +113,20 @@ impl DirCache {
             }
         }
         self.entries.remove(name);
+        if self
+            .listing
+            .as_ref()
+            .is_some_and(|(l, _)| l.binary_search_by(|e| e.name.as_str().cmp(name)).is_ok())
+        {
+            self.listing = None;
+        }
         self.negative.insert(name.to_owned(), valid);
     }
 
     /// Records a name that now exists (created here, or learned from S3).
     pub fn add_positive(&mut self, name: &str, entry: CachedEntry) {
         self.negative.remove(name);
+        self.listing = None;
         if self.entries_valid != Validity::Expired {
             self.entries.insert(name.to_owned(), entry);
         }

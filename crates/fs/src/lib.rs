@@ -5,6 +5,7 @@
 //! [`fuser::Filesystem`] on top of it, and [`FsError::errno`] is the one place errnos are chosen.
 //! [`mount`] wires the two to a kernel mount. Semantics: `doc/SEMANTICS.md`.
 
+pub mod budget;
 pub mod config;
 pub mod error;
 pub mod fs;
@@ -13,7 +14,9 @@ pub mod handles;
 pub mod inode;
 pub mod mount;
 pub mod names;
+pub mod prefetch;
 
+pub use budget::{MemoryBudget, MountContext, PrefetchConfig, Reservation};
 pub use config::{ConfigError, MetadataTtl, MountConfig};
 pub use error::FsError;
 pub use fs::{Fs, FsSnapshot};

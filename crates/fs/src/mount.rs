@@ -9,6 +9,7 @@ use std::sync::Arc;
 use ferry_store::ObjectStore;
 use fuser::{BackgroundSession, MountOption, SessionACL};
 
+use crate::budget::MountContext;
 use crate::config::{ConfigError, MountConfig};
 use crate::fs::Fs;
 use crate::fuse::FuseAdapter;
@@ -90,13 +91,14 @@ fn mount_options(cfg: &MountConfig) -> fuser::Config {
 }
 
 /// Mounts `store`'s `cfg.bucket`/`cfg.prefix` at `target` (an existing directory) and returns
-/// once the kernel mount is live. Request handlers run on `rt`. This call blocks (it mounts and
-/// completes the FUSE handshake); from async code call it in `spawn_blocking`.
+/// once the kernel mount is live. Request handlers run on `ctx.runtime`; prefetching is charged to
+/// `ctx.budget` (shared by every mount of the node). This call blocks (it mounts and completes the
+/// FUSE handshake); from async code call it in `spawn_blocking`.
 pub fn mount(
     store: Arc<dyn ObjectStore>,
     cfg: MountConfig,
     target: &Path,
-    rt: tokio::runtime::Handle,
+    ctx: MountContext,
 ) -> Result<MountHandle, MountError> {
     cfg.validate()?;
     let target_err = |source| MountError::Target {
@@ -110,8 +112,13 @@ pub fn mount(
             "not a directory",
         )));
     }
-    let fs = Arc::new(Fs::new(store, cfg.clone()));
-    let adapter = FuseAdapter::new(fs.clone(), rt);
+    let fs = Arc::new(Fs::with_budget(
+        store,
+        cfg.clone(),
+        ctx.budget,
+        ctx.prefetch,
+    ));
+    let adapter = FuseAdapter::new(fs.clone(), ctx.runtime);
     let session = fuser::spawn_mount(adapter, &target, &mount_options(&cfg)).map_err(|source| {
         MountError::Fuse {
             path: target.clone(),

@@ -7,7 +7,7 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::sync::Arc;
 
-use ferry_fs::{is_mounted, mount, MetadataTtl, MountConfig, MountHandle};
+use ferry_fs::{is_mounted, mount, MetadataTtl, MountConfig, MountContext, MountHandle};
 use ferry_store::MemoryStore;
 
 const B: &str = "bkt";
@@ -45,7 +45,13 @@ fn mount_store(
     cfg.uid = my_uid();
     cfg.gid = 0;
     tweak(&mut cfg);
-    mount(Arc::new(store.clone()), cfg, dir, rt.handle().clone()).expect("mount")
+    mount(
+        Arc::new(store.clone()),
+        cfg,
+        dir,
+        MountContext::new(rt.handle().clone()),
+    )
+    .expect("mount")
 }
 
 /// The uid the files are shown with: ours (root in CI), so DefaultPermissions lets us write.
