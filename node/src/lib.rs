@@ -3,11 +3,11 @@
 //! - [`service`]: the Node service (NodePublishVolume mounts, NodeUnpublishVolume unmounts);
 //! - [`mounts`]: the table of live mounts, one FUSE session each, all in this process;
 //! - [`targetpath`]: kubelet target-path checks;
-//! - [`mountinfo`]: what the kernel says is mounted where.
+//! - [`mountinfo`] (from `ferry-fs`): what the kernel says is mounted where.
 
-pub mod mountinfo;
 pub mod mounts;
 pub mod service;
 pub mod targetpath;
 
+pub use ferry_fs::mountinfo;
 pub use service::{NodeConfig, NodeService};

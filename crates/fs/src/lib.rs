@@ -13,6 +13,7 @@ pub mod fuse;
 pub mod handles;
 pub mod inode;
 pub mod mount;
+pub mod mountinfo;
 pub mod names;
 pub mod prefetch;
 

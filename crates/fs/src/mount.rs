@@ -2,7 +2,6 @@
 //! mount is live; [`MountHandle::unmount`] ends it.
 
 use std::io;
-use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -142,46 +141,12 @@ pub fn mount(
 
 /// Whether something is mounted exactly at `path` (compared as given: pass a canonical path).
 pub fn is_mounted(path: &Path) -> io::Result<bool> {
-    let info = std::fs::read("/proc/self/mountinfo")?;
-    let want = path.as_os_str().as_bytes();
-    Ok(info
-        .split(|&b| b == b'\n')
-        .filter_map(|line| line.split(|&b| b == b' ').nth(4))
-        .any(|mount_point| unescape_mountinfo(mount_point) == want))
-}
-
-/// `/proc/self/mountinfo` writes space, tab, newline and backslash as `\ooo` octal escapes.
-fn unescape_mountinfo(field: &[u8]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(field.len());
-    let mut i = 0;
-    while i < field.len() {
-        let octal = field
-            .get(i + 1..i + 4)
-            .filter(|d| field[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
-        match octal {
-            Some(d) => {
-                out.push((d[0] - b'0') * 64 + (d[1] - b'0') * 8 + (d[2] - b'0'));
-                i += 4;
-            }
-            None => {
-                out.push(field[i]);
-                i += 1;
-            }
-        }
-    }
-    out
+    Ok(crate::mountinfo::mounted_at(path)?.is_some())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn unescapes() {
-        assert_eq!(unescape_mountinfo(br"/a\040b\134c"), b"/a b\\c");
-        assert_eq!(unescape_mountinfo(br"/plain"), b"/plain");
-        assert_eq!(unescape_mountinfo(br"/x\04"), br"/x\04");
-    }
 
     #[test]
     fn options() {

@@ -1,4 +1,5 @@
-//! Reads `/proc/self/mountinfo` to tell whether a path is a mount point, and detaches stale mounts.
+//! Reads `/proc/self/mountinfo` to tell whether (and what) a path is a mount point, and detaches
+//! stale mounts. Used by `mount` and by the node plugin.
 
 use std::io;
 use std::path::Path;
