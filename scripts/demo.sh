@@ -9,4 +9,4 @@ cd "$(dirname "$0")/.."
 export FERRY_TOOLS=${FERRY_TOOLS:-$HOME/.cache/ferry-tools/bin}
 export PATH="$FERRY_TOOLS:$PATH"
 cargo build --locked --workspace --bins
-exec target/debug/ferry-harness demo "$@"
+exec "${CARGO_TARGET_DIR:-target}/debug/ferry-harness" demo "$@"

@@ -29,7 +29,7 @@ cargo test --workspace --locked --no-fail-fast
 cargo build --locked --workspace --bins
 
 step "node plugin restart with live mounts (real binaries)"
-target/debug/ferry-harness restart
+"${CARGO_TARGET_DIR:-target}/debug/ferry-harness" restart
 
 step "csi-sanity $(cat "$FERRY_TOOLS/.csi-sanity.version" 2>/dev/null)"
-target/debug/ferry-harness sanity
+"${CARGO_TARGET_DIR:-target}/debug/ferry-harness" sanity
