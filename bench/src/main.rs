@@ -1,0 +1,518 @@
+//! `ferry-bench`: the data-path benchmark of Ferry against other S3 FUSE mounters.
+//!
+//! It starts a local S3 server (versitygw, data on tmpfs so that dropping the page cache does not
+//! slow the "remote" store), PUTs the dataset straight to it, puts a delay proxy between the
+//! mounters and the server (`--rtt-ms`), mounts each mounter through the proxy in turn, runs the
+//! issue's workloads on fresh mounts, and prints one table. A program to run by hand as root; it is
+//! never part of CI. See doc/BENCHMARKS.md.
+
+mod dataset;
+mod mounters;
+mod proxy;
+mod table;
+mod workloads;
+
+use std::collections::HashMap;
+use std::io::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Parser;
+use ferry_store::{ListRequest, ObjectStore, S3Config, S3Options, S3Store};
+use ferry_testkit::S3Server;
+
+use dataset::{Dataset, Needs, BUCKET, MIB};
+use mounters::{Kind, Mount, S3Target, Tools};
+use proxy::DelayProxy;
+use table::{Column, Table};
+use workloads::{Bench, Cell, Group, Row};
+
+#[derive(Debug, Parser)]
+#[command(about = "Ferry's data-path benchmark (run as root; never in CI)")]
+struct Cli {
+    /// Round-trip time the delay proxy adds between the mounters and the S3 server, in ms.
+    #[arg(long, default_value_t = 0)]
+    rtt_ms: u64,
+    /// Multiplies object sizes and counts (1.0 = the issue's sizes).
+    #[arg(long, default_value_t = 1.0)]
+    scale: f64,
+    /// Workloads to run, comma-separated (P1,P2,P3,P4,P5,P6,P7,P10,P11); default all.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<String>,
+    /// Mounters to compare, comma-separated.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "ferry,mount-s3,s3fs,rclone,geesefs,goofys"
+    )]
+    mounters: Vec<String>,
+    /// Append the table (as Markdown) to this file.
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Deadline of each workload, in seconds.
+    #[arg(long, default_value_t = 180)]
+    timeout_secs: u64,
+    /// P6's fio run time, in seconds.
+    #[arg(long, default_value_t = 20)]
+    fio_runtime: u64,
+    /// ferry-node to mount with.
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../target/release/ferry-node"))]
+    ferry_bin: PathBuf,
+    /// Where setup-peers.sh put the other mounters (default ~/.cache/ferry-tools/bin).
+    #[arg(long)]
+    tools_dir: Option<PathBuf>,
+    /// Keep the work directory (mounter logs) instead of deleting it.
+    #[arg(long)]
+    keep_work: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("ferry-bench must run as root (FUSE mounts, drop_caches)");
+    }
+    if cli.scale.is_nan() || cli.scale <= 0.0 {
+        bail!("--scale must be positive");
+    }
+    // Two benchmarks at once would measure each other: refuse a second one.
+    let _lock = single_instance_lock()?;
+    let started = Instant::now();
+    let only: Vec<String> = cli.only.iter().map(|s| s.trim().to_uppercase()).collect();
+    let selected = |r: Row| only.is_empty() || only.iter().any(|o| o == r.workload());
+    // P10 is measured during P1.
+    let rows: Vec<Row> = Row::ALL
+        .into_iter()
+        .filter(|r| selected(*r) || (*r == Row::P1 && only.iter().any(|o| o == "P10")))
+        .collect();
+    if rows.is_empty() {
+        bail!("--only selects no workload");
+    }
+    let groups: Vec<Group> = Group::ALL
+        .into_iter()
+        .filter(|g| g.rows().iter().any(|r| rows.contains(r)))
+        .collect();
+    let kinds: Vec<Kind> = cli
+        .mounters
+        .iter()
+        .map(|s| Kind::parse(s))
+        .collect::<anyhow::Result<_>>()?;
+
+    let home = std::env::var_os("HOME")
+        .map(PathBuf::from)
+        .unwrap_or_default();
+    let tools = Tools {
+        ferry_bin: cli.ferry_bin.clone(),
+        dir: cli
+            .tools_dir
+            .clone()
+            .unwrap_or_else(|| home.join(".cache/ferry-tools/bin")),
+    };
+    let mounter_cols: Vec<(Kind, Option<String>)> =
+        kinds.iter().map(|k| (*k, k.binary(&tools).err())).collect();
+
+    let ds = Dataset::new(cli.scale);
+    let needs = Needs {
+        big: groups
+            .iter()
+            .any(|g| matches!(g, Group::Sequential | Group::Random)),
+        small: groups
+            .iter()
+            .any(|g| matches!(g, Group::SmallOne | Group::SmallEight)),
+        listing: groups.contains(&Group::Listing),
+        shards: groups.contains(&Group::Concurrent),
+        many: groups.contains(&Group::Huge),
+    };
+
+    let work = make_work_dir()?;
+    eprintln!("work dir: {}", work.display());
+    let result = run(
+        &cli,
+        &tools,
+        &ds,
+        needs,
+        &rows,
+        &groups,
+        &mounter_cols,
+        &work,
+    );
+    cleanup_work_dir(&work, cli.keep_work || result.is_err());
+    let report = result?;
+    let took = started.elapsed();
+    let report = format!(
+        "{report}\nWall time of this run: {:.1} min.\n",
+        took.as_secs_f64() / 60.0
+    );
+    println!("{report}");
+    if let Some(out) = &cli.out {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(out)
+            .with_context(|| format!("opening {}", out.display()))?;
+        writeln!(f, "{report}")?;
+    }
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run(
+    cli: &Cli,
+    tools: &Tools,
+    ds: &Dataset,
+    needs: Needs,
+    rows: &[Row],
+    groups: &[Group],
+    mounter_cols: &[(Kind, Option<String>)],
+    work: &Path,
+) -> anyhow::Result<String> {
+    // The server keeps its objects in RAM, out of reach of drop_caches.
+    if std::env::var_os("FERRY_TEST_TMPDIR").is_none() && Path::new("/dev/shm").is_dir() {
+        std::env::set_var("FERRY_TEST_TMPDIR", "/dev/shm");
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let server = S3Server::start();
+    eprintln!(
+        "S3 server (versitygw) at {} (data in {}, sidecar metadata: {})",
+        server.endpoint_url(),
+        server.root().display(),
+        server.uses_sidecar()
+    );
+    let direct = rt.block_on(S3Store::with_options(
+        server.s3_config(),
+        S3Options::default(),
+    ))?;
+    rt.block_on(direct.create_bucket(BUCKET))?;
+    let calib_key = "calib/blob.bin";
+    let calib_size = ds.big_size.min(256 * MIB);
+    rt.block_on(async {
+        dataset::put_object(&direct, calib_key, calib_size).await?;
+        dataset::put_object(&direct, "calib/small.bin", 1024).await?;
+        dataset::preload(&direct, ds, needs).await
+    })?;
+
+    let upstream: SocketAddr = ([127, 0, 0, 1], server.port()).into();
+    let one_way = Duration::from_micros(cli.rtt_ms * 500);
+    let proxy = DelayProxy::start(upstream, one_way)?;
+    let proxy0 = DelayProxy::start(upstream, Duration::ZERO)?;
+    let via = |url: String| -> anyhow::Result<S3Store> {
+        let cfg = S3Config {
+            endpoint_url: Some(url),
+            ..server.s3_config()
+        };
+        Ok(rt.block_on(S3Store::with_options(cfg, S3Options::default()))?)
+    };
+    let proxied = via(proxy.url())?;
+    let proxied0 = via(proxy0.url())?;
+
+    // Calibration: what the proxy itself costs at 0 ms, and what the configured RTT adds.
+    let calib_obj = [(calib_key.to_string(), calib_size)];
+    let mut calib = String::new();
+    for (name, store) in [
+        ("direct", &direct),
+        ("proxy 0 ms", &proxied0),
+        ("proxy (this run)", &proxied),
+    ] {
+        let lat = rt.block_on(head_latency(store, 200))?;
+        // Median of three, the first of which also warms the server and the connection pool.
+        let mut thr = (0..3)
+            .map(|_| rt.block_on(workloads::sdk_ranged(store, &calib_obj, 8 * MIB, 16)))
+            .collect::<anyhow::Result<Vec<f64>>>()?;
+        thr.sort_by(|a, b| a.total_cmp(b));
+        let thr = thr[1];
+        calib.push_str(&format!(
+            "| {name} | {:.3} | {:.3} | {:.0} |\n",
+            lat.0, lat.1, thr
+        ));
+    }
+    drop(proxied0);
+    drop(proxy0);
+    eprintln!("calibration:\n{calib}");
+
+    let mut cells: HashMap<(Row, Column), Cell> = HashMap::new();
+    let mut notes: Vec<String> = Vec::new();
+
+    // The ceiling column.
+    let ceiling = |r: anyhow::Result<f64>, notes: &mut Vec<String>, what: &str| match r {
+        Ok(v) => Cell::Value(v),
+        Err(e) => {
+            notes.push(format!("ceiling {what}: {e:#}"));
+            Cell::Failed("error".into())
+        }
+    };
+    if rows.contains(&Row::P1) {
+        let objs = [(ds.big_key.clone(), ds.big_size)];
+        let r = rt.block_on(workloads::sdk_ranged(&proxied, &objs, 8 * MIB, 16));
+        cells.insert((Row::P1, Column::Ceiling), ceiling(r, &mut notes, "P1"));
+    }
+    if rows.contains(&Row::P2) {
+        let r = workloads::page_cache_reference(work, &ds.big_key, ds.big_size);
+        cells.insert((Row::P2, Column::Ceiling), ceiling(r, &mut notes, "P2"));
+    }
+    for (row, n) in [(Row::P4One, 1), (Row::P4Eight, 8)] {
+        if rows.contains(&row) {
+            let keys: Vec<String> = (0..ds.small_count).map(|i| ds.small_key(i)).collect();
+            let r = rt.block_on(workloads::sdk_small(&proxied, &keys, ds.small_size, n));
+            cells.insert((row, Column::Ceiling), ceiling(r, &mut notes, "P4"));
+        }
+    }
+    for (row, dir) in [(Row::P5Cold, &ds.listing_dir), (Row::P11, &ds.many_dir)] {
+        if rows.contains(&row) {
+            let r = rt.block_on(list_all(&proxied, &format!("{dir}/")));
+            cells.insert((row, Column::Ceiling), ceiling(r, &mut notes, "LIST"));
+        }
+    }
+    if rows.contains(&Row::P7) {
+        let objs: Vec<(String, u64)> = ds
+            .shard_keys
+            .iter()
+            .map(|k| (k.clone(), ds.shard_size))
+            .collect();
+        let r = rt.block_on(workloads::sdk_ranged(&proxied, &objs, 8 * MIB, 16));
+        cells.insert((Row::P7, Column::Ceiling), ceiling(r, &mut notes, "P7"));
+    }
+
+    let target = S3Target {
+        endpoint_url: proxy.url(),
+        bucket: BUCKET.into(),
+        region: server.region().into(),
+        access_key: server.access_key().into(),
+        secret_key: server.secret_key().into(),
+    };
+    let mut bench = Bench {
+        ds: ds.clone(),
+        timeout: Duration::from_secs(cli.timeout_secs),
+        fio_runtime: cli.fio_runtime,
+        direct: direct.clone(),
+        rt: rt.handle().clone(),
+        run_id: format!("rtt{}-{}", cli.rtt_ms, std::process::id()),
+        notes: Vec::new(),
+    };
+    let mut flags_used = Vec::new();
+    let mut loads: Vec<f64> = Vec::new();
+    for (kind, na) in mounter_cols {
+        if na.is_some() {
+            continue;
+        }
+        let dir0 = work.join(format!("mnt-{}", kind.name()));
+        flags_used.push(format!(
+            "- **{}** (`{}`, {}): `{}`",
+            kind.name(),
+            mounters::version_of(*kind, tools),
+            kind.binary(tools).unwrap_or_default().display(),
+            kind.flags(&target, &dir0, &work.join("s3fs.passwd"))
+                .join(" ")
+                .replace(&target.secret_key, "$SECRET")
+                .replace(&target.access_key, "$KEY")
+        ));
+        for (i, group) in groups.iter().enumerate() {
+            loads.push(load_average());
+            let dir = work.join(format!("mnt-{}-{i}", kind.name()));
+            let t = Instant::now();
+            let wanted: Vec<Row> = group
+                .rows()
+                .iter()
+                .copied()
+                .filter(|r| rows.contains(r))
+                .collect();
+            match Mount::start(*kind, tools, &target, &dir, work) {
+                Ok(mut mount) => {
+                    let results = bench.run_group(*group, &mut mount);
+                    if let Some(reqs) = mount.s3_requests() {
+                        let names: Vec<&str> = wanted.iter().map(|r| r.workload()).collect();
+                        notes.push(format!(
+                            "ferry's S3 requests on the mount of {}: {reqs}",
+                            names.join("+")
+                        ));
+                    }
+                    let tail = mount.log_tail();
+                    if let Err(e) = mount.unmount() {
+                        notes.push(format!("{}: unmount: {e:#}", kind.name()));
+                    }
+                    for (row, cell) in results {
+                        if wanted.contains(&row) {
+                            if matches!(cell, Cell::Failed(_)) && !tail.is_empty() {
+                                notes.push(format!(
+                                    "{}: log tail after {}:\n```\n{tail}\n```",
+                                    kind.name(),
+                                    row.workload()
+                                ));
+                            }
+                            eprintln!("  {:<8} {:<4} {cell:?}", kind.name(), row.workload());
+                            cells.insert((row, Column::Mounter(*kind)), cell);
+                        }
+                    }
+                }
+                Err(e) => {
+                    notes.push(format!("{}: mount failed: {e:#}", kind.name()));
+                    for row in &wanted {
+                        cells.insert(
+                            (*row, Column::Mounter(*kind)),
+                            Cell::Failed("mount failed".into()),
+                        );
+                    }
+                }
+            }
+            eprintln!(
+                "{} {:?}: {:.1} s",
+                kind.name(),
+                group,
+                t.elapsed().as_secs_f64()
+            );
+        }
+    }
+    notes.extend(std::mem::take(&mut bench.notes));
+    let proxy_connections = proxy.connections();
+    drop(proxy);
+
+    let table = Table {
+        rows: rows.to_vec(),
+        mounters: mounter_cols.to_vec(),
+        cells,
+    };
+    let mut report = String::new();
+    report.push_str(&format!(
+        "### rtt {} ms, scale {}\n\n{}\n",
+        cli.rtt_ms,
+        cli.scale,
+        table.markdown(ds)
+    ));
+    report.push_str(&format!(
+        "\nDelay proxy calibration (HEAD of a 1 KiB object, 200 sequential; ranged GETs of a {} MiB object, 8 MiB × 16 in flight, median of 3). The proxy accepted {proxy_connections} connections in this run.\n\n| path | HEAD median ms | HEAD p90 ms | GET MiB/s |\n|---|---:|---:|---:|\n{calib}",
+        calib_size / MIB
+    ));
+    if table.rows.contains(&Row::P1) || table.rows.len() > 1 {
+        report.push_str("\nIssue targets:\n\n");
+        for line in table.targets() {
+            report.push_str(&line);
+            report.push('\n');
+        }
+    }
+    if !loads.is_empty() {
+        loads.sort_by(|a, b| a.total_cmp(b));
+        report.push_str(&format!(
+            "\n1-minute load average when each mount started: min {:.1}, median {:.1}, max {:.1} ({} cores).\n",
+            loads[0],
+            loads[loads.len() / 2],
+            loads[loads.len() - 1],
+            std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+        ));
+    }
+    report.push_str("\nFlags each mounter got:\n\n");
+    for line in &flags_used {
+        report.push_str(line);
+        report.push('\n');
+    }
+    if !notes.is_empty() {
+        report.push_str("\nNotes from this run:\n\n");
+        for n in &notes {
+            report.push_str(&format!("- {n}\n"));
+        }
+    }
+    drop(server);
+    Ok(report)
+}
+
+/// Seconds to list `prefix` page by page (1000 keys a page, `/` delimiter), as a mounter's readdir
+/// must at least.
+async fn list_all(store: &S3Store, prefix: &str) -> anyhow::Result<f64> {
+    let t = Instant::now();
+    let mut continuation = None;
+    loop {
+        let page = store
+            .list(
+                BUCKET,
+                ListRequest {
+                    prefix,
+                    delimiter: Some("/"),
+                    continuation: continuation.take(),
+                    max_keys: Some(1000),
+                    start_after: None,
+                },
+            )
+            .await?;
+        match page.next_token {
+            Some(t) => continuation = Some(t),
+            None => return Ok(t.elapsed().as_secs_f64()),
+        }
+    }
+}
+
+/// Median and 90th percentile (ms) of `n` sequential HEADs of a small object.
+async fn head_latency(store: &S3Store, n: usize) -> anyhow::Result<(f64, f64)> {
+    let mut samples = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        store.head(BUCKET, "calib/small.bin").await?;
+        samples.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    samples.sort_by(|a, b| a.total_cmp(b));
+    Ok((samples[n / 2], samples[n * 9 / 10]))
+}
+
+/// Holds an exclusive lock on `/run/ferry-bench.lock` for the life of the returned file.
+fn single_instance_lock() -> anyhow::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let path = Path::new("/run/ferry-bench.lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: flock on a descriptor we own, which stays open as long as `f` lives.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        bail!(
+            "another ferry-bench is running (it holds {}); run one at a time",
+            path.display()
+        );
+    }
+    Ok(f)
+}
+
+/// The 1-minute load average (other processes on this machine disturb the numbers).
+fn load_average() -> f64 {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().and_then(|v| v.parse().ok()))
+        .unwrap_or(f64::NAN)
+}
+
+fn make_work_dir() -> anyhow::Result<PathBuf> {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let dir = std::env::temp_dir().join(format!("ferry-bench-{}-{secs}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+/// Removes the work dir, unless something is still mounted below it (removing recursively would
+/// then delete objects through the mount) or `keep` is set.
+fn cleanup_work_dir(work: &Path, keep: bool) {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let prefix = work.to_string_lossy().to_string();
+    let live: Vec<&str> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .filter(|mp| mp.starts_with(&prefix))
+        .collect();
+    if !live.is_empty() {
+        eprintln!(
+            "warning: still mounted under {}: {live:?}; leaving it in place",
+            work.display()
+        );
+        return;
+    }
+    if keep {
+        eprintln!("work dir kept: {}", work.display());
+    } else if let Err(e) = std::fs::remove_dir_all(work) {
+        eprintln!("warning: removing {}: {e}", work.display());
+    }
+}
