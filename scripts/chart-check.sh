@@ -5,7 +5,8 @@
 #   2. helm template with the defaults, with every optional feature on (the ci/ values file), and
 #      with the optional parts off (metrics, cache, tokens), under both; the rendered manifests go to
 #      $CHART_OUT (default: a temporary directory) for a later apply against a real API server;
-#   3. the values schema refuses an unknown key and a node without a memory limit;
+#   3. the values schema refuses an unknown key and a node without a memory limit, and the chart a
+#      deletePolicy: delete StorageClass whose prefix template volumes could share;
 #   4. helm v4 and v3 render the same objects, and the default manifests hold what the driver
 #      relies on (CSIDriver fields, provisioner flags, privileged node with Bidirectional kubelet
 #      dir and /dev/fuse, the memory limit wired to the budget, ...), and no token-creating RBAC.
@@ -65,6 +66,11 @@ for h in helm helm3; do
   fi
   if "$h" template "$RELEASE" "$CHART" --set node.resources.limits=null >/dev/null 2>&1; then
     fail "$h accepted a node without a memory limit"
+  fi
+  if "$h" template "$RELEASE" "$CHART" --set-json \
+    'storageClasses=[{"name":"x","bucketName":"bkt","prefixTemplate":"${pvc.name}","deletePolicy":"delete"}]' \
+    >/dev/null 2>&1; then
+    fail "$h accepted deletePolicy delete with a prefix template that volumes can share"
   fi
 done
 
