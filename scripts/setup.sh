@@ -2,7 +2,8 @@
 # Installs everything Ferry's demo and test suite need on a Debian machine, idempotently:
 #   - Debian packages: fuse3 (fusermount3, /dev/fuse userspace), build essentials;
 #   - Go-built judges and servers, into $FERRY_TOOLS (default ~/.cache/ferry-tools/bin), built from
-#     the Go module proxy: csi-sanity (the CSI conformance suite) and versitygw (an S3 server).
+#     the Go module proxy: csi-sanity (the CSI conformance suite) and versitygw (an S3 server), and
+#     through scripts/kube-tools.sh etcd, kube-apiserver, kube-controller-manager, csi-provisioner, helm.
 # Nothing is written into the repository. Safe to run again: present tools are kept.
 set -euo pipefail
 
@@ -61,4 +62,7 @@ install_debian_packages
 check_toolchains
 go_tool csi-sanity "$CSI_SANITY_VERSION" github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
 go_tool versitygw "$VERSITYGW_VERSION" github.com/versity/versitygw/cmd/versitygw
+# etcd, kube-apiserver, kube-controller-manager, csi-provisioner, helm v4 and v3 (the chart check and
+# the Kubernetes-level e2e)
+FERRY_TOOLS="$FERRY_TOOLS" "$(dirname "$0")/kube-tools.sh"
 log "tools ready in $FERRY_TOOLS"
