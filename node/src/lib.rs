@@ -10,4 +10,4 @@ pub mod service;
 pub mod targetpath;
 
 pub use ferry_fs::mountinfo;
-pub use service::{NodeConfig, NodeService};
+pub use service::{NodeConfig, NodeService, PodAuth};

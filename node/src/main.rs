@@ -11,9 +11,9 @@ use ferry_csi::pb::identity_server::IdentityServer;
 use ferry_csi::pb::node_server::NodeServer;
 use ferry_csi::pb::plugin_capability::service::Type as PluginCap;
 use ferry_csi::stores::{S3Stores, Stores};
-use ferry_node::mounts::{MountTable, Published};
+use ferry_node::mounts::{MountCredentials, MountTable, Published};
 use ferry_node::{NodeConfig, NodeService};
-use ferry_volume::{Endpoint, MetadataTtl, MountOptions, VolumeSpec};
+use ferry_volume::{AuthenticationSource, Endpoint, MetadataTtl, MountOptions, VolumeSpec};
 
 #[derive(Debug, Parser)]
 #[command(version, about = "Ferry CSI node plugin and S3 mounter")]
@@ -221,6 +221,8 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
             bucket: a.bucket.clone(),
             prefix,
             endpoint: Endpoint::default(),
+            authentication: AuthenticationSource::Driver,
+            sts_region: None,
             options: MountOptions {
                 read_only: a.read_only,
                 allow_delete: a.allow_delete,
@@ -236,6 +238,7 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
         },
         read_only: a.read_only,
         mount_group: None,
+        credentials: MountCredentials::Driver,
     };
     let mut config = ferry_node::service::mount_config(&published, MetadataTtl::Seconds(1));
     config.allow_other = a.allow_other;

@@ -181,6 +181,17 @@ impl S3Store {
         Self::build(cfg, opts, provider).await
     }
 
+    /// A store that signs with `provider` (pod-level credentials that refresh themselves);
+    /// `cfg.credentials` is ignored. The client's identity cache asks the provider again when the
+    /// credentials it returned expire.
+    pub async fn with_credentials_provider(
+        cfg: S3Config,
+        opts: S3Options,
+        provider: SharedCredentialsProvider,
+    ) -> Result<S3Store> {
+        Self::build(cfg, opts, Some(provider)).await
+    }
+
     async fn build(
         cfg: S3Config,
         opts: S3Options,
