@@ -151,7 +151,7 @@ impl Env {
         };
         let stores = Arc::new(S3Stores::new(defaults));
         let accounts = Arc::new(Accounts::default());
-        let mut provider = ProviderSettings::load().await;
+        let mut provider = ProviderSettings::load(None).await;
         provider.sdk = provider
             .sdk
             .into_builder()

@@ -12,7 +12,7 @@ use ferry_csi::pb::node_server::NodeServer;
 use ferry_csi::pb::plugin_capability::service::Type as PluginCap;
 use ferry_csi::stores::{S3Stores, Stores};
 use ferry_node::mounts::{MountCredentials, MountTable, Published};
-use ferry_node::{NodeConfig, NodeService};
+use ferry_node::{NodeConfig, NodeService, PodAuth};
 use ferry_volume::{AuthenticationSource, Endpoint, MetadataTtl, MountOptions, VolumeSpec};
 
 #[derive(Debug, Parser)]
@@ -59,6 +59,17 @@ struct ServeArgs {
     /// Address of the Prometheus `/metrics` endpoint; `off` disables it.
     #[arg(long, env = "FERRY_METRICS_ADDR", default_value = "0.0.0.0:9810")]
     metrics_addr: String,
+    /// PEM file of CA certificates to trust besides the system's (S3 and STS endpoints with a
+    /// private CA).
+    #[arg(long, env = "AWS_CA_BUNDLE")]
+    ca_bundle: Option<PathBuf>,
+    /// The EKS Pod Identity agent, for `authenticationSource: pod` volumes whose service account
+    /// has no `eks.amazonaws.com/role-arn` annotation.
+    #[arg(long, env = "FERRY_POD_IDENTITY_AGENT_URL", default_value = ferry_creds::DEFAULT_POD_IDENTITY_AGENT_URL)]
+    pod_identity_agent_url: String,
+    /// Pod-level credentials are renewed this many seconds before they expire.
+    #[arg(long, env = "FERRY_CREDENTIAL_REFRESH_BEFORE", default_value = "300")]
+    credential_refresh_before: u64,
 }
 
 #[derive(Debug, Args)]
@@ -178,6 +189,24 @@ fn daemonize() -> anyhow::Result<()> {
     }
 }
 
+/// What `authenticationSource: pod` volumes need: the Kubernetes API (ServiceAccount reads), the
+/// STS client settings and the Pod Identity agent. `None` until the node plugin has a Kubernetes
+/// client: such volumes are then refused with FailedPrecondition.
+async fn pod_auth(a: &ServeArgs) -> anyhow::Result<Option<PodAuth>> {
+    let http = match &a.ca_bundle {
+        Some(p) => Some(ferry_store::https_client_with_ca_bundle(p).map_err(anyhow::Error::msg)?),
+        None => None,
+    };
+    let mut provider = ferry_creds::ProviderSettings::load(http).await;
+    provider.refresh_before = Duration::from_secs(a.credential_refresh_before);
+    let _settings = ferry_creds::PodSettings {
+        pod_identity_agent_url: a.pod_identity_agent_url.clone(),
+        default_sts_region: a.region.clone(),
+    };
+    let _cache = ferry_creds::PodCredentialCache::new(provider);
+    Ok(None)
+}
+
 fn endpoint(
     url: &Option<String>,
     region: &Option<String>,
@@ -280,13 +309,17 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     ferry_metrics::start(&a.metrics_addr)
         .await
         .map_err(anyhow::Error::msg)?;
-    let stores: Arc<dyn Stores> = Arc::new(S3Stores::new(endpoint(
-        &a.endpoint_url,
-        &a.region,
-        a.force_path_style,
-    )?));
+    let stores: Arc<dyn Stores> = Arc::new(
+        S3Stores::new(endpoint(&a.endpoint_url, &a.region, a.force_path_style)?).with_options(
+            ferry_store::S3Options {
+                ca_bundle: a.ca_bundle.clone(),
+                ..Default::default()
+            },
+        ),
+    );
     let mounts = Arc::new(MountTable::default());
-    let node = NodeService::new(
+    let pod_auth = pod_auth(&a).await?;
+    let node = NodeService::with_pod_auth(
         NodeConfig {
             node_id: a.node_id.clone(),
             kubelet_root: a.kubelet_root.clone(),
@@ -294,6 +327,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         },
         stores,
         mounts.clone(),
+        pod_auth,
     );
     let identity = IdentityService::new(
         // The plugin as a whole provides the controller service (served by ferry-controller).

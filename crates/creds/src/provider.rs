@@ -40,12 +40,14 @@ pub struct ProviderSettings {
 
 impl ProviderSettings {
     /// Defaults, with the SDK configuration read from the environment (no credentials: STS's
-    /// `AssumeRoleWithWebIdentity` is unsigned).
-    pub async fn load() -> Self {
-        let sdk = aws_config::defaults(BehaviorVersion::latest())
-            .no_credentials()
-            .load()
-            .await;
+    /// `AssumeRoleWithWebIdentity` is unsigned). `http_client`: one that trusts a private CA
+    /// bundle, if the driver has one.
+    pub async fn load(http_client: Option<aws_sdk_sts::config::SharedHttpClient>) -> Self {
+        let mut loader = aws_config::defaults(BehaviorVersion::latest()).no_credentials();
+        if let Some(c) = http_client {
+            loader = loader.http_client(c);
+        }
+        let sdk = loader.load().await;
         ProviderSettings {
             refresh_before: Duration::from_secs(300),
             request_timeout: Duration::from_secs(10),

@@ -57,6 +57,7 @@ enum CredentialsKey {
 pub struct S3Stores {
     defaults: Endpoint,
     credentials: S3Credentials,
+    options: S3Options,
     clients: Mutex<HashMap<(Endpoint, CredentialsKey), Arc<S3Store>>>,
 }
 
@@ -71,8 +72,15 @@ impl S3Stores {
         S3Stores {
             defaults,
             credentials,
+            options: S3Options::default(),
             clients: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Clients with these retry, timeout and TLS settings (a private CA bundle).
+    pub fn with_options(mut self, options: S3Options) -> Self {
+        self.options = options;
+        self
     }
 
     fn config(&self, e: Endpoint) -> S3Config {
@@ -119,19 +127,19 @@ impl S3Stores {
         }
         let mut config = self.config(e.clone());
         let store = match credentials {
-            StoreCredentials::Driver => S3Store::new(config).await?,
+            StoreCredentials::Driver => S3Store::with_options(config, self.options.clone()).await?,
             StoreCredentials::Static(k) => {
                 config.credentials = S3Credentials::Static {
                     access_key_id: k.access_key_id.clone(),
                     secret_access_key: k.secret_access_key.expose().to_string(),
                     session_token: k.session_token.as_ref().map(|t| t.expose().to_string()),
                 };
-                S3Store::new(config).await?
+                S3Store::with_options(config, self.options.clone()).await?
             }
             StoreCredentials::Pod(p) => {
                 S3Store::with_credentials_provider(
                     config,
-                    S3Options::default(),
+                    self.options.clone(),
                     SharedCredentialsProvider::new(p.clone()),
                 )
                 .await?

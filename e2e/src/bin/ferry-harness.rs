@@ -2,7 +2,7 @@
 //! real binaries, a real S3 server on loopback and real FUSE mounts.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -33,6 +33,10 @@ enum Cmd {
     /// Check what a node plugin restart does to live mounts: SIGTERM leaves them in place (dead,
     /// ENOTCONN), and a new process's NodeUnpublish detaches them and removes the target.
     Restart,
+    /// Driver-level IRSA through the real binaries: both run with `AWS_ROLE_ARN` and
+    /// `AWS_WEB_IDENTITY_TOKEN_FILE` only (STS and S3 on moto, IAM enforced, logs at trace level),
+    /// provision, mount, write, read and delete; then no token or session token is in their logs.
+    DriverIrsa,
     /// Run csi-sanity against the controller and node, with test volumes on a real S3 server.
     Sanity {
         /// The csi-sanity binary (default: $FERRY_TOOLS/csi-sanity, then PATH).
@@ -52,6 +56,7 @@ fn main() -> Result<()> {
             Cmd::Demo { keep } => demo(keep).await,
             Cmd::Sanity { csi_sanity, extra } => sanity(csi_sanity, extra).await,
             Cmd::Restart => restart().await,
+            Cmd::DriverIrsa => driver_irsa().await,
         }
     })
 }
@@ -228,6 +233,160 @@ async fn demo(keep: bool) -> Result<()> {
         left.objects.len()
     );
     say("demo complete");
+    Ok(())
+}
+
+async fn driver_irsa() -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    say("starting moto (S3, STS, IAM; IAM enforced) with a bucket and the driver's role");
+    let moto = ferry_testkit::MotoServer::start();
+    let bucket = "ferry-driver-irsa";
+    let all = format!(
+        r#"[{{"Effect": "Allow", "Action": ["s3:*"], "Resource": ["arn:aws:s3:::{bucket}", "arn:aws:s3:::{bucket}/*"]}}]"#
+    );
+    let setup = moto.setup(
+        &[(
+            bucket,
+            &[("static/hello.txt", "hello through the driver's role")],
+        )],
+        &[],
+        &[("ferry-driver", &all)],
+    );
+    let role = setup.roles["ferry-driver"].clone();
+    // The projected token as EKS mounts it: a private directory, a 0600 file.
+    let private = tempfile::Builder::new().prefix("ferry-irsa-").tempdir()?;
+    let token_dir = private.path().join("eks.amazonaws.com/serviceaccount");
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&token_dir)?;
+    let token = "driver-web-identity-token.eyJpc3MiOiJmZXJyeS10ZXN0In0.sig";
+    let token_file = token_dir.join("token");
+    std::fs::OpenOptions::new()
+        .create_new(true)
+        .write(true)
+        .mode(0o600)
+        .open(&token_file)?
+        .write_all(token.as_bytes())?;
+    let env = vec![
+        ("AWS_ACCESS_KEY_ID".to_string(), None),
+        ("AWS_SECRET_ACCESS_KEY".to_string(), None),
+        ("AWS_ROLE_ARN".to_string(), Some(role.clone())),
+        (
+            "AWS_WEB_IDENTITY_TOKEN_FILE".to_string(),
+            Some(token_file.display().to_string()),
+        ),
+        (
+            "AWS_ROLE_SESSION_NAME".to_string(),
+            Some("ferry-driver".into()),
+        ),
+        (
+            "AWS_ENDPOINT_URL_STS".to_string(),
+            Some(moto.endpoint_url()),
+        ),
+        ("FERRY_ENDPOINT_URL".to_string(), Some(moto.endpoint_url())),
+        ("FERRY_LOG".to_string(), Some("trace".into())),
+    ];
+    say(&format!(
+        "starting ferry-controller and ferry-node with AWS_ROLE_ARN={role} and a web identity token file"
+    ));
+    let plugin = Plugin::start_with_env(&bin_dir()?, env).await?;
+    println!("    logs in {}", plugin.dir.path().display());
+
+    say("CreateVolume (the controller's LIST is signed with the assumed role's credentials)");
+    let mut ctrl = plugin.controller().await?;
+    let params: HashMap<String, String> = [
+        ("bucketName", bucket),
+        ("basePrefix", "dyn"),
+        ("deletePolicy", "delete"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let cap = mount_capability(Mode::SingleNodeWriter, &["allow-delete"]);
+    let vol = ctrl
+        .create_volume(pb::CreateVolumeRequest {
+            name: "pvc-irsa".into(),
+            parameters: params,
+            volume_capabilities: vec![cap.clone()],
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .volume
+        .context("CreateVolume returned no volume")?;
+
+    say("NodePublishVolume, write and read back through the mount");
+    let mut node = plugin.node().await?;
+    let target = plugin.target_path("pod-irsa", "pvc-irsa")?;
+    node.node_publish_volume(pb::NodePublishVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(cap.clone()),
+        volume_context: vol.volume_context.clone(),
+        ..Default::default()
+    })
+    .await?;
+    let t = target.clone();
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        std::fs::write(t.join("written.txt"), b"written by the driver's role")?;
+        let back = std::fs::read(t.join("written.txt"))?;
+        if back != b"written by the driver's role" {
+            bail!("read back {:?}", String::from_utf8_lossy(&back));
+        }
+        Ok(())
+    })
+    .await??;
+    node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        target_path: target.display().to_string(),
+    })
+    .await?;
+
+    say("a static PV: read an object put there at set-up");
+    let target = plugin.target_path("pod-irsa", "pv-static")?;
+    let ctx: HashMap<String, String> = [("bucketName", bucket), ("prefix", "static/")]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    node.node_publish_volume(pb::NodePublishVolumeRequest {
+        volume_id: "pv-static".into(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(mount_capability(Mode::MultiNodeReaderOnly, &[])),
+        volume_context: ctx,
+        readonly: true,
+        ..Default::default()
+    })
+    .await?;
+    let t = target.clone();
+    let got = tokio::task::spawn_blocking(move || std::fs::read(t.join("hello.txt"))).await??;
+    if got != b"hello through the driver's role" {
+        bail!("read {:?}", String::from_utf8_lossy(&got));
+    }
+    node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+        volume_id: "pv-static".into(),
+        target_path: target.display().to_string(),
+    })
+    .await?;
+
+    say("DeleteVolume (deletePolicy delete, as the role)");
+    ctrl.delete_volume(pb::DeleteVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        ..Default::default()
+    })
+    .await?;
+
+    say("no token and no session token in either binary's trace-level log");
+    let log = std::fs::read_to_string(plugin.log_path("ferry-node"))?;
+    if !log.contains("TRACE") {
+        bail!("ferry-node did not log at trace level");
+    }
+    if !log.contains("AssumeRoleWithWebIdentity") {
+        bail!("ferry-node's log shows no AssumeRoleWithWebIdentity: was the role used?");
+    }
+    // Every session token moto issues starts with this.
+    plugin.check_logs_for_secrets(&[token, "FQoGZXIvYXdzEBYaD"])?;
+    say("driver-level IRSA: OK");
     Ok(())
 }
 
