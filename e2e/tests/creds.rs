@@ -5,10 +5,10 @@
 //! bucket (PermissionDenied naming role, bucket and action), an identity change on a live mount
 //! (refused) — all with every log line at trace level captured and searched for secrets.
 //!
-//! INTERIM (until ferry-kube lands): the pods' ServiceAccounts are an in-test map rather than a
-//! kube-apiserver, and the service-account tokens are strings made here rather than TokenRequest
-//! tokens (moto does not verify web identity tokens; the Pod Identity stand-in checks them against
-//! its association list).
+//! The pods' ServiceAccounts live in a real kube-apiserver (testkit's `KubeCluster`), read by the
+//! node through ferry-kube as in production, and their tokens come from its TokenRequest API for
+//! the audiences the CSIDriver declares. moto does not verify web identity tokens; the Pod
+//! Identity stand-in accepts only the tokens associated with a role.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -19,16 +19,19 @@ use std::time::{Duration, Instant};
 
 use ferry_controller::ControllerService;
 use ferry_creds::{
-    CredsError, PodCredentialCache, PodSettings, ProviderSettings, ServiceAccounts,
-    ROLE_ARN_ANNOTATION,
+    PodCredentialCache, PodSettings, ProviderSettings, POD_IDENTITY_AUDIENCE, ROLE_ARN_ANNOTATION,
+    STS_AUDIENCE,
 };
 use ferry_csi::pb::controller_server::ControllerServer;
 use ferry_csi::pb::node_server::NodeServer;
 use ferry_csi::stores::S3Stores;
 use ferry_e2e::{mount_capability, unix_channel, ControllerClient, NodeClient};
+use ferry_kube::DryRun;
+use ferry_node::accounts::KubeServiceAccounts;
 use ferry_node::mounts::MountTable;
 use ferry_node::{NodeConfig, NodeService, PodAuth};
 use ferry_proto::csi::v1 as pb;
+use ferry_testkit::kube::KubeCluster;
 use ferry_testkit::{MotoServer, PodIdentityAgent};
 use ferry_volume::{keys, Endpoint, MetadataTtl};
 use pb::volume_capability::access_mode::Mode;
@@ -67,48 +70,14 @@ impl Write for Capture {
     }
 }
 
-/// INTERIM: ServiceAccount annotations by (namespace, name), standing in for the kube-apiserver.
-#[derive(Default)]
-struct Accounts(Mutex<HashMap<(String, String), HashMap<String, String>>>);
-
-impl Accounts {
-    fn set(&self, ns: &str, name: &str, role: Option<&str>) {
-        let mut a = HashMap::new();
-        if let Some(r) = role {
-            a.insert(ROLE_ARN_ANNOTATION.to_string(), r.to_string());
-        }
-        self.0
-            .lock()
-            .unwrap()
-            .insert((ns.to_string(), name.to_string()), a);
-    }
-}
-
-#[async_trait::async_trait]
-impl ServiceAccounts for Accounts {
-    async fn annotations(
-        &self,
-        namespace: &str,
-        name: &str,
-    ) -> Result<HashMap<String, String>, CredsError> {
-        self.0
-            .lock()
-            .unwrap()
-            .get(&(namespace.to_string(), name.to_string()))
-            .cloned()
-            .ok_or_else(|| {
-                CredsError::Invalid(format!("service account {namespace}/{name} not found"))
-            })
-    }
-}
-
 struct Env {
     _moto: MotoServer,
     agent: PodIdentityAgent,
+    _cluster: KubeCluster,
+    kube: ferry_kube::Client,
     dir: tempfile::TempDir,
     ctrl: ControllerClient<Channel>,
     node: NodeClient<Channel>,
-    accounts: Arc<Accounts>,
     roles: HashMap<String, String>,
     user: (String, String),
 }
@@ -150,7 +119,12 @@ impl Env {
             force_path_style: true,
         };
         let stores = Arc::new(S3Stores::new(defaults));
-        let accounts = Arc::new(Accounts::default());
+        let cluster = KubeCluster::start().await.unwrap_or_else(|e| panic!("{e}"));
+        let kube = cluster.client().unwrap();
+        let ns = serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ml"}});
+        kube.apply(&ns, "default", "ferry-test", DryRun::No)
+            .await
+            .unwrap();
         let mut provider = ProviderSettings::load(None).await;
         provider.sdk = provider
             .sdk
@@ -158,7 +132,8 @@ impl Env {
             .endpoint_url(moto.endpoint_url())
             .build();
         let pod_auth = PodAuth {
-            accounts: accounts.clone(),
+            // The node reads ServiceAccounts with its own client, as in production.
+            accounts: Arc::new(KubeServiceAccounts(cluster.client().unwrap())),
             cache: PodCredentialCache::new(provider),
             settings: PodSettings {
                 pod_identity_agent_url: agent.url(),
@@ -196,11 +171,45 @@ impl Env {
             node: NodeClient::new(unix_channel(&node_sock).await.unwrap()),
             _moto: moto,
             agent,
+            _cluster: cluster,
+            kube,
             dir,
-            accounts,
             roles: setup.roles,
             user: setup.users["static-user"].clone(),
         }
+    }
+
+    /// Creates or updates `ml/<name>` with the role annotation (or none).
+    async fn service_account(&self, name: &str, role: Option<&str>) {
+        let mut annotations = serde_json::Map::new();
+        if let Some(r) = role {
+            annotations.insert(ROLE_ARN_ANNOTATION.into(), r.into());
+        }
+        let sa = serde_json::json!({"apiVersion": "v1", "kind": "ServiceAccount",
+            "metadata": {"name": name, "namespace": "ml", "annotations": annotations}});
+        self.kube
+            .apply(&sa, "ml", "ferry-test", DryRun::No)
+            .await
+            .unwrap();
+    }
+
+    /// A token for `ml/<sa>` from the TokenRequest API, as kubelet gets for `tokenRequests`.
+    async fn token(&self, sa: &str, audience: &str) -> String {
+        self.kube
+            .create_token("ml", sa, &[audience], 3600)
+            .await
+            .unwrap()
+            .token
+            .expose()
+            .to_string()
+    }
+
+    /// kubelet's tokens value for a pod of `ml/<sa>`: one token per declared audience.
+    async fn tokens(&self, sa: &str) -> (String, String) {
+        (
+            self.token(sa, STS_AUDIENCE).await,
+            self.token(sa, POD_IDENTITY_AUDIENCE).await,
+        )
     }
 
     fn target(&self, pod: &str, pv: &str) -> PathBuf {
@@ -261,11 +270,11 @@ fn pod_context(
     ns: &str,
     pod: &str,
     sa: &str,
-    token: &str,
+    tokens: &(String, String),
 ) -> HashMap<String, String> {
     let tokens = serde_json::json!({
-        "sts.amazonaws.com": {"token": token, "expirationTimestamp": "2099-01-01T00:00:00Z"},
-        "pods.eks.amazonaws.com": {"token": token, "expirationTimestamp": "2099-01-01T00:00:00Z"},
+        STS_AUDIENCE: {"token": tokens.0, "expirationTimestamp": "2099-01-01T00:00:00Z"},
+        POD_IDENTITY_AUDIENCE: {"token": tokens.1, "expirationTimestamp": "2099-01-01T00:00:00Z"},
     });
     map(&[
         (keys::BUCKET_NAME, BUCKET),
@@ -353,13 +362,13 @@ async fn credentials_end_to_end_at_trace_level() {
 
     // --- Pod-level IRSA: the service account's role reads team-a/.
     let reader_a = env.roles["reader-a"].clone();
-    env.accounts.set("ml", "reader", Some(&reader_a));
-    let irsa_token = "irsa-token-pod-1-eyJhbGciOiJSUzI1NiJ9";
-    secrets_to_hide.push(irsa_token.into());
+    env.service_account("reader", Some(&reader_a)).await;
+    let irsa_token = env.tokens("reader").await;
+    secrets_to_hide.extend([irsa_token.0.clone(), irsa_token.1.clone()]);
     let t_irsa = env.target("pod-irsa", "pv-a");
     env.publish(
         &t_irsa,
-        pod_context("team-a/", "ml", "trainer-0", "reader", irsa_token),
+        pod_context("team-a/", "ml", "trainer-0", "reader", &irsa_token),
         HashMap::new(),
     )
     .await
@@ -369,21 +378,22 @@ async fn credentials_end_to_end_at_trace_level() {
         b"hello from team a"
     );
     // Republish with a new token: same identity, no remount.
-    let irsa_token_2 = "irsa-token-pod-2-eyJhbGciOiJSUzI1NiJ9";
-    secrets_to_hide.push(irsa_token_2.into());
+    let irsa_token_2 = env.tokens("reader").await;
+    secrets_to_hide.extend([irsa_token_2.0.clone(), irsa_token_2.1.clone()]);
     env.publish(
         &t_irsa,
-        pod_context("team-a/", "ml", "trainer-0", "reader", irsa_token_2),
+        pod_context("team-a/", "ml", "trainer-0", "reader", &irsa_token_2),
         HashMap::new(),
     )
     .await
     .unwrap();
     // The service account now names another role: the live mount refuses to change identity.
-    env.accounts.set("ml", "reader", Some(&env.roles["other"]));
+    let other = env.roles["other"].clone();
+    env.service_account("reader", Some(&other)).await;
     let e = env
         .publish(
             &t_irsa,
-            pod_context("team-a/", "ml", "trainer-0", "reader", irsa_token_2),
+            pod_context("team-a/", "ml", "trainer-0", "reader", &irsa_token_2),
             HashMap::new(),
         )
         .await
@@ -394,18 +404,18 @@ async fn credentials_end_to_end_at_trace_level() {
         "{}",
         e.message()
     );
-    assert!(!e.message().contains("irsa-token"), "{}", e.message());
+    assert!(!e.message().contains(&irsa_token_2.0), "{}", e.message());
     assert_eq!(
         read(t_irsa.join("hello.txt")).await.unwrap(),
         b"hello from team a"
     );
-    env.accounts.set("ml", "reader", Some(&reader_a));
+    env.service_account("reader", Some(&reader_a)).await;
 
     // --- A role allowed to list but not to read team-b/: EACCES at the mount.
     let t_b = env.target("pod-denied", "pv-b");
     env.publish(
         &t_b,
-        pod_context("team-b/", "ml", "trainer-1", "reader", irsa_token),
+        pod_context("team-b/", "ml", "trainer-1", "reader", &irsa_token),
         HashMap::new(),
     )
     .await
@@ -415,13 +425,15 @@ async fn credentials_end_to_end_at_trace_level() {
     env.unpublish(&t_b).await;
 
     // --- A role that may not list the bucket: PermissionDenied naming role, bucket and action.
-    env.accounts
-        .set("ml", "no-list", Some(&env.roles["no-list"]));
+    let no_list = env.roles["no-list"].clone();
+    env.service_account("no-list", Some(&no_list)).await;
+    let irsa_token = env.tokens("no-list").await;
+    secrets_to_hide.extend([irsa_token.0.clone(), irsa_token.1.clone()]);
     let t_n = env.target("pod-nolist", "pv-n");
     let e = env
         .publish(
             &t_n,
-            pod_context("team-a/", "ml", "trainer-2", "no-list", irsa_token),
+            pod_context("team-a/", "ml", "trainer-2", "no-list", &irsa_token),
             HashMap::new(),
         )
         .await
@@ -436,14 +448,16 @@ async fn credentials_end_to_end_at_trace_level() {
     }
 
     // --- Pod Identity, and a token renewed by republish while a reader keeps reading.
-    env.accounts.set("ml", "pia", None);
-    let (pia_1, pia_2) = ("pia-token-one-eyJhbGciOi", "pia-token-two-eyJhbGciOi");
-    secrets_to_hide.extend([pia_1.to_string(), pia_2.to_string()]);
-    env.agent.associate(&[(pia_1, "t1", &reader_a)]);
+    env.service_account("pia", None).await;
+    let (pia_1, pia_2) = (env.tokens("pia").await, env.tokens("pia").await);
+    for t in [&pia_1, &pia_2] {
+        secrets_to_hide.extend([t.0.clone(), t.1.clone()]);
+    }
+    env.agent.associate(&[(&pia_1.1, "t1", &reader_a)]);
     let t_p = env.target("pod-pia", "pv-p");
     env.publish(
         &t_p,
-        pod_context("team-a/", "ml", "trainer-3", "pia", pia_1),
+        pod_context("team-a/", "ml", "trainer-3", "pia", &pia_1),
         HashMap::new(),
     )
     .await
@@ -472,10 +486,10 @@ async fn credentials_end_to_end_at_trace_level() {
         })
     };
     // kubelet renews the token; the old one stops being accepted.
-    env.agent.associate(&[(pia_2, "t2", &reader_a)]);
+    env.agent.associate(&[(&pia_2.1, "t2", &reader_a)]);
     env.publish(
         &t_p,
-        pod_context("team-a/", "ml", "trainer-3", "pia", pia_2),
+        pod_context("team-a/", "ml", "trainer-3", "pia", &pia_2),
         HashMap::new(),
     )
     .await

@@ -67,6 +67,11 @@ struct ServeArgs {
     /// has no `eks.amazonaws.com/role-arn` annotation.
     #[arg(long, env = "FERRY_POD_IDENTITY_AGENT_URL", default_value = ferry_creds::DEFAULT_POD_IDENTITY_AGENT_URL)]
     pod_identity_agent_url: String,
+    /// Kubeconfig for the Kubernetes API (ServiceAccount reads for `authenticationSource: pod`);
+    /// default: `$KUBECONFIG`, else in-cluster, else `~/.kube/config`. Without any, pod-level
+    /// volumes are refused.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
     /// Pod-level credentials are renewed this many seconds before they expire.
     #[arg(long, env = "FERRY_CREDENTIAL_REFRESH_BEFORE", default_value = "300")]
     credential_refresh_before: u64,
@@ -190,21 +195,33 @@ fn daemonize() -> anyhow::Result<()> {
 }
 
 /// What `authenticationSource: pod` volumes need: the Kubernetes API (ServiceAccount reads), the
-/// STS client settings and the Pod Identity agent. `None` until the node plugin has a Kubernetes
-/// client: such volumes are then refused with FailedPrecondition.
+/// STS client settings and the Pod Identity agent. `None` when no Kubernetes configuration is
+/// found (such volumes are then refused with FailedPrecondition); an explicit `--kubeconfig` that
+/// does not load is an error.
 async fn pod_auth(a: &ServeArgs) -> anyhow::Result<Option<PodAuth>> {
+    let client = match ferry_kube::Client::infer(a.kubeconfig.as_deref()) {
+        Ok(c) => c,
+        Err(e) if a.kubeconfig.is_some() => return Err(e).context("loading --kubeconfig"),
+        Err(e) => {
+            tracing::warn!(error = %e, "no Kubernetes API access: authenticationSource: pod volumes will be refused");
+            return Ok(None);
+        }
+    };
     let http = match &a.ca_bundle {
         Some(p) => Some(ferry_store::https_client_with_ca_bundle(p).map_err(anyhow::Error::msg)?),
         None => None,
     };
     let mut provider = ferry_creds::ProviderSettings::load(http).await;
     provider.refresh_before = Duration::from_secs(a.credential_refresh_before);
-    let _settings = ferry_creds::PodSettings {
-        pod_identity_agent_url: a.pod_identity_agent_url.clone(),
-        default_sts_region: a.region.clone(),
-    };
-    let _cache = ferry_creds::PodCredentialCache::new(provider);
-    Ok(None)
+    tracing::info!(server = %client.server(), "pod-level credentials enabled");
+    Ok(Some(PodAuth {
+        accounts: Arc::new(ferry_node::accounts::KubeServiceAccounts(client)),
+        cache: ferry_creds::PodCredentialCache::new(provider),
+        settings: ferry_creds::PodSettings {
+            pod_identity_agent_url: a.pod_identity_agent_url.clone(),
+            default_sts_region: a.region.clone(),
+        },
+    }))
 }
 
 fn endpoint(

@@ -1,7 +1,8 @@
 //! Test helpers shared by the workspace's integration tests: [`S3Server`] runs a real S3 server
-//! (versitygw) on loopback for the duration of a test, [`MotoServer`] runs moto (S3 that enforces
-//! signatures and IAM policies, STS, IAM) and [`PodIdentityAgent`] an EKS Pod Identity agent
-//! stand-in for the credentials tests, and [`init_tracing`] sets up logging.
+//! (versitygw) on loopback for the duration of a test, [`kube::KubeCluster`] a real Kubernetes
+//! control plane, [`MotoServer`] moto (S3 that enforces signatures and IAM policies, STS, IAM)
+//! and [`PodIdentityAgent`] an EKS Pod Identity agent stand-in for the credentials tests, and
+//! [`init_tracing`] sets up logging.
 //!
 //! versitygw is found through `$FERRY_VERSITYGW`, then `$HOME/.cache/ferry-tools/bin/versitygw`,
 //! then `PATH`. Without it, [`S3Server::start`] panics with install instructions: tests that need
@@ -22,6 +23,8 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
+
+pub mod kube;
 
 use ferry_store::{S3Config, S3Credentials, S3Options, S3Store};
 
