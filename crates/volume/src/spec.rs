@@ -48,6 +48,23 @@ pub fn volume_context(id: &VolumeId) -> HashMap<String, String> {
     ctx
 }
 
+/// Parses `authenticationSource`: `driver` (or empty) or `pod`.
+pub(crate) fn authentication_source(
+    what: &'static str,
+    key: &str,
+    v: &str,
+) -> Result<AuthenticationSource, VolumeError> {
+    match v {
+        "driver" | "" => Ok(AuthenticationSource::Driver),
+        "pod" => Ok(AuthenticationSource::Pod),
+        other => Err(VolumeError::invalid(
+            what,
+            key,
+            format!("{other:?}: must be \"driver\" or \"pod\""),
+        )),
+    }
+}
+
 fn merge(
     key: &str,
     attr: Option<String>,
@@ -85,17 +102,7 @@ impl VolumeSpec {
             }
             match k.as_str() {
                 keys::PREFIX => prefix = Some(validate::prefix(k, v, true)?),
-                keys::AUTHENTICATION_SOURCE => match v.as_str() {
-                    "driver" | "" => authentication = AuthenticationSource::Driver,
-                    "pod" => authentication = AuthenticationSource::Pod,
-                    other => {
-                        return Err(VolumeError::invalid(
-                            WHAT,
-                            k,
-                            format!("{other:?}: must be \"driver\" or \"pod\""),
-                        ))
-                    }
-                },
+                keys::AUTHENTICATION_SOURCE => authentication = authentication_source(WHAT, k, v)?,
                 keys::STS_REGION => {
                     validate::region(k, v)?;
                     sts_region = Some(v.clone());
