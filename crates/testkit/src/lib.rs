@@ -75,6 +75,7 @@ pub struct S3Server {
     root: PathBuf,
     log_path: PathBuf,
     sidecar: bool,
+    tls: bool,
     // Last: removed after the process is gone.
     _dir: tempfile::TempDir,
 }
@@ -95,6 +96,16 @@ impl S3Server {
     /// Panics (with install instructions) if versitygw cannot be found, and with the server's log if
     /// it does not come up. The temp dir is made under `$FERRY_TEST_TMPDIR`, else the system temp dir.
     pub fn start() -> S3Server {
+        Self::start_inner(None)
+    }
+
+    /// Like [`S3Server::start`], serving HTTPS with this certificate and key (PEM files): for
+    /// private-CA tests. [`S3Server::endpoint_url`] is then `https://127.0.0.1:<port>`.
+    pub fn start_tls(cert: &Path, key: &Path) -> S3Server {
+        Self::start_inner(Some((cert.to_path_buf(), key.to_path_buf())))
+    }
+
+    fn start_inner(tls: Option<(PathBuf, PathBuf)>) -> S3Server {
         let bin = versitygw_path().unwrap_or_else(|| panic!("{VERSITYGW_INSTALL_HINT}"));
         let base = std::env::var_os("FERRY_TEST_TMPDIR")
             .map(PathBuf::from)
@@ -123,7 +134,11 @@ impl S3Server {
                 .env("ROOT_SECRET_KEY", SECRET_KEY)
                 .arg("--port")
                 .arg(format!("127.0.0.1:{port}"))
-                .args(["--region", REGION, "--keep-alive", "--quiet", "posix"]);
+                .args(["--region", REGION, "--keep-alive", "--quiet"]);
+            if let Some((cert, key)) = &tls {
+                cmd.arg("--cert").arg(cert).arg("--key").arg(key);
+            }
+            cmd.arg("posix");
             if sidecar {
                 cmd.arg("--sidecar").arg(&meta);
             }
@@ -142,6 +157,7 @@ impl S3Server {
                         root,
                         log_path,
                         sidecar,
+                        tls: tls.is_some(),
                         _dir: dir,
                     }
                 }
@@ -162,9 +178,10 @@ impl S3Server {
         panic!("versitygw could not find a free port\n--- its log ---\n{last_log}");
     }
 
-    /// `http://127.0.0.1:<port>`.
+    /// `http://127.0.0.1:<port>` (`https://` for [`S3Server::start_tls`]).
     pub fn endpoint_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     pub fn port(&self) -> u16 {
