@@ -35,7 +35,9 @@ enum Cmd {
     Restart,
     /// Driver-level IRSA through the real binaries: both run with `AWS_ROLE_ARN` and
     /// `AWS_WEB_IDENTITY_TOKEN_FILE` only (STS and S3 on moto, IAM enforced, logs at trace level),
-    /// provision, mount, write, read and delete; then no token or session token is in their logs.
+    /// provision, mount, write, read and delete; then a pod-level IRSA volume through the node
+    /// binary (ServiceAccount and TokenRequest tokens from a real kube-apiserver, found through
+    /// KUBECONFIG); then no token or session token is in their logs.
     DriverIrsa,
     /// Run csi-sanity against the controller and node, with test volumes on a real S3 server.
     Sanity {
@@ -244,15 +246,23 @@ async fn driver_irsa() -> Result<()> {
     let all = format!(
         r#"[{{"Effect": "Allow", "Action": ["s3:*"], "Resource": ["arn:aws:s3:::{bucket}", "arn:aws:s3:::{bucket}/*"]}}]"#
     );
+    let pod_policy = format!(
+        r#"[{{"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": ["arn:aws:s3:::{bucket}"]}}, {{"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": ["arn:aws:s3:::{bucket}/static/*"]}}]"#
+    );
     let setup = moto.setup(
         &[(
             bucket,
             &[("static/hello.txt", "hello through the driver's role")],
         )],
         &[],
-        &[("ferry-driver", &all)],
+        &[("ferry-driver", &all), ("pod-reader", &pod_policy)],
     );
     let role = setup.roles["ferry-driver"].clone();
+    say("starting a Kubernetes control plane (etcd, kube-apiserver) for the pod-level step");
+    let cluster = ferry_testkit::kube::KubeCluster::start()
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let kube = cluster.client().map_err(|e| anyhow::anyhow!("{e}"))?;
     // The projected token as EKS mounts it: a private directory, a 0600 file.
     let private = tempfile::Builder::new().prefix("ferry-irsa-").tempdir()?;
     let token_dir = private.path().join("eks.amazonaws.com/serviceaccount");
@@ -286,6 +296,10 @@ async fn driver_irsa() -> Result<()> {
         ),
         ("FERRY_ENDPOINT_URL".to_string(), Some(moto.endpoint_url())),
         ("FERRY_LOG".to_string(), Some("trace".into())),
+        (
+            "KUBECONFIG".to_string(),
+            Some(cluster.kubeconfig().display().to_string()),
+        ),
     ];
     say(&format!(
         "starting ferry-controller and ferry-node with AWS_ROLE_ARN={role} and a web identity token file"
@@ -369,6 +383,80 @@ async fn driver_irsa() -> Result<()> {
     })
     .await?;
 
+    say("pod-level IRSA through the node binary: ServiceAccount ml/reader → role pod-reader");
+    let apply = |obj: serde_json::Value| {
+        let kube = kube.clone();
+        async move {
+            kube.apply(&obj, "ml", "ferry-harness", ferry_kube::DryRun::No)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))
+        }
+    };
+    apply(serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ml"}}))
+        .await?;
+    apply(
+        serde_json::json!({"apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": "reader", "namespace": "ml",
+                     "annotations": {"eks.amazonaws.com/role-arn": setup.roles["pod-reader"]}}}),
+    )
+    .await?;
+    let mut pod_tokens = Vec::new();
+    let pod_ctx = |tokens: &[String]| {
+        let v = serde_json::json!({
+            "sts.amazonaws.com": {"token": tokens[0], "expirationTimestamp": "2099-01-01T00:00:00Z"},
+            "pods.eks.amazonaws.com": {"token": tokens[1], "expirationTimestamp": "2099-01-01T00:00:00Z"},
+        });
+        let ctx: HashMap<String, String> = [
+            ("bucketName", bucket),
+            ("prefix", "static/"),
+            ("authenticationSource", "pod"),
+            ("csi.storage.k8s.io/pod.namespace", "ml"),
+            ("csi.storage.k8s.io/pod.name", "trainer-0"),
+            ("csi.storage.k8s.io/pod.uid", "pod-level"),
+            ("csi.storage.k8s.io/serviceAccount.name", "reader"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .chain([(
+            "csi.storage.k8s.io/serviceAccount.tokens".to_string(),
+            v.to_string(),
+        )])
+        .collect();
+        ctx
+    };
+    let target = plugin.target_path("pod-level", "pv-pod")?;
+    for round in 0..2 {
+        let mut tokens = Vec::new();
+        for aud in ["sts.amazonaws.com", "pods.eks.amazonaws.com"] {
+            let t = kube
+                .create_token("ml", "reader", &[aud], 3600)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            tokens.push(t.token.expose().to_string());
+        }
+        node.node_publish_volume(pb::NodePublishVolumeRequest {
+            volume_id: "pv-pod".into(),
+            target_path: target.display().to_string(),
+            volume_capability: Some(mount_capability(Mode::MultiNodeReaderOnly, &[])),
+            volume_context: pod_ctx(&tokens),
+            readonly: true,
+            ..Default::default()
+        })
+        .await
+        .with_context(|| format!("pod-level publish, round {round}"))?;
+        pod_tokens.extend(tokens);
+        let t = target.clone();
+        let got = tokio::task::spawn_blocking(move || std::fs::read(t.join("hello.txt"))).await??;
+        if got != b"hello through the driver's role" {
+            bail!("pod-level read {:?}", String::from_utf8_lossy(&got));
+        }
+    }
+    node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+        volume_id: "pv-pod".into(),
+        target_path: target.display().to_string(),
+    })
+    .await?;
+
     say("DeleteVolume (deletePolicy delete, as the role)");
     ctrl.delete_volume(pb::DeleteVolumeRequest {
         volume_id: vol.volume_id.clone(),
@@ -384,9 +472,22 @@ async fn driver_irsa() -> Result<()> {
     if !log.contains("AssumeRoleWithWebIdentity") {
         bail!("ferry-node's log shows no AssumeRoleWithWebIdentity: was the role used?");
     }
+    // The pod-level volume signed with the pod's role, and the republish swapped its token in.
+    for expect in [
+        "pod-level credentials enabled",
+        "fetched pod credentials",
+        "role/pod-reader",
+        "republished: token renewed",
+    ] {
+        if !log.contains(expect) {
+            bail!("ferry-node's log lacks {expect:?}");
+        }
+    }
     // Every session token moto issues starts with this.
-    plugin.check_logs_for_secrets(&[token, "FQoGZXIvYXdzEBYaD"])?;
-    say("driver-level IRSA: OK");
+    let mut secrets: Vec<&str> = vec![token, "FQoGZXIvYXdzEBYaD"];
+    secrets.extend(pod_tokens.iter().map(String::as_str));
+    plugin.check_logs_for_secrets(&secrets)?;
+    say("driver-level and pod-level IRSA through the binaries: OK");
     Ok(())
 }
 
