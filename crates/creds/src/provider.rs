@@ -191,9 +191,7 @@ impl PodCredentials {
         }
         match self.fetch().await {
             Ok((ak, sk, token, expires)) => {
-                let lifetime = expires.duration_since(now).unwrap_or_default();
-                let margin = self.inner.settings.refresh_before.min(lifetime / 2);
-                let refresh_at = expires - margin;
+                let refresh_at = refresh_point(now, expires, self.inner.settings.refresh_before);
                 let source = match self.inner.fetcher {
                     Fetcher::Sts { .. } => "ferry-irsa",
                     Fetcher::Agent { .. } => "ferry-pod-identity",
@@ -312,6 +310,14 @@ impl PodCredentials {
             }
         }
     }
+}
+
+/// When credentials fetched at `now` and expiring at `expires` are fetched anew: `refresh_before`
+/// ahead of expiry, or halfway through their life if that is shorter (so short-lived credentials
+/// are not refetched on every request).
+fn refresh_point(now: SystemTime, expires: SystemTime, refresh_before: Duration) -> SystemTime {
+    let lifetime = expires.duration_since(now).unwrap_or_default();
+    expires - refresh_before.min(lifetime / 2)
 }
 
 #[derive(serde::Deserialize)]
@@ -444,6 +450,26 @@ impl PodCredentialCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn refresh_point_is_before_expiry() {
+        let now = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000_000);
+        let five_min = Duration::from_secs(300);
+        // An hour-long session: five minutes before it ends.
+        let hour = now + Duration::from_secs(3600);
+        assert_eq!(refresh_point(now, hour, five_min), hour - five_min);
+        // Eight seconds: halfway.
+        let short = now + Duration::from_secs(8);
+        assert_eq!(
+            refresh_point(now, short, five_min),
+            now + Duration::from_secs(4)
+        );
+        // Already expired: now.
+        assert_eq!(
+            refresh_point(now, now - Duration::from_secs(1), five_min),
+            now - Duration::from_secs(1)
+        );
+    }
 
     #[test]
     fn agent_answer() {
