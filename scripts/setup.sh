@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Installs everything Ferry's demo and test suite need on a Debian machine, idempotently:
 #   - Debian packages: fuse3 (fusermount3, /dev/fuse userspace), build essentials;
+#   - Debian packages: openssl (the test Kubernetes cluster's certificates);
 #   - Go-built judges and servers, into $FERRY_TOOLS (default ~/.cache/ferry-tools/bin), built from
 #     the Go module proxy: csi-sanity (the CSI conformance suite) and versitygw (an S3 server), and
-#     through scripts/kube-tools.sh etcd, kube-apiserver, kube-controller-manager, csi-provisioner, helm.
+#     through scripts/kube-tools.sh etcd, kube-apiserver, kube-controller-manager, csi-provisioner
+#     and helm (the Kubernetes-level e2e; a cold build takes ~20 min on 2 cores);
+#   - moto (S3 + IAM + STS with IAM enforcement, for the credentials tests) from PyPI into a venv
+#     beside it ($FERRY_TOOLS/../venv, i.e. ~/.cache/ferry-tools/venv).
 # Nothing is written into the repository. Safe to run again: present tools are kept.
 set -euo pipefail
 
@@ -27,7 +31,9 @@ install_debian_packages() {
   command -v cc >/dev/null || missing+=(build-essential)
   command -v git >/dev/null || missing+=(git)
   command -v curl >/dev/null || missing+=(curl)
+  command -v openssl >/dev/null || missing+=(openssl)
   [ -e /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)
+  command -v python3 >/dev/null && python3 -c "import ensurepip" 2>/dev/null || missing+=(python3-venv)
   if [ ${#missing[@]} -gt 0 ]; then
     log "apt-get install ${missing[*]}"
     need_root
@@ -58,6 +64,20 @@ go_tool() {
   echo "$version" >"$stamp"
 }
 
+# moto_venv: moto[server] $MOTO_VERSION in a venv outside the repository, unless already there.
+MOTO_VERSION=5.2.5
+moto_venv() {
+  local venv
+  venv="$(dirname "$FERRY_TOOLS")/venv"
+  if [ -x "$venv/bin/python" ] && "$venv/bin/python" -c "import moto, sys; sys.exit(moto.__version__ != '$MOTO_VERSION')" 2>/dev/null; then
+    return
+  fi
+  command -v python3 >/dev/null || { echo "setup: python3 (with venv) is required for moto" >&2; exit 1; }
+  log "pip install moto[server]==$MOTO_VERSION (into $venv)"
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  "$venv/bin/pip" install -q "moto[server]==$MOTO_VERSION"
+}
+
 install_debian_packages
 check_toolchains
 go_tool csi-sanity "$CSI_SANITY_VERSION" github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
@@ -65,4 +85,5 @@ go_tool versitygw "$VERSITYGW_VERSION" github.com/versity/versitygw/cmd/versityg
 # etcd, kube-apiserver, kube-controller-manager, csi-provisioner, helm v4 and v3 (the chart check and
 # the Kubernetes-level e2e)
 FERRY_TOOLS="$FERRY_TOOLS" "$(dirname "$0")/kube-tools.sh"
+moto_venv
 log "tools ready in $FERRY_TOOLS"

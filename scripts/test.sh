@@ -4,7 +4,8 @@
 #   2. gates: cargo fmt --check, cargo clippy --all-targets -D warnings, the Helm chart's lint/render check;
 #   3. cargo test --workspace: unit tests on the in-memory store, property tests, and integration
 #      tests against a real S3 server (versitygw on loopback) through real FUSE mounts;
-#   4. a node plugin restart with live mounts, through the real binaries;
+#   4. a node plugin restart with live mounts, and driver- and pod-level IRSA (moto's STS and S3 with IAM
+#      enforced; trace-level logs searched for secrets), through the real binaries;
 #   5. csi-sanity v5.4.0 against ferry-controller and ferry-node on unix sockets, with test volumes
 #      on the real S3 server.
 # Must run as root (FUSE mounts). Exits non-zero on the first failing step.
@@ -33,6 +34,9 @@ cargo build --locked --workspace --bins
 
 step "node plugin restart with live mounts (real binaries)"
 "${CARGO_TARGET_DIR:-target}/debug/ferry-harness" restart
+
+step "driver- and pod-level IRSA (real binaries, moto, kube-apiserver)"
+"${CARGO_TARGET_DIR:-target}/debug/ferry-harness" driver-irsa
 
 step "csi-sanity $(cat "$FERRY_TOOLS/.csi-sanity.version" 2>/dev/null)"
 "${CARGO_TARGET_DIR:-target}/debug/ferry-harness" sanity

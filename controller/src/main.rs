@@ -31,6 +31,10 @@ struct Args {
     /// Address of the Prometheus `/metrics` endpoint; `off` disables it.
     #[arg(long, env = "FERRY_METRICS_ADDR", default_value = "0.0.0.0:9810")]
     metrics_addr: String,
+    /// PEM file of CA certificates to trust besides the system's (S3 and STS endpoints with a
+    /// private CA).
+    #[arg(long, env = "AWS_CA_BUNDLE")]
+    ca_bundle: Option<std::path::PathBuf>,
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, env = "FERRY_LOG", default_value = "info")]
     log: String,
@@ -50,11 +54,17 @@ async fn main() -> anyhow::Result<()> {
     ferry_metrics::start(&args.metrics_addr)
         .await
         .map_err(anyhow::Error::msg)?;
-    let stores = Arc::new(S3Stores::new(Endpoint {
-        endpoint_url: args.endpoint_url.clone(),
-        region: args.region.clone(),
-        force_path_style: args.force_path_style,
-    }));
+    let stores = Arc::new(
+        S3Stores::new(Endpoint {
+            endpoint_url: args.endpoint_url.clone(),
+            region: args.region.clone(),
+            force_path_style: args.force_path_style,
+        })
+        .with_options(ferry_store::S3Options {
+            ca_bundle: args.ca_bundle.clone(),
+            ..Default::default()
+        }),
+    );
     let probe_stores = stores.clone();
     let identity = IdentityService::new(
         vec![PluginCap::ControllerService],

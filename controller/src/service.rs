@@ -8,14 +8,15 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use ferry_creds::StaticKeys;
 use ferry_csi::capability;
 use ferry_csi::error::{require, unimplemented, Result};
 use ferry_csi::inflight::{InFlight, InFlightSet};
 use ferry_csi::pb;
 use ferry_csi::pb::controller_server::Controller;
-use ferry_csi::stores::Stores;
+use ferry_csi::stores::{StoreCredentials, Stores};
 use ferry_csi::CsiError;
-use ferry_store::StoreError;
+use ferry_store::{ObjectStore, StoreError};
 use ferry_volume::spec::volume_context;
 use ferry_volume::{DeletePolicy, StorageClassParams, VolumeId};
 use tonic::{Request, Response, Status};
@@ -82,12 +83,34 @@ impl Inner {
         })
     }
 
-    async fn check_bucket(&self, id: &VolumeId) -> Result<()> {
+    /// The store for a volume, signed with the request's Secret keys (the StorageClass's
+    /// provisioner Secret) when it has them, else with the controller's own credentials.
+    async fn store(
+        &self,
+        id: &VolumeId,
+        secrets: &HashMap<String, String>,
+    ) -> Result<(Arc<dyn ObjectStore>, String)> {
+        let (creds, who) = match StaticKeys::from_secrets(secrets)? {
+            Some(k) => {
+                let who = format!("access key {} from the provisioner Secret", k.access_key_id);
+                (StoreCredentials::Static(k), who)
+            }
+            None => (
+                StoreCredentials::Driver,
+                "the controller's credentials".to_string(),
+            ),
+        };
         let store = self
             .stores
-            .get(&id.endpoint)
+            .get_as(&id.endpoint, &creds)
             .await
             .map_err(|e| CsiError::from_store("creating the S3 client", e))?;
+        Ok((store, who))
+    }
+
+    async fn check_bucket(&self, id: &VolumeId, secrets: &HashMap<String, String>) -> Result<()> {
+        let (store, who) = self.store(id, secrets).await?;
+
         // A one-key LIST of the volume's prefix rather than HeadBucket: IAM policies that scope
         // ListBucket to a prefix allow it where HeadBucket is denied.
         let probe = ferry_store::ListRequest {
@@ -102,7 +125,10 @@ impl Inner {
                 CsiError::FailedPrecondition(format!("bucket {:?} does not exist", id.bucket)),
             ),
             Err(e) => Err(CsiError::from_store(
-                &format!("checking bucket {:?}", id.bucket),
+                &format!(
+                    "checking bucket {:?} prefix {:?} (s3:ListBucket) as {who}",
+                    id.bucket, id.prefix
+                ),
                 e,
             )),
         }
@@ -147,7 +173,7 @@ impl Inner {
                 )));
             }
         }
-        self.check_bucket(&id).await?;
+        self.check_bucket(&id, &req.secrets).await?;
         self.created
             .lock()
             .unwrap()
@@ -157,7 +183,11 @@ impl Inner {
             volume: Some(pb::Volume {
                 capacity_bytes: capacity,
                 volume_id: want.volume_id,
-                volume_context: volume_context(&id),
+                volume_context: {
+                    let mut ctx = volume_context(&id);
+                    ctx.extend(params.node_context());
+                    ctx
+                },
                 content_source: None,
                 accessible_topology: vec![],
             }),
@@ -184,11 +214,7 @@ impl Inner {
             info!(bucket = %id.bucket, prefix = %id.prefix, "deletePolicy retain: data kept");
             return Ok(pb::DeleteVolumeResponse {});
         }
-        let store = self
-            .stores
-            .get(&id.endpoint)
-            .await
-            .map_err(|e| CsiError::from_store("creating the S3 client", e))?;
+        let (store, _) = self.store(&id, &req.secrets).await?;
         match ferry_store::delete_prefix(store.as_ref(), &id.bucket, &id.prefix).await {
             Ok(n) => {
                 info!(bucket = %id.bucket, prefix = %id.prefix, objects = n, "deletePolicy delete: prefix emptied");
@@ -215,7 +241,7 @@ impl Inner {
         }
         let id = VolumeId::parse(volume_id)
             .map_err(|e| CsiError::NotFound(format!("volume {volume_id:?} does not exist: {e}")))?;
-        match self.check_bucket(&id).await {
+        match self.check_bucket(&id, &req.secrets).await {
             Err(CsiError::FailedPrecondition(m)) => return Err(CsiError::NotFound(m)),
             other => other?,
         }

@@ -52,12 +52,20 @@ pub struct Plugin {
     pub node_socket: PathBuf,
     children: Vec<(String, Child)>,
     bins: PathBuf,
+    /// Environment changes applied after the defaults: `None` removes a variable.
+    env: Vec<(String, Option<String>)>,
 }
 
 impl Plugin {
     /// Starts versitygw, then `ferry-controller` and `ferry-node` from `bins`, configured to use
     /// that server by default with its root credentials, and waits until both answer Probe.
     pub async fn start(bins: &Path) -> Result<Self> {
+        Self::start_with_env(bins, Vec::new()).await
+    }
+
+    /// Like [`Plugin::start`], with the processes' environment changed after the defaults
+    /// (`None` removes a variable): another S3 endpoint, other driver credentials, a log level.
+    pub async fn start_with_env(bins: &Path, env: Vec<(String, Option<String>)>) -> Result<Self> {
         let s3 = S3Server::start();
         let dir = tempfile::Builder::new().prefix("ferry-e2e-").tempdir()?;
         std::fs::create_dir_all(dir.path().join("kubelet/pods"))?;
@@ -68,6 +76,7 @@ impl Plugin {
             dir,
             children: Vec::new(),
             bins: bins.to_path_buf(),
+            env,
         };
         let ctrl = plugin.spawn(
             bins,
@@ -142,8 +151,8 @@ impl Plugin {
             .create(true)
             .append(true)
             .open(self.log_path(name))?;
-        Command::new(&exe)
-            .args(args)
+        let mut cmd = Command::new(&exe);
+        cmd.args(args)
             .env_clear()
             .env("PATH", std::env::var_os("PATH").unwrap_or_default())
             .env("HOME", std::env::var_os("HOME").unwrap_or_default())
@@ -156,8 +165,14 @@ impl Plugin {
             .env("AWS_REGION", "us-east-1")
             .env("AWS_EC2_METADATA_DISABLED", "true")
             .env("FERRY_ENDPOINT_URL", self.s3.endpoint_url())
-            .env("FERRY_FORCE_PATH_STYLE", "true")
-            .stdin(Stdio::null())
+            .env("FERRY_FORCE_PATH_STYLE", "true");
+        for (k, v) in &self.env {
+            match v {
+                Some(v) => cmd.env(k, v),
+                None => cmd.env_remove(k),
+            };
+        }
+        cmd.stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()

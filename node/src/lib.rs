@@ -1,13 +1,15 @@
 //! Ferry's CSI node plugin as a library, so tests can serve it in-process.
 //!
 //! - [`service`]: the Node service (NodePublishVolume mounts, NodeUnpublishVolume unmounts);
+//! - [`accounts`]: ServiceAccount reads through the Kubernetes API (pod-level credentials);
 //! - [`mounts`]: the table of live mounts, one FUSE session each, all in this process;
 //! - [`targetpath`]: kubelet target-path checks;
 //! - [`mountinfo`] (from `ferry-fs`): what the kernel says is mounted where.
 
+pub mod accounts;
 pub mod mounts;
 pub mod service;
 pub mod targetpath;
 
 pub use ferry_fs::mountinfo;
-pub use service::{NodeConfig, NodeService};
+pub use service::{NodeConfig, NodeService, PodAuth};

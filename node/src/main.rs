@@ -11,9 +11,9 @@ use ferry_csi::pb::identity_server::IdentityServer;
 use ferry_csi::pb::node_server::NodeServer;
 use ferry_csi::pb::plugin_capability::service::Type as PluginCap;
 use ferry_csi::stores::{S3Stores, Stores};
-use ferry_node::mounts::{MountTable, Published};
-use ferry_node::{NodeConfig, NodeService};
-use ferry_volume::{Endpoint, MetadataTtl, MountOptions, VolumeSpec};
+use ferry_node::mounts::{MountCredentials, MountTable, Published};
+use ferry_node::{NodeConfig, NodeService, PodAuth};
+use ferry_volume::{AuthenticationSource, Endpoint, MetadataTtl, MountOptions, VolumeSpec};
 
 #[derive(Debug, Parser)]
 #[command(version, about = "Ferry CSI node plugin and S3 mounter")]
@@ -59,6 +59,22 @@ struct ServeArgs {
     /// Address of the Prometheus `/metrics` endpoint; `off` disables it.
     #[arg(long, env = "FERRY_METRICS_ADDR", default_value = "0.0.0.0:9810")]
     metrics_addr: String,
+    /// PEM file of CA certificates to trust besides the system's (S3 and STS endpoints with a
+    /// private CA).
+    #[arg(long, env = "AWS_CA_BUNDLE")]
+    ca_bundle: Option<PathBuf>,
+    /// The EKS Pod Identity agent, for `authenticationSource: pod` volumes whose service account
+    /// has no `eks.amazonaws.com/role-arn` annotation.
+    #[arg(long, env = "FERRY_POD_IDENTITY_AGENT_URL", default_value = ferry_creds::DEFAULT_POD_IDENTITY_AGENT_URL)]
+    pod_identity_agent_url: String,
+    /// Kubeconfig for the Kubernetes API (ServiceAccount reads for `authenticationSource: pod`);
+    /// default: `$KUBECONFIG`, else in-cluster, else `~/.kube/config`. Without any, pod-level
+    /// volumes are refused.
+    #[arg(long)]
+    kubeconfig: Option<PathBuf>,
+    /// Pod-level credentials are renewed this many seconds before they expire.
+    #[arg(long, env = "FERRY_CREDENTIAL_REFRESH_BEFORE", default_value = "300")]
+    credential_refresh_before: u64,
 }
 
 #[derive(Debug, Args)]
@@ -178,6 +194,36 @@ fn daemonize() -> anyhow::Result<()> {
     }
 }
 
+/// What `authenticationSource: pod` volumes need: the Kubernetes API (ServiceAccount reads), the
+/// STS client settings and the Pod Identity agent. `None` when no Kubernetes configuration is
+/// found (such volumes are then refused with FailedPrecondition); an explicit `--kubeconfig` that
+/// does not load is an error.
+async fn pod_auth(a: &ServeArgs) -> anyhow::Result<Option<PodAuth>> {
+    let client = match ferry_kube::Client::infer(a.kubeconfig.as_deref()) {
+        Ok(c) => c,
+        Err(e) if a.kubeconfig.is_some() => return Err(e).context("loading --kubeconfig"),
+        Err(e) => {
+            tracing::warn!(error = %e, "no Kubernetes API access: authenticationSource: pod volumes will be refused");
+            return Ok(None);
+        }
+    };
+    let http = match &a.ca_bundle {
+        Some(p) => Some(ferry_store::https_client_with_ca_bundle(p).map_err(anyhow::Error::msg)?),
+        None => None,
+    };
+    let mut provider = ferry_creds::ProviderSettings::load(http).await;
+    provider.refresh_before = Duration::from_secs(a.credential_refresh_before);
+    tracing::info!(server = %client.server(), "pod-level credentials enabled");
+    Ok(Some(PodAuth {
+        accounts: Arc::new(ferry_node::accounts::KubeServiceAccounts(client)),
+        cache: ferry_creds::PodCredentialCache::new(provider),
+        settings: ferry_creds::PodSettings {
+            pod_identity_agent_url: a.pod_identity_agent_url.clone(),
+            default_sts_region: a.region.clone(),
+        },
+    }))
+}
+
 fn endpoint(
     url: &Option<String>,
     region: &Option<String>,
@@ -221,6 +267,8 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
             bucket: a.bucket.clone(),
             prefix,
             endpoint: Endpoint::default(),
+            authentication: AuthenticationSource::Driver,
+            sts_region: None,
             options: MountOptions {
                 read_only: a.read_only,
                 allow_delete: a.allow_delete,
@@ -236,6 +284,7 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
         },
         read_only: a.read_only,
         mount_group: None,
+        credentials: MountCredentials::Driver,
     };
     let mut config = ferry_node::service::mount_config(&published, MetadataTtl::Seconds(1));
     config.allow_other = a.allow_other;
@@ -277,13 +326,17 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     ferry_metrics::start(&a.metrics_addr)
         .await
         .map_err(anyhow::Error::msg)?;
-    let stores: Arc<dyn Stores> = Arc::new(S3Stores::new(endpoint(
-        &a.endpoint_url,
-        &a.region,
-        a.force_path_style,
-    )?));
+    let stores: Arc<dyn Stores> = Arc::new(
+        S3Stores::new(endpoint(&a.endpoint_url, &a.region, a.force_path_style)?).with_options(
+            ferry_store::S3Options {
+                ca_bundle: a.ca_bundle.clone(),
+                ..Default::default()
+            },
+        ),
+    );
     let mounts = Arc::new(MountTable::default());
-    let node = NodeService::new(
+    let pod_auth = pod_auth(&a).await?;
+    let node = NodeService::with_pod_auth(
         NodeConfig {
             node_id: a.node_id.clone(),
             kubelet_root: a.kubelet_root.clone(),
@@ -291,6 +344,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         },
         stores,
         mounts.clone(),
+        pod_auth,
     );
     let identity = IdentityService::new(
         // The plugin as a whole provides the controller service (served by ferry-controller).

@@ -18,6 +18,31 @@ pub struct Published {
     pub spec: VolumeSpec,
     pub read_only: bool,
     pub mount_group: Option<u32>,
+    /// Who the mount acts as (no secret in it).
+    pub credentials: MountCredentials,
+}
+
+/// Whose credentials a live mount signs with: plain data without secrets, compared on republish.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MountCredentials {
+    /// The node plugin's own.
+    Driver,
+    /// Keys from the node-publish Secret (the access key id is an identifier, not a secret).
+    Static { access_key_id: String },
+    /// The pod's identity.
+    Pod(ferry_creds::Identity),
+}
+
+impl std::fmt::Display for MountCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MountCredentials::Driver => f.write_str("the node plugin's credentials"),
+            MountCredentials::Static { access_key_id } => {
+                write!(f, "access key {access_key_id} from the volume's Secret")
+            }
+            MountCredentials::Pod(id) => write!(f, "{id}"),
+        }
+    }
 }
 
 /// One live mount.

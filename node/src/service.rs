@@ -8,21 +8,25 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use ferry_creds::{
+    parse_tokens, resolve_pod_source, PodCredentialCache, PodRef, PodSettings, ServiceAccounts,
+    StaticKeys,
+};
 use ferry_csi::capability;
 use ferry_csi::error::{require, unimplemented, Result};
 use ferry_csi::inflight::{InFlight, InFlightSet};
 use ferry_csi::pb;
 use ferry_csi::pb::node_server::Node;
-use ferry_csi::stores::Stores;
+use ferry_csi::stores::{StoreCredentials, Stores};
 use ferry_csi::CsiError;
 use ferry_fs::{MetadataTtl as FsTtl, MountConfig};
 use ferry_store::StoreError;
-use ferry_volume::{MetadataTtl, VolumeSpec};
+use ferry_volume::{keys, AuthenticationSource, MetadataTtl, VolumeSpec};
 use tonic::{Request, Response, Status};
 use tracing::{info, instrument, warn};
 
 use crate::mountinfo;
-use crate::mounts::{MountTable, Mounted, Published};
+use crate::mounts::{MountCredentials, MountTable, Mounted, Published};
 use crate::targetpath;
 
 /// Node-level settings.
@@ -33,6 +37,14 @@ pub struct NodeConfig {
     pub kubelet_root: PathBuf,
     /// Metadata TTL for volumes that do not set `metadata-ttl`.
     pub default_metadata_ttl: MetadataTtl,
+}
+
+/// What pod-level credentials (`authenticationSource: pod`) need on the node: the ServiceAccount
+/// reader, the per-identity provider cache, and the agent URL and default STS region.
+pub struct PodAuth {
+    pub accounts: Arc<dyn ServiceAccounts>,
+    pub cache: PodCredentialCache,
+    pub settings: PodSettings,
 }
 
 /// The node service. Each publish and unpublish runs in a task of its own, so a caller that gives
@@ -51,6 +63,8 @@ struct Inner {
     in_flight: InFlightSet<PathBuf>,
     /// The runtime mounts serve on and the memory budget all their prefetching shares.
     mount_context: ferry_fs::MountContext,
+    /// `None`: `authenticationSource: pod` volumes are refused (no Kubernetes access).
+    pod_auth: Option<PodAuth>,
 }
 
 /// Converts a volume's TTL setting into the filesystem's.
@@ -94,6 +108,16 @@ pub fn mount_config(p: &Published, default_ttl: MetadataTtl) -> MountConfig {
 
 impl NodeService {
     pub fn new(config: NodeConfig, stores: Arc<dyn Stores>, mounts: Arc<MountTable>) -> Self {
+        Self::with_pod_auth(config, stores, mounts, None)
+    }
+
+    /// A node service that also serves `authenticationSource: pod` volumes.
+    pub fn with_pod_auth(
+        config: NodeConfig,
+        stores: Arc<dyn Stores>,
+        mounts: Arc<MountTable>,
+        pod_auth: Option<PodAuth>,
+    ) -> Self {
         let canonical_root = std::fs::canonicalize(&config.kubelet_root)
             .unwrap_or_else(|_| config.kubelet_root.clone());
         NodeService {
@@ -104,12 +128,88 @@ impl NodeService {
                 mounts,
                 in_flight: InFlightSet::default(),
                 mount_context: ferry_fs::MountContext::new(tokio::runtime::Handle::current()),
+                pod_auth,
             }),
         }
     }
 }
 
+/// A volume-context value kubelet must pass for pod-level credentials.
+fn pod_info<'a>(req: &'a pb::NodePublishVolumeRequest, key: &str, why: &str) -> Result<&'a str> {
+    req.volume_context
+        .get(key)
+        .map(String::as_str)
+        .filter(|v| !v.is_empty())
+        .ok_or_else(|| {
+            CsiError::InvalidArgument(format!(
+                "authenticationSource: pod needs {key} in the volume context ({why})"
+            ))
+        })
+}
+
 impl Inner {
+    /// Decides the credentials of a publish: the pod's identity, the Secret's keys, or the driver's.
+    async fn credentials(
+        &self,
+        req: &pb::NodePublishVolumeRequest,
+        spec: &VolumeSpec,
+    ) -> Result<(StoreCredentials, MountCredentials)> {
+        match spec.authentication {
+            AuthenticationSource::Driver => match StaticKeys::from_secrets(&req.secrets)? {
+                Some(k) => {
+                    let id = k.access_key_id.clone();
+                    Ok((
+                        StoreCredentials::Static(k),
+                        MountCredentials::Static { access_key_id: id },
+                    ))
+                }
+                None => Ok((StoreCredentials::Driver, MountCredentials::Driver)),
+            },
+            AuthenticationSource::Pod => {
+                if !req.secrets.is_empty() {
+                    return Err(CsiError::InvalidArgument(
+                        "authenticationSource: pod and a node-publish Secret exclude each other: remove one".into(),
+                    ));
+                }
+                let auth = self.pod_auth.as_ref().ok_or_else(|| {
+                    CsiError::FailedPrecondition(
+                        "authenticationSource: pod needs Kubernetes API access, and this node plugin runs without it".into(),
+                    )
+                })?;
+                const POD_INFO: &str = "the CSIDriver object must set podInfoOnMount: true";
+                let pod = PodRef {
+                    namespace: pod_info(req, keys::POD_NAMESPACE, POD_INFO)?.to_string(),
+                    name: pod_info(req, keys::POD_NAME, POD_INFO)?.to_string(),
+                    service_account: pod_info(req, keys::SERVICE_ACCOUNT_NAME, POD_INFO)?
+                        .to_string(),
+                };
+                let tokens = parse_tokens(pod_info(
+                    req,
+                    keys::SERVICE_ACCOUNT_TOKENS,
+                    "the CSIDriver object must declare tokenRequests for sts.amazonaws.com and pods.eks.amazonaws.com",
+                )?)?;
+                let source = resolve_pod_source(
+                    auth.accounts.as_ref(),
+                    &pod,
+                    &tokens,
+                    spec.sts_region.as_deref(),
+                    &auth.settings,
+                )
+                .await?;
+                let identity = source
+                    .identity()
+                    .cloned()
+                    .ok_or_else(|| CsiError::Internal("pod source without identity".into()))?;
+                // The provider is shared per identity; this hands it the pod's newest token.
+                let provider = auth.cache.provider(&source, &pod)?;
+                Ok((
+                    StoreCredentials::Pod(provider),
+                    MountCredentials::Pod(identity),
+                ))
+            }
+        }
+    }
+
     fn begin(&self, target: &Path) -> Result<InFlight<PathBuf>> {
         self.in_flight.begin(target.to_path_buf())
     }
@@ -163,13 +263,31 @@ impl Inner {
             }
             _ => None,
         };
+        let _guard = self.begin(&target)?;
+        let live_credentials = self
+            .mounts
+            .get(&target)
+            .filter(|e| e.volume_id == volume_id)
+            .map(|e| e.credentials);
+        let (store_credentials, credentials) = self.credentials(&req, &spec).await?;
+        if let Some(live) = live_credentials.filter(|live| *live != credentials) {
+            if mountinfo::mounted_at(&target)
+                .map_err(|e| CsiError::Internal(format!("reading mountinfo: {e}")))?
+                .is_some_and(|m| m.fs_type.starts_with("fuse"))
+            {
+                return Err(CsiError::FailedPrecondition(format!(
+                    "volume {volume_id:?} is mounted at {} as {live}; this publish asks for {credentials}: a live mount never changes identity (unpublish it first)",
+                    target.display()
+                )));
+            }
+        }
         let published = Published {
             volume_id: volume_id.to_string(),
             read_only: req.readonly || capability::mode_read_only(mode) || spec.options.read_only,
             spec,
             mount_group,
+            credentials,
         };
-        let _guard = self.begin(&target)?;
 
         if let Some(existing) = self.mounts.get(&target) {
             let alive = mountinfo::mounted_at(&target)
@@ -182,7 +300,13 @@ impl Inner {
                     std::mem::forget(m.handle);
                 }
             } else if existing == published {
-                info!("already published");
+                match &published.credentials {
+                    // The pod's provider already has the new token (Inner::credentials).
+                    MountCredentials::Pod(id) => {
+                        info!(identity = %id, "republished: token renewed")
+                    }
+                    _ => info!("already published"),
+                }
                 return Ok(pb::NodePublishVolumeResponse {});
             }
         }
@@ -206,7 +330,7 @@ impl Inner {
 
         let store = self
             .stores
-            .get(&published.spec.endpoint)
+            .get_as(&published.spec.endpoint, &store_credentials)
             .await
             .map_err(|e| CsiError::from_store("creating the S3 client", e))?;
         // A one-key LIST of the volume's own prefix: it works under IAM policies that scope
@@ -227,7 +351,10 @@ impl Inner {
             }
             Err(e) => {
                 return Err(CsiError::from_store(
-                    &format!("checking bucket {:?}", published.spec.bucket),
+                    &format!(
+                        "{} may not list bucket {:?} prefix {:?} (s3:ListBucket)",
+                        published.credentials, published.spec.bucket, published.spec.prefix
+                    ),
                     e,
                 ))
             }

@@ -57,6 +57,17 @@ impl From<CsiError> for Status {
     }
 }
 
+impl From<ferry_creds::CredsError> for CsiError {
+    fn from(e: ferry_creds::CredsError) -> Self {
+        use ferry_creds::CredsError;
+        match e {
+            CredsError::Invalid(m) => CsiError::InvalidArgument(m),
+            CredsError::Denied(m) => CsiError::PermissionDenied(m),
+            CredsError::Unavailable(m) => CsiError::Unavailable(m),
+        }
+    }
+}
+
 impl From<VolumeError> for CsiError {
     fn from(e: VolumeError) -> Self {
         CsiError::InvalidArgument(e.to_string())

@@ -138,13 +138,21 @@ impl Drop for LogEntry {
 /// Installs the process's tracing subscriber: plain text to stderr, filtered by `filter`
 /// (an `EnvFilter` directive such as `info` or `ferry_fs=debug,info`).
 pub fn init(filter: &str) -> Result<(), String> {
-    let filter = tracing_subscriber::EnvFilter::try_new(filter)
-        .map_err(|e| format!("invalid log filter {filter:?}: {e}"))?;
+    let filter = self::filter(filter)?;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init()
         .map_err(|e| e.to_string())
+}
+
+/// The binaries' log filter from an `EnvFilter` directive; tests that search logs for secrets
+/// build theirs here too, so they log what the binaries would. (The AWS SDK's own trace output
+/// redacts `Authorization` and `x-amz-security-token` and never prints request or response
+/// bodies; `e2e/tests/creds.rs` holds that to be true at trace level.)
+pub fn filter(filter: &str) -> Result<tracing_subscriber::EnvFilter, String> {
+    tracing_subscriber::EnvFilter::try_new(filter)
+        .map_err(|e| format!("invalid log filter {filter:?}: {e}"))
 }
 
 #[cfg(test)]

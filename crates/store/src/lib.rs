@@ -19,7 +19,7 @@ pub mod s3;
 
 pub use faulty::{FaultStats, FaultyStore};
 pub use memory::{MemoryStore, StoreStats};
-pub use s3::{S3Config, S3Credentials, S3Options, S3Store};
+pub use s3::{https_client_with_ca_bundle, S3Config, S3Credentials, S3Options, S3Store};
 
 /// One object as a LIST or HEAD response describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -118,6 +118,9 @@ pub struct S3Options {
     pub body_timeout: Duration,
     /// Attempts at reading a GET body that arrives short or breaks off. Default 3.
     pub body_attempts: u32,
+    /// A PEM file of CA certificates trusted besides the system's, for endpoints with a private
+    /// CA (`--ca-bundle` / `AWS_CA_BUNDLE`). Default none.
+    pub ca_bundle: Option<std::path::PathBuf>,
 }
 
 impl Default for S3Options {
@@ -131,8 +134,35 @@ impl Default for S3Options {
             attempt_timeout: Duration::from_secs(30),
             body_timeout: Duration::from_secs(120),
             body_attempts: 3,
+            ca_bundle: None,
         }
     }
+}
+
+/// An HTTPS client that trusts the system's roots and the CA certificates in `path` (PEM). The
+/// error names the file and what is wrong with it.
+pub fn https_client_with_ca_bundle(
+    path: &std::path::Path,
+) -> std::result::Result<aws_sdk_s3::config::SharedHttpClient, String> {
+    use aws_smithy_http_client::tls;
+    let pem = std::fs::read(path)
+        .map_err(|e| format!("reading the CA bundle {}: {e}", path.display()))?;
+    if !String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") {
+        return Err(format!(
+            "the CA bundle {} holds no PEM certificate",
+            path.display()
+        ));
+    }
+    let ctx = tls::TlsContext::builder()
+        .with_trust_store(tls::TrustStore::default().with_pem_certificate(pem))
+        .build()
+        .map_err(|e| format!("the CA bundle {}: {e}", path.display()))?;
+    Ok(aws_smithy_http_client::Builder::new()
+        .tls_provider(tls::Provider::Rustls(
+            tls::rustls_provider::CryptoMode::AwsLc,
+        ))
+        .tls_context(ctx)
+        .build_https())
 }
 
 /// Upload bandwidth assumed when stretching the attempt timeout of a large upload.
@@ -181,6 +211,17 @@ impl S3Store {
         Self::build(cfg, opts, provider).await
     }
 
+    /// A store that signs with `provider` (pod-level credentials that refresh themselves);
+    /// `cfg.credentials` is ignored. The client's identity cache asks the provider again when the
+    /// credentials it returned expire.
+    pub async fn with_credentials_provider(
+        cfg: S3Config,
+        opts: S3Options,
+        provider: SharedCredentialsProvider,
+    ) -> Result<S3Store> {
+        Self::build(cfg, opts, Some(provider)).await
+    }
+
     async fn build(
         cfg: S3Config,
         opts: S3Options,
@@ -206,6 +247,11 @@ impl S3Store {
             .timeout_config(timeouts(&opts, opts.attempt_timeout));
         if let Some(provider) = provider {
             loader = loader.credentials_provider(provider);
+        }
+        if let Some(path) = &opts.ca_bundle {
+            loader = loader.http_client(
+                https_client_with_ca_bundle(path).map_err(StoreError::InvalidRequest)?,
+            );
         }
         if let Some(url) = &cfg.endpoint_url {
             loader = loader.endpoint_url(url);

@@ -1,5 +1,8 @@
 //! Test helpers shared by the workspace's integration tests: [`S3Server`] runs a real S3 server
-//! (versitygw) on loopback for the duration of a test, and [`init_tracing`] sets up logging.
+//! (versitygw) on loopback for the duration of a test, [`kube::KubeCluster`] a real Kubernetes
+//! control plane, [`MotoServer`] moto (S3 that enforces signatures and IAM policies, STS, IAM)
+//! and [`PodIdentityAgent`] an EKS Pod Identity agent stand-in for the credentials tests, and
+//! [`init_tracing`] sets up logging.
 //!
 //! versitygw is found through `$FERRY_VERSITYGW`, then `$HOME/.cache/ferry-tools/bin/versitygw`,
 //! then `PATH`. Without it, [`S3Server::start`] panics with install instructions: tests that need
@@ -21,7 +24,12 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod kube;
+
 use ferry_store::{S3Config, S3Credentials, S3Options, S3Store};
+
+mod moto;
+pub use moto::{moto_python, MotoServer, MotoSetup, PodIdentityAgent, MOTO_INSTALL_HINT};
 
 /// How to install versitygw; part of every "not found" panic.
 pub const VERSITYGW_INSTALL_HINT: &str = "versitygw (the S3 server the integration tests run) was not found. Install it with:\n    GOBIN=$HOME/.cache/ferry-tools/bin go install github.com/versity/versitygw/cmd/versitygw@v1.7.0\nor point FERRY_VERSITYGW at the binary, or put `versitygw` on PATH.";
@@ -67,6 +75,7 @@ pub struct S3Server {
     root: PathBuf,
     log_path: PathBuf,
     sidecar: bool,
+    tls: bool,
     // Last: removed after the process is gone.
     _dir: tempfile::TempDir,
 }
@@ -87,6 +96,16 @@ impl S3Server {
     /// Panics (with install instructions) if versitygw cannot be found, and with the server's log if
     /// it does not come up. The temp dir is made under `$FERRY_TEST_TMPDIR`, else the system temp dir.
     pub fn start() -> S3Server {
+        Self::start_inner(None)
+    }
+
+    /// Like [`S3Server::start`], serving HTTPS with this certificate and key (PEM files): for
+    /// private-CA tests. [`S3Server::endpoint_url`] is then `https://127.0.0.1:<port>`.
+    pub fn start_tls(cert: &Path, key: &Path) -> S3Server {
+        Self::start_inner(Some((cert.to_path_buf(), key.to_path_buf())))
+    }
+
+    fn start_inner(tls: Option<(PathBuf, PathBuf)>) -> S3Server {
         let bin = versitygw_path().unwrap_or_else(|| panic!("{VERSITYGW_INSTALL_HINT}"));
         let base = std::env::var_os("FERRY_TEST_TMPDIR")
             .map(PathBuf::from)
@@ -115,7 +134,11 @@ impl S3Server {
                 .env("ROOT_SECRET_KEY", SECRET_KEY)
                 .arg("--port")
                 .arg(format!("127.0.0.1:{port}"))
-                .args(["--region", REGION, "--keep-alive", "--quiet", "posix"]);
+                .args(["--region", REGION, "--keep-alive", "--quiet"]);
+            if let Some((cert, key)) = &tls {
+                cmd.arg("--cert").arg(cert).arg("--key").arg(key);
+            }
+            cmd.arg("posix");
             if sidecar {
                 cmd.arg("--sidecar").arg(&meta);
             }
@@ -134,6 +157,7 @@ impl S3Server {
                         root,
                         log_path,
                         sidecar,
+                        tls: tls.is_some(),
                         _dir: dir,
                     }
                 }
@@ -154,9 +178,10 @@ impl S3Server {
         panic!("versitygw could not find a free port\n--- its log ---\n{last_log}");
     }
 
-    /// `http://127.0.0.1:<port>`.
+    /// `http://127.0.0.1:<port>` (`https://` for [`S3Server::start_tls`]).
     pub fn endpoint_url(&self) -> String {
-        format!("http://127.0.0.1:{}", self.port)
+        let scheme = if self.tls { "https" } else { "http" };
+        format!("{scheme}://127.0.0.1:{}", self.port)
     }
 
     pub fn port(&self) -> u16 {

@@ -16,8 +16,12 @@ pub const FORCE_PATH_STYLE: &str = "forcePathStyle";
 pub const DELETE_POLICY: &str = "deletePolicy";
 /// Volume attribute: the volume's prefix inside the bucket.
 pub const PREFIX: &str = "prefix";
-/// Volume attribute: whose credentials the mount uses (`driver` is the only one so far).
+/// Volume attribute: whose credentials the mount uses: `driver` (default; the node plugin's own, or
+/// the node-publish Secret's keys when there is one) or `pod` (the pod's IRSA role or EKS Pod
+/// Identity).
 pub const AUTHENTICATION_SOURCE: &str = "authenticationSource";
+/// Volume attribute: the STS region (and so regional endpoint) for `authenticationSource: pod`.
+pub const STS_REGION: &str = "stsRegion";
 
 /// Keys csi-provisioner adds with `--extra-create-metadata`.
 pub const PVC_NAME: &str = "csi.storage.k8s.io/pvc/name";
@@ -37,6 +41,8 @@ pub const POD_NAME: &str = "csi.storage.k8s.io/pod.name";
 pub const POD_NAMESPACE: &str = "csi.storage.k8s.io/pod.namespace";
 pub const POD_UID: &str = "csi.storage.k8s.io/pod.uid";
 pub const SERVICE_ACCOUNT_NAME: &str = "csi.storage.k8s.io/serviceAccount.name";
+/// Kubelet's service-account tokens (CSIDriver `tokenRequests`): JSON by audience.
+pub const SERVICE_ACCOUNT_TOKENS: &str = "csi.storage.k8s.io/serviceAccount.tokens";
 pub const EPHEMERAL: &str = "csi.storage.k8s.io/ephemeral";
 
 /// Whether a key is set by Kubernetes components (never an error, never ours).

@@ -15,7 +15,7 @@ pub mod validate;
 pub use id::VolumeId;
 pub use options::{MetadataTtl, MountOptions};
 pub use params::{DeletePolicy, StorageClassParams};
-pub use spec::VolumeSpec;
+pub use spec::{AuthenticationSource, VolumeSpec};
 
 /// The CSI driver name: the `provisioner` of a StorageClass and the `driver` of a PV.
 pub const DRIVER_NAME: &str = "s3.csi.ferry.dev";

@@ -2,7 +2,7 @@
 
 use std::collections::HashMap;
 
-use crate::{keys, validate, Endpoint, VolumeError};
+use crate::{keys, validate, AuthenticationSource, Endpoint, VolumeError};
 
 /// What DeleteVolume does to the data under the volume's prefix.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -23,6 +23,10 @@ pub struct StorageClassParams {
     pub prefix_template: Template,
     pub endpoint: Endpoint,
     pub delete_policy: DeletePolicy,
+    /// `authenticationSource`, passed on to the node in the volume context.
+    pub authentication: AuthenticationSource,
+    /// `stsRegion`, passed on to the node in the volume context.
+    pub sts_region: Option<String>,
 }
 
 const WHAT: &str = "StorageClass parameter";
@@ -36,6 +40,8 @@ impl StorageClassParams {
         let mut template = Template::default();
         let mut endpoint = Endpoint::default();
         let mut delete_policy = DeletePolicy::Retain;
+        let mut authentication = AuthenticationSource::Driver;
+        let mut sts_region = None;
         let mut sorted: Vec<_> = params.iter().collect();
         sorted.sort();
         for (k, v) in sorted {
@@ -45,6 +51,13 @@ impl StorageClassParams {
             match k.as_str() {
                 keys::BASE_PREFIX => base_prefix = validate::prefix(k, v, true)?,
                 keys::PREFIX_TEMPLATE => template = Template::parse(v)?,
+                keys::AUTHENTICATION_SOURCE => {
+                    authentication = crate::spec::authentication_source(WHAT, k, v)?
+                }
+                keys::STS_REGION => {
+                    validate::region(k, v)?;
+                    sts_region = Some(v.clone());
+                }
                 keys::DELETE_POLICY => {
                     delete_policy = match v.as_str() {
                         "retain" | "Retain" => DeletePolicy::Retain,
@@ -86,7 +99,21 @@ impl StorageClassParams {
             prefix_template: template,
             endpoint,
             delete_policy,
+            authentication,
+            sts_region,
         })
+    }
+
+    /// What the node needs besides the volume id: `authenticationSource` and `stsRegion`, when set.
+    pub fn node_context(&self) -> HashMap<String, String> {
+        let mut ctx = HashMap::new();
+        if self.authentication == AuthenticationSource::Pod {
+            ctx.insert(keys::AUTHENTICATION_SOURCE.to_string(), "pod".to_string());
+        }
+        if let Some(r) = &self.sts_region {
+            ctx.insert(keys::STS_REGION.to_string(), r.clone());
+        }
+        ctx
     }
 
     /// The prefix of the volume named `name`: `basePrefix` + the expanded template + `/`.
@@ -249,6 +276,27 @@ mod tests {
             p.volume_prefix("pvc-1", &params).unwrap(),
             "k8s/ml/claim/pvc-1/"
         );
+    }
+
+    #[test]
+    fn pod_authentication_is_passed_to_the_node() {
+        let p = StorageClassParams::parse(&map(&[
+            ("bucketName", "data"),
+            ("authenticationSource", "pod"),
+            ("stsRegion", "eu-west-1"),
+        ]))
+        .unwrap();
+        let ctx = p.node_context();
+        assert_eq!(ctx["authenticationSource"], "pod");
+        assert_eq!(ctx["stsRegion"], "eu-west-1");
+        let p = StorageClassParams::parse(&map(&[("bucketName", "data")])).unwrap();
+        assert!(p.node_context().is_empty());
+        let e = StorageClassParams::parse(&map(&[
+            ("bucketName", "data"),
+            ("authenticationSource", "node"),
+        ]))
+        .unwrap_err();
+        assert!(e.to_string().contains("authenticationSource"), "{e}");
     }
 
     #[test]

@@ -13,6 +13,20 @@ pub struct VolumeSpec {
     pub prefix: String,
     pub endpoint: Endpoint,
     pub options: MountOptions,
+    /// Whose credentials sign the mount's requests.
+    pub authentication: AuthenticationSource,
+    /// `stsRegion`: the STS region for pod-level IRSA.
+    pub sts_region: Option<String>,
+}
+
+/// The `authenticationSource` volume attribute.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub enum AuthenticationSource {
+    /// The node plugin's credentials, or the node-publish Secret's keys when kubelet passes one.
+    #[default]
+    Driver,
+    /// The pod's own identity: IRSA or EKS Pod Identity.
+    Pod,
 }
 
 const WHAT: &str = "volume attribute";
@@ -32,6 +46,23 @@ pub fn volume_context(id: &VolumeId) -> HashMap<String, String> {
         ctx.insert(keys::FORCE_PATH_STYLE.to_string(), "true".to_string());
     }
     ctx
+}
+
+/// Parses `authenticationSource`: `driver` (or empty) or `pod`.
+pub(crate) fn authentication_source(
+    what: &'static str,
+    key: &str,
+    v: &str,
+) -> Result<AuthenticationSource, VolumeError> {
+    match v {
+        "driver" | "" => Ok(AuthenticationSource::Driver),
+        "pod" => Ok(AuthenticationSource::Pod),
+        other => Err(VolumeError::invalid(
+            what,
+            key,
+            format!("{other:?}: must be \"driver\" or \"pod\""),
+        )),
+    }
 }
 
 fn merge(
@@ -61,6 +92,8 @@ impl VolumeSpec {
         let mut bucket = None;
         let mut prefix = None;
         let mut endpoint = Endpoint::default();
+        let mut authentication = AuthenticationSource::Driver;
+        let mut sts_region = None;
         let mut sorted: Vec<_> = context.iter().collect();
         sorted.sort();
         for (k, v) in sorted {
@@ -69,16 +102,11 @@ impl VolumeSpec {
             }
             match k.as_str() {
                 keys::PREFIX => prefix = Some(validate::prefix(k, v, true)?),
-                keys::AUTHENTICATION_SOURCE => match v.as_str() {
-                    "driver" | "" => {}
-                    other => {
-                        return Err(VolumeError::Unsupported {
-                            what: WHAT,
-                            key: k.clone(),
-                            reason: format!("{other:?}: only \"driver\" is supported"),
-                        })
-                    }
-                },
+                keys::AUTHENTICATION_SOURCE => authentication = authentication_source(WHAT, k, v)?,
+                keys::STS_REGION => {
+                    validate::region(k, v)?;
+                    sts_region = Some(v.clone());
+                }
                 keys::EPHEMERAL if v == "true" => {
                     return Err(VolumeError::Unsupported {
                         what: WHAT,
@@ -113,6 +141,8 @@ impl VolumeSpec {
             prefix,
             endpoint,
             options,
+            authentication,
+            sts_region,
         })
     }
 }
@@ -175,6 +205,21 @@ mod tests {
     }
 
     #[test]
+    fn pod_authentication() {
+        let mut ctx = map(&[
+            ("bucketName", "b-1"),
+            ("authenticationSource", "pod"),
+            ("stsRegion", "eu-west-1"),
+        ]);
+        ctx.insert(keys::SERVICE_ACCOUNT_TOKENS.into(), "{}".into());
+        let spec = VolumeSpec::from_publish::<&str>(&ctx, &[]).unwrap();
+        assert_eq!(spec.authentication, AuthenticationSource::Pod);
+        assert_eq!(spec.sts_region.as_deref(), Some("eu-west-1"));
+        let spec = VolumeSpec::from_publish::<&str>(&map(&[("bucketName", "b-1")]), &[]).unwrap();
+        assert_eq!(spec.authentication, AuthenticationSource::Driver);
+    }
+
+    #[test]
     fn errors() {
         let e = VolumeSpec::from_publish::<&str>(&HashMap::new(), &[]).unwrap_err();
         assert!(e.to_string().contains("bucketName"));
@@ -191,10 +236,16 @@ mod tests {
         .unwrap_err();
         assert!(e.to_string().contains("colour"), "{e}");
         let e = VolumeSpec::from_publish::<&str>(
-            &map(&[("bucketName", "b-1"), ("authenticationSource", "pod")]),
+            &map(&[("bucketName", "b-1"), ("authenticationSource", "node")]),
             &[],
         )
         .unwrap_err();
         assert!(e.to_string().contains("authenticationSource"), "{e}");
+        let e = VolumeSpec::from_publish::<&str>(
+            &map(&[("bucketName", "b-1"), ("stsRegion", "not a region")]),
+            &[],
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("stsRegion"), "{e}");
     }
 }

@@ -2,7 +2,7 @@
 //! real binaries, a real S3 server on loopback and real FUSE mounts.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 
@@ -33,6 +33,12 @@ enum Cmd {
     /// Check what a node plugin restart does to live mounts: SIGTERM leaves them in place (dead,
     /// ENOTCONN), and a new process's NodeUnpublish detaches them and removes the target.
     Restart,
+    /// Driver-level IRSA through the real binaries: both run with `AWS_ROLE_ARN` and
+    /// `AWS_WEB_IDENTITY_TOKEN_FILE` only (STS and S3 on moto, IAM enforced, logs at trace level),
+    /// provision, mount, write, read and delete; then a pod-level IRSA volume through the node
+    /// binary (ServiceAccount and TokenRequest tokens from a real kube-apiserver, found through
+    /// KUBECONFIG); then no token or session token is in their logs.
+    DriverIrsa,
     /// Run csi-sanity against the controller and node, with test volumes on a real S3 server.
     Sanity {
         /// The csi-sanity binary (default: $FERRY_TOOLS/csi-sanity, then PATH).
@@ -52,6 +58,7 @@ fn main() -> Result<()> {
             Cmd::Demo { keep } => demo(keep).await,
             Cmd::Sanity { csi_sanity, extra } => sanity(csi_sanity, extra).await,
             Cmd::Restart => restart().await,
+            Cmd::DriverIrsa => driver_irsa().await,
         }
     })
 }
@@ -228,6 +235,259 @@ async fn demo(keep: bool) -> Result<()> {
         left.objects.len()
     );
     say("demo complete");
+    Ok(())
+}
+
+async fn driver_irsa() -> Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+    say("starting moto (S3, STS, IAM; IAM enforced) with a bucket and the driver's role");
+    let moto = ferry_testkit::MotoServer::start();
+    let bucket = "ferry-driver-irsa";
+    let all = format!(
+        r#"[{{"Effect": "Allow", "Action": ["s3:*"], "Resource": ["arn:aws:s3:::{bucket}", "arn:aws:s3:::{bucket}/*"]}}]"#
+    );
+    let pod_policy = format!(
+        r#"[{{"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": ["arn:aws:s3:::{bucket}"]}}, {{"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": ["arn:aws:s3:::{bucket}/static/*"]}}]"#
+    );
+    let setup = moto.setup(
+        &[(
+            bucket,
+            &[("static/hello.txt", "hello through the driver's role")],
+        )],
+        &[],
+        &[("ferry-driver", &all), ("pod-reader", &pod_policy)],
+    );
+    let role = setup.roles["ferry-driver"].clone();
+    say("starting a Kubernetes control plane (etcd, kube-apiserver) for the pod-level step");
+    let cluster = ferry_testkit::kube::KubeCluster::start()
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let kube = cluster.client().map_err(|e| anyhow::anyhow!("{e}"))?;
+    // The projected token as EKS mounts it: a private directory, a 0600 file.
+    let private = tempfile::Builder::new().prefix("ferry-irsa-").tempdir()?;
+    let token_dir = private.path().join("eks.amazonaws.com/serviceaccount");
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(&token_dir)?;
+    let token = "driver-web-identity-token.eyJpc3MiOiJmZXJyeS10ZXN0In0.sig";
+    let token_file = token_dir.join("token");
+    std::fs::OpenOptions::new()
+        .create_new(true)
+        .write(true)
+        .mode(0o600)
+        .open(&token_file)?
+        .write_all(token.as_bytes())?;
+    let env = vec![
+        ("AWS_ACCESS_KEY_ID".to_string(), None),
+        ("AWS_SECRET_ACCESS_KEY".to_string(), None),
+        ("AWS_ROLE_ARN".to_string(), Some(role.clone())),
+        (
+            "AWS_WEB_IDENTITY_TOKEN_FILE".to_string(),
+            Some(token_file.display().to_string()),
+        ),
+        (
+            "AWS_ROLE_SESSION_NAME".to_string(),
+            Some("ferry-driver".into()),
+        ),
+        (
+            "AWS_ENDPOINT_URL_STS".to_string(),
+            Some(moto.endpoint_url()),
+        ),
+        ("FERRY_ENDPOINT_URL".to_string(), Some(moto.endpoint_url())),
+        ("FERRY_LOG".to_string(), Some("trace".into())),
+        (
+            "KUBECONFIG".to_string(),
+            Some(cluster.kubeconfig().display().to_string()),
+        ),
+    ];
+    say(&format!(
+        "starting ferry-controller and ferry-node with AWS_ROLE_ARN={role} and a web identity token file"
+    ));
+    let plugin = Plugin::start_with_env(&bin_dir()?, env).await?;
+    println!("    logs in {}", plugin.dir.path().display());
+
+    say("CreateVolume (the controller's LIST is signed with the assumed role's credentials)");
+    let mut ctrl = plugin.controller().await?;
+    let params: HashMap<String, String> = [
+        ("bucketName", bucket),
+        ("basePrefix", "dyn"),
+        ("deletePolicy", "delete"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let cap = mount_capability(Mode::SingleNodeWriter, &["allow-delete"]);
+    let vol = ctrl
+        .create_volume(pb::CreateVolumeRequest {
+            name: "pvc-irsa".into(),
+            parameters: params,
+            volume_capabilities: vec![cap.clone()],
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .volume
+        .context("CreateVolume returned no volume")?;
+
+    say("NodePublishVolume, write and read back through the mount");
+    let mut node = plugin.node().await?;
+    let target = plugin.target_path("pod-irsa", "pvc-irsa")?;
+    node.node_publish_volume(pb::NodePublishVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(cap.clone()),
+        volume_context: vol.volume_context.clone(),
+        ..Default::default()
+    })
+    .await?;
+    let t = target.clone();
+    tokio::task::spawn_blocking(move || -> Result<()> {
+        std::fs::write(t.join("written.txt"), b"written by the driver's role")?;
+        let back = std::fs::read(t.join("written.txt"))?;
+        if back != b"written by the driver's role" {
+            bail!("read back {:?}", String::from_utf8_lossy(&back));
+        }
+        Ok(())
+    })
+    .await??;
+    node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        target_path: target.display().to_string(),
+    })
+    .await?;
+
+    say("a static PV: read an object put there at set-up");
+    let target = plugin.target_path("pod-irsa", "pv-static")?;
+    let ctx: HashMap<String, String> = [("bucketName", bucket), ("prefix", "static/")]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect();
+    node.node_publish_volume(pb::NodePublishVolumeRequest {
+        volume_id: "pv-static".into(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(mount_capability(Mode::MultiNodeReaderOnly, &[])),
+        volume_context: ctx,
+        readonly: true,
+        ..Default::default()
+    })
+    .await?;
+    let t = target.clone();
+    let got = tokio::task::spawn_blocking(move || std::fs::read(t.join("hello.txt"))).await??;
+    if got != b"hello through the driver's role" {
+        bail!("read {:?}", String::from_utf8_lossy(&got));
+    }
+    node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+        volume_id: "pv-static".into(),
+        target_path: target.display().to_string(),
+    })
+    .await?;
+
+    say("pod-level IRSA through the node binary: ServiceAccount ml/reader → role pod-reader");
+    let apply = |obj: serde_json::Value| {
+        let kube = kube.clone();
+        async move {
+            kube.apply(&obj, "ml", "ferry-harness", ferry_kube::DryRun::No)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))
+        }
+    };
+    apply(serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ml"}}))
+        .await?;
+    apply(
+        serde_json::json!({"apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": "reader", "namespace": "ml",
+                     "annotations": {"eks.amazonaws.com/role-arn": setup.roles["pod-reader"]}}}),
+    )
+    .await?;
+    let mut pod_tokens = Vec::new();
+    let pod_ctx = |tokens: &[String]| {
+        let v = serde_json::json!({
+            "sts.amazonaws.com": {"token": tokens[0], "expirationTimestamp": "2099-01-01T00:00:00Z"},
+            "pods.eks.amazonaws.com": {"token": tokens[1], "expirationTimestamp": "2099-01-01T00:00:00Z"},
+        });
+        let ctx: HashMap<String, String> = [
+            ("bucketName", bucket),
+            ("prefix", "static/"),
+            ("authenticationSource", "pod"),
+            ("csi.storage.k8s.io/pod.namespace", "ml"),
+            ("csi.storage.k8s.io/pod.name", "trainer-0"),
+            ("csi.storage.k8s.io/pod.uid", "pod-level"),
+            ("csi.storage.k8s.io/serviceAccount.name", "reader"),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .chain([(
+            "csi.storage.k8s.io/serviceAccount.tokens".to_string(),
+            v.to_string(),
+        )])
+        .collect();
+        ctx
+    };
+    let target = plugin.target_path("pod-level", "pv-pod")?;
+    for round in 0..2 {
+        let mut tokens = Vec::new();
+        for aud in ["sts.amazonaws.com", "pods.eks.amazonaws.com"] {
+            let t = kube
+                .create_token("ml", "reader", &[aud], 3600)
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            tokens.push(t.token.expose().to_string());
+        }
+        node.node_publish_volume(pb::NodePublishVolumeRequest {
+            volume_id: "pv-pod".into(),
+            target_path: target.display().to_string(),
+            volume_capability: Some(mount_capability(Mode::MultiNodeReaderOnly, &[])),
+            volume_context: pod_ctx(&tokens),
+            readonly: true,
+            ..Default::default()
+        })
+        .await
+        .with_context(|| format!("pod-level publish, round {round}"))?;
+        pod_tokens.extend(tokens);
+        let t = target.clone();
+        let got = tokio::task::spawn_blocking(move || std::fs::read(t.join("hello.txt"))).await??;
+        if got != b"hello through the driver's role" {
+            bail!("pod-level read {:?}", String::from_utf8_lossy(&got));
+        }
+    }
+    node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+        volume_id: "pv-pod".into(),
+        target_path: target.display().to_string(),
+    })
+    .await?;
+
+    say("DeleteVolume (deletePolicy delete, as the role)");
+    ctrl.delete_volume(pb::DeleteVolumeRequest {
+        volume_id: vol.volume_id.clone(),
+        ..Default::default()
+    })
+    .await?;
+
+    say("no token and no session token in either binary's trace-level log");
+    let log = std::fs::read_to_string(plugin.log_path("ferry-node"))?;
+    if !log.contains("TRACE") {
+        bail!("ferry-node did not log at trace level");
+    }
+    if !log.contains("AssumeRoleWithWebIdentity") {
+        bail!("ferry-node's log shows no AssumeRoleWithWebIdentity: was the role used?");
+    }
+    // The pod-level volume signed with the pod's role, and the republish swapped its token in.
+    for expect in [
+        "pod-level credentials enabled",
+        "fetched pod credentials",
+        "role/pod-reader",
+        "republished: token renewed",
+    ] {
+        if !log.contains(expect) {
+            bail!("ferry-node's log lacks {expect:?}");
+        }
+    }
+    // Every session token moto issues starts with this.
+    let mut secrets: Vec<&str> = vec![token, "FQoGZXIvYXdzEBYaD"];
+    secrets.extend(pod_tokens.iter().map(String::as_str));
+    plugin.check_logs_for_secrets(&secrets)?;
+    say("driver-level and pod-level IRSA through the binaries: OK");
     Ok(())
 }
 

@@ -1,0 +1,489 @@
+//! [`KubeCluster`]: a real Kubernetes control plane on loopback for tests and the e2e: etcd,
+//! kube-apiserver and kube-controller-manager (only the PersistentVolume controllers: no kubelet,
+//! no scheduler, no pods run). Certificates and the service account signing key are generated
+//! with the `openssl` CLI into a temp dir; the admin credential is a client certificate in
+//! `system:masters`. Everything is killed and removed on drop.
+//!
+//! The binaries are found as `$FERRY_TOOLS/<name>`, then `~/.cache/ferry-tools/bin/<name>`, then
+//! `PATH`; `scripts/kube-tools.sh` builds them from the Go module proxy.
+//!
+//! The API server accepts service account tokens for the audiences in [`API_AUDIENCES`] (its own
+//! issuer, `sts.amazonaws.com` for IRSA, `pods.eks.amazonaws.com` for EKS Pod Identity), so
+//! TokenRequest can issue what kubelet would hand a CSI driver.
+
+use std::fs::File;
+use std::net::{SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use ferry_kube::{Client, Config};
+
+use crate::{free_port, read_log};
+
+/// The service account issuer of the test cluster.
+pub const ISSUER: &str = "https://kubernetes.default.svc.cluster.local";
+/// Audiences the test API server accepts in service account tokens.
+pub const API_AUDIENCES: &[&str] = &[ISSUER, "sts.amazonaws.com", "pods.eks.amazonaws.com"];
+/// The controllers kube-controller-manager runs: the PV binder (binds PVCs and PVs and marks
+/// PVCs for external provisioners with `volume.kubernetes.io/storage-provisioner`) and the
+/// protection finalizers' controllers, which let deleted PVCs and PVs go away.
+pub const CONTROLLERS: &str = "persistentvolume-binder-controller,persistentvolume-protection-controller,persistentvolumeclaim-protection-controller,serviceaccount-controller";
+
+/// How long the control plane may take to become ready (a loaded 2-core machine is slow).
+pub const READY_TIMEOUT: Duration = Duration::from_secs(180);
+
+/// How to get the binaries; part of every "not found" error.
+pub const KUBE_TOOLS_HINT: &str = "build them with ./scripts/kube-tools.sh (into ~/.cache/ferry-tools/bin), or set FERRY_TOOLS to the directory holding them";
+
+/// Why the cluster could not start; names the step and carries the process's log.
+#[derive(Debug, thiserror::Error)]
+pub enum KubeClusterError {
+    #[error("{name} was not found: {KUBE_TOOLS_HINT}")]
+    ToolMissing { name: String },
+    #[error("{step}: {reason}")]
+    Setup { step: String, reason: String },
+    #[error(
+        "{name} did not become ready: {reason}\n--- last lines of its log ({log_path}) ---\n{log}"
+    )]
+    NotReady {
+        name: String,
+        reason: String,
+        log_path: PathBuf,
+        log: String,
+    },
+}
+
+type Result<T> = std::result::Result<T, KubeClusterError>;
+
+/// Where a tool is: `$FERRY_TOOLS/NAME`, `~/.cache/ferry-tools/bin/NAME`, then `PATH`.
+pub fn tool_path(name: &str) -> Option<PathBuf> {
+    if let Some(dir) = std::env::var_os("FERRY_TOOLS") {
+        let p = Path::new(&dir).join(name);
+        if p.is_file() {
+            return Some(p);
+        }
+    }
+    if let Some(home) = std::env::var_os("HOME") {
+        let p = Path::new(&home).join(".cache/ferry-tools/bin").join(name);
+        if p.is_file() {
+            return Some(p);
+        }
+    }
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| p.is_file())
+}
+
+/// A running etcd + kube-apiserver + kube-controller-manager on 127.0.0.1.
+pub struct KubeCluster {
+    children: Vec<(String, Child)>,
+    port: u16,
+    kubeconfig: PathBuf,
+    dir: tempfile::TempDir,
+    /// How long each component took to come up, for reports.
+    pub startup: Vec<(String, Duration)>,
+}
+
+impl std::fmt::Debug for KubeCluster {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("KubeCluster")
+            .field("server", &self.server())
+            .field("dir", &self.dir.path())
+            .finish_non_exhaustive()
+    }
+}
+
+impl KubeCluster {
+    /// Generates certificates, starts etcd, kube-apiserver and kube-controller-manager, and waits
+    /// until the API server's `/readyz` answers ok. The temp dir is made under
+    /// `$FERRY_TEST_TMPDIR`, else the system temp dir.
+    pub async fn start() -> Result<KubeCluster> {
+        let etcd = tool("etcd")?;
+        let apiserver = tool("kube-apiserver")?;
+        let kcm = tool("kube-controller-manager")?;
+        let base = std::env::var_os("FERRY_TEST_TMPDIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(std::env::temp_dir);
+        let dir = tempfile::Builder::new()
+            .prefix("ferry-kube-")
+            .tempdir_in(&base)
+            .map_err(|e| setup("creating a temp dir", e))?;
+        let pki = dir.path().join("pki");
+        std::fs::create_dir_all(&pki).map_err(|e| setup("creating the pki dir", e))?;
+        generate_pki(&pki)?;
+
+        let mut cluster = KubeCluster {
+            children: Vec::new(),
+            port: free_port(),
+            kubeconfig: dir.path().join("kubeconfig"),
+            dir,
+            startup: Vec::new(),
+        };
+        let d = cluster.dir.path().to_path_buf();
+
+        // etcd
+        let t0 = Instant::now();
+        let (client_port, peer_port) = (free_port(), free_port());
+        let etcd_url = format!("http://127.0.0.1:{client_port}");
+        let peer_url = format!("http://127.0.0.1:{peer_port}");
+        cluster.spawn(
+            "etcd",
+            &etcd,
+            &[
+                "--name=ferry-test",
+                &format!("--data-dir={}", d.join("etcd").display()),
+                &format!("--listen-client-urls={etcd_url}"),
+                &format!("--advertise-client-urls={etcd_url}"),
+                &format!("--listen-peer-urls={peer_url}"),
+                &format!("--initial-advertise-peer-urls={peer_url}"),
+                &format!("--initial-cluster=ferry-test={peer_url}"),
+                "--unsafe-no-fsync",
+                "--log-level=warn",
+            ],
+        )?;
+        cluster
+            .wait_for_port("etcd", client_port, READY_TIMEOUT)
+            .await?;
+        cluster.startup.push(("etcd".into(), t0.elapsed()));
+
+        // kube-apiserver
+        let t0 = Instant::now();
+        let p = |f: &str| pki.join(f).display().to_string();
+        cluster.spawn(
+            "kube-apiserver",
+            &apiserver,
+            &[
+                &format!("--etcd-servers={etcd_url}"),
+                "--bind-address=127.0.0.1",
+                "--advertise-address=127.0.0.1",
+                &format!("--secure-port={}", cluster.port),
+                &format!("--cert-dir={}", d.join("apiserver").display()),
+                &format!("--tls-cert-file={}", p("server.crt")),
+                &format!("--tls-private-key-file={}", p("server.key")),
+                &format!("--client-ca-file={}", p("ca.crt")),
+                &format!("--service-account-issuer={ISSUER}"),
+                &format!("--service-account-key-file={}", p("sa.pub")),
+                &format!("--service-account-signing-key-file={}", p("sa.key")),
+                &format!("--api-audiences={}", API_AUDIENCES.join(",")),
+                "--authorization-mode=Node,RBAC",
+                "--service-cluster-ip-range=10.0.0.0/24",
+                "--allow-privileged=true",
+                "--profiling=false",
+                "--enable-priority-and-fairness=false",
+            ],
+        )?;
+        let client = cluster.client()?;
+        cluster.write_kubeconfig(&pki)?;
+        cluster.wait_ready(&client).await?;
+        cluster
+            .startup
+            .push(("kube-apiserver".into(), t0.elapsed()));
+
+        // kube-controller-manager: only the PV controllers, no serving port, no leader election.
+        let t0 = Instant::now();
+        let kubeconfig = cluster.kubeconfig.display().to_string();
+        cluster.spawn(
+            "kube-controller-manager",
+            &kcm,
+            &[
+                &format!("--kubeconfig={kubeconfig}"),
+                &format!("--controllers={CONTROLLERS}"),
+                "--leader-elect=false",
+                "--secure-port=0",
+                "--use-service-account-credentials=false",
+                "--profiling=false",
+            ],
+        )?;
+        cluster.wait_controller_manager(&client).await?;
+        cluster
+            .startup
+            .push(("kube-controller-manager".into(), t0.elapsed()));
+        Ok(cluster)
+    }
+
+    /// `https://127.0.0.1:<port>`.
+    pub fn server(&self) -> String {
+        format!("https://127.0.0.1:{}", self.port)
+    }
+
+    /// A kubeconfig with the admin credential (for csi-provisioner, kubectl, `--kubeconfig`).
+    pub fn kubeconfig(&self) -> &Path {
+        &self.kubeconfig
+    }
+
+    /// The temp dir holding logs (`<name>.log`), certificates and etcd's data.
+    pub fn dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    /// A component's log so far.
+    pub fn log(&self, name: &str) -> String {
+        read_log(&self.dir.path().join(format!("{name}.log")))
+    }
+
+    /// An admin client.
+    pub fn client(&self) -> Result<Client> {
+        let pki = self.dir.path().join("pki");
+        let read =
+            |f: &str| std::fs::read(pki.join(f)).map_err(|e| setup(&format!("reading pki/{f}"), e));
+        Client::new(Config {
+            server: self.server(),
+            ca_pem: Some(read("ca.crt")?),
+            auth: ferry_kube::Auth::ClientCert {
+                cert_pem: read("admin.crt")?,
+                key_pem: ferry_kube::Secret::new(
+                    String::from_utf8(read("admin.key")?).unwrap_or_default(),
+                ),
+            },
+            namespace: "default".into(),
+            source: "KubeCluster admin".into(),
+        })
+        .map_err(|e| setup("building the admin client", e))
+    }
+
+    fn write_kubeconfig(&self, pki: &Path) -> Result<()> {
+        use base64::Engine;
+        let b64 = |f: &str| {
+            std::fs::read(pki.join(f))
+                .map(|b| base64::engine::general_purpose::STANDARD.encode(b))
+                .map_err(|e| setup(&format!("reading pki/{f}"), e))
+        };
+        let text = format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: ferry-test\nclusters:\n- name: ferry-test\n  cluster:\n    server: {}\n    certificate-authority-data: {}\ncontexts:\n- name: ferry-test\n  context:\n    cluster: ferry-test\n    user: admin\n    namespace: default\nusers:\n- name: admin\n  user:\n    client-certificate-data: {}\n    client-key-data: {}\n",
+            self.server(),
+            b64("ca.crt")?,
+            b64("admin.crt")?,
+            b64("admin.key")?,
+        );
+        std::fs::write(&self.kubeconfig, text).map_err(|e| setup("writing the kubeconfig", e))
+    }
+
+    fn spawn(&mut self, name: &str, bin: &Path, args: &[&str]) -> Result<()> {
+        let log_path = self.dir.path().join(format!("{name}.log"));
+        let log = File::create(&log_path).map_err(|e| setup(&format!("creating {name}.log"), e))?;
+        let err = log
+            .try_clone()
+            .map_err(|e| setup(&format!("cloning {name}.log"), e))?;
+        let child = Command::new(bin)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(log)
+            .stderr(err)
+            .spawn()
+            .map_err(|e| setup(&format!("starting {}", bin.display()), e))?;
+        self.children.push((name.to_string(), child));
+        Ok(())
+    }
+
+    fn not_ready(&self, name: &str, reason: String) -> KubeClusterError {
+        let log_path = self.dir.path().join(format!("{name}.log"));
+        let log = read_log(&log_path);
+        let lines: Vec<&str> = log.lines().collect();
+        let tail = lines[lines.len().saturating_sub(40)..].join("\n");
+        KubeClusterError::NotReady {
+            name: name.to_string(),
+            reason,
+            log_path,
+            log: tail,
+        }
+    }
+
+    /// Fails if any component has exited.
+    fn check_alive(&mut self) -> Result<()> {
+        let mut dead = None;
+        for (name, child) in &mut self.children {
+            if let Ok(Some(status)) = child.try_wait() {
+                dead = Some((name.clone(), status));
+                break;
+            }
+        }
+        match dead {
+            Some((name, status)) => Err(self.not_ready(&name, format!("it exited with {status}"))),
+            None => Ok(()),
+        }
+    }
+
+    async fn wait_for_port(&mut self, name: &str, port: u16, timeout: Duration) -> Result<()> {
+        let addr = SocketAddr::from(([127, 0, 0, 1], port));
+        let deadline = Instant::now() + timeout;
+        loop {
+            self.check_alive()?;
+            if TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_ok() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(self.not_ready(name, format!("port {port} closed after {timeout:?}")));
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    async fn wait_ready(&mut self, client: &Client) -> Result<()> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            self.check_alive()?;
+            let last = match client.readyz().await {
+                Ok(()) => return Ok(()),
+                Err(e) => e.to_string(),
+            };
+            if Instant::now() > deadline {
+                return Err(self.not_ready(
+                    "kube-apiserver",
+                    format!("/readyz not ok after {READY_TIMEOUT:?}: {last}"),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+
+    /// The controller manager is working once its serviceaccount controller has made the
+    /// `default` ServiceAccount in `default`.
+    async fn wait_controller_manager(&mut self, client: &Client) -> Result<()> {
+        let deadline = Instant::now() + READY_TIMEOUT;
+        loop {
+            self.check_alive()?;
+            let last = match client
+                .get_opt("/api/v1/namespaces/default/serviceaccounts/default")
+                .await
+            {
+                Ok(Some(_)) => return Ok(()),
+                Ok(None) => "no default ServiceAccount yet".to_string(),
+                Err(e) => e.to_string(),
+            };
+            if Instant::now() > deadline {
+                return Err(self.not_ready(
+                    "kube-controller-manager",
+                    format!("not working after {READY_TIMEOUT:?}: {last}"),
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(250)).await;
+        }
+    }
+}
+
+impl Drop for KubeCluster {
+    fn drop(&mut self) {
+        // Reverse start order: controller manager, API server, then etcd.
+        for (_, child) in self.children.iter_mut().rev() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+}
+
+fn tool(name: &str) -> Result<PathBuf> {
+    tool_path(name).ok_or_else(|| KubeClusterError::ToolMissing { name: name.into() })
+}
+
+fn setup(step: &str, e: impl std::fmt::Display) -> KubeClusterError {
+    KubeClusterError::Setup {
+        step: step.to_string(),
+        reason: e.to_string(),
+    }
+}
+
+/// Runs `openssl` with `args` in `dir`.
+fn openssl(dir: &Path, args: &[&str]) -> Result<()> {
+    let out = Command::new("openssl")
+        .args(args)
+        .current_dir(dir)
+        .stdin(Stdio::null())
+        .output()
+        .map_err(|e| setup("running openssl (apt-get install openssl)", e))?;
+    if !out.status.success() {
+        return Err(setup(
+            &format!("openssl {}", args.join(" ")),
+            String::from_utf8_lossy(&out.stderr),
+        ));
+    }
+    Ok(())
+}
+
+/// A CA, the API server's serving certificate (127.0.0.1, localhost), the admin client
+/// certificate (`system:masters`), and the RSA service account signing key.
+fn generate_pki(dir: &Path) -> Result<()> {
+    let ec = [
+        "-newkey",
+        "ec",
+        "-pkeyopt",
+        "ec_paramgen_curve:P-256",
+        "-nodes",
+    ];
+    let mut ca = vec!["req", "-x509"];
+    ca.extend(ec);
+    ca.extend([
+        "-keyout",
+        "ca.key",
+        "-out",
+        "ca.crt",
+        "-days",
+        "7",
+        "-subj",
+        "/CN=ferry-test-ca",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+    ]);
+    openssl(dir, &ca)?;
+    std::fs::write(
+        dir.join("server.ext"),
+        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc\n",
+    )
+    .map_err(|e| setup("writing server.ext", e))?;
+    std::fs::write(
+        dir.join("client.ext"),
+        "basicConstraints=CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n",
+    )
+    .map_err(|e| setup("writing client.ext", e))?;
+    for (name, subj, ext) in [
+        ("server", "/CN=kube-apiserver", "server.ext"),
+        ("admin", "/O=system:masters/CN=ferry-admin", "client.ext"),
+    ] {
+        let (key, csr, crt) = (
+            format!("{name}.key"),
+            format!("{name}.csr"),
+            format!("{name}.crt"),
+        );
+        let mut req = vec!["req", "-new"];
+        req.extend(ec);
+        req.extend(["-keyout", &key, "-out", &csr, "-subj", subj]);
+        openssl(dir, &req)?;
+        openssl(
+            dir,
+            &[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-days",
+                "7",
+                "-out",
+                &crt,
+                "-extfile",
+                ext,
+            ],
+        )?;
+    }
+    openssl(
+        dir,
+        &[
+            "genpkey",
+            "-algorithm",
+            "RSA",
+            "-pkeyopt",
+            "rsa_keygen_bits:2048",
+            "-out",
+            "sa.key",
+        ],
+    )?;
+    openssl(dir, &["pkey", "-in", "sa.key", "-pubout", "-out", "sa.pub"])?;
+    Ok(())
+}
