@@ -6,7 +6,10 @@
 #      tests against a real S3 server (versitygw on loopback) through real FUSE mounts;
 #   4. a node plugin restart with live mounts, through the real binaries;
 #   5. csi-sanity v5.4.0 against ferry-controller and ferry-node on unix sockets, with test volumes
-#      on the real S3 server.
+#      on the real S3 server;
+#   6. the Kubernetes-level e2e (`ferry-harness kube`): etcd, kube-apiserver and
+#      kube-controller-manager on loopback, the chart (charts/ferry) rendered and applied,
+#      csi-provisioner against ferry-controller, PVCs bound and published as kubelet would.
 # Must run as root (FUSE mounts). Exits non-zero on the first failing step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -33,3 +36,6 @@ step "node plugin restart with live mounts (real binaries)"
 
 step "csi-sanity $(cat "$FERRY_TOOLS/.csi-sanity.version" 2>/dev/null)"
 "${CARGO_TARGET_DIR:-target}/debug/ferry-harness" sanity
+
+step "Kubernetes e2e: real kube-apiserver $(cat "$FERRY_TOOLS/.kube-apiserver.version" 2>/dev/null), csi-provisioner $(cat "$FERRY_TOOLS/.csi-provisioner.version" 2>/dev/null)"
+"${CARGO_TARGET_DIR:-target}/debug/ferry-harness" kube

@@ -81,7 +81,9 @@ pub struct KubeCluster {
     children: Vec<(String, Child)>,
     port: u16,
     kubeconfig: PathBuf,
-    dir: tempfile::TempDir,
+    path: PathBuf,
+    /// `None` once [`KubeCluster::keep_dir`] was called.
+    dir: Option<tempfile::TempDir>,
     /// How long each component took to come up, for reports.
     pub startup: Vec<(String, Duration)>,
 }
@@ -90,7 +92,7 @@ impl std::fmt::Debug for KubeCluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KubeCluster")
             .field("server", &self.server())
-            .field("dir", &self.dir.path())
+            .field("dir", &self.path)
             .finish_non_exhaustive()
     }
 }
@@ -118,10 +120,11 @@ impl KubeCluster {
             children: Vec::new(),
             port: free_port(),
             kubeconfig: dir.path().join("kubeconfig"),
-            dir,
+            path: dir.path().to_path_buf(),
+            dir: Some(dir),
             startup: Vec::new(),
         };
-        let d = cluster.dir.path().to_path_buf();
+        let d = cluster.path.clone();
 
         // etcd
         let t0 = Instant::now();
@@ -215,17 +218,25 @@ impl KubeCluster {
 
     /// The temp dir holding logs (`<name>.log`), certificates and etcd's data.
     pub fn dir(&self) -> &Path {
-        self.dir.path()
+        &self.path
+    }
+
+    /// Keeps the temp dir (logs, certificates, etcd data) after drop, for a failure's post-mortem.
+    pub fn keep_dir(&mut self) -> &Path {
+        if let Some(d) = self.dir.take() {
+            let _ = d.keep();
+        }
+        &self.path
     }
 
     /// A component's log so far.
     pub fn log(&self, name: &str) -> String {
-        read_log(&self.dir.path().join(format!("{name}.log")))
+        read_log(&self.path.join(format!("{name}.log")))
     }
 
     /// An admin client.
     pub fn client(&self) -> Result<Client> {
-        let pki = self.dir.path().join("pki");
+        let pki = self.path.join("pki");
         let read =
             |f: &str| std::fs::read(pki.join(f)).map_err(|e| setup(&format!("reading pki/{f}"), e));
         Client::new(Config {
@@ -261,7 +272,7 @@ impl KubeCluster {
     }
 
     fn spawn(&mut self, name: &str, bin: &Path, args: &[&str]) -> Result<()> {
-        let log_path = self.dir.path().join(format!("{name}.log"));
+        let log_path = self.path.join(format!("{name}.log"));
         let log = File::create(&log_path).map_err(|e| setup(&format!("creating {name}.log"), e))?;
         let err = log
             .try_clone()
@@ -278,7 +289,7 @@ impl KubeCluster {
     }
 
     fn not_ready(&self, name: &str, reason: String) -> KubeClusterError {
-        let log_path = self.dir.path().join(format!("{name}.log"));
+        let log_path = self.path.join(format!("{name}.log"));
         let log = read_log(&log_path);
         let lines: Vec<&str> = log.lines().collect();
         let tail = lines[lines.len().saturating_sub(40)..].join("\n");
