@@ -4,8 +4,9 @@
 //! 1. A cluster: our own [`KubeCluster`] (etcd + kube-apiserver + kube-controller-manager on
 //!    loopback), or any cluster through `--kubeconfig` (kind, EKS, ...).
 //! 2. The chart (`charts/ferry`) rendered with `helm template` and every object sent to the API
-//!    server as a server-side dry run (strict field validation), then applied for real on our own
-//!    cluster (on someone else's only with `--apply-chart`: its Deployment would run a second
+//!    server as a server-side dry run (strict field validation) — on our own cluster also against
+//!    a second kube-apiserver emulating Kubernetes [`MIN_KUBE_VERSION`] — then applied for real on
+//!    our own cluster (on someone else's only with `--apply-chart`: its Deployment would run a second
 //!    provisioner for the same driver next to ours).
 //! 3. versitygw, `ferry-controller` (reading PVCs with `--kubeconfig`) and `ferry-node` locally;
 //!    csi-provisioner with `--extra-create-metadata` against the controller's unix socket.
@@ -32,7 +33,7 @@ use ferry_kube::client::query;
 use ferry_kube::{Client, Config, DryRun};
 use ferry_proto::csi::v1 as pb;
 use ferry_store::{ListRequest, ObjectStore, S3Store};
-use ferry_testkit::kube::{tool_path, KubeCluster};
+use ferry_testkit::kube::{tool_path, KubeCluster, KubeClusterOptions};
 use ferry_volume::keys;
 use pb::volume_capability::access_mode::Mode;
 use serde_json::{json, Value};
@@ -206,6 +207,7 @@ async fn steps(
         ns,
         kube_version,
         own_cluster || opts.apply_chart,
+        own_cluster,
     )
     .await?;
 
@@ -553,59 +555,62 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
     Ok(())
 }
 
+/// The oldest Kubernetes minor version the chart must be accepted by; on our own cluster the chart
+/// is also dry-run against a kube-apiserver started with `--emulated-version` of it.
+pub const MIN_KUBE_VERSION: &str = "1.33";
+
 /// Renders the chart, sends every object as a server-side dry run, then (if `apply`) applies it.
+/// With `check_min_version`, also renders it for [`MIN_KUBE_VERSION`] and dry-runs it against a
+/// second API server emulating that version.
 async fn chart(
     opts: &Options,
     kube: &Client,
     ns: &str,
     kube_version: &str,
     apply: bool,
+    check_min_version: bool,
 ) -> Result<()> {
     say(&format!("helm template {}", opts.chart.display()));
-    if !opts.chart.join("Chart.yaml").is_file() {
-        bail!(
-            "no Helm chart at {} (no Chart.yaml): the e2e renders and applies the chart; it must exist",
-            opts.chart.display()
-        );
-    }
-    let helm = tool_path("helm")
-        .context("helm not found: build it with ./scripts/kube-tools.sh or set FERRY_TOOLS")?;
     let version = kube_version.trim_start_matches('v');
     let version = version.split(['-', '+']).next().unwrap_or(version);
-    let out = Command::new(&helm)
-        .args(["template", "ferry"])
-        .arg(&opts.chart)
-        .args(["--namespace", ns, "--kube-version", version])
-        .output()
-        .with_context(|| format!("running {}", helm.display()))?;
-    if !out.status.success() {
-        bail!(
-            "helm template {} failed ({}):\n{}",
-            opts.chart.display(),
-            out.status,
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    let objects = ferry_kube::parse_documents(&String::from_utf8_lossy(&out.stdout))?;
-    ensure!(!objects.is_empty(), "the chart rendered no objects");
-    let mut failures = Vec::new();
-    for o in &objects {
-        if let Err(e) = kube.apply(o, ns, FIELD_MANAGER, DryRun::All).await {
-            failures.push(format!("  {}: {e}", describe(o)));
-        }
-    }
-    if !failures.is_empty() {
-        bail!(
-            "the API server refused {} of {} rendered objects (server-side dry run):\n{}",
-            failures.len(),
-            objects.len(),
-            failures.join("\n")
-        );
-    }
+    let objects = render(&opts.chart, ns, version)?;
+    dry_run(kube, &objects, ns).await?;
     println!(
-        "    {} objects accepted by the API server (dryRun=All, fieldValidation=Strict)",
+        "    {} objects accepted by kube-apiserver {kube_version} (dryRun=All, fieldValidation=Strict)",
         objects.len()
     );
+    if check_min_version {
+        let t0 = Instant::now();
+        let mut old = KubeCluster::start_with(KubeClusterOptions {
+            emulated_version: Some(MIN_KUBE_VERSION.into()),
+            controller_manager: false,
+        })
+        .await?;
+        let old_kube = old.client()?;
+        let result = async {
+            let namespace =
+                json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
+            old_kube
+                .apply(&namespace, ns, FIELD_MANAGER, DryRun::No)
+                .await?;
+            let objects = render(&opts.chart, ns, &format!("{MIN_KUBE_VERSION}.0"))?;
+            dry_run(&old_kube, &objects, ns).await?;
+            Ok::<_, anyhow::Error>(objects.len())
+        }
+        .await;
+        match result {
+            Ok(n) => println!(
+                "    {n} objects accepted by kube-apiserver --emulated-version={MIN_KUBE_VERSION} (started and checked in {:.1} s)",
+                t0.elapsed().as_secs_f64()
+            ),
+            Err(e) => {
+                println!("    its logs kept: {}", old.keep_dir().display());
+                return Err(e.context(format!(
+                    "the chart on Kubernetes {MIN_KUBE_VERSION} (kube-apiserver --emulated-version)"
+                )));
+            }
+        }
+    }
     if apply {
         for o in &objects {
             kube.apply(o, ns, FIELD_MANAGER, DryRun::No)
@@ -618,6 +623,54 @@ async fn chart(
         );
     } else {
         println!("    not applied (someone else's cluster; --apply-chart to apply)");
+    }
+    Ok(())
+}
+
+/// `helm template ferry CHART --namespace NS --kube-version VERSION`, parsed.
+fn render(chart: &Path, ns: &str, version: &str) -> Result<Vec<Value>> {
+    if !chart.join("Chart.yaml").is_file() {
+        bail!(
+            "no Helm chart at {} (no Chart.yaml): the e2e renders and applies the chart; it must exist",
+            chart.display()
+        );
+    }
+    let helm = tool_path("helm")
+        .context("helm not found: build it with ./scripts/kube-tools.sh or set FERRY_TOOLS")?;
+    let out = Command::new(&helm)
+        .args(["template", "ferry"])
+        .arg(chart)
+        .args(["--namespace", ns, "--kube-version", version])
+        .output()
+        .with_context(|| format!("running {}", helm.display()))?;
+    if !out.status.success() {
+        bail!(
+            "helm template {} --kube-version {version} failed ({}):\n{}",
+            chart.display(),
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    let objects = ferry_kube::parse_documents(&String::from_utf8_lossy(&out.stdout))?;
+    ensure!(!objects.is_empty(), "the chart rendered no objects");
+    Ok(objects)
+}
+
+/// Sends every object as a server-side dry run; fails listing every refused object.
+async fn dry_run(kube: &Client, objects: &[Value], ns: &str) -> Result<()> {
+    let mut failures = Vec::new();
+    for o in objects {
+        if let Err(e) = kube.apply(o, ns, FIELD_MANAGER, DryRun::All).await {
+            failures.push(format!("  {}: {e}", describe(o)));
+        }
+    }
+    if !failures.is_empty() {
+        bail!(
+            "the API server refused {} of {} rendered objects (server-side dry run):\n{}",
+            failures.len(),
+            objects.len(),
+            failures.join("\n")
+        );
     }
     Ok(())
 }
