@@ -65,5 +65,7 @@ install_debian_packages
 check_toolchains
 go_tool csi-sanity "$CSI_SANITY_VERSION" github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
 go_tool versitygw "$VERSITYGW_VERSION" github.com/versity/versitygw/cmd/versitygw
+# etcd, kube-apiserver, kube-controller-manager, csi-provisioner, helm v4 and v3 (the chart check and
+# the Kubernetes-level e2e)
 FERRY_TOOLS="$FERRY_TOOLS" "$(dirname "$0")/kube-tools.sh"
 log "tools ready in $FERRY_TOOLS"

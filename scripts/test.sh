@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (.ci/run calls this):
 #   1. installs what it needs (scripts/setup.sh);
-#   2. gates: cargo fmt --check, cargo clippy --all-targets -D warnings;
+#   2. gates: cargo fmt --check, cargo clippy --all-targets -D warnings, the Helm chart's lint/render check;
 #   3. cargo test --workspace: unit tests on the in-memory store, property tests, and integration
 #      tests against a real S3 server (versitygw on loopback) through real FUSE mounts;
 #   4. a node plugin restart with live mounts, through the real binaries;
@@ -25,6 +25,9 @@ cargo fmt --all -- --check
 
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+
+step "Helm chart: helm lint --strict (v4, v3), helm template (defaults, all features, minimal)"
+./scripts/chart-check.sh
 
 step "cargo test --workspace"
 cargo test --workspace --locked --no-fail-fast

@@ -127,10 +127,18 @@ struct FsState {
     hidden_logged: HashSet<String>,
     /// Small objects fetched ahead of listing-order readers.
     small: SmallObjects,
-    /// Per directory: the listing index of the file last opened for reading and how many opens
-    /// in a row followed listing order.
+    /// Per directory: the furthest listing index opened for reading so far and how many opens
+    /// in a row followed listing order (within [`ORDER_SLACK`]).
     order: HashMap<Ino, (usize, u32)>,
 }
+
+/// How far behind a sequential reader its fetched parts are kept, for the kernel's reordered
+/// read-ahead requests.
+const REORDER_KEEP: u64 = 2 << 20;
+
+/// How far ahead of the furthest entry opened so far an open still counts as following the
+/// listing (concurrent readers taking entries in turn open them slightly out of order).
+const ORDER_SLACK: usize = 16;
 
 /// Most directories whose listing-order streak is remembered.
 const ORDER_MAX: usize = 1024;
@@ -1133,7 +1141,9 @@ impl Fs {
 
     /// `read`. Sequential reads are served from parts fetched ahead by tasks (a window that grows
     /// from [`PrefetchConfig::initial_window`] to [`PrefetchConfig::max_window`] as the reader
-    /// consumes parts, as far as the memory budget allows); any other read drops the parts
+    /// consumes parts, as far as the memory budget allows); a read the kernel reordered a little
+    /// behind the stream is served from the parts kept behind the reader or fetched on its own,
+    /// leaving the stream as it is; any other read drops the parts
     /// (aborting their GETs), resets the window and fetches just its range, rounded out to
     /// [`PrefetchConfig::random_align`].
     pub async fn read(&self, fh: u64, offset: u64, size: u32) -> Result<Bytes, FsError> {
@@ -1149,6 +1159,14 @@ impl Fs {
         }
         let end = r.size.min(offset.saturating_add(u64::from(size)));
         let cfg = &self.prefetch;
+        if !r.is_sequential(offset) && r.is_reordered(offset, cfg.part_size) {
+            // The kernel's read-ahead requests for one file run concurrently and can arrive out
+            // of order. A read a little behind the stream that the kept parts do not cover
+            // (REORDER_KEEP) is fetched on its own; the stream, its window and parts stay.
+            let (ino, key, etag) = (r.ino, r.key.clone(), r.etag.clone());
+            drop(g);
+            return self.get(ino, &key, etag.as_deref(), offset..end).await;
+        }
         if !r.is_sequential(offset) {
             r.prefetch.reset();
             r.next_offset = end;
@@ -1167,7 +1185,9 @@ impl Fs {
             // Skipped ahead past everything fetched (still within the tolerance): start there.
             r.prefetch.parts.clear();
         }
-        r.prefetch.consume_before(offset);
+        // Parts are kept a little past the reader, for reads the kernel reorders.
+        r.prefetch
+            .consume_before(offset.saturating_sub(REORDER_KEEP));
         let src = self.source(&r.key, r.etag.as_deref());
         r.prefetch.fill(&src, r.size, offset, cfg, &self.budget);
 
@@ -1218,11 +1238,12 @@ impl Fs {
                 }
             }
         }
-        for _ in 0..r.prefetch.consume_before(end) {
+        for _ in 0..r.prefetch.consume_before(end.saturating_sub(REORDER_KEEP)) {
             r.prefetch.window = (r.prefetch.window * 2).min(cfg.max_window.max(1));
         }
         r.prefetch.fill(&src, r.size, end, cfg, &self.budget);
-        r.next_offset = end;
+        // A reordered read behind the stream does not move its end back.
+        r.next_offset = r.next_offset.max(end);
         Ok(match pieces.len() {
             1 => pieces.pop().expect("one"),
             _ => {
@@ -1236,10 +1257,11 @@ impl Fs {
     }
 
     /// Cross-file prefetch: called when the file `name` of directory `parent` is opened for
-    /// reading. When the opens follow the directory's cached listing (this file is the one after
-    /// the previously opened one), fetches the next small files whole, ahead of their opens:
-    /// 2, 4, 8 … up to [`PrefetchConfig::small_objects_ahead`] while the pattern holds, each
-    /// charged to the budget (none when it is exhausted).
+    /// reading. When the opens follow the directory's cached listing (each one a little past the
+    /// furthest opened so far, or a little behind it: several readers taking entries in turn),
+    /// fetches the small files after the furthest one whole, ahead of their opens: 2, 4, 8 … up
+    /// to [`PrefetchConfig::small_objects_ahead`] while the pattern holds, each charged to the
+    /// budget (none when it is exhausted).
     fn prefetch_following(&self, st: &mut FsState, parent: Ino, name: &str) {
         let cfg = self.prefetch;
         st.small.expire(cfg.small_object_ttl);
@@ -1256,22 +1278,27 @@ impl Fs {
         let Ok(idx) = listing.binary_search_by(|e| e.name.as_str().cmp(name)) else {
             return;
         };
-        let streak = match st.order.get(&parent) {
-            Some(&(last, streak)) if idx == last + 1 => streak + 1,
-            Some(&(last, streak)) if idx == last => streak,
-            _ => 0,
+        // (furthest entry opened, streak): an open a little past the furthest one moves it and
+        // extends the streak; one a little behind it (a concurrent reader) keeps the streak;
+        // anything else starts over.
+        let (front, streak) = match st.order.get(&parent) {
+            Some(&(front, streak)) if idx > front && idx <= front + ORDER_SLACK => {
+                (idx, streak + 1)
+            }
+            Some(&(front, streak)) if idx <= front && idx + ORDER_SLACK > front => (front, streak),
+            _ => (idx, 0),
         };
         if st.order.len() >= ORDER_MAX && !st.order.contains_key(&parent) {
             st.order.clear();
         }
-        st.order.insert(parent, (idx, streak));
+        st.order.insert(parent, (front, streak));
         if streak == 0 {
             return;
         }
         let ahead = (1usize << streak.min(16)).min(cfg.small_objects_ahead);
         let listing = listing.clone();
         let dir_path = dir.path.clone();
-        for e in listing.iter().skip(idx + 1).take(ahead) {
+        for e in listing.iter().skip(front + 1).take(ahead) {
             let Some(meta) = e.meta.as_ref().filter(|_| e.kind == Kind::File) else {
                 continue;
             };

@@ -1198,8 +1198,8 @@ async fn listing_order_opens_prefetch_the_next_small_files() {
 async fn prefetched_small_files_expire_and_respect_the_etag() {
     let mem = MemoryStore::new();
     mem.create_bucket(B);
-    for i in 0..10u8 {
-        mem.insert(B, &format!("ds/f{i}"), data(1000, i));
+    for i in 0..40u8 {
+        mem.insert(B, &format!("ds/f{i:02}"), data(1000, i));
     }
     let budget = MemoryBudget::new(1 << 30);
     let fs = setup_budget(
@@ -1211,21 +1211,26 @@ async fn prefetched_small_files_expire_and_respect_the_etag() {
     let ds = walk(&fs, "ds").await.unwrap().attr.ino;
     list_batched(&fs, ds, 1000, false).await;
     for i in 0..2 {
-        let ino = fs.lookup(ds, n(&format!("f{i}"))).await.unwrap().attr.ino;
+        let ino = fs
+            .lookup(ds, n(&format!("f{i:02}")))
+            .await
+            .unwrap()
+            .attr
+            .ino;
         read_all(&fs, ino, 4096).await;
     }
-    // f2, f3 fetched ahead.
+    // f02, f03 fetched ahead.
     tokio::task::yield_now().await;
     assert_eq!(fs.small_objects_cached(), 2);
     assert_eq!(budget.used(), 2000);
     // Not opened within the TTL: dropped at the next open.
     tokio::time::advance(Duration::from_secs(11)).await;
-    let ino = fs.lookup(ds, n("f5")).await.unwrap().attr.ino;
+    let ino = fs.lookup(ds, n("f30")).await.unwrap().attr.ino;
     read_all(&fs, ino, 4096).await;
     assert_eq!(
         fs.small_objects_cached(),
         0,
-        "expired, and f5 broke the pattern"
+        "expired, and f30 broke the pattern"
     );
     assert_eq!(budget.used(), 0);
 }
@@ -1276,4 +1281,104 @@ async fn zero_ttl_lists_every_time() {
     names(&fs, d).await;
     names(&fs, d).await;
     assert_eq!(store.stats().list, 2);
+}
+
+/// Reads `ino` in `chunk`s in the order `order` gives the chunk indices; returns the bytes put
+/// back in place.
+async fn read_chunks_in(fs: &Fs, ino: Ino, len: usize, chunk: usize, order: &[usize]) -> Vec<u8> {
+    let o = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    let mut out = vec![0u8; len];
+    for &i in order {
+        let got = fs
+            .read(o.fh, (i * chunk) as u64, chunk as u32)
+            .await
+            .unwrap();
+        out[i * chunk..i * chunk + got.len()].copy_from_slice(&got);
+    }
+    fs.release(o.fh).await.unwrap();
+    out
+}
+
+#[tokio::test(start_paused = true)]
+async fn reads_the_kernel_reorders_do_not_restart_the_sequential_stream() {
+    let (mem, store) = faulty();
+    let len = 48 << 20;
+    let body = data(len, 3);
+    mem.insert(B, "f", body.clone());
+    let fs = setup_budget(
+        store,
+        MemoryBudget::default(),
+        PrefetchConfig::default(),
+        MetadataTtl::Indefinite,
+    );
+    let ino = walk(&fs, "f").await.unwrap().attr.ino;
+    let chunk = 1 << 20;
+    let in_order: Vec<usize> = (0..len / chunk).collect();
+    mem.reset_stats();
+    assert_eq!(read_chunks_in(&fs, ino, len, chunk, &in_order).await, body);
+    let sequential_gets = mem.stats().get;
+    // The first reads in order (the kernel's synchronous start), then every pair of
+    // neighbouring reads swapped, as concurrent read-ahead requests can arrive.
+    let mut swapped = in_order.clone();
+    for pair in swapped[4..].chunks_mut(2) {
+        pair.reverse();
+    }
+    mem.reset_stats();
+    assert_eq!(read_chunks_in(&fs, ino, len, chunk, &swapped).await, body);
+    let reordered_gets = mem.stats().get;
+    assert!(
+        reordered_gets <= sequential_gets + 2,
+        "reordered reads restarted the stream: {reordered_gets} GETs against {sequential_gets} in order"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn interleaved_listing_order_readers_still_get_small_files_ahead() {
+    let (mem, store) = faulty();
+    store.set_latency(
+        [ferry_store::Op::Get],
+        Duration::from_millis(50),
+        Duration::ZERO,
+    );
+    let files: Vec<Vec<u8>> = (0..64u8).map(|i| data(64 << 10, i)).collect();
+    for (i, f) in files.iter().enumerate() {
+        mem.insert(B, &format!("ds/f{i:03}"), f.clone());
+    }
+    let budget = MemoryBudget::new(1 << 30);
+    let fs = setup_budget(
+        store,
+        budget.clone(),
+        PrefetchConfig::default(),
+        MetadataTtl::Indefinite,
+    );
+    let ds = walk(&fs, "ds").await.unwrap().attr.ino;
+    list_batched(&fs, ds, 1000, true).await;
+    mem.reset_stats();
+    // Eight readers taking entries in turn open them slightly out of listing order.
+    let order: Vec<usize> = (0..64usize)
+        .collect::<Vec<_>>()
+        .chunks(8)
+        .flat_map(|c| {
+            let mut c = c.to_vec();
+            c.swap(1, 5);
+            c.swap(2, 7);
+            c
+        })
+        .collect();
+    let started = tokio::time::Instant::now();
+    for &i in &order {
+        let ino = fs
+            .lookup(ds, n(&format!("f{i:03}")))
+            .await
+            .unwrap()
+            .attr
+            .ino;
+        assert_eq!(&read_all(&fs, ino, 64 << 10).await, &files[i]);
+    }
+    let s = mem.stats();
+    assert_eq!(s.get, 64, "each file fetched once: {s:?}");
+    // 64 round trips of 50 ms one after the other would be 3.2 s.
+    let took = started.elapsed();
+    assert!(took < Duration::from_millis(1200), "{took:?}");
+    assert_eq!(budget.used(), 0);
 }

@@ -64,6 +64,16 @@ impl ReadHandle {
             .span()
             .is_some_and(|(start, end)| start <= offset && offset <= end + self.prefetch.window)
     }
+
+    /// Whether a read at `offset` that is not [sequential](Self::is_sequential) is one the kernel
+    /// issued out of order a little behind a running sequential stream (its concurrent read-ahead
+    /// requests can arrive reordered): within `slack`, or the window, behind the stream's end.
+    /// Such a read is served on its own and must not reset the stream.
+    pub fn is_reordered(&self, offset: u64, slack: u64) -> bool {
+        self.prefetch.window > 0
+            && offset < self.next_offset
+            && self.next_offset - offset <= slack.max(self.prefetch.window)
+    }
 }
 
 /// Where a write handle's upload stands.

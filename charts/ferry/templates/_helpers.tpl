@@ -1,0 +1,105 @@
+{{/* The CSI driver name: fixed, it is part of every PV the driver provisions. */}}
+{{- define "ferry.driverName" -}}s3.csi.ferry.dev{{- end -}}
+
+{{/* Chart name, overridable with nameOverride. */}}
+{{- define "ferry.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Prefix of every object name: fullnameOverride, else "<release>-<name>" (just the release name
+when it already contains the chart name). Truncated so that suffixes like "-controller-metrics"
+still fit in 63 characters. */}}
+{{- define "ferry.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := include "ferry.name" . -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* Labels of every object. */}}
+{{- define "ferry.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+app.kubernetes.io/name: {{ include "ferry.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: ferry
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Selector labels of one component: (dict "ctx" $ "component" "controller"). */}}
+{{- define "ferry.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "ferry.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/* Names of the two ServiceAccounts. */}}
+{{- define "ferry.controller.serviceAccountName" -}}
+{{- if .Values.controller.serviceAccount.create -}}
+{{- default (printf "%s-controller" (include "ferry.fullname" .)) .Values.controller.serviceAccount.name -}}
+{{- else -}}
+{{- required "controller.serviceAccount.name is required when controller.serviceAccount.create is false" .Values.controller.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "ferry.node.serviceAccountName" -}}
+{{- if .Values.node.serviceAccount.create -}}
+{{- default (printf "%s-node" (include "ferry.fullname" .)) .Values.node.serviceAccount.name -}}
+{{- else -}}
+{{- required "node.serviceAccount.name is required when node.serviceAccount.create is false" .Values.node.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The Ferry image reference: repository@digest, else repository:tag (tag defaults to appVersion). */}}
+{{- define "ferry.image" -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A sidecar image reference from its values block. */}}
+{{- define "ferry.sidecarImage" -}}
+{{- printf "%s:%s" .repository .tag -}}
+{{- end -}}
+
+{{/* The S3 defaults both binaries read from the environment. FERRY_FORCE_PATH_STYLE is a flag: it is
+set only when true. */}}
+{{- define "ferry.s3Env" -}}
+{{- with .Values.s3.endpointUrl }}
+- name: FERRY_ENDPOINT_URL
+  value: {{ . | quote }}
+{{- end }}
+{{- with .Values.s3.region }}
+- name: FERRY_REGION
+  value: {{ . | quote }}
+{{- end }}
+{{- if .Values.s3.forcePathStyle }}
+- name: FERRY_FORCE_PATH_STYLE
+  value: "true"
+{{- end }}
+{{- end -}}
+
+{{/* --metrics-addr of both binaries. */}}
+{{- define "ferry.metricsAddr" -}}
+{{- if .Values.metrics.enabled -}}
+{{- printf "0.0.0.0:%d" (int .Values.metrics.port) -}}
+{{- else -}}
+off
+{{- end -}}
+{{- end -}}
+
+{{/* The kubelet directory without a trailing slash. */}}
+{{- define "ferry.kubeletDir" -}}
+{{- trimSuffix "/" .Values.node.kubeletDir -}}
+{{- end -}}

@@ -1,0 +1,122 @@
+#!/usr/bin/env bash
+# Checks the Helm chart in charts/ferry with both Helm majors, failing on the first error:
+#   1. helm lint --strict, with the default values and with charts/ferry/ci/all-features-values.yaml,
+#      under helm v4 and helm v3;
+#   2. helm template with the defaults, with every optional feature on (the ci/ values file), and
+#      with the optional parts off (metrics, cache, tokens), under both; the rendered manifests go to
+#      $CHART_OUT (default: a temporary directory) for a later apply against a real API server;
+#   3. the values schema refuses an unknown key and a node without a memory limit, and the chart a
+#      deletePolicy: delete StorageClass whose prefix template volumes could share;
+#   4. helm v4 and v3 render the same objects, and the default manifests hold what the driver
+#      relies on (CSIDriver fields, provisioner flags, privileged node with Bidirectional kubelet
+#      dir and /dev/fuse, the memory limit wired to the budget, ...), and no token-creating RBAC.
+# Applying the manifests to an API server is the Kubernetes e2e's job, not this script's.
+# Needs `helm` (v4) and `helm3` (v3) on PATH or in $FERRY_TOOLS (default ~/.cache/ferry-tools/bin),
+# where scripts/kube-tools.sh builds them. Needs no cluster.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+FERRY_TOOLS=${FERRY_TOOLS:-$HOME/.cache/ferry-tools/bin}
+export PATH="$FERRY_TOOLS:$PATH"
+CHART=charts/ferry
+ALL=$CHART/ci/all-features-values.yaml
+# The API version the manifests are rendered for (Capabilities.KubeVersion); helm v3 otherwise
+# assumes an old default.
+KUBE_VERSION=${KUBE_VERSION:-1.36.0}
+RELEASE=ferry
+NAMESPACE=ferry-system
+
+step() { printf '\n\033[1m==> %s\033[0m\n' "$*" >&2; }
+fail() { echo "chart-check: $*" >&2; exit 1; }
+
+for h in helm helm3; do
+  command -v "$h" >/dev/null || fail "$h not found on PATH or in $FERRY_TOOLS (scripts/kube-tools.sh builds it)"
+done
+helm version --short | grep -q '^v4\.' || fail "helm is not helm v4: $(helm version --short)"
+helm3 version --short | grep -q '^v3\.' || fail "helm3 is not helm v3: $(helm3 version --short)"
+
+if [ -n "${CHART_OUT:-}" ]; then
+  OUT=$CHART_OUT
+  mkdir -p "$OUT"
+else
+  OUT=$(mktemp -d)
+  trap 'rm -rf "$OUT"' EXIT
+fi
+
+# Values that turn every optional part off, beside the defaults (which have most of them on).
+MINIMAL=(--set metrics.enabled=false --set node.cache.enabled=false --set 'csiDriver.tokenRequests=null'
+  --set controller.priorityClassName= --set node.priorityClassName= --set controller.replicas=1)
+
+for h in helm helm3; do
+  step "$h lint --strict (defaults, all features)"
+  "$h" lint --strict --kube-version "$KUBE_VERSION" "$CHART"
+  "$h" lint --strict --kube-version "$KUBE_VERSION" "$CHART" -f "$ALL"
+
+  step "$h template (defaults, all features, minimal) -> $OUT/$h-*.yaml"
+  "$h" template "$RELEASE" "$CHART" --namespace "$NAMESPACE" --kube-version "$KUBE_VERSION" \
+    >"$OUT/$h-defaults.yaml"
+  "$h" template "$RELEASE" "$CHART" --namespace "$NAMESPACE" --kube-version "$KUBE_VERSION" \
+    -f "$ALL" >"$OUT/$h-all-features.yaml"
+  "$h" template "$RELEASE" "$CHART" --namespace "$NAMESPACE" --kube-version "$KUBE_VERSION" \
+    "${MINIMAL[@]}" >"$OUT/$h-minimal.yaml"
+
+  step "$h: the schema refuses bad values"
+  if "$h" template "$RELEASE" "$CHART" --set node.cache.maxsize=1GiB >/dev/null 2>&1; then
+    fail "$h accepted an unknown key (node.cache.maxsize): values.schema.json is not strict"
+  fi
+  if "$h" template "$RELEASE" "$CHART" --set node.resources.limits=null >/dev/null 2>&1; then
+    fail "$h accepted a node without a memory limit"
+  fi
+  if "$h" template "$RELEASE" "$CHART" --set-json \
+    'storageClasses=[{"name":"x","bucketName":"bkt","prefixTemplate":"${pvc.name}","deletePolicy":"delete"}]' \
+    >/dev/null 2>&1; then
+    fail "$h accepted deletePolicy delete with a prefix template that volumes can share"
+  fi
+done
+
+step "helm v4 and v3 render the same manifests (blank lines aside)"
+for v in defaults all-features minimal; do
+  diff -u <(grep -v '^[[:space:]]*$' "$OUT/helm-$v.yaml") <(grep -v '^[[:space:]]*$' "$OUT/helm3-$v.yaml") ||
+    fail "helm and helm3 differ on $v"
+done
+
+step "what the driver relies on is in the default manifests"
+# Each line: a fixed string that must appear in the defaults (what kubelet, csi-provisioner and
+# the binaries need; see the issue's list and doc/ARCHITECTURE.md).
+# Comments are left out: they may name a setting without setting it.
+grep -v '^[[:space:]]*#' "$OUT/helm-defaults.yaml" >"$OUT/defaults-no-comments.yaml"
+while IFS= read -r want; do
+  grep -qF -- "$want" "$OUT/defaults-no-comments.yaml" || fail "the default manifests lack: $want"
+done <<'WANT'
+name: s3.csi.ferry.dev
+attachRequired: false
+podInfoOnMount: true
+requiresRepublish: true
+- audience: sts.amazonaws.com
+- audience: pods.eks.amazonaws.com
+- --extra-create-metadata
+- --leader-election
+replicas: 2
+mountPropagation: Bidirectional
+privileged: true
+priorityClassName: system-node-critical
+path: /dev/fuse
+resource: limits.memory
+name: FERRY_MEMORY_BUDGET
+name: FERRY_CACHE_DIR
+- --kubelet-registration-path=/var/lib/kubelet/plugins/s3.csi.ferry.dev/csi.sock
+- --health-port=9808
+- --node-id=$(NODE_ID)
+fieldPath: spec.nodeName
+readOnlyRootFilesystem: true
+runAsNonRoot: true
+WANT
+if grep -qE '^[[:space:]]*resources:.*serviceaccounts/token' "$OUT/helm-defaults.yaml" "$OUT/helm-all-features.yaml"; then
+  fail "the node plugin must not be allowed to create tokens (kubelet passes them)"
+fi
+
+step "the rendered objects"
+for v in defaults all-features minimal; do
+  printf '%-13s %s\n' "$v:" "$(grep -E '^kind: ' "$OUT/helm-$v.yaml" | sort | uniq -c | awk '{printf "%s%s %s", (NR > 1 ? ", " : ""), $1, $3}')" >&2
+done
+echo "chart-check: ok${CHART_OUT:+ (rendered manifests in $CHART_OUT)}" >&2
