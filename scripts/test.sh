@@ -7,7 +7,10 @@
 #   4. a node plugin restart with live mounts, and driver- and pod-level IRSA (moto's STS and S3 with IAM
 #      enforced; trace-level logs searched for secrets), through the real binaries;
 #   5. csi-sanity v5.4.0 against ferry-controller and ferry-node on unix sockets, with test volumes
-#      on the real S3 server.
+#      on the real S3 server;
+#   6. the Kubernetes-level e2e (`ferry-harness kube`): etcd, kube-apiserver and
+#      kube-controller-manager on loopback, the chart (charts/ferry) rendered and applied,
+#      csi-provisioner against ferry-controller, PVCs bound and published as kubelet would.
 # Must run as root (FUSE mounts). Exits non-zero on the first failing step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,3 +43,6 @@ step "driver- and pod-level IRSA (real binaries, moto, kube-apiserver)"
 
 step "csi-sanity $(cat "$FERRY_TOOLS/.csi-sanity.version" 2>/dev/null)"
 "${CARGO_TARGET_DIR:-target}/debug/ferry-harness" sanity
+
+step "Kubernetes e2e: real kube-apiserver $(cat "$FERRY_TOOLS/.kube-apiserver.version" 2>/dev/null), csi-provisioner $(cat "$FERRY_TOOLS/.csi-provisioner.version" 2>/dev/null)"
+"${CARGO_TARGET_DIR:-target}/debug/ferry-harness" kube

@@ -35,6 +35,10 @@ struct Args {
     /// private CA).
     #[arg(long, env = "AWS_CA_BUNDLE")]
     ca_bundle: Option<std::path::PathBuf>,
+    /// Kubeconfig for the Kubernetes API (reading PVC annotations). Default: in-cluster when
+    /// running in a pod (KUBERNETES_SERVICE_HOST), else no API (the annotations are not read).
+    #[arg(long, env = "FERRY_KUBECONFIG")]
+    kubeconfig: Option<std::path::PathBuf>,
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, env = "FERRY_LOG", default_value = "info")]
     log: String,
@@ -65,6 +69,24 @@ async fn main() -> anyhow::Result<()> {
             ..Default::default()
         }),
     );
+    let kube = if let Some(path) = &args.kubeconfig {
+        Some(ferry_kube::Config::from_kubeconfig(path, None)?)
+    } else if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
+        Some(ferry_kube::Config::in_cluster()?)
+    } else {
+        None
+    };
+    let mut controller = ControllerService::new(stores.clone());
+    match kube {
+        Some(config) => {
+            tracing::info!(server = %config.server, source = %config.source, "reading PVC annotations from the Kubernetes API");
+            controller = controller.with_pvcs(Arc::new(ferry_kube::Client::new(config)?));
+        }
+        None => tracing::warn!(
+            "no Kubernetes API configured (--kubeconfig, or run in a pod): the {} PVC annotation is not read",
+            ferry_volume::keys::EXISTING_PREFIX_ANNOTATION
+        ),
+    }
     let probe_stores = stores.clone();
     let identity = IdentityService::new(
         vec![PluginCap::ControllerService],
@@ -84,7 +106,7 @@ async fn main() -> anyhow::Result<()> {
     tonic::transport::Server::builder()
         .layer(ferry_csi::log::RpcLogLayer)
         .add_service(IdentityServer::new(identity))
-        .add_service(ControllerServer::new(ControllerService::new(stores)))
+        .add_service(ControllerServer::new(controller))
         .serve_with_incoming_shutdown(incoming, ferry_csi::endpoint::shutdown_signal())
         .await
         .context("serving gRPC")?;

@@ -4,6 +4,10 @@
 //! A volume is a prefix in a bucket. CreateVolume checks the bucket is reachable and returns an id
 //! that carries bucket, prefix, endpoint and delete policy (see [`ferry_volume::id`]), so DeleteVolume
 //! needs no state. Creating writes nothing to S3: the prefix exists once something is written to it.
+//!
+//! With a Kubernetes API ([`ControllerService::with_pvcs`]) and csi-provisioner's PVC metadata in
+//! the parameters, the PVC's `s3.csi.ferry.dev/existing-prefix` annotation binds the volume to an
+//! existing dataset prefix instead of a fresh one (see [`StorageClassParams::existing_prefix`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -17,8 +21,11 @@ use ferry_csi::pb::controller_server::Controller;
 use ferry_csi::stores::{StoreCredentials, Stores};
 use ferry_csi::CsiError;
 use ferry_store::{ObjectStore, StoreError};
+use ferry_volume::keys;
 use ferry_volume::spec::volume_context;
 use ferry_volume::{DeletePolicy, StorageClassParams, VolumeId};
+
+use crate::pvc::PvcAnnotations;
 use tonic::{Request, Response, Status};
 use tracing::{info, instrument};
 
@@ -43,6 +50,8 @@ struct Inner {
     created: Mutex<HashMap<String, Created>>,
     /// Names and volume ids with an operation in flight: a concurrent one gets Aborted.
     in_flight: InFlightSet<String>,
+    /// PVC annotations (the Kubernetes API), if the controller has one.
+    pvcs: Option<Arc<dyn PvcAnnotations>>,
 }
 
 impl ControllerService {
@@ -52,8 +61,17 @@ impl ControllerService {
                 stores,
                 created: Mutex::new(HashMap::new()),
                 in_flight: InFlightSet::default(),
+                pvcs: None,
             }),
         }
+    }
+
+    /// Reads PVC annotations from `pvcs` when csi-provisioner names the PVC (call before serving).
+    pub fn with_pvcs(mut self, pvcs: Arc<dyn PvcAnnotations>) -> Self {
+        Arc::get_mut(&mut self.inner)
+            .expect("with_pvcs is called before the service is cloned")
+            .pvcs = Some(pvcs);
+        self
     }
 }
 
@@ -134,6 +152,33 @@ impl Inner {
         }
     }
 
+    /// The prefix named by the PVC's existing-prefix annotation, if there is a Kubernetes API,
+    /// csi-provisioner named the PVC, and the PVC carries the annotation.
+    async fn existing_prefix(
+        &self,
+        params: &StorageClassParams,
+        parameters: &HashMap<String, String>,
+    ) -> Result<Option<String>> {
+        let Some(pvcs) = &self.pvcs else {
+            return Ok(None);
+        };
+        let (Some(ns), Some(pvc)) = (
+            parameters.get(keys::PVC_NAMESPACE),
+            parameters.get(keys::PVC_NAME),
+        ) else {
+            return Ok(None);
+        };
+        let annotations = pvcs.annotations(ns, pvc).await?;
+        let Some(value) = annotations.get(keys::EXISTING_PREFIX_ANNOTATION) else {
+            return Ok(None);
+        };
+        let prefix = params
+            .existing_prefix(value)
+            .map_err(|e| CsiError::InvalidArgument(format!("PVC {ns}/{pvc}: {e}")))?;
+        info!(pvc = %format!("{ns}/{pvc}"), prefix, "binding to an existing prefix");
+        Ok(Some(prefix))
+    }
+
     #[instrument(skip_all, fields(name = %req.name))]
     async fn create(&self, req: pb::CreateVolumeRequest) -> Result<pb::CreateVolumeResponse> {
         let name = require("name", &req.name)?;
@@ -153,7 +198,10 @@ impl Inner {
         }
         let capacity = Self::capacity(req.capacity_range.as_ref())?;
         let params = StorageClassParams::parse(&req.parameters)?;
-        let prefix = params.volume_prefix(name, &req.parameters)?;
+        let prefix = match self.existing_prefix(&params, &req.parameters).await? {
+            Some(existing) => existing,
+            None => params.volume_prefix(name, &req.parameters)?,
+        };
         let id = VolumeId {
             bucket: params.bucket.clone(),
             prefix,
@@ -395,6 +443,7 @@ mod tests {
     use ferry_store::MemoryStore;
     use pb::volume_capability::access_mode::Mode;
     use pb::volume_capability::{AccessMode, AccessType, MountVolume};
+    use std::collections::BTreeMap;
 
     fn service() -> (Arc<Inner>, Arc<MemoryStore>) {
         let mem = Arc::new(MemoryStore::new());
@@ -420,6 +469,83 @@ mod tests {
             volume_capabilities: vec![cap(Mode::MultiNodeReaderOnly)],
             ..Default::default()
         }
+    }
+
+    #[tokio::test]
+    async fn existing_prefix_annotation_binds_a_dataset_or_is_refused_clearly() {
+        let mem = Arc::new(MemoryStore::new());
+        mem.create_bucket("data");
+        let pvcs: BTreeMap<(String, String), BTreeMap<String, String>> = [
+            ("imagenet", "datasets/imagenet/train/"),
+            ("outside", "other/imagenet/"),
+            ("plain", ""),
+        ]
+        .into_iter()
+        .map(|(name, prefix)| {
+            let mut a = BTreeMap::new();
+            if !prefix.is_empty() {
+                a.insert(
+                    keys::EXISTING_PREFIX_ANNOTATION.to_string(),
+                    prefix.to_string(),
+                );
+            }
+            (("ml".to_string(), name.to_string()), a)
+        })
+        .collect();
+        let svc = ControllerService::new(Arc::new(FixedStore(mem.clone())))
+            .with_pvcs(Arc::new(pvcs))
+            .inner;
+        let req = |pvc: &str, policy: &str| {
+            create_req(
+                &format!("pvc-{pvc}-{policy}"),
+                &[
+                    ("bucketName", "data"),
+                    ("basePrefix", "datasets"),
+                    ("prefixTemplate", "${pvc.namespace}/${volume.name}"),
+                    ("deletePolicy", policy),
+                    ("csi.storage.k8s.io/pvc/namespace", "ml"),
+                    ("csi.storage.k8s.io/pvc/name", pvc),
+                ],
+            )
+        };
+        let vol = svc
+            .create(req("imagenet", "retain"))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        assert_eq!(vol.volume_context["prefix"], "datasets/imagenet/train/");
+        // No annotation: the template as usual.
+        let vol = svc
+            .create(req("plain", "delete"))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        assert_eq!(
+            vol.volume_context["prefix"],
+            "datasets/ml/pvc-plain-delete/"
+        );
+
+        for (pvc, policy, why) in [
+            (
+                "outside",
+                "retain",
+                "is not below the StorageClass's basePrefix \"datasets/\"",
+            ),
+            ("imagenet", "delete", "deletePolicy: delete"),
+        ] {
+            let st = Status::from(svc.create(req(pvc, policy)).await.unwrap_err());
+            assert_eq!(st.code(), tonic::Code::InvalidArgument, "{st:?}");
+            let msg = st.message();
+            assert!(msg.contains(&format!("PVC ml/{pvc}")), "{msg}");
+            assert!(msg.contains(keys::EXISTING_PREFIX_ANNOTATION), "{msg}");
+            assert!(msg.contains(why), "{msg}");
+        }
+        // A PVC that is gone: NotFound, naming it.
+        let st = Status::from(svc.create(req("gone", "retain")).await.unwrap_err());
+        assert_eq!(st.code(), tonic::Code::NotFound, "{st:?}");
+        assert!(st.message().contains("ml/gone"), "{st:?}");
     }
 
     #[tokio::test]

@@ -1,6 +1,8 @@
 //! End-to-end harness: runs the real `ferry-controller` and `ferry-node` binaries against a real S3
 //! server (versitygw on loopback) and talks CSI to them over their unix sockets, as kubelet and
-//! csi-provisioner would.
+//! csi-provisioner would. [`kube`] is the Kubernetes-level e2e on a real API server.
+
+pub mod kube;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -60,12 +62,26 @@ impl Plugin {
     /// Starts versitygw, then `ferry-controller` and `ferry-node` from `bins`, configured to use
     /// that server by default with its root credentials, and waits until both answer Probe.
     pub async fn start(bins: &Path) -> Result<Self> {
-        Self::start_with_env(bins, Vec::new()).await
+        Self::start_full(bins, &[], Vec::new()).await
     }
 
     /// Like [`Plugin::start`], with the processes' environment changed after the defaults
     /// (`None` removes a variable): another S3 endpoint, other driver credentials, a log level.
     pub async fn start_with_env(bins: &Path, env: Vec<(String, Option<String>)>) -> Result<Self> {
+        Self::start_full(bins, &[], env).await
+    }
+
+    /// [`Plugin::start`] with extra `ferry-controller` arguments (e.g. `--kubeconfig`).
+    pub async fn start_with(bins: &Path, controller_args: &[&str]) -> Result<Self> {
+        Self::start_full(bins, controller_args, Vec::new()).await
+    }
+
+    /// [`Plugin::start`] with extra `ferry-controller` arguments and environment changes.
+    pub async fn start_full(
+        bins: &Path,
+        controller_args: &[&str],
+        env: Vec<(String, Option<String>)>,
+    ) -> Result<Self> {
         let s3 = S3Server::start();
         let dir = tempfile::Builder::new().prefix("ferry-e2e-").tempdir()?;
         std::fs::create_dir_all(dir.path().join("kubelet/pods"))?;
@@ -78,16 +94,10 @@ impl Plugin {
             bins: bins.to_path_buf(),
             env,
         };
-        let ctrl = plugin.spawn(
-            bins,
-            "ferry-controller",
-            &[
-                "--csi-endpoint",
-                &format!("unix://{}", plugin.controller_socket.display()),
-                "--metrics-addr",
-                "127.0.0.1:0",
-            ],
-        )?;
+        let endpoint = format!("unix://{}", plugin.controller_socket.display());
+        let mut args = vec!["--csi-endpoint", &endpoint, "--metrics-addr", "127.0.0.1:0"];
+        args.extend_from_slice(controller_args);
+        let ctrl = plugin.spawn(bins, "ferry-controller", &args)?;
         plugin.children.push(("ferry-controller".into(), ctrl));
         plugin.start_node()?;
         for socket in [plugin.controller_socket.clone(), plugin.node_socket.clone()] {
@@ -271,6 +281,20 @@ impl Drop for Plugin {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// A deterministic pseudo-random payload.
+pub fn payload(seed: u64, len: usize) -> bytes::Bytes {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut v = Vec::with_capacity(len);
+    while v.len() < len {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        v.extend_from_slice(&x.to_le_bytes());
+    }
+    v.truncate(len);
+    bytes::Bytes::from(v)
 }
 
 /// A mount capability with the given access mode and mount flags.

@@ -518,6 +518,80 @@ mod tests {
         );
     }
 
+    fn client(auth: Auth) -> Client {
+        Client::new(Config {
+            server: "https://127.0.0.1:1".into(),
+            ca_pem: None,
+            auth,
+            namespace: "default".into(),
+            source: "test".into(),
+        })
+        .unwrap()
+    }
+
+    #[tokio::test]
+    async fn token_files_are_re_read_and_exec_plugins_cached_until_expiry() {
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("token");
+        std::fs::write(&file, "one\n").unwrap();
+        let c = client(Auth::TokenFile(file.clone()));
+        assert_eq!(c.bearer().await.unwrap().unwrap().expose(), "one");
+        std::fs::write(&file, "two").unwrap();
+        assert_eq!(c.bearer().await.unwrap().unwrap().expose(), "two");
+
+        // A plugin that counts its runs and answers with an ExecCredential.
+        let script = dir.path().join("plugin.sh");
+        let runs = dir.path().join("runs");
+        std::fs::write(
+            &script,
+            format!(
+                "#!/bin/sh\necho run >> {}\ntest \"$FERRY_X\" = y || exit 3\necho \"$KUBERNETES_EXEC_INFO\" | grep -q ExecCredential || exit 4\necho '{{\"kind\":\"ExecCredential\",\"status\":{{\"token\":\"exec-token\",\"expirationTimestamp\":\"'$1'\"}}}}'\n",
+                runs.display()
+            ),
+        )
+        .unwrap();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let exec = |expiry: &str| {
+            client(Auth::Exec(ExecConfig {
+                command: script.display().to_string(),
+                args: vec![expiry.to_string()],
+                env: vec![("FERRY_X".into(), "y".into())],
+                api_version: "client.authentication.k8s.io/v1".into(),
+            }))
+        };
+        let runs_so_far = || {
+            std::fs::read_to_string(&runs)
+                .unwrap_or_default()
+                .lines()
+                .count()
+        };
+        let fresh = exec("2999-01-01T00:00:00Z");
+        for _ in 0..3 {
+            assert_eq!(
+                fresh.bearer().await.unwrap().unwrap().expose(),
+                "exec-token"
+            );
+        }
+        assert_eq!(runs_so_far(), 1, "a token valid until 2999 is cached");
+        let expired = exec("2000-01-01T00:00:00Z");
+        expired.bearer().await.unwrap();
+        expired.bearer().await.unwrap();
+        assert_eq!(runs_so_far(), 3, "an expired token is fetched again");
+
+        let failing = client(Auth::Exec(ExecConfig {
+            command: script.display().to_string(),
+            args: vec![],
+            env: vec![],
+            api_version: "client.authentication.k8s.io/v1".into(),
+        }));
+        let err = failing.bearer().await.unwrap_err().to_string();
+        assert!(
+            err.contains("plugin.sh") && err.contains("exit status: 3"),
+            "{err}"
+        );
+    }
+
     #[test]
     fn annotations_of_an_object() {
         let v = json!({"metadata": {"annotations": {"a": "1", "b": "2"}}});

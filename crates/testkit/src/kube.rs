@@ -76,12 +76,33 @@ pub fn tool_path(name: &str) -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
+/// What to start.
+#[derive(Debug, Clone)]
+pub struct KubeClusterOptions {
+    /// `--emulated-version` of kube-apiserver (`1.33`..`1.36` for the v1.36 binary): the API
+    /// surface and defaults of that Kubernetes version, to check manifests against older clusters.
+    pub emulated_version: Option<String>,
+    /// Start kube-controller-manager (the PV controllers); not needed for pure API checks.
+    pub controller_manager: bool,
+}
+
+impl Default for KubeClusterOptions {
+    fn default() -> Self {
+        KubeClusterOptions {
+            emulated_version: None,
+            controller_manager: true,
+        }
+    }
+}
+
 /// A running etcd + kube-apiserver + kube-controller-manager on 127.0.0.1.
 pub struct KubeCluster {
     children: Vec<(String, Child)>,
     port: u16,
     kubeconfig: PathBuf,
-    dir: tempfile::TempDir,
+    path: PathBuf,
+    /// `None` once [`KubeCluster::keep_dir`] was called.
+    dir: Option<tempfile::TempDir>,
     /// How long each component took to come up, for reports.
     pub startup: Vec<(String, Duration)>,
 }
@@ -90,7 +111,7 @@ impl std::fmt::Debug for KubeCluster {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("KubeCluster")
             .field("server", &self.server())
-            .field("dir", &self.dir.path())
+            .field("dir", &self.path)
             .finish_non_exhaustive()
     }
 }
@@ -100,9 +121,18 @@ impl KubeCluster {
     /// until the API server's `/readyz` answers ok. The temp dir is made under
     /// `$FERRY_TEST_TMPDIR`, else the system temp dir.
     pub async fn start() -> Result<KubeCluster> {
+        KubeCluster::start_with(KubeClusterOptions::default()).await
+    }
+
+    /// [`KubeCluster::start`] with options.
+    pub async fn start_with(options: KubeClusterOptions) -> Result<KubeCluster> {
         let etcd = tool("etcd")?;
         let apiserver = tool("kube-apiserver")?;
-        let kcm = tool("kube-controller-manager")?;
+        let kcm = if options.controller_manager {
+            Some(tool("kube-controller-manager")?)
+        } else {
+            None
+        };
         let base = std::env::var_os("FERRY_TEST_TMPDIR")
             .map(PathBuf::from)
             .unwrap_or_else(std::env::temp_dir);
@@ -118,10 +148,11 @@ impl KubeCluster {
             children: Vec::new(),
             port: free_port(),
             kubeconfig: dir.path().join("kubeconfig"),
-            dir,
+            path: dir.path().to_path_buf(),
+            dir: Some(dir),
             startup: Vec::new(),
         };
-        let d = cluster.dir.path().to_path_buf();
+        let d = cluster.path.clone();
 
         // etcd
         let t0 = Instant::now();
@@ -151,29 +182,32 @@ impl KubeCluster {
         // kube-apiserver
         let t0 = Instant::now();
         let p = |f: &str| pki.join(f).display().to_string();
-        cluster.spawn(
-            "kube-apiserver",
-            &apiserver,
-            &[
-                &format!("--etcd-servers={etcd_url}"),
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
-                &format!("--secure-port={}", cluster.port),
-                &format!("--cert-dir={}", d.join("apiserver").display()),
-                &format!("--tls-cert-file={}", p("server.crt")),
-                &format!("--tls-private-key-file={}", p("server.key")),
-                &format!("--client-ca-file={}", p("ca.crt")),
-                &format!("--service-account-issuer={ISSUER}"),
-                &format!("--service-account-key-file={}", p("sa.pub")),
-                &format!("--service-account-signing-key-file={}", p("sa.key")),
-                &format!("--api-audiences={}", API_AUDIENCES.join(",")),
-                "--authorization-mode=Node,RBAC",
-                "--service-cluster-ip-range=10.0.0.0/24",
-                "--allow-privileged=true",
-                "--profiling=false",
-                "--enable-priority-and-fairness=false",
-            ],
-        )?;
+        let emulated = options
+            .emulated_version
+            .as_ref()
+            .map(|v| format!("--emulated-version=kube={v}"));
+        let mut args: Vec<String> = vec![
+            format!("--etcd-servers={etcd_url}"),
+            "--bind-address=127.0.0.1".to_string(),
+            "--advertise-address=127.0.0.1".to_string(),
+            format!("--secure-port={}", cluster.port),
+            format!("--cert-dir={}", d.join("apiserver").display()),
+            format!("--tls-cert-file={}", p("server.crt")),
+            format!("--tls-private-key-file={}", p("server.key")),
+            format!("--client-ca-file={}", p("ca.crt")),
+            format!("--service-account-issuer={ISSUER}"),
+            format!("--service-account-key-file={}", p("sa.pub")),
+            format!("--service-account-signing-key-file={}", p("sa.key")),
+            format!("--api-audiences={}", API_AUDIENCES.join(",")),
+            "--authorization-mode=Node,RBAC".to_string(),
+            "--service-cluster-ip-range=10.0.0.0/24".to_string(),
+            "--allow-privileged=true".to_string(),
+            "--profiling=false".to_string(),
+            "--enable-priority-and-fairness=false".to_string(),
+        ];
+        args.extend(emulated);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        cluster.spawn("kube-apiserver", &apiserver, &args)?;
         let client = cluster.client()?;
         cluster.write_kubeconfig(&pki)?;
         cluster.wait_ready(&client).await?;
@@ -182,6 +216,9 @@ impl KubeCluster {
             .push(("kube-apiserver".into(), t0.elapsed()));
 
         // kube-controller-manager: only the PV controllers, no serving port, no leader election.
+        let Some(kcm) = kcm else {
+            return Ok(cluster);
+        };
         let t0 = Instant::now();
         let kubeconfig = cluster.kubeconfig.display().to_string();
         cluster.spawn(
@@ -215,17 +252,25 @@ impl KubeCluster {
 
     /// The temp dir holding logs (`<name>.log`), certificates and etcd's data.
     pub fn dir(&self) -> &Path {
-        self.dir.path()
+        &self.path
+    }
+
+    /// Keeps the temp dir (logs, certificates, etcd data) after drop, for a failure's post-mortem.
+    pub fn keep_dir(&mut self) -> &Path {
+        if let Some(d) = self.dir.take() {
+            let _ = d.keep();
+        }
+        &self.path
     }
 
     /// A component's log so far.
     pub fn log(&self, name: &str) -> String {
-        read_log(&self.dir.path().join(format!("{name}.log")))
+        read_log(&self.path.join(format!("{name}.log")))
     }
 
     /// An admin client.
     pub fn client(&self) -> Result<Client> {
-        let pki = self.dir.path().join("pki");
+        let pki = self.path.join("pki");
         let read =
             |f: &str| std::fs::read(pki.join(f)).map_err(|e| setup(&format!("reading pki/{f}"), e));
         Client::new(Config {
@@ -261,7 +306,7 @@ impl KubeCluster {
     }
 
     fn spawn(&mut self, name: &str, bin: &Path, args: &[&str]) -> Result<()> {
-        let log_path = self.dir.path().join(format!("{name}.log"));
+        let log_path = self.path.join(format!("{name}.log"));
         let log = File::create(&log_path).map_err(|e| setup(&format!("creating {name}.log"), e))?;
         let err = log
             .try_clone()
@@ -278,7 +323,7 @@ impl KubeCluster {
     }
 
     fn not_ready(&self, name: &str, reason: String) -> KubeClusterError {
-        let log_path = self.dir.path().join(format!("{name}.log"));
+        let log_path = self.path.join(format!("{name}.log"));
         let log = read_log(&log_path);
         let lines: Vec<&str> = log.lines().collect();
         let tail = lines[lines.len().saturating_sub(40)..].join("\n");

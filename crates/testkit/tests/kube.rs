@@ -128,3 +128,46 @@ async fn api_client_against_a_real_api_server() {
         "{err}"
     );
 }
+
+/// `--emulated-version` gives an older API surface: what the e2e uses to check the chart against
+/// the oldest supported Kubernetes. `resource.k8s.io/v1` (GA in 1.34) is served by 1.36 only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn emulated_version_serves_the_older_api_surface() {
+    use ferry_testkit::kube::KubeClusterOptions;
+    let old = KubeCluster::start_with(KubeClusterOptions {
+        emulated_version: Some("1.33".into()),
+        controller_manager: false,
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let kube = old.client().unwrap();
+    let claim = json!({"apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim",
+        "metadata": {"name": "x", "namespace": "default"}, "spec": {}});
+    let err = kube
+        .apply(&claim, "default", "ferry-test", DryRun::All)
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(err, ferry_kube::KubeError::UnknownKind { .. }),
+        "{err}"
+    );
+    let sa = json!({"apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": "x", "namespace": "default"}});
+    kube.apply(&sa, "default", "ferry-test", DryRun::All)
+        .await
+        .unwrap();
+
+    let new = KubeCluster::start_with(KubeClusterOptions {
+        emulated_version: None,
+        controller_manager: false,
+    })
+    .await
+    .unwrap_or_else(|e| panic!("{e}"));
+    let kube = new.client().unwrap();
+    assert!(kube
+        .api_resources("resource.k8s.io/v1")
+        .await
+        .unwrap()
+        .iter()
+        .any(|r| r.kind == "ResourceClaim"));
+}

@@ -28,6 +28,11 @@ pub const PVC_NAME: &str = "csi.storage.k8s.io/pvc/name";
 pub const PVC_NAMESPACE: &str = "csi.storage.k8s.io/pvc/namespace";
 pub const PV_NAME: &str = "csi.storage.k8s.io/pv/name";
 
+/// PVC annotation: bind the new volume to this existing prefix in the bucket (a dataset) instead
+/// of a fresh one from `prefixTemplate`. Only below the StorageClass's `basePrefix`, never with
+/// `deletePolicy: delete`. Read by the controller from the PVC csi-provisioner names.
+pub const EXISTING_PREFIX_ANNOTATION: &str = "s3.csi.ferry.dev/existing-prefix";
+
 /// Everything under this prefix is set by Kubernetes components (provisioner metadata, secret
 /// references, kubelet's pod info) and is never an error.
 pub const KUBERNETES_PREFIX: &str = "csi.storage.k8s.io/";

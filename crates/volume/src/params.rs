@@ -129,6 +129,42 @@ impl StorageClassParams {
             false,
         )
     }
+
+    /// The prefix of a volume bound to an existing dataset by the PVC annotation
+    /// [`keys::EXISTING_PREFIX_ANNOTATION`]: `value` is a prefix in the bucket (as one sees it in
+    /// S3, `basePrefix` included) that must lie strictly below `basePrefix`. Refused with
+    /// `deletePolicy: delete`, which would delete the dataset with the PVC.
+    pub fn existing_prefix(&self, value: &str) -> Result<String, VolumeError> {
+        let key = keys::EXISTING_PREFIX_ANNOTATION;
+        let refuse = |reason: String| {
+            Err(VolumeError::invalid(
+                "PVC annotation",
+                key,
+                format!("{value:?} {reason}"),
+            ))
+        };
+        if self.delete_policy == DeletePolicy::Delete {
+            return refuse(
+                "cannot be used with the StorageClass's deletePolicy: delete (deleting the PVC \
+                 would delete the existing data); use a StorageClass with deletePolicy: retain"
+                    .to_string(),
+            );
+        }
+        let prefix = match validate::prefix(key, value, false) {
+            Ok(p) => p,
+            Err(VolumeError::Invalid { reason, .. }) => {
+                return Err(VolumeError::invalid("PVC annotation", key, reason))
+            }
+            Err(e) => return Err(e),
+        };
+        if !prefix.starts_with(&self.base_prefix) || prefix == self.base_prefix {
+            return refuse(format!(
+                "is not below the StorageClass's basePrefix {:?}",
+                self.base_prefix
+            ));
+        }
+        Ok(prefix)
+    }
 }
 
 /// One piece of a prefix template.
@@ -316,6 +352,54 @@ mod tests {
         ]))
         .unwrap_err();
         assert!(e.to_string().contains("pod.name"), "{e}");
+    }
+
+    #[test]
+    fn existing_prefix_only_below_base_prefix_and_never_with_delete() {
+        let params = |policy: &str| {
+            StorageClassParams::parse(&map(&[
+                ("bucketName", "data"),
+                ("basePrefix", "datasets"),
+                ("deletePolicy", policy),
+            ]))
+            .unwrap()
+        };
+        let p = params("retain");
+        assert_eq!(
+            p.existing_prefix("datasets/imagenet/train").unwrap(),
+            "datasets/imagenet/train/"
+        );
+        assert_eq!(
+            p.existing_prefix("datasets/imagenet/").unwrap(),
+            "datasets/imagenet/"
+        );
+        for (bad, why) in [
+            (
+                "other/imagenet/",
+                "not below the StorageClass's basePrefix \"datasets/\"",
+            ),
+            ("datasets/", "not below"),
+            ("datasetsx/a/", "not below"),
+            ("datasets/../other/", "\"..\" segment"),
+            ("", "whole bucket"),
+        ] {
+            let e = p.existing_prefix(bad).unwrap_err().to_string();
+            assert!(e.contains("s3.csi.ferry.dev/existing-prefix"), "{bad}: {e}");
+            assert!(e.contains(why), "{bad}: {e}");
+        }
+        let e = params("delete")
+            .existing_prefix("datasets/imagenet/")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("s3.csi.ferry.dev/existing-prefix"), "{e}");
+        assert!(e.contains("\"datasets/imagenet/\""), "{e}");
+        assert!(e.contains("deletePolicy: delete"), "{e}");
+        // Without a basePrefix, any prefix of the bucket.
+        let p = StorageClassParams::parse(&map(&[("bucketName", "data")])).unwrap();
+        assert_eq!(
+            p.existing_prefix("imagenet/train/").unwrap(),
+            "imagenet/train/"
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
-//! `ferry-harness`: the README's demo (`demo`) and the csi-sanity run (`sanity`), both against the
-//! real binaries, a real S3 server on loopback and real FUSE mounts.
+//! `ferry-harness`: the README's demo (`demo`), the node restart check (`restart`), the csi-sanity
+//! run (`sanity`), all against the real binaries, a real S3 server on loopback and real FUSE mounts,
+//! and the Kubernetes-level e2e (`kube`) on a real API server with the real csi-provisioner.
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -9,7 +10,7 @@ use std::process::{Command, Stdio};
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use clap::{Parser, Subcommand};
-use ferry_e2e::{bin_dir, mount_capability, Plugin};
+use ferry_e2e::{bin_dir, mount_capability, payload, Plugin};
 use ferry_proto::csi::v1 as pb;
 use ferry_store::{ListRequest, ObjectStore, S3Store};
 use pb::volume_capability::access_mode::Mode;
@@ -48,6 +49,22 @@ enum Cmd {
         #[arg(last = true)]
         extra: Vec<String>,
     },
+    /// The Kubernetes-level e2e: the chart applied to a real API server, csi-provisioner against
+    /// ferry-controller, PVCs bound and published as kubelet would (see ferry_e2e::kube).
+    Kube {
+        /// Run against this cluster instead of starting etcd + kube-apiserver +
+        /// kube-controller-manager on loopback. ferry-controller, ferry-node, csi-provisioner and
+        /// the S3 server still run on this machine.
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+        /// The Helm chart to render and apply.
+        #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../charts/ferry"))]
+        chart: PathBuf,
+        /// Apply the chart for real on a --kubeconfig cluster too (by default only a server-side
+        /// dry run there: its Deployment would run a second provisioner for the same driver).
+        #[arg(long)]
+        apply_chart: bool,
+    },
 }
 
 fn main() -> Result<()> {
@@ -59,26 +76,25 @@ fn main() -> Result<()> {
             Cmd::Sanity { csi_sanity, extra } => sanity(csi_sanity, extra).await,
             Cmd::Restart => restart().await,
             Cmd::DriverIrsa => driver_irsa().await,
+            Cmd::Kube {
+                kubeconfig,
+                chart,
+                apply_chart,
+            } => {
+                ferry_e2e::kube::run(ferry_e2e::kube::Options {
+                    kubeconfig,
+                    chart,
+                    apply_chart,
+                    bins: bin_dir()?,
+                })
+                .await
+            }
         }
     })
 }
 
 fn say(s: &str) {
     println!("\x1b[1m==> {s}\x1b[0m");
-}
-
-/// A deterministic pseudo-random payload.
-fn payload(seed: u64, len: usize) -> Bytes {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut v = Vec::with_capacity(len);
-    while v.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(len);
-    Bytes::from(v)
 }
 
 fn list_tree(dir: &Path, root: &Path) -> Result<()> {
