@@ -1,5 +1,6 @@
 //! Test helpers shared by the workspace's integration tests: [`S3Server`] runs a real S3 server
-//! (versitygw) on loopback for the duration of a test, and [`init_tracing`] sets up logging.
+//! (versitygw) on loopback for the duration of a test, [`FaultProxy`] breaks chosen responses on
+//! the way to it, and [`init_tracing`] sets up logging.
 //!
 //! versitygw is found through `$FERRY_VERSITYGW`, then `$HOME/.cache/ferry-tools/bin/versitygw`,
 //! then `PATH`. Without it, [`S3Server::start`] panics with install instructions: tests that need
@@ -22,6 +23,9 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use ferry_store::{S3Config, S3Credentials, S3Options, S3Store};
+
+pub mod fault_proxy;
+pub use fault_proxy::{Fault, FaultPlan, FaultProxy};
 
 /// How to install versitygw; part of every "not found" panic.
 pub const VERSITYGW_INSTALL_HINT: &str = "versitygw (the S3 server the integration tests run) was not found. Install it with:\n    GOBIN=$HOME/.cache/ferry-tools/bin go install github.com/versity/versitygw/cmd/versitygw@v1.7.0\nor point FERRY_VERSITYGW at the binary, or put `versitygw` on PATH.";
