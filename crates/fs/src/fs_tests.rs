@@ -791,6 +791,33 @@ async fn delete_rules() {
     assert_eq!(errno(walk(&fs, "full").await), libc::ENOENT);
 }
 
+/// Emptying `a/b/` where `a` held nothing else keeps both `a/b` and `a` (found by the
+/// reference-model test through FUSE with TTL 0: `a` used to vanish above a local `a/b`).
+#[tokio::test]
+async fn emptying_a_nested_implicit_directory_keeps_its_ancestors() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Duration(Duration::ZERO));
+    store.insert(B, "a/b/f", &b"x"[..]);
+    store.insert(B, "k/other", &b"x"[..]);
+    store.insert(B, "k/b/f", &b"x"[..]);
+    for (dir, file) in [("a/b", "f"), ("k/b", "f")] {
+        let d = walk(&fs, dir).await.unwrap().attr.ino;
+        fs.unlink(d, n(file)).await.unwrap();
+    }
+    assert_eq!(store.keys(B), ["k/other"]);
+    for dir in ["a", "a/b", "k", "k/b"] {
+        assert_eq!(walk(&fs, dir).await.unwrap().attr.kind, Kind::Dir, "{dir}");
+    }
+    assert_eq!(
+        names(&fs, ROOT_INO).await,
+        [("a".to_owned(), Kind::Dir), ("k".to_owned(), Kind::Dir)]
+    );
+    let a = walk(&fs, "a").await.unwrap().attr.ino;
+    assert_eq!(errno(fs.rmdir(ROOT_INO, n("a")).await), libc::ENOTEMPTY);
+    fs.rmdir(a, n("b")).await.unwrap();
+    fs.rmdir(ROOT_INO, n("a")).await.unwrap();
+    assert_eq!(errno(walk(&fs, "a").await), libc::ENOENT);
+}
+
 #[tokio::test]
 async fn mkdir_is_local_until_a_file_is_written() {
     let (store, fs) = setup(|_| {});

@@ -907,7 +907,7 @@ fn op_mkdir(c: &Ctx) {
 }
 
 fn op_unlink(c: &Ctx) {
-    let p = c.prefix(&[("f", b"f"), ("d/only", b"o"), ("g", b"g"), ("h", b"h")]);
+    let p = c.prefix(&[("f", b"f"), ("d/only", b"o"), ("g", b"g"), ("n/e/st", b"n")]);
     let no = c.mount(&p, |cfg| cfg.allow_delete = false);
     assert_eq!(errno(fs::remove_file(no.path("f"))), libc::EPERM);
     let m = c.mount(&p, |_| {});
@@ -920,6 +920,16 @@ fn op_unlink(c: &Ctx) {
     fs::remove_file(m.path("d/only")).unwrap();
     assert!(fs::metadata(m.path("d")).unwrap().is_dir(), "parent stays");
     fs::remove_dir(m.path("d")).unwrap();
+    // Ancestors that held nothing else stay too.
+    fs::remove_file(m.path("n/e/st")).unwrap();
+    assert!(
+        fs::metadata(m.path("n")).unwrap().is_dir(),
+        "grandparent stays"
+    );
+    assert_eq!(names(&m.path("n")), [("e".into(), true)]);
+    assert_eq!(errno(fs::remove_dir(m.path("n"))), libc::ENOTEMPTY);
+    fs::remove_dir(m.path("n/e")).unwrap();
+    fs::remove_dir(m.path("n")).unwrap();
     // Open read handles then get ESTALE.
     let g = File::open(m.path("g")).unwrap();
     fs::remove_file(m.path("g")).unwrap();
@@ -936,6 +946,11 @@ fn op_rmdir(c: &Ctx) {
     assert_eq!(errno(fs::remove_dir(m.path("f"))), libc::ENOTDIR);
     fs::remove_dir(m.path("m")).unwrap();
     assert_eq!(c.key(&p, "m/"), None, "marker deleted");
+    // The parent of the last directory removed stays.
+    c.put(&p, "up/m/", b"");
+    fs::remove_dir(m.path("up/m")).unwrap();
+    assert!(fs::metadata(m.path("up")).unwrap().is_dir(), "parent stays");
+    fs::remove_dir(m.path("up")).unwrap();
     fs::create_dir(m.path("l")).unwrap();
     fs::create_dir(m.path("l/sub")).unwrap();
     assert_eq!(
