@@ -3,21 +3,23 @@
 //! real S3 server (versitygw) and against a model of the bucket built from `doc/SEMANTICS.md`.
 //! Results, errnos and the bucket's keys must agree after every step.
 //!
-//! One versitygw for the test; every case (shrink runs included) mounts a fresh prefix, so cases
-//! are independent and shrinking works. The mount allows delete and overwrite and has a metadata
-//! TTL of 0, so every lookup asks S3 (read-your-writes through one mount holds with any TTL, but 0
-//! also makes the remount step prove that everything lives in S3).
+//! One versitygw per test; every case (shrink runs included) seeds a fresh prefix with a few
+//! objects and directory markers put behind the mount's back, then mounts it, so cases are
+//! independent and shrinking works. The mount allows delete and overwrite; one test runs with a
+//! metadata TTL of 0 (every lookup asks S3), the other with an indefinite TTL (nothing learned
+//! from S3 expires: the doc promises that changes made through the mount show at once anyway).
 //!
-//! Cases: `$PROPTEST_CASES` (default 64), up to 40 steps each.
+//! Cases: `$PROPTEST_CASES` (default 48 per test), up to 40 steps each.
 //!
-//! The model (SEMANTICS "Operations"): a file is an object, visible once `close` returned; `mkdir`
-//! makes a local directory that exists in S3 only once a file is written below it (no marker is
-//! written); `unlink` of the last file of a directory leaves the directory in the mount until
-//! `rmdir`; an unmount forgets local directories with no files below; `rmdir` of a directory with
-//! anything below is `ENOTEMPTY`. Names never collide between files and directories: versitygw's
-//! posix backend cannot hold an object `a` and an object `a/b` at once, so the generator keeps file
-//! and directory names apart (the file-vs-directory rule is checked in the SEMANTICS test on a
-//! store that can hold both).
+//! The model (SEMANTICS "Names and the tree", "Operations"): `a/b` implies directory `a`, a
+//! zero-byte `d/` is a directory marker; a file is an object, visible once `close` returned;
+//! `mkdir` makes a local directory that exists in S3 only once a file is written below it (no
+//! marker is written); `unlink` of the last file of a directory leaves the directory in the mount
+//! until `rmdir`; an unmount forgets local directories; `rmdir` of a directory with anything below
+//! is `ENOTEMPTY`, else it deletes its marker. Names never collide between files and directories:
+//! versitygw's posix backend cannot hold an object `a` and an object `a/b` at once, so the
+//! generator keeps file and directory names apart (the file-vs-directory rule is checked in the
+//! SEMANTICS test on a store that can hold both).
 
 mod common;
 
@@ -132,10 +134,72 @@ enum Outcome {
 #[derive(Default)]
 struct Model {
     files: BTreeMap<String, Vec<u8>>,
+    /// Directories the mount shows.
     dirs: BTreeSet<String>,
+    /// Directories with a marker object (`d/`), put before the mount.
+    markers: BTreeSet<String>,
+}
+
+/// What is in the bucket before the first mount: files (path, length, seed) and markers.
+#[derive(Debug, Clone)]
+struct Seed {
+    files: Vec<(Option<usize>, usize, usize, u8)>,
+    markers: Vec<usize>,
+}
+
+fn seed() -> impl Strategy<Value = Seed> {
+    (
+        prop::collection::vec(
+            (
+                prop::option::of(0..DIRS.len()),
+                0..FILES.len(),
+                0..2000usize,
+                any::<u8>(),
+            ),
+            0..3,
+        ),
+        prop::collection::vec(0..DIRS.len(), 0..2),
+    )
+        .prop_map(|(files, markers)| Seed { files, markers })
 }
 
 impl Model {
+    /// The bucket holds `seed`: its files, its markers, and the directories they imply.
+    fn seeded(seed: &Seed) -> Model {
+        let mut m = Model::default();
+        for &(dir, file, len, s) in &seed.files {
+            m.files.insert(path(dir, file), bytes(len, s));
+        }
+        for &d in &seed.markers {
+            m.markers.insert(DIRS[d].to_owned());
+        }
+        m.dirs = m.s3_dirs();
+        m
+    }
+
+    /// The directories S3 implies: those with a file or a marker at or below them.
+    fn s3_dirs(&self) -> BTreeSet<String> {
+        DIRS.iter()
+            .filter(|d| {
+                let p = format!("{d}/");
+                self.files.keys().any(|k| k.starts_with(&p))
+                    || self
+                        .markers
+                        .iter()
+                        .any(|m| m.as_str() == **d || m.starts_with(&p))
+            })
+            .map(|d| d.to_string())
+            .collect()
+    }
+
+    /// The keys the bucket must hold.
+    fn keys(&self) -> Vec<String> {
+        let mut k: Vec<String> = self.files.keys().cloned().collect();
+        k.extend(self.markers.iter().map(|m| format!("{m}/")));
+        k.sort();
+        k
+    }
+
     fn dir_ok(&self, dir: Option<usize>) -> bool {
         dir.is_none_or(|d| self.dirs.contains(DIRS[d]))
     }
@@ -225,14 +289,13 @@ impl Model {
                     Outcome::Err(ENOTEMPTY)
                 } else {
                     self.dirs.remove(name);
+                    self.markers.remove(name);
                     Outcome::Ok
                 }
             }
             Op::Remount => {
-                // Only directories with a file below them exist in S3.
-                let files = &self.files;
-                self.dirs
-                    .retain(|d| files.keys().any(|k| k.starts_with(&format!("{d}/"))));
+                // Local directories are gone; what S3 implies stays.
+                self.dirs = self.s3_dirs();
                 Outcome::Ok
             }
         }
@@ -247,7 +310,7 @@ fn io<T>(r: std::io::Result<T>, ok: impl FnOnce(T) -> Outcome) -> Outcome {
 }
 
 /// Runs `op` on the mount with plain `std::fs` calls.
-fn run(env: &Env, prefix: &str, m: &mut Mount, op: &Op) -> Outcome {
+fn run(env: &Env, prefix: &str, ttl: MetadataTtl, m: &mut Mount, op: &Op) -> Outcome {
     match *op {
         Op::Write {
             dir,
@@ -305,49 +368,74 @@ fn run(env: &Env, prefix: &str, m: &mut Mount, op: &Op) -> Outcome {
         Op::Mkdir { dir } => io(fs::create_dir(m.path(DIRS[dir])), |_| Outcome::Ok),
         Op::Rmdir { dir } => io(fs::remove_dir(m.path(DIRS[dir])), |_| Outcome::Ok),
         Op::Remount => {
-            let old = std::mem::replace(m, mount(env, prefix));
+            let old = std::mem::replace(m, mount(env, prefix, ttl));
             old.unmount();
             Outcome::Ok
         }
     }
 }
 
-fn mount(env: &Env, prefix: &str) -> Mount {
+fn mount(env: &Env, prefix: &str, ttl: MetadataTtl) -> Mount {
     env.mount(env.store.clone() as Arc<dyn ObjectStore>, prefix, |c| {
         c.allow_delete = true;
         c.allow_overwrite = true;
-        c.metadata_ttl = MetadataTtl::Duration(Duration::ZERO);
+        c.metadata_ttl = ttl;
     })
 }
 
-fn check(env: &Env, ops: &[Op]) -> Result<(), TestCaseError> {
+fn check(env: &Env, ttl: MetadataTtl, seed: &Seed, ops: &[Op]) -> Result<(), TestCaseError> {
     let prefix = env.fresh_prefix("model");
-    let mut m = mount(env, &prefix);
-    let mut model = Model::default();
+    let mut model = Model::seeded(seed);
+    for (k, v) in &model.files {
+        env.put(&format!("{prefix}{k}"), v);
+    }
+    for d in &model.markers {
+        env.put(&format!("{prefix}{d}/"), b"");
+    }
+    let mut m = mount(env, &prefix, ttl);
     for (i, op) in ops.iter().enumerate() {
         let want = model.apply(op);
-        let got = run(env, &prefix, &mut m, op);
+        let got = run(env, &prefix, ttl, &mut m, op);
         prop_assert_eq!(got, want, "step {}: {:?}", i, op);
-        // The bucket holds exactly the model's files: no markers, no leftovers.
-        let keys: Vec<String> = model.files.keys().cloned().collect();
-        prop_assert_eq!(env.keys(&prefix), keys, "bucket after step {}: {:?}", i, op);
+        // The bucket holds exactly the model's files and markers: nothing written but files,
+        // no leftovers.
+        prop_assert_eq!(
+            env.keys(&prefix),
+            model.keys(),
+            "bucket after step {}: {:?}",
+            i,
+            op
+        );
     }
     m.unmount();
     Ok(())
 }
 
-#[test]
-fn fuse_mount_on_s3_matches_the_model() {
+fn run_model(ttl: MetadataTtl, default_cases: u32) {
     let env = Env::start();
     let mut runner = TestRunner::new(Config {
-        cases: common::cases(64),
+        cases: common::cases(default_cases),
         // Each case mounts; keep shrinking bounded.
         max_shrink_iters: 256,
         failure_persistence: None,
         ..Config::default()
     });
-    let result = runner.run(&prop::collection::vec(op(), 1..40), |ops| check(&env, &ops));
+    let strategy = (seed(), prop::collection::vec(op(), 1..40));
+    let result = runner.run(&strategy, |(seed, ops)| check(&env, ttl, &seed, &ops));
     if let Err(e) = result {
         panic!("{e}\n--- versitygw log ---\n{}", env.server.log());
     }
+}
+
+/// TTL 0: every lookup asks S3.
+#[test]
+fn fuse_mount_on_s3_matches_the_model_with_zero_ttl() {
+    run_model(MetadataTtl::Duration(Duration::ZERO), 48);
+}
+
+/// Indefinite TTL: nothing learned from S3 expires, so every answer after a change made through
+/// the mount relies on the mount updating its own caches (read-your-writes through one mount).
+#[test]
+fn fuse_mount_on_s3_matches_the_model_with_indefinite_ttl() {
+    run_model(MetadataTtl::Indefinite, 48);
 }
