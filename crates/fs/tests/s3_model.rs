@@ -9,7 +9,9 @@
 //! metadata TTL of 0 (every lookup asks S3), the other with an indefinite TTL (nothing learned
 //! from S3 expires: the doc promises that changes made through the mount show at once anyway).
 //!
-//! Cases: `$PROPTEST_CASES` (default 48 per test), up to 40 steps each.
+//! Cases: `$PROPTEST_CASES` (default 48 per test), up to 40 steps each. Steps include keeping one
+//! file open for writing across other steps (it shows in listings and `stat`, is `EBUSY` to
+//! open, replace or unlink, and reaches S3 at close).
 //!
 //! The model (SEMANTICS "Names and the tree", "Operations"): `a/b` implies directory `a`, a
 //! zero-byte `d/` is a directory marker; a file is an object, visible once `close` returned;
@@ -78,8 +80,18 @@ enum Op {
     Rmdir {
         dir: usize,
     },
-    /// Unmount and mount the same prefix again.
+    /// Unmount and mount the same prefix again (closing the open writer first).
     Remount,
+    /// Create (or truncate) a file and write `len` bytes, keeping it open: at most one such
+    /// writer at a time (a second one is skipped).
+    OpenWrite {
+        dir: Option<usize>,
+        file: usize,
+        len: usize,
+        seed: u8,
+    },
+    /// Close the open writer (skipped if there is none).
+    CloseWrite,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -87,17 +99,20 @@ fn op() -> impl Strategy<Value = Op> {
     let file = 0..FILES.len();
     let len = prop_oneof![15 => 0..3000usize, 1 => Just(BIG)];
     prop_oneof![
-        5 => (dir.clone(), file.clone(), len, any::<u8>(), 1..5000usize)
+        5 => (dir.clone(), file.clone(), len.clone(), any::<u8>(), 1..5000usize)
             .prop_map(|(dir, file, len, seed, chunk)| Op::Write { dir, file, len, seed, chunk }),
         3 => (dir.clone(), file.clone()).prop_map(|(dir, file)| Op::Read { dir, file }),
         2 => dir.clone().prop_map(|dir| Op::List { dir }),
         2 => (dir.clone(), file.clone()).prop_map(|(dir, file)| Op::Stat { dir, file }),
         1 => (0..DIRS.len()).prop_map(|dir| Op::StatDir { dir }),
-        2 => (dir, file).prop_map(|(dir, file)| Op::Unlink { dir, file }),
+        2 => (dir.clone(), file.clone()).prop_map(|(dir, file)| Op::Unlink { dir, file }),
         1 => (0..DIRS.len()).prop_map(|dir| Op::UnlinkDir { dir }),
         3 => (0..DIRS.len()).prop_map(|dir| Op::Mkdir { dir }),
         2 => (0..DIRS.len()).prop_map(|dir| Op::Rmdir { dir }),
         1 => Just(Op::Remount),
+        2 => (dir.clone(), file.clone(), len.clone(), any::<u8>())
+            .prop_map(|(dir, file, len, seed)| Op::OpenWrite { dir, file, len, seed }),
+        2 => Just(Op::CloseWrite),
     ]
 }
 
@@ -129,6 +144,8 @@ enum Outcome {
     Size(u64),
     Dir,
     Err(i32),
+    /// The step did not apply (a second writer, or no writer to close).
+    Skip,
 }
 
 #[derive(Default)]
@@ -138,6 +155,8 @@ struct Model {
     dirs: BTreeSet<String>,
     /// Directories with a marker object (`d/`), put before the mount.
     markers: BTreeSet<String>,
+    /// The file open for writing (not in S3 until closed): path and content.
+    writing: Option<(String, Vec<u8>)>,
 }
 
 /// What is in the bucket before the first mount: files (path, length, seed) and markers.
@@ -206,12 +225,62 @@ impl Model {
 
     fn has_below(&self, dir: &str) -> bool {
         let p = format!("{dir}/");
-        self.files.keys().any(|k| k.starts_with(&p)) || self.dirs.iter().any(|d| d.starts_with(&p))
+        self.files.keys().any(|k| k.starts_with(&p))
+            || self.dirs.iter().any(|d| d.starts_with(&p))
+            || self
+                .writing
+                .as_ref()
+                .is_some_and(|(w, _)| w.starts_with(&p))
+    }
+
+    fn is_writing(&self, p: &str) -> bool {
+        self.writing.as_ref().is_some_and(|(w, _)| w == p)
     }
 
     fn apply(&mut self, op: &Op) -> Outcome {
-        use libc::{EEXIST, EISDIR, ENOENT, ENOTEMPTY};
+        use libc::{EBUSY, EEXIST, EISDIR, ENOENT, ENOTEMPTY};
+        // A file being written: cannot be opened, replaced or unlinked; stat shows what was
+        // written so far.
         match *op {
+            Op::Write { dir, file, .. }
+            | Op::Read { dir, file }
+            | Op::Unlink { dir, file }
+            | Op::OpenWrite { dir, file, .. }
+                if self.is_writing(&path(dir, file)) =>
+            {
+                if matches!(op, Op::OpenWrite { .. }) {
+                    return Outcome::Skip;
+                }
+                return Outcome::Err(EBUSY);
+            }
+            Op::Stat { dir, file } if self.is_writing(&path(dir, file)) => {
+                return Outcome::Size(self.writing.as_ref().unwrap().1.len() as u64);
+            }
+            _ => {}
+        }
+        match *op {
+            Op::OpenWrite {
+                dir,
+                file,
+                len,
+                seed,
+            } => {
+                if self.writing.is_some() {
+                    return Outcome::Skip;
+                }
+                if !self.dir_ok(dir) {
+                    return Outcome::Err(ENOENT);
+                }
+                self.writing = Some((path(dir, file), bytes(len, seed)));
+                Outcome::Ok
+            }
+            Op::CloseWrite => match self.writing.take() {
+                Some((p, data)) => {
+                    self.files.insert(p, data);
+                    Outcome::Ok
+                }
+                None => Outcome::Skip,
+            },
             Op::Write {
                 dir,
                 file,
@@ -250,9 +319,11 @@ impl Model {
                         .filter(|n| !n.contains('/'))
                         .map(str::to_owned)
                 };
+                let writing = self.writing.iter().map(|(w, _)| w);
                 let mut names: Vec<(String, bool)> = self
                     .files
                     .keys()
+                    .chain(writing.filter(|w| !self.files.contains_key(*w)))
                     .filter_map(direct)
                     .map(|n| (n, false))
                     .chain(self.dirs.iter().filter_map(direct).map(|n| (n, true)))
@@ -294,6 +365,9 @@ impl Model {
                 }
             }
             Op::Remount => {
+                if let Some((p, data)) = self.writing.take() {
+                    self.files.insert(p, data);
+                }
                 // Local directories are gone; what S3 implies stays.
                 self.dirs = self.s3_dirs();
                 Outcome::Ok
@@ -310,8 +384,37 @@ fn io<T>(r: std::io::Result<T>, ok: impl FnOnce(T) -> Outcome) -> Outcome {
 }
 
 /// Runs `op` on the mount with plain `std::fs` calls.
-fn run(env: &Env, prefix: &str, ttl: MetadataTtl, m: &mut Mount, op: &Op) -> Outcome {
+fn run(
+    env: &Env,
+    prefix: &str,
+    ttl: MetadataTtl,
+    m: &mut Mount,
+    writer: &mut Option<fs::File>,
+    op: &Op,
+) -> Outcome {
     match *op {
+        Op::OpenWrite {
+            dir,
+            file,
+            len,
+            seed,
+        } => {
+            if writer.is_some() {
+                return Outcome::Skip;
+            }
+            let r = fs::File::create(m.path(&path(dir, file))).and_then(|mut f| {
+                f.write_all(&bytes(len, seed))?;
+                Ok(f)
+            });
+            io(r, |f| {
+                *writer = Some(f);
+                Outcome::Ok
+            })
+        }
+        Op::CloseWrite => match writer.take() {
+            Some(f) => io(f.sync_all(), |_| Outcome::Ok),
+            None => Outcome::Skip,
+        },
         Op::Write {
             dir,
             file,
@@ -368,6 +471,11 @@ fn run(env: &Env, prefix: &str, ttl: MetadataTtl, m: &mut Mount, op: &Op) -> Out
         Op::Mkdir { dir } => io(fs::create_dir(m.path(DIRS[dir])), |_| Outcome::Ok),
         Op::Rmdir { dir } => io(fs::remove_dir(m.path(DIRS[dir])), |_| Outcome::Ok),
         Op::Remount => {
+            if let Some(f) = writer.take() {
+                if let Err(e) = f.sync_all() {
+                    return Outcome::Err(e.raw_os_error().unwrap_or(-1));
+                }
+            }
             let old = std::mem::replace(m, mount(env, prefix, ttl));
             old.unmount();
             Outcome::Ok
@@ -393,9 +501,10 @@ fn check(env: &Env, ttl: MetadataTtl, seed: &Seed, ops: &[Op]) -> Result<(), Tes
         env.put(&format!("{prefix}{d}/"), b"");
     }
     let mut m = mount(env, &prefix, ttl);
+    let mut writer = None;
     for (i, op) in ops.iter().enumerate() {
         let want = model.apply(op);
-        let got = run(env, &prefix, ttl, &mut m, op);
+        let got = run(env, &prefix, ttl, &mut m, &mut writer, op);
         prop_assert_eq!(got, want, "step {}: {:?}", i, op);
         // The bucket holds exactly the model's files and markers: nothing written but files,
         // no leftovers.
@@ -407,6 +516,7 @@ fn check(env: &Env, ttl: MetadataTtl, seed: &Seed, ops: &[Op]) -> Result<(), Tes
             op
         );
     }
+    drop(writer);
     m.unmount();
     Ok(())
 }
