@@ -638,6 +638,13 @@ fn op_open_rdonly(c: &Ctx) {
     c.put(&p, "f", b"other");
     let mut buf = [0u8; 5];
     assert_eq!(errno(f.read_at(&mut buf, 0)), libc::ESTALE);
+    // The page cache is kept only for the same ETag: a new version of the same size is read
+    // anew, not served from the pages of the old one.
+    c.put(&p, "k", b"aaaa");
+    assert_eq!(fs::read(m.path("k")).unwrap(), b"aaaa");
+    assert_eq!(fs::read(m.path("k")).unwrap(), b"aaaa");
+    c.put(&p, "k", b"bbbb");
+    assert_eq!(fs::read(m.path("k")).unwrap(), b"bbbb", "no stale pages");
 }
 
 fn op_read(c: &Ctx) {
@@ -664,6 +671,28 @@ fn op_read(c: &Ctx) {
     // A read on a write handle: EBADF.
     let mut w = writing(&m.path("w"), b"abc");
     assert_eq!(errno(w.read(&mut buf)), libc::EBADF);
+    // Small files opened in listing order are fetched ahead, keyed by the listing's ETag: one
+    // changed after the listing is read in its new version, never the prefetched old one.
+    for i in 0..8 {
+        c.put(&p, &format!("s/{i}"), format!("old {i}").as_bytes());
+    }
+    assert_eq!(names(&m.path("s")).len(), 8);
+    for i in 0..3 {
+        assert_eq!(
+            fs::read(m.path(&format!("s/{i}"))).unwrap(),
+            format!("old {i}").as_bytes()
+        );
+    }
+    for i in 3..8 {
+        c.put(&p, &format!("s/{i}"), format!("new {i}").as_bytes());
+    }
+    for i in 3..8 {
+        assert_eq!(
+            fs::read(m.path(&format!("s/{i}"))).unwrap(),
+            format!("new {i}").as_bytes(),
+            "s/{i}"
+        );
+    }
     // A body shorter than asked for, every time: EIO, never short data.
     let s = File::open(m.path("short")).unwrap();
     c.proxy
