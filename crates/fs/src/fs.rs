@@ -1303,7 +1303,8 @@ impl Fs {
                 0..meta.size,
                 Some(reservation),
             );
-            st.small.insert(key, etag.to_owned(), part);
+            st.small
+                .insert(key, etag.to_owned(), part, cfg.small_object_ttl);
         }
     }
 

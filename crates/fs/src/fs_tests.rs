@@ -1257,6 +1257,40 @@ async fn prefetched_small_files_expire_and_respect_the_etag() {
     assert_eq!(budget.used(), 0);
 }
 
+/// An idle mount does not keep small files fetched ahead charged to the node's budget: they are
+/// dropped when their TTL passes even if nothing is opened any more.
+#[tokio::test(start_paused = true)]
+async fn prefetched_small_files_expire_on_an_idle_mount() {
+    let mem = MemoryStore::new();
+    mem.create_bucket(B);
+    for i in 0..10u8 {
+        mem.insert(B, &format!("ds/f{i}"), data(1000, i));
+    }
+    let budget = MemoryBudget::new(1 << 30);
+    let fs = setup_budget(
+        Arc::new(mem.clone()),
+        budget.clone(),
+        PrefetchConfig::default(),
+        MetadataTtl::Indefinite,
+    );
+    let ds = walk(&fs, "ds").await.unwrap().attr.ino;
+    list_batched(&fs, ds, 1000, false).await;
+    for i in 0..2 {
+        let ino = fs.lookup(ds, n(&format!("f{i}"))).await.unwrap().attr.ino;
+        read_all(&fs, ino, 4096).await;
+    }
+    tokio::task::yield_now().await;
+    assert_eq!(fs.small_objects_cached(), 2);
+    assert_eq!(budget.used(), 2000);
+    tokio::time::advance(Duration::from_secs(9)).await;
+    tokio::task::yield_now().await;
+    assert_eq!(fs.small_objects_cached(), 2, "still within the TTL");
+    tokio::time::advance(Duration::from_secs(2)).await;
+    tokio::task::yield_now().await;
+    assert_eq!(fs.small_objects_cached(), 0, "expired without another open");
+    assert_eq!(budget.used(), 0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn listing_cache_serves_new_opendirs_within_the_ttl() {
     let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Duration(Duration::from_secs(5)));
