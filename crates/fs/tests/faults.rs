@@ -152,6 +152,7 @@ fn transient_faults_slow_reads_down_but_never_corrupt_them() {
     }
     f.proxy.set_plan(None);
     m.unmount();
+    f.env.assert_budget_released();
 }
 
 #[test]
@@ -207,6 +208,7 @@ fn persistent_faults_give_eio_after_bounded_retries() {
     assert_eq!(read_all(m.path("after")).unwrap(), data);
     assert_eq!(read_all(m.path("f0")).unwrap(), data);
     m.unmount();
+    f.env.assert_budget_released();
 }
 
 /// Bodies cut short *above* the store (past its length checks) at random: the filesystem's own
@@ -230,13 +232,9 @@ fn short_bodies_past_the_store_are_never_data() {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = MountConfig::new(BUCKET);
     cfg.uid = common::my_uid();
-    let handle = mount(
-        faulty.clone() as Arc<dyn ObjectStore>,
-        cfg,
-        dir.path(),
-        MountContext::new(rt.handle().clone()),
-    )
-    .unwrap();
+    let ctx = MountContext::new(rt.handle().clone());
+    let budget = ctx.budget.clone();
+    let handle = mount(faulty.clone() as Arc<dyn ObjectStore>, cfg, dir.path(), ctx).unwrap();
     let p = handle.target().join("f");
     let data2 = data.clone();
     let (ok, eio) = within(WATCHDOG, "reads over a FaultyStore", move || {
@@ -267,6 +265,7 @@ fn short_bodies_past_the_store_are_never_data() {
     assert!(stats.truncated > 0, "{stats:?}");
     assert!(ok > 0, "some reads succeed ({eio} EIO)");
     handle.unmount().unwrap();
+    common::assert_budget_released(&budget);
 }
 
 #[test]

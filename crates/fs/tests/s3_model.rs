@@ -518,6 +518,7 @@ fn check(env: &Env, ttl: MetadataTtl, seed: &Seed, ops: &[Op]) -> Result<(), Tes
     }
     drop(writer);
     m.unmount();
+    env.assert_budget_released();
     Ok(())
 }
 

@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
-use ferry_fs::{mount, MountConfig, MountContext, MountHandle};
+use ferry_fs::{mount, MemoryBudget, MountConfig, MountContext, MountHandle, PrefetchConfig};
 use ferry_store::{ListRequest, ObjectStore, S3Store};
 use ferry_testkit::S3Server;
 
@@ -20,6 +20,8 @@ pub const BUCKET: &str = "ferry-test";
 pub struct Env {
     pub rt: tokio::runtime::Runtime,
     pub store: Arc<S3Store>,
+    /// The prefetch budget every mount of this `Env` shares, as a node plugin's mounts do.
+    pub budget: MemoryBudget,
     // Dropped last: the mounts and the store must go first.
     pub server: S3Server,
 }
@@ -43,7 +45,12 @@ impl Env {
             server.create_bucket(BUCKET).await;
             Arc::new(server.store().await)
         });
-        Env { rt, store, server }
+        Env {
+            rt,
+            store,
+            budget: MemoryBudget::default(),
+            server,
+        }
     }
 
     /// A prefix (ending in `/`) no other mount of this process has used.
@@ -68,18 +75,23 @@ impl Env {
         cfg.uid = my_uid();
         cfg.gid = 0;
         tweak(&mut cfg);
-        let handle = mount(
-            store,
-            cfg,
-            dir.path(),
-            MountContext::new(self.rt.handle().clone()),
-        )
-        .expect("mount");
+        let ctx = MountContext {
+            runtime: self.rt.handle().clone(),
+            budget: self.budget.clone(),
+            prefetch: PrefetchConfig::default(),
+        };
+        let handle = mount(store, cfg, dir.path(), ctx).expect("mount");
         Mount {
             root: handle.target().to_owned(),
             handle: Some(handle),
             _dir: dir,
         }
+    }
+
+    /// Waits (up to a generous minute) until no prefetch memory is charged to the budget any more:
+    /// call it once every mount is gone. Reservations left behind would be a leak.
+    pub fn assert_budget_released(&self) {
+        assert_budget_released(&self.budget);
     }
 
     /// Every key under `prefix`, relative to it, sorted.
@@ -206,6 +218,20 @@ pub fn within<T: Send + 'static>(
         Ok(Ok(v)) => v,
         Ok(Err(panic)) => std::panic::resume_unwind(panic),
         Err(_) => panic!("{what}: no answer within {limit:?} (a hung request)"),
+    }
+}
+
+/// Waits (up to a generous minute) until `budget` has nothing charged: call it once every mount
+/// using it is gone. Reservations left behind would be a leak.
+pub fn assert_budget_released(budget: &MemoryBudget) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while budget.used() != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} bytes still charged to the prefetch budget",
+            budget.used()
+        );
+        std::thread::sleep(Duration::from_millis(50));
     }
 }
 
