@@ -74,6 +74,14 @@ fn transient_faults_slow_reads_down_but_never_corrupt_them() {
     let prefix = f.env.fresh_prefix("transient");
     let big = body(5 << 20, 1);
     f.env.put(&format!("{prefix}big"), &big);
+    let rand = body(5 << 20, 2);
+    f.env.put(&format!("{prefix}rand"), &rand);
+    let par: Vec<Vec<u8>> = (0..8)
+        .map(|i| body(300_000 + i * 1000, 50 + i as u32))
+        .collect();
+    for (i, b) in par.iter().enumerate() {
+        f.env.put(&format!("{prefix}par/{i}"), b);
+    }
     let small: Vec<Vec<u8>> = (0..12).map(|i| body(1000 + i * 777, i as u32)).collect();
     for (i, b) in small.iter().enumerate() {
         f.env.put(&format!("{prefix}small/{i:02}"), b);
@@ -116,9 +124,9 @@ fn transient_faults_slow_reads_down_but_never_corrupt_them() {
     // A large sequential read (prefetch windows, parallel parts).
     let got = read_all(m.path("big")).expect("big read");
     assert!(got == big, "big: {} bytes, wrong content", got.len());
-    // Random reads (each its own ranged GET).
-    let p = m.path("big");
-    let big2 = big.clone();
+    // Random reads of another object (each its own ranged GET; the page cache has none of it).
+    let p = m.path("rand");
+    let big2 = rand.clone();
     within(WATCHDOG, "random reads", move || {
         let file = fs::File::open(&p).unwrap();
         for k in 0..12u64 {
@@ -129,6 +137,23 @@ fn transient_faults_slow_reads_down_but_never_corrupt_them() {
                 buf == big2[off as usize..off as usize + buf.len()],
                 "random read at {off}"
             );
+        }
+    });
+    // Readers in parallel, each its own files.
+    let handles: Vec<_> = (0..4)
+        .map(|t| {
+            let (root, par) = (m.root.clone(), par.clone());
+            std::thread::spawn(move || {
+                for i in (t..par.len()).step_by(4) {
+                    let got = fs::read(root.join(format!("par/{i}"))).expect("parallel read");
+                    assert!(got == par[i], "par/{i}");
+                }
+            })
+        })
+        .collect();
+    within(WATCHDOG, "parallel readers", move || {
+        for h in handles {
+            h.join().unwrap();
         }
     });
 
