@@ -196,6 +196,7 @@ fn persistent_faults_give_eio_after_bounded_retries() {
         f.env.put(&format!("{prefix}f{i}"), &data);
     }
     f.env.put(&format!("{prefix}after"), &data);
+    f.env.put(&format!("{prefix}sub/x"), b"x");
     let m = f.env.mount(f.store.clone(), &prefix, |c| {
         c.read_only = true;
         c.metadata_ttl = MetadataTtl::Indefinite;
@@ -228,8 +229,20 @@ fn persistent_faults_give_eio_after_bounded_retries() {
     let r = within(WATCHDOG, "stat", move || fs::metadata(p));
     assert_eq!(errno(r), libc::EIO);
 
-    // The server recovers: so does the mount.
+    // A listing that keeps failing: EIO, not an empty directory.
+    let p = m.path("sub");
+    let r = within(WATCHDOG, "readdir", move || {
+        fs::read_dir(p).and_then(|d| d.collect::<Result<Vec<_>, _>>())
+    });
+    assert_eq!(errno(r), libc::EIO);
+
+    // The server recovers: so does the mount (no failure was cached).
     f.proxy.set_plan(None);
+    let p = m.path("sub");
+    let names = within(WATCHDOG, "readdir", move || {
+        fs::read_dir(p).unwrap().count()
+    });
+    assert_eq!(names, 1);
     assert_eq!(read_all(m.path("after")).unwrap(), data);
     assert_eq!(read_all(m.path("f0")).unwrap(), data);
     m.unmount();
