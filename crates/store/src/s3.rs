@@ -321,16 +321,31 @@ impl S3Store {
             .filter_map(|p| p.prefix().map(str::to_owned))
             .collect();
         // A body cut short can still parse (the SDK's XML reader stops at the end of the input):
-        // a page without `IsTruncated` (always sent), or with fewer entries than its `KeyCount`,
-        // is broken, never a shorter listing.
+        // a page without `IsTruncated` (always sent), with fewer entries than its `KeyCount`, whose
+        // last object has no `Size` (cut inside it: its key may be a prefix of the real one), or
+        // with a common prefix that is not `prefix` + one segment + delimiter (cut inside it) is
+        // broken, never a shorter listing.
         let (keys, entries) = (
             out.contents().len(),
             out.contents().len() + out.common_prefixes().len(),
         );
+        let delimiter = req.delimiter.filter(|d| !d.is_empty());
+        let whole_prefix = |p: &String| match delimiter {
+            Some(d) => p.strip_prefix(req.prefix).is_some_and(|rest| {
+                rest.strip_suffix(d)
+                    .is_some_and(|seg| !seg.is_empty() && !seg.contains(d))
+            }),
+            None => true,
+        };
         let complete = out.is_truncated().is_some()
             && out
                 .key_count()
-                .is_none_or(|k| usize::try_from(k).is_ok_and(|k| k == entries || k == keys));
+                .is_none_or(|k| usize::try_from(k).is_ok_and(|k| k == entries || k == keys))
+            && out
+                .contents()
+                .last()
+                .is_none_or(|o| o.key().is_some() && o.size().is_some())
+            && common_prefixes.iter().all(whole_prefix);
         if !complete {
             return Err(Broken::Yes(StoreError::Corrupt(format!(
                 "LIST {bucket}/{}: incomplete response ({entries} entries, KeyCount {:?}, IsTruncated {:?})",

@@ -356,6 +356,35 @@ async fn broken_list_responses_are_asked_again_then_transient() {
     assert_eq!(page.objects.len(), 1, "never the shorter page");
     assert_eq!(n.load(Ordering::SeqCst), 2);
 
+    // Cut inside the last key's text, where KeyCount still matches: `d/` would pass for a
+    // directory marker. And cut inside a common prefix.
+    let in_key = {
+        let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListBucketResult><Name>b</Name><Prefix>d/</Prefix><KeyCount>1</KeyCount><MaxKeys>2</MaxKeys><IsTruncated>false</IsTruncated><Contents><Key>d/";
+        response(
+            "200 OK",
+            &[("Content-Length", body.len().to_string())],
+            body.as_bytes(),
+        )
+    };
+    let in_prefix = {
+        let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListBucketResult><Name>b</Name><Prefix>d/</Prefix><KeyCount>1</KeyCount><MaxKeys>2</MaxKeys><Delimiter>/</Delimiter><IsTruncated>false</IsTruncated><CommonPrefixes><Prefix>d/su";
+        response(
+            "200 OK",
+            &[("Content-Length", body.len().to_string())],
+            body.as_bytes(),
+        )
+    };
+    for (broken, what) in [(&in_key, "in a key"), (&in_prefix, "in a prefix")] {
+        let (s, _) = scripted(vec![broken.clone()]).await;
+        let req = ListRequest {
+            prefix: "d/",
+            delimiter: Some("/"),
+            ..ListRequest::default()
+        };
+        let e = s.list("b", req).await.unwrap_err();
+        assert!(e.is_retryable(), "{what}: {e:?}");
+    }
+
     // Persistently: bounded attempts, then an error (EIO), never a wrong page.
     for (broken, what) in [
         (cut_list(60), "cut off"),
