@@ -33,7 +33,8 @@ use std::time::Duration;
 
 use common::{Env, Mount};
 use ferry_fs::MetadataTtl;
-use ferry_store::ObjectStore;
+use ferry_store::{ObjectStore, S3Options, S3Store};
+use ferry_testkit::{Fault, FaultPlan, FaultProxy};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
@@ -387,7 +388,7 @@ fn io<T>(r: std::io::Result<T>, ok: impl FnOnce(T) -> Outcome) -> Outcome {
 fn run(
     env: &Env,
     prefix: &str,
-    ttl: MetadataTtl,
+    how: &How,
     m: &mut Mount,
     writer: &mut Option<fs::File>,
     op: &Op,
@@ -476,22 +477,29 @@ fn run(
                     return Outcome::Err(e.raw_os_error().unwrap_or(-1));
                 }
             }
-            let old = std::mem::replace(m, mount(env, prefix, ttl));
+            let old = std::mem::replace(m, mount(env, prefix, how));
             old.unmount();
             Outcome::Ok
         }
     }
 }
 
-fn mount(env: &Env, prefix: &str, ttl: MetadataTtl) -> Mount {
-    env.mount(env.store.clone() as Arc<dyn ObjectStore>, prefix, |c| {
+/// How a case mounts: through which store, with which TTL.
+struct How {
+    store: Arc<dyn ObjectStore>,
+    ttl: MetadataTtl,
+}
+
+fn mount(env: &Env, prefix: &str, how: &How) -> Mount {
+    let ttl = how.ttl;
+    env.mount(how.store.clone(), prefix, |c| {
         c.allow_delete = true;
         c.allow_overwrite = true;
         c.metadata_ttl = ttl;
     })
 }
 
-fn check(env: &Env, ttl: MetadataTtl, seed: &Seed, ops: &[Op]) -> Result<(), TestCaseError> {
+fn check(env: &Env, how: &How, seed: &Seed, ops: &[Op]) -> Result<(), TestCaseError> {
     let prefix = env.fresh_prefix("model");
     let mut model = Model::seeded(seed);
     for (k, v) in &model.files {
@@ -500,11 +508,11 @@ fn check(env: &Env, ttl: MetadataTtl, seed: &Seed, ops: &[Op]) -> Result<(), Tes
     for d in &model.markers {
         env.put(&format!("{prefix}{d}/"), b"");
     }
-    let mut m = mount(env, &prefix, ttl);
+    let mut m = mount(env, &prefix, how);
     let mut writer = None;
     for (i, op) in ops.iter().enumerate() {
         let want = model.apply(op);
-        let got = run(env, &prefix, ttl, &mut m, &mut writer, op);
+        let got = run(env, &prefix, how, &mut m, &mut writer, op);
         prop_assert_eq!(got, want, "step {}: {:?}", i, op);
         // The bucket holds exactly the model's files and markers: nothing written but files,
         // no leftovers.
@@ -522,8 +530,38 @@ fn check(env: &Env, ttl: MetadataTtl, seed: &Seed, ops: &[Op]) -> Result<(), Tes
     Ok(())
 }
 
-fn run_model(ttl: MetadataTtl, default_cases: u32) {
+fn run_model(ttl: MetadataTtl, default_cases: u32, flaky: bool) {
     let env = Env::start();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], env.server.port()).into()).unwrap();
+    let store: Arc<dyn ObjectStore> = if flaky {
+        // Every third request breaks, before reaching the server or in its response body, so
+        // every retry is safe: the results must be exactly the model's, only slower. POST
+        // (CreateMultipartUpload, CompleteMultipartUpload) is left alone: a broken response to a
+        // completion that did happen cannot be retried (the upload is gone), which is EIO at
+        // close by design.
+        proxy.set_plan(Some(FaultPlan {
+            methods: ["GET", "HEAD", "PUT", "DELETE"].map(String::from).to_vec(),
+            faults: vec![
+                Fault::SlowDown,
+                Fault::CutBody,
+                Fault::InternalError,
+                Fault::ShortBody,
+            ],
+            every: 3,
+        }));
+        let mut cfg = env.server.s3_config();
+        cfg.endpoint_url = Some(proxy.url());
+        let opts = S3Options {
+            max_attempts: 5,
+            initial_backoff: Duration::from_millis(5),
+            max_backoff: Duration::from_millis(50),
+            ..S3Options::default()
+        };
+        Arc::new(env.rt.block_on(S3Store::with_options(cfg, opts)).unwrap())
+    } else {
+        env.store.clone()
+    };
+    let how = How { store, ttl };
     let mut runner = TestRunner::new(Config {
         cases: common::cases(default_cases),
         // Each case mounts; keep shrinking bounded.
@@ -532,21 +570,31 @@ fn run_model(ttl: MetadataTtl, default_cases: u32) {
         ..Config::default()
     });
     let strategy = (seed(), prop::collection::vec(op(), 1..40));
-    let result = runner.run(&strategy, |(seed, ops)| check(&env, ttl, &seed, &ops));
+    let result = runner.run(&strategy, |(seed, ops)| check(&env, &how, &seed, &ops));
     if let Err(e) = result {
         panic!("{e}\n--- versitygw log ---\n{}", env.server.log());
+    }
+    if flaky {
+        assert!(proxy.injected().len() > 10, "faults were injected");
     }
 }
 
 /// TTL 0: every lookup asks S3.
 #[test]
 fn fuse_mount_on_s3_matches_the_model_with_zero_ttl() {
-    run_model(MetadataTtl::Duration(Duration::ZERO), 48);
+    run_model(MetadataTtl::Duration(Duration::ZERO), 48, false);
 }
 
 /// Indefinite TTL: nothing learned from S3 expires, so every answer after a change made through
 /// the mount relies on the mount updating its own caches (read-your-writes through one mount).
 #[test]
 fn fuse_mount_on_s3_matches_the_model_with_indefinite_ttl() {
-    run_model(MetadataTtl::Indefinite, 48);
+    run_model(MetadataTtl::Indefinite, 48, false);
+}
+
+/// TTL 0 through a server that fails every third request (throttling, 500s, bodies cut off or
+/// short): retries hide every fault, so the mount must still agree with the model exactly.
+#[test]
+fn fuse_mount_on_flaky_s3_matches_the_model() {
+    run_model(MetadataTtl::Duration(Duration::ZERO), 16, true);
 }
