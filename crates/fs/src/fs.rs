@@ -874,32 +874,42 @@ impl Fs {
     }
 
     /// After removing an entry: if the directory has nothing left in S3 (it was implicit), keep it
-    /// as a local directory, so it stays until `rmdir` as POSIX expects. Best effort.
+    /// as a local directory, so it stays until `rmdir` as POSIX expects; and so on up the tree,
+    /// since an ancestor whose only content was this directory is now implicit in nothing either
+    /// (it must stay too, or the local directory would hang below a directory that does not
+    /// exist). Best effort.
     async fn keep_dir_if_empty(&self, dir: Ino) {
-        let dprefix = {
-            let st = self.lock();
-            match st.inodes.get(dir) {
-                Some(d) if dir != ROOT_INO && d.state == InodeState::Remote => {
-                    dir_prefix(&self.cfg.prefix, &d.path)
-                }
-                _ => return,
-            }
-        };
-        let req = ListRequest {
-            prefix: &dprefix,
-            max_keys: Some(1),
-            ..Default::default()
-        };
-        match self.store.list(self.bucket(), req).await {
-            Ok(page) if page.objects.is_empty() && page.common_prefixes.is_empty() => {
-                if let Some(d) = self.lock().inodes.get_mut(dir) {
-                    if d.state == InodeState::Remote {
-                        d.state = InodeState::LocalDir;
+        let mut dir = dir;
+        loop {
+            let (dprefix, parent) = {
+                let st = self.lock();
+                match st.inodes.get(dir) {
+                    Some(d) if dir != ROOT_INO && d.state == InodeState::Remote => {
+                        (dir_prefix(&self.cfg.prefix, &d.path), d.parent)
                     }
+                    _ => return,
+                }
+            };
+            let req = ListRequest {
+                prefix: &dprefix,
+                max_keys: Some(1),
+                ..Default::default()
+            };
+            match self.store.list(self.bucket(), req).await {
+                Ok(page) if page.objects.is_empty() && page.common_prefixes.is_empty() => {
+                    if let Some(d) = self.lock().inodes.get_mut(dir) {
+                        if d.state == InodeState::Remote {
+                            d.state = InodeState::LocalDir;
+                        }
+                    }
+                    dir = parent;
+                }
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::debug!(error = %e, "checking whether a directory became empty");
+                    return;
                 }
             }
-            Ok(_) => {}
-            Err(e) => tracing::debug!(error = %e, "checking whether a directory became empty"),
         }
     }
 
@@ -1320,7 +1330,8 @@ impl Fs {
                 0..meta.size,
                 Some(reservation),
             );
-            st.small.insert(key, etag.to_owned(), part);
+            st.small
+                .insert(key, etag.to_owned(), part, cfg.small_object_ttl);
         }
     }
 

@@ -791,6 +791,33 @@ async fn delete_rules() {
     assert_eq!(errno(walk(&fs, "full").await), libc::ENOENT);
 }
 
+/// Emptying `a/b/` where `a` held nothing else keeps both `a/b` and `a` (found by the
+/// reference-model test through FUSE with TTL 0: `a` used to vanish above a local `a/b`).
+#[tokio::test]
+async fn emptying_a_nested_implicit_directory_keeps_its_ancestors() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Duration(Duration::ZERO));
+    store.insert(B, "a/b/f", &b"x"[..]);
+    store.insert(B, "k/other", &b"x"[..]);
+    store.insert(B, "k/b/f", &b"x"[..]);
+    for (dir, file) in [("a/b", "f"), ("k/b", "f")] {
+        let d = walk(&fs, dir).await.unwrap().attr.ino;
+        fs.unlink(d, n(file)).await.unwrap();
+    }
+    assert_eq!(store.keys(B), ["k/other"]);
+    for dir in ["a", "a/b", "k", "k/b"] {
+        assert_eq!(walk(&fs, dir).await.unwrap().attr.kind, Kind::Dir, "{dir}");
+    }
+    assert_eq!(
+        names(&fs, ROOT_INO).await,
+        [("a".to_owned(), Kind::Dir), ("k".to_owned(), Kind::Dir)]
+    );
+    let a = walk(&fs, "a").await.unwrap().attr.ino;
+    assert_eq!(errno(fs.rmdir(ROOT_INO, n("a")).await), libc::ENOTEMPTY);
+    fs.rmdir(a, n("b")).await.unwrap();
+    fs.rmdir(ROOT_INO, n("a")).await.unwrap();
+    assert_eq!(errno(walk(&fs, "a").await), libc::ENOENT);
+}
+
 #[tokio::test]
 async fn mkdir_is_local_until_a_file_is_written() {
     let (store, fs) = setup(|_| {});
@@ -1232,6 +1259,40 @@ async fn prefetched_small_files_expire_and_respect_the_etag() {
         0,
         "expired, and f30 broke the pattern"
     );
+    assert_eq!(budget.used(), 0);
+}
+
+/// An idle mount does not keep small files fetched ahead charged to the node's budget: they are
+/// dropped when their TTL passes even if nothing is opened any more.
+#[tokio::test(start_paused = true)]
+async fn prefetched_small_files_expire_on_an_idle_mount() {
+    let mem = MemoryStore::new();
+    mem.create_bucket(B);
+    for i in 0..10u8 {
+        mem.insert(B, &format!("ds/f{i}"), data(1000, i));
+    }
+    let budget = MemoryBudget::new(1 << 30);
+    let fs = setup_budget(
+        Arc::new(mem.clone()),
+        budget.clone(),
+        PrefetchConfig::default(),
+        MetadataTtl::Indefinite,
+    );
+    let ds = walk(&fs, "ds").await.unwrap().attr.ino;
+    list_batched(&fs, ds, 1000, false).await;
+    for i in 0..2 {
+        let ino = fs.lookup(ds, n(&format!("f{i}"))).await.unwrap().attr.ino;
+        read_all(&fs, ino, 4096).await;
+    }
+    tokio::task::yield_now().await;
+    assert_eq!(fs.small_objects_cached(), 2);
+    assert_eq!(budget.used(), 2000);
+    tokio::time::advance(Duration::from_secs(9)).await;
+    tokio::task::yield_now().await;
+    assert_eq!(fs.small_objects_cached(), 2, "still within the TTL");
+    tokio::time::advance(Duration::from_secs(2)).await;
+    tokio::task::yield_now().await;
+    assert_eq!(fs.small_objects_cached(), 0, "expired without another open");
     assert_eq!(budget.used(), 0);
 }
 

@@ -10,7 +10,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::ops::Range;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use ferry_store::{ObjectStore, StoreError};
@@ -212,42 +212,60 @@ struct SmallEntry {
 }
 
 /// Per-mount cache of small objects fetched ahead, by (key, ETag): an open that pins the same
-/// ETag takes the entry (so it is used once); entries not taken within the TTL are dropped.
+/// ETag takes the entry (so it is used once); entries not taken within the TTL are dropped by a
+/// timer, so an idle mount does not keep prefetched bytes charged to the node's budget.
 #[derive(Debug, Default)]
 pub struct SmallObjects {
-    entries: HashMap<(String, String), SmallEntry>,
+    entries: Arc<Mutex<HashMap<(String, String), SmallEntry>>>,
+}
+
+type Entries = HashMap<(String, String), SmallEntry>;
+
+fn lock_entries(m: &Mutex<Entries>) -> MutexGuard<'_, Entries> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn drop_expired(entries: &mut Entries, ttl: std::time::Duration) {
+    let now = Instant::now();
+    entries.retain(|_, e| now.duration_since(e.added) < ttl);
 }
 
 impl SmallObjects {
     pub fn contains(&self, key: &str, etag: &str) -> bool {
-        self.entries
-            .contains_key(&(key.to_owned(), etag.to_owned()))
+        lock_entries(&self.entries).contains_key(&(key.to_owned(), etag.to_owned()))
     }
 
-    pub fn insert(&mut self, key: String, etag: String, part: Part) {
+    /// Adds an entry and starts its timer (on the current runtime): it is dropped once `ttl` has
+    /// passed unless taken first. The timer holds no reference to the cache, only a weak one.
+    pub fn insert(&mut self, key: String, etag: String, part: Part, ttl: std::time::Duration) {
         let added = Instant::now();
-        self.entries.insert((key, etag), SmallEntry { part, added });
+        lock_entries(&self.entries).insert((key, etag), SmallEntry { part, added });
+        let weak = Arc::downgrade(&self.entries);
+        tokio::spawn(async move {
+            tokio::time::sleep_until(added + ttl).await;
+            if let Some(entries) = weak.upgrade() {
+                drop_expired(&mut lock_entries(&entries), ttl);
+            }
+        });
     }
 
     /// Takes the entry for `key` at `etag`, if any.
     pub fn take(&mut self, key: &str, etag: &str) -> Option<Part> {
-        self.entries
+        lock_entries(&self.entries)
             .remove(&(key.to_owned(), etag.to_owned()))
             .map(|e| e.part)
     }
 
     /// Drops entries older than `ttl` (aborting their requests).
     pub fn expire(&mut self, ttl: std::time::Duration) {
-        let now = Instant::now();
-        self.entries
-            .retain(|_, e| now.duration_since(e.added) < ttl);
+        drop_expired(&mut lock_entries(&self.entries), ttl);
     }
 
     pub fn len(&self) -> usize {
-        self.entries.len()
+        lock_entries(&self.entries).len()
     }
 
     pub fn is_empty(&self) -> bool {
-        self.entries.is_empty()
+        lock_entries(&self.entries).is_empty()
     }
 }

@@ -3,7 +3,8 @@
 //! - Retries: the SDK's *standard* mode (exponential backoff with full jitter, a retry quota),
 //!   [`S3Options::max_attempts`] attempts in all. Those cover throttling, 5xx, timeouts and
 //!   connection failures. On top of that, `get_range` re-reads a body that came back short or broke
-//!   mid-stream, up to [`S3Options::body_attempts`] times.
+//!   mid-stream, and `list` asks again when a 2xx response does not parse (the SDK does not retry
+//!   that), up to [`S3Options::body_attempts`] times.
 //! - Timeouts on every request: connect, read (time to the response head) and per attempt; large
 //!   uploads get a longer attempt timeout in proportion to their size.
 //! - Checksums: requests carry checksums only where S3 requires them (DeleteObjects), and responses
@@ -19,7 +20,7 @@
 //! | `PreconditionFailed`, 412 | `PreconditionFailed` |
 //! | `InvalidRange`, 416, other 400 | `InvalidRequest` |
 //! | `SlowDown`, `Throttling*`, `RequestLimitExceeded`, `TooManyRequests`, 429, 503 | `Throttled` |
-//! | `RequestTimeout`, `InternalError`, other 5xx but 501; timeouts; connection failures | `Transient` |
+//! | `RequestTimeout`, `InternalError`, other 5xx but 501; timeouts; connection failures; a 2xx whose body cannot be read | `Transient` |
 //! | the credentials provider failed (no request was sent) | `Credentials` |
 //! | body shorter or longer than its headers or the range say | `Corrupt` |
 //! | anything else (3xx, 405, 409, 501, ...) | `Other` |
@@ -116,7 +117,8 @@ pub struct S3Options {
     pub attempt_timeout: Duration,
     /// Reading one GET body after its response head arrived. Default 120 s.
     pub body_timeout: Duration,
-    /// Attempts at reading a GET body that arrives short or breaks off. Default 3.
+    /// Attempts at reading a GET body that arrives short or breaks off, and at a LIST whose 2xx
+    /// response does not parse. Default 3.
     pub body_attempts: u32,
     /// A PEM file of CA certificates trusted besides the system's, for endpoints with a private
     /// CA (`--ca-bundle` / `AWS_CA_BUNDLE`). Default none.
@@ -329,6 +331,91 @@ impl S3Store {
         (needed > self.opts.attempt_timeout).then(|| {
             aws_sdk_s3::config::Builder::new()
                 .timeout_config(timeouts(&self.opts, self.opts.attempt_timeout + needed))
+        })
+    }
+
+    /// One ListObjectsV2 request (the SDK's retries included).
+    async fn list_once(&self, bucket: &str, req: ListRequest<'_>) -> Result<ListPage, Broken> {
+        let max_keys = req.max_keys.map(|m| m.min(MAX_LIST_KEYS) as i32);
+        let out = self
+            .client
+            .list_objects_v2()
+            .bucket(bucket)
+            .set_prefix((!req.prefix.is_empty()).then(|| req.prefix.to_owned()))
+            .set_delimiter(req.delimiter.filter(|d| !d.is_empty()).map(str::to_owned))
+            .set_continuation_token(req.continuation)
+            .set_max_keys(max_keys)
+            .set_start_after(req.start_after.map(str::to_owned))
+            .send()
+            .await
+            .map_err(|e| Broken::classify(e, Target::Bucket(bucket)))?;
+        let objects: Vec<ObjectInfo> = out
+            .contents()
+            .iter()
+            .filter_map(|o| {
+                Some(ObjectInfo {
+                    key: o.key()?.to_owned(),
+                    size: size_of(o.size()),
+                    etag: o.e_tag().map(str::to_owned),
+                    last_modified: to_system_time(o.last_modified()),
+                })
+            })
+            .collect();
+        let common_prefixes: Vec<String> = out
+            .common_prefixes()
+            .iter()
+            .filter_map(|p| p.prefix().map(str::to_owned))
+            .collect();
+        // A body cut short can still parse (the SDK's XML reader stops at the end of the input):
+        // a page without `IsTruncated` (always sent), with fewer entries than its `KeyCount`, whose
+        // last object has no `Size` (cut inside it: its key may be a prefix of the real one), or
+        // with a common prefix that is not `prefix` + one segment + delimiter (cut inside it) is
+        // broken, never a shorter listing.
+        let (keys, entries) = (
+            out.contents().len(),
+            out.contents().len() + out.common_prefixes().len(),
+        );
+        let delimiter = req.delimiter.filter(|d| !d.is_empty());
+        let whole_prefix = |p: &String| match delimiter {
+            Some(d) => p.strip_prefix(req.prefix).is_some_and(|rest| {
+                rest.strip_suffix(d)
+                    .is_some_and(|seg| !seg.is_empty() && !seg.contains(d))
+            }),
+            None => true,
+        };
+        let complete = out.is_truncated().is_some()
+            && out
+                .key_count()
+                .is_none_or(|k| usize::try_from(k).is_ok_and(|k| k == entries || k == keys))
+            && out
+                .contents()
+                .last()
+                .is_none_or(|o| o.key().is_some() && o.size().is_some())
+            && common_prefixes.iter().all(whole_prefix);
+        if !complete {
+            return Err(Broken::Yes(StoreError::Corrupt(format!(
+                "LIST {bucket}/{}: incomplete response ({entries} entries, KeyCount {:?}, IsTruncated {:?})",
+                req.prefix,
+                out.key_count(),
+                out.is_truncated()
+            ))));
+        }
+        let next_token = if out.is_truncated().unwrap_or(false) {
+            let token = out.next_continuation_token().map(str::to_owned);
+            if token.is_none() {
+                return Err(Broken::Yes(StoreError::Corrupt(format!(
+                    "LIST {bucket}/{}: truncated page without a continuation token",
+                    req.prefix
+                ))));
+            }
+            token
+        } else {
+            None
+        };
+        Ok(ListPage {
+            objects,
+            common_prefixes,
+            next_token,
         })
     }
 
@@ -597,6 +684,12 @@ where
     let kind = match (&err, classify(status, code.as_deref())) {
         // A response that could not be parsed: a server or proxy in trouble, unless 4xx says more.
         (SdkError::ResponseError(_), Kind::Other) => Kind::Transient,
+        // A 2xx the SDK could not read (a body cut off or garbled) is the same trouble.
+        (SdkError::ServiceError(_), Kind::Other)
+            if status.is_some_and(|s| (200..300).contains(&s)) =>
+        {
+            Kind::Transient
+        }
         (_, kind) => kind,
     };
     match (kind, target) {
@@ -648,53 +741,19 @@ impl ObjectStore for S3Store {
     }
 
     async fn list(&self, bucket: &str, req: ListRequest<'_>) -> Result<ListPage> {
-        let max_keys = req.max_keys.map(|m| m.min(MAX_LIST_KEYS) as i32);
-        let out = self
-            .client
-            .list_objects_v2()
-            .bucket(bucket)
-            .set_prefix((!req.prefix.is_empty()).then(|| req.prefix.to_owned()))
-            .set_delimiter(req.delimiter.filter(|d| !d.is_empty()).map(str::to_owned))
-            .set_continuation_token(req.continuation)
-            .set_max_keys(max_keys)
-            .set_start_after(req.start_after.map(str::to_owned))
-            .send()
-            .await
-            .map_err(|e| map_sdk_error(e, Target::Bucket(bucket)))?;
-        let objects = out
-            .contents()
-            .iter()
-            .filter_map(|o| {
-                Some(ObjectInfo {
-                    key: o.key()?.to_owned(),
-                    size: size_of(o.size()),
-                    etag: o.e_tag().map(str::to_owned),
-                    last_modified: to_system_time(o.last_modified()),
-                })
-            })
-            .collect();
-        let common_prefixes = out
-            .common_prefixes()
-            .iter()
-            .filter_map(|p| p.prefix().map(str::to_owned))
-            .collect();
-        let next_token = if out.is_truncated().unwrap_or(false) {
-            let token = out.next_continuation_token().map(str::to_owned);
-            if token.is_none() {
-                return Err(StoreError::Corrupt(format!(
-                    "LIST {bucket}/{}: truncated page without a continuation token",
-                    req.prefix
-                )));
+        // A LIST is idempotent: a 2xx that does not parse (which the SDK does not retry) is
+        // asked for again, like a broken GET body.
+        let mut attempt = 1;
+        loop {
+            match self.list_once(bucket, req.clone()).await {
+                Err(Broken::Yes(e)) if attempt < self.opts.body_attempts => {
+                    tracing::warn!(error = %e, attempt, "listing again after a broken response");
+                    attempt += 1;
+                }
+                Ok(page) => return Ok(page),
+                Err(Broken::Yes(e) | Broken::No(e)) => return Err(e),
             }
-            token
-        } else {
-            None
-        };
-        Ok(ListPage {
-            objects,
-            common_prefixes,
-            next_token,
-        })
+        }
     }
 
     async fn head(&self, bucket: &str, key: &str) -> Result<ObjectInfo> {
@@ -907,6 +966,46 @@ impl ObjectStore for S3Store {
 enum GetFailure {
     Request(StoreError),
     Body(StoreError),
+}
+
+/// A failed request, and whether its response broke in a way the SDK's retries do not cover
+/// (see [`broken_response`]).
+enum Broken {
+    Yes(StoreError),
+    No(StoreError),
+}
+
+impl Broken {
+    fn classify<E>(
+        err: SdkError<E, aws_sdk_s3::config::http::HttpResponse>,
+        target: Target<'_>,
+    ) -> Broken
+    where
+        E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
+    {
+        let broken = broken_response(&err);
+        let e = map_sdk_error(err, target);
+        if broken {
+            Broken::Yes(e)
+        } else {
+            Broken::No(e)
+        }
+    }
+}
+
+/// Whether the response arrived as a 2xx the SDK could not parse (a garbled or short body with a
+/// consistent length): a service error with the 2xx status and no error code, which the SDK does
+/// not retry. (A body cut off before its length is a response error, which the SDK retries.)
+fn broken_response<E>(err: &SdkError<E, aws_sdk_s3::config::http::HttpResponse>) -> bool
+where
+    E: ProvideErrorMetadata,
+{
+    match err {
+        SdkError::ServiceError(ctx) => {
+            ctx.err().code().is_none() && (200..300).contains(&ctx.raw().status().as_u16())
+        }
+        _ => false,
+    }
 }
 
 /// Every message of an error's source chain, joined with ": ", repeats left out.

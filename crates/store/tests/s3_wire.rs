@@ -5,7 +5,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_store::{ObjectStore, S3Config, S3Credentials, S3Options, S3Store, StoreError};
+use ferry_store::{
+    ListRequest, ObjectStore, S3Config, S3Credentials, S3Options, S3Store, StoreError,
+};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -285,4 +287,118 @@ async fn delete_many_names_the_failed_key() {
         .unwrap_err();
     assert!(matches!(e, StoreError::AccessDenied(_)), "{e:?}");
     assert!(e.to_string().contains("a/locked"), "{e}");
+}
+
+/// Entries of the page a server answering `response` lists.
+async fn s_list_ok(response: &[u8]) -> usize {
+    let (s, _) = scripted(vec![response.to_vec()]).await;
+    s.list("b", ListRequest::default())
+        .await
+        .unwrap()
+        .objects
+        .len()
+}
+
+fn list_body() -> String {
+    "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListBucketResult xmlns=\"http://s3.amazonaws.com/doc/2006-03-01/\"><Name>b</Name><Prefix></Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated><Contents><Key>k</Key><Size>3</Size><ETag>&quot;abc&quot;</ETag></Contents></ListBucketResult>".to_owned()
+}
+
+/// A 200 LIST whose body promises `Content-Length` bytes but sends only `sent` of them.
+fn cut_list(sent: usize) -> Vec<u8> {
+    let body = list_body();
+    response(
+        "200 OK",
+        &[
+            ("Content-Type", "application/xml".into()),
+            ("Content-Length", body.len().to_string()),
+        ],
+        &body.as_bytes()[..sent],
+    )
+}
+
+#[tokio::test]
+async fn broken_list_responses_are_asked_again_then_transient() {
+    let good = cut_list(list_body().len());
+    assert_eq!(s_list_ok(&good).await, 1, "the full body is a good page");
+    // Cut off mid-body, then garbled (a consistent length, but half the XML), then good.
+    let garbled = {
+        let body = &list_body()[..80];
+        response(
+            "200 OK",
+            &[
+                ("Content-Type", "application/xml".into()),
+                ("Content-Length", body.len().to_string()),
+            ],
+            body.as_bytes(),
+        )
+    };
+    let (s, n) = scripted(vec![cut_list(60), garbled.clone(), good.clone()]).await;
+    let page = s.list("b", ListRequest::default()).await.unwrap();
+    assert_eq!(page.objects.len(), 1);
+    assert_eq!(page.objects[0].key, "k");
+    assert_eq!(n.load(Ordering::SeqCst), 3, "body_attempts LISTs");
+
+    // Cut short where the XML still parses: no entries, but KeyCount 1.
+    let parses = {
+        let full = list_body();
+        let body = &full[..full.find("<Contents>").unwrap()];
+        response(
+            "200 OK",
+            &[
+                ("Content-Type", "application/xml".into()),
+                ("Content-Length", body.len().to_string()),
+            ],
+            body.as_bytes(),
+        )
+    };
+    let (s, n) = scripted(vec![parses.clone(), good.clone()]).await;
+    let page = s.list("b", ListRequest::default()).await.unwrap();
+    assert_eq!(page.objects.len(), 1, "never the shorter page");
+    assert_eq!(n.load(Ordering::SeqCst), 2);
+
+    // Cut inside the last key's text, where KeyCount still matches: `d/` would pass for a
+    // directory marker. And cut inside a common prefix.
+    let in_key = {
+        let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListBucketResult><Name>b</Name><Prefix>d/</Prefix><KeyCount>1</KeyCount><MaxKeys>2</MaxKeys><IsTruncated>false</IsTruncated><Contents><Key>d/";
+        response(
+            "200 OK",
+            &[("Content-Length", body.len().to_string())],
+            body.as_bytes(),
+        )
+    };
+    let in_prefix = {
+        let body = "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListBucketResult><Name>b</Name><Prefix>d/</Prefix><KeyCount>1</KeyCount><MaxKeys>2</MaxKeys><Delimiter>/</Delimiter><IsTruncated>false</IsTruncated><CommonPrefixes><Prefix>d/su";
+        response(
+            "200 OK",
+            &[("Content-Length", body.len().to_string())],
+            body.as_bytes(),
+        )
+    };
+    for (broken, what) in [(&in_key, "in a key"), (&in_prefix, "in a prefix")] {
+        let (s, _) = scripted(vec![broken.clone()]).await;
+        let req = ListRequest {
+            prefix: "d/",
+            delimiter: Some("/"),
+            ..ListRequest::default()
+        };
+        let e = s.list("b", req).await.unwrap_err();
+        assert!(e.is_retryable(), "{what}: {e:?}");
+    }
+
+    // Persistently: bounded attempts, then an error (EIO), never a wrong page.
+    for (broken, what) in [
+        (cut_list(60), "cut off"),
+        (garbled.clone(), "garbled"),
+        (parses, "short but parses"),
+    ] {
+        let (s, n) = scripted(vec![broken]).await;
+        let e = s.list("b", ListRequest::default()).await.unwrap_err();
+        assert!(e.is_retryable(), "{what}: {e:?}");
+        assert!(e.is_retryable());
+        assert_eq!(
+            n.load(Ordering::SeqCst),
+            3,
+            "{what}: SDK or body_attempts LISTs"
+        );
+    }
 }

@@ -1,8 +1,8 @@
 //! Test helpers shared by the workspace's integration tests: [`S3Server`] runs a real S3 server
-//! (versitygw) on loopback for the duration of a test, [`kube::KubeCluster`] a real Kubernetes
-//! control plane, [`MotoServer`] moto (S3 that enforces signatures and IAM policies, STS, IAM)
-//! and [`PodIdentityAgent`] an EKS Pod Identity agent stand-in for the credentials tests, and
-//! [`init_tracing`] sets up logging.
+//! (versitygw) on loopback for the duration of a test, [`FaultProxy`] breaks chosen responses on
+//! the way to it, [`kube::KubeCluster`] runs a real Kubernetes control plane, [`MotoServer`] moto
+//! (S3 that enforces signatures and IAM policies, STS, IAM) and [`PodIdentityAgent`] an EKS Pod
+//! Identity agent stand-in for the credentials tests, and [`init_tracing`] sets up logging.
 //!
 //! versitygw is found through `$FERRY_VERSITYGW`, then `$HOME/.cache/ferry-tools/bin/versitygw`,
 //! then `PATH`. Without it, [`S3Server::start`] panics with install instructions: tests that need
@@ -30,6 +30,8 @@ use ferry_store::{S3Config, S3Credentials, S3Options, S3Store};
 
 mod moto;
 pub use moto::{moto_python, MotoServer, MotoSetup, PodIdentityAgent, MOTO_INSTALL_HINT};
+pub mod fault_proxy;
+pub use fault_proxy::{Fault, FaultPlan, FaultProxy};
 
 /// How to install versitygw; part of every "not found" panic.
 pub const VERSITYGW_INSTALL_HINT: &str = "versitygw (the S3 server the integration tests run) was not found. Install it with:\n    GOBIN=$HOME/.cache/ferry-tools/bin go install github.com/versity/versitygw/cmd/versitygw@v1.7.0\nor point FERRY_VERSITYGW at the binary, or put `versitygw` on PATH.";

@@ -1,0 +1,244 @@
+//! Helpers shared by the integration tests that mount Ferry through real FUSE on a real S3 server
+//! (versitygw, from `ferry-testkit`): a server with one bucket, mounts of a fresh prefix, a
+//! watchdog for calls that must not hang, and errno extraction.
+
+#![allow(dead_code)] // Each test binary uses a different subset.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::Duration;
+
+use ferry_fs::{mount, MemoryBudget, MountConfig, MountContext, MountHandle, PrefetchConfig};
+use ferry_store::{ListRequest, ObjectStore, S3Store};
+use ferry_testkit::S3Server;
+
+pub const BUCKET: &str = "ferry-test";
+
+/// A running versitygw with [`BUCKET`] created, a store on it and a runtime for the mounts.
+pub struct Env {
+    pub rt: tokio::runtime::Runtime,
+    pub store: Arc<S3Store>,
+    /// The prefetch budget every mount of this `Env` shares, as a node plugin's mounts do.
+    pub budget: MemoryBudget,
+    // Dropped last: the mounts and the store must go first.
+    pub server: S3Server,
+}
+
+impl Env {
+    /// Starts versitygw and creates the bucket. Panics if versitygw or `/dev/fuse` is missing:
+    /// these tests fail rather than skip silently.
+    pub fn start() -> Env {
+        assert!(
+            Path::new("/dev/fuse").exists(),
+            "/dev/fuse is missing: these tests need FUSE (run as root with fuse3 installed)"
+        );
+        ferry_testkit::init_tracing();
+        let server = S3Server::start();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
+            .unwrap();
+        let store = rt.block_on(async {
+            server.create_bucket(BUCKET).await;
+            Arc::new(server.store().await)
+        });
+        Env {
+            rt,
+            store,
+            budget: MemoryBudget::default(),
+            server,
+        }
+    }
+
+    /// A prefix (ending in `/`) no other mount of this process has used.
+    pub fn fresh_prefix(&self, what: &str) -> String {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        format!("{what}-{}/", NEXT.fetch_add(1, Ordering::Relaxed))
+    }
+
+    /// Mounts `prefix` of the bucket from `store` with `tweak` applied to a writable config
+    /// (uid = ours, so `default_permissions` lets us write).
+    pub fn mount(
+        &self,
+        store: Arc<dyn ObjectStore>,
+        prefix: &str,
+        tweak: impl FnOnce(&mut MountConfig),
+    ) -> Mount {
+        let dir = tempfile::tempdir().unwrap();
+        let mut cfg = MountConfig::new(BUCKET);
+        cfg.prefix = prefix.to_owned();
+        cfg.fs_name = format!("ferry:{BUCKET}/{prefix}");
+        cfg.read_only = false;
+        cfg.uid = my_uid();
+        cfg.gid = 0;
+        tweak(&mut cfg);
+        let ctx = MountContext {
+            runtime: self.rt.handle().clone(),
+            budget: self.budget.clone(),
+            prefetch: PrefetchConfig::default(),
+        };
+        let handle = mount(store, cfg, dir.path(), ctx).expect("mount");
+        Mount {
+            root: handle.target().to_owned(),
+            handle: Some(handle),
+            _dir: dir,
+        }
+    }
+
+    /// Waits (up to a generous minute) until no prefetch memory is charged to the budget any more:
+    /// call it once every mount is gone. Reservations left behind would be a leak.
+    pub fn assert_budget_released(&self) {
+        assert_budget_released(&self.budget);
+    }
+
+    /// Every key under `prefix`, relative to it, sorted.
+    pub fn keys(&self, prefix: &str) -> Vec<String> {
+        self.rt.block_on(async {
+            let mut keys = Vec::new();
+            let mut continuation = None;
+            loop {
+                let page = self
+                    .store
+                    .list(
+                        BUCKET,
+                        ListRequest {
+                            prefix,
+                            continuation: continuation.take(),
+                            ..ListRequest::default()
+                        },
+                    )
+                    .await
+                    .expect("listing the bucket");
+                keys.extend(
+                    page.objects
+                        .into_iter()
+                        .map(|o| o.key[prefix.len()..].to_owned()),
+                );
+                match page.next_token {
+                    Some(t) => continuation = Some(t),
+                    None => break,
+                }
+            }
+            keys.sort();
+            keys
+        })
+    }
+
+    /// Writes an object directly (behind the mount's back).
+    pub fn put(&self, key: &str, body: &[u8]) {
+        self.rt
+            .block_on(
+                self.store
+                    .put(BUCKET, key, bytes::Bytes::copy_from_slice(body)),
+            )
+            .expect("put");
+    }
+
+    /// Reads an object directly, `None` if missing.
+    pub fn get(&self, key: &str) -> Option<Vec<u8>> {
+        self.rt.block_on(async {
+            let info = match self.store.head(BUCKET, key).await {
+                Ok(i) => i,
+                Err(ferry_store::StoreError::NotFound(_)) => return None,
+                Err(e) => panic!("HEAD {key}: {e}"),
+            };
+            if info.size == 0 {
+                return Some(Vec::new());
+            }
+            Some(
+                self.store
+                    .get_range(BUCKET, key, 0..info.size, None)
+                    .await
+                    .expect("get")
+                    .to_vec(),
+            )
+        })
+    }
+}
+
+/// A live mount; unmounts when dropped.
+pub struct Mount {
+    pub root: PathBuf,
+    pub handle: Option<MountHandle>,
+    _dir: tempfile::TempDir,
+}
+
+impl Mount {
+    pub fn path(&self, rel: &str) -> PathBuf {
+        self.root.join(rel)
+    }
+
+    pub fn unmount(mut self) {
+        if let Some(h) = self.handle.take() {
+            h.unmount().expect("unmount");
+        }
+    }
+}
+
+impl Drop for Mount {
+    fn drop(&mut self) {
+        if let Some(h) = self.handle.take() {
+            let _ = h.unmount();
+        }
+    }
+}
+
+pub fn my_uid() -> u32 {
+    std::fs::metadata("/proc/self")
+        .map(|m| m.uid())
+        .unwrap_or(0)
+}
+
+/// The errno of a failed `std::io` call (panics on success or on an error without one).
+pub fn errno<T: std::fmt::Debug>(r: std::io::Result<T>) -> i32 {
+    match r {
+        Ok(v) => panic!("expected an error, got Ok({v:?})"),
+        Err(e) => e
+            .raw_os_error()
+            .unwrap_or_else(|| panic!("error without an errno: {e}")),
+    }
+}
+
+/// Runs `f` on its own thread and panics if it does not finish within `limit` (a hung FUSE request
+/// would otherwise hang the test forever). The limit is a generous safety net, not a timing
+/// assertion.
+pub fn within<T: Send + 'static>(
+    limit: Duration,
+    what: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> T {
+    let (tx, rx) = mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)));
+    });
+    match rx.recv_timeout(limit) {
+        Ok(Ok(v)) => v,
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => panic!("{what}: no answer within {limit:?} (a hung request)"),
+    }
+}
+
+/// Waits (up to a generous minute) until `budget` has nothing charged: call it once every mount
+/// using it is gone. Reservations left behind would be a leak.
+pub fn assert_budget_released(budget: &MemoryBudget) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while budget.used() != 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} bytes still charged to the prefetch budget",
+            budget.used()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Number of proptest cases: `$PROPTEST_CASES`, else `default`.
+pub fn cases(default: u32) -> u32 {
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
