@@ -89,11 +89,24 @@ pub fn mount_config(p: &Published, default_ttl: MetadataTtl) -> MountConfig {
         allow_other: true,
         metadata_ttl: fs_ttl(o.metadata_ttl.unwrap_or(default_ttl)),
         fs_name: format!("ferry:{}/{}", p.spec.bucket, p.spec.prefix),
+        endpoint: p.spec.endpoint.endpoint_url.clone().unwrap_or_default(),
+        node_cache: !o.no_cache,
     }
 }
 
 impl NodeService {
     pub fn new(config: NodeConfig, stores: Arc<dyn Stores>, mounts: Arc<MountTable>) -> Self {
+        let ctx = ferry_fs::MountContext::new(tokio::runtime::Handle::current());
+        Self::with_context(config, stores, mounts, ctx)
+    }
+
+    /// A node service whose mounts share `ctx` (memory budget, block cache).
+    pub fn with_context(
+        config: NodeConfig,
+        stores: Arc<dyn Stores>,
+        mounts: Arc<MountTable>,
+        ctx: ferry_fs::MountContext,
+    ) -> Self {
         let canonical_root = std::fs::canonicalize(&config.kubelet_root)
             .unwrap_or_else(|_| config.kubelet_root.clone());
         NodeService {
@@ -103,7 +116,7 @@ impl NodeService {
                 stores,
                 mounts,
                 in_flight: InFlightSet::default(),
-                mount_context: ferry_fs::MountContext::new(tokio::runtime::Handle::current()),
+                mount_context: ctx,
             }),
         }
     }

@@ -259,6 +259,16 @@ impl BlockCache {
         }
     }
 
+    /// Counts an open refused because the mount's own credentials were denied the object (its
+    /// blocks may be on disk; they are not served to that mount).
+    pub fn note_denied(&self) {
+        counter(
+            names::CACHE_DENIED,
+            "Opens through a cached mount refused because its credentials were denied the object.",
+        )
+        .inc();
+    }
+
     /// The file of block `id`.
     pub fn block_path(&self, id: &FileId) -> PathBuf {
         let hex = block::hex(id);

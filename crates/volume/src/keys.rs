@@ -16,6 +16,9 @@ pub const FORCE_PATH_STYLE: &str = "forcePathStyle";
 pub const DELETE_POLICY: &str = "deletePolicy";
 /// Volume attribute: the volume's prefix inside the bucket.
 pub const PREFIX: &str = "prefix";
+/// Volume attribute (PV `volumeAttributes` or StorageClass parameter): `none` keeps the volume's
+/// reads out of the node cache; `node` (the default) uses it when the node plugin has one.
+pub const CACHE: &str = "cache";
 /// Volume attribute: whose credentials the mount uses (`driver` is the only one so far).
 pub const AUTHENTICATION_SOURCE: &str = "authenticationSource";
 

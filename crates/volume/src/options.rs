@@ -49,6 +49,24 @@ pub struct MountOptions {
     pub file_mode: Option<u16>,
     pub dir_mode: Option<u16>,
     pub metadata_ttl: Option<MetadataTtl>,
+    /// `cache none`: keep this volume's reads out of the node cache.
+    pub no_cache: bool,
+}
+
+/// Parses a `cache` value: `none` (opt out of the node cache) → `true`, `node` → `false`.
+pub fn parse_cache(what: &'static str, value: &str) -> Result<bool, VolumeError> {
+    match value {
+        "none" => Ok(true),
+        "node" => Ok(false),
+        other => Err(VolumeError::invalid(
+            what,
+            "cache",
+            format!(
+                "{other:?}: only \"none\" (keep this volume out of the node cache) or \"node\" is accepted; \
+                 the node cache's directory and size are set on the node plugin (--cache-dir)"
+            ),
+        )),
+    }
 }
 
 /// mount-s3 options that only tune logging or threads: accepted so migrated PVs mount, and ignored
@@ -79,7 +97,6 @@ const REFUSED: &[&str] = &[
     "bucket-type",
     "profile",
     "allow-root",
-    "cache",
     "cache-xz",
     "max-cache-size",
     "negative-metadata-ttl",
@@ -158,6 +175,7 @@ impl MountOptions {
                 self.metadata_ttl =
                     Some(v.parse().map_err(|e| VolumeError::invalid(WHAT, name, e))?);
             }
+            "cache" => self.no_cache = parse_cache(WHAT, &need(value)?)?,
             n if IGNORED.contains(&n) => {}
             n if REFUSED.contains(&n) => {
                 return Err(VolumeError::Unsupported {

@@ -57,7 +57,8 @@ impl VolumeSpec {
         context: &HashMap<String, String>,
         mount_flags: &[S],
     ) -> Result<Self, VolumeError> {
-        let options = MountOptions::parse(mount_flags)?;
+        let mut options = MountOptions::parse(mount_flags)?;
+        let mut no_cache = None;
         let mut bucket = None;
         let mut prefix = None;
         let mut endpoint = Endpoint::default();
@@ -69,6 +70,7 @@ impl VolumeSpec {
             }
             match k.as_str() {
                 keys::PREFIX => prefix = Some(validate::prefix(k, v, true)?),
+                keys::CACHE => no_cache = Some(crate::options::parse_cache(WHAT, v)?),
                 keys::AUTHENTICATION_SOURCE => match v.as_str() {
                     "driver" | "" => {}
                     other => {
@@ -108,6 +110,8 @@ impl VolumeSpec {
             options.endpoint_url.clone(),
         )?;
         endpoint.force_path_style |= options.force_path_style;
+        // Either one opting out keeps the volume out of the node cache.
+        options.no_cache = no_cache.unwrap_or(false) || options.no_cache;
         Ok(VolumeSpec {
             bucket,
             prefix,
