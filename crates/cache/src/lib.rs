@@ -133,6 +133,26 @@ struct Counters {
     corrupt: AtomicU64,
 }
 
+/// Counts bytes a warm-up fetched into the cache.
+pub fn warmup_bytes(n: u64) {
+    counter(
+        names::CACHE_WARMUP_BYTES,
+        "Bytes fetched into the node cache by volume warm-ups.",
+    )
+    .add(n);
+}
+
+/// Counts a finished warm-up by `result` (`ok`, `truncated`, `error`).
+pub fn warmup_done(result: &str) {
+    ferry_metrics::global()
+        .counter(
+            names::CACHE_WARMUPS,
+            "Volume warm-ups finished, by result.",
+            &[("result", result)],
+        )
+        .inc();
+}
+
 fn counter(name: &'static str, help: &'static str) -> Arc<ferry_metrics::Counter> {
     ferry_metrics::global().counter(name, help, &[])
 }
@@ -159,6 +179,8 @@ pub struct BlockCache {
     tmp_seq: AtomicU64,
     writes: AtomicUsize,
     writes_done: Notify,
+    /// Warm-ups started in this process (by id), so each runs once.
+    claimed: Mutex<std::collections::HashSet<String>>,
 }
 
 impl std::fmt::Debug for BlockCache {
@@ -202,6 +224,7 @@ impl BlockCache {
             tmp_seq: AtomicU64::new(0),
             writes: AtomicUsize::new(0),
             writes_done: Notify::new(),
+            claimed: Mutex::new(Default::default()),
         });
         let c = cache.clone();
         std::thread::Builder::new()
@@ -257,6 +280,14 @@ impl BlockCache {
             bytes: st.lru.bytes(),
             blocks: st.lru.len() as u64,
         }
+    }
+
+    /// `true` the first time `id` is claimed in this process (a warm-up runs once per node).
+    pub fn claim(&self, id: &str) -> bool {
+        self.claimed
+            .lock()
+            .expect("claims lock")
+            .insert(id.to_owned())
     }
 
     /// Counts an open refused because the mount's own credentials were denied the object (its

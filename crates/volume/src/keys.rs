@@ -19,6 +19,10 @@ pub const PREFIX: &str = "prefix";
 /// Volume attribute (PV `volumeAttributes` or StorageClass parameter): `none` keeps the volume's
 /// reads out of the node cache; `node` (the default) uses it when the node plugin has one.
 pub const CACHE: &str = "cache";
+/// Volume attribute (PV `volumeAttributes` or StorageClass parameter): warm the node cache after
+/// NodePublishVolume: `"true"` (the whole volume), `"false"`, or comma-separated sub-prefixes of
+/// the volume (`"train/,val/"`).
+pub const PREFETCH_ON_MOUNT: &str = "prefetchOnMount";
 /// Volume attribute: whose credentials the mount uses (`driver` is the only one so far).
 pub const AUTHENTICATION_SOURCE: &str = "authenticationSource";
 

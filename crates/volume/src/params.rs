@@ -23,6 +23,9 @@ pub struct StorageClassParams {
     pub prefix_template: Template,
     pub endpoint: Endpoint,
     pub delete_policy: DeletePolicy,
+    /// Node-side attributes (`cache`, `prefetchOnMount`), validated here and handed to the node
+    /// in the volume context.
+    pub node_attributes: Vec<(String, String)>,
 }
 
 const WHAT: &str = "StorageClass parameter";
@@ -36,6 +39,7 @@ impl StorageClassParams {
         let mut template = Template::default();
         let mut endpoint = Endpoint::default();
         let mut delete_policy = DeletePolicy::Retain;
+        let mut node_attributes = Vec::new();
         let mut sorted: Vec<_> = params.iter().collect();
         sorted.sort();
         for (k, v) in sorted {
@@ -44,6 +48,14 @@ impl StorageClassParams {
             }
             match k.as_str() {
                 keys::BASE_PREFIX => base_prefix = validate::prefix(k, v, true)?,
+                keys::CACHE => {
+                    crate::options::parse_cache(WHAT, v)?;
+                    node_attributes.push((k.clone(), v.clone()));
+                }
+                keys::PREFETCH_ON_MOUNT => {
+                    crate::options::parse_warm_up(WHAT, v)?;
+                    node_attributes.push((k.clone(), v.clone()));
+                }
                 keys::PREFIX_TEMPLATE => template = Template::parse(v)?,
                 keys::DELETE_POLICY => {
                     delete_policy = match v.as_str() {
@@ -86,6 +98,7 @@ impl StorageClassParams {
             prefix_template: template,
             endpoint,
             delete_policy,
+            node_attributes,
         })
     }
 
