@@ -157,7 +157,11 @@ impl Inner {
             volume: Some(pb::Volume {
                 capacity_bytes: capacity,
                 volume_id: want.volume_id,
-                volume_context: volume_context(&id),
+                volume_context: {
+                    let mut ctx = volume_context(&id);
+                    ctx.extend(params.node_attributes.iter().cloned());
+                    ctx
+                },
                 content_source: None,
                 accessible_topology: vec![],
             }),

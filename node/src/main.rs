@@ -363,6 +363,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         block_size: a.cache_block_size,
     });
     let ctx = mount_context(cache, a.memory_budget)?;
+    let cache = ctx.cache.clone();
     let node = NodeService::with_context(
         NodeConfig {
             node_id: a.node_id.clone(),
@@ -389,6 +390,10 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         .await
         .context("serving gRPC")?;
     let _ = std::fs::remove_file(&socket);
+    if let Some(cache) = &cache {
+        // Blocks fetched just before the signal are still being written: finish them.
+        cache.settle().await;
+    }
     // Live mounts are left in place: unmounting them would show pods an empty directory whose
     // writes land on the node's disk. When this process exits their FUSE connections end and
     // they fail with ENOTCONN until kubelet unpublishes them (which detaches the dead mount).

@@ -94,6 +94,39 @@ pub fn mount_config(p: &Published, default_ttl: MetadataTtl) -> MountConfig {
     }
 }
 
+/// Starts filling the node cache from the volume's prefix (or its sub-prefixes) in the background,
+/// unless this node plugin already ran the same warm-up.
+fn start_warm_up(
+    store: Arc<dyn ferry_store::ObjectStore>,
+    cache: Arc<ferry_cache::BlockCache>,
+    cfg: &MountConfig,
+    subs: &[String],
+) {
+    let w = ferry_fs::WarmUp {
+        endpoint: cfg.endpoint.clone(),
+        bucket: cfg.bucket.clone(),
+        prefixes: subs.iter().map(|s| format!("{}{s}", cfg.prefix)).collect(),
+    };
+    if !cache.claim(&w.id()) {
+        info!(bucket = %w.bucket, prefixes = ?w.prefixes, "warm-up already run on this node; not repeated");
+        return;
+    }
+    info!(bucket = %w.bucket, prefixes = ?w.prefixes, "warm-up started");
+    tokio::spawn(async move {
+        let (bucket, prefixes) = (w.bucket.clone(), w.prefixes.clone());
+        match ferry_fs::warm_up(store, cache, w).await {
+            Ok(r) => {
+                ferry_cache::warmup_done(if r.truncated { "truncated" } else { "ok" });
+                info!(%bucket, ?prefixes, objects = r.objects, fetched_blocks = r.fetched, cached_blocks = r.cached, bytes = r.bytes, truncated = r.truncated, "warm-up done");
+            }
+            Err(e) => {
+                ferry_cache::warmup_done("error");
+                warn!(%bucket, ?prefixes, error = %e, "warm-up failed");
+            }
+        }
+    });
+}
+
 impl NodeService {
     pub fn new(config: NodeConfig, stores: Arc<dyn Stores>, mounts: Arc<MountTable>) -> Self {
         let ctx = ferry_fs::MountContext::new(tokio::runtime::Handle::current());
@@ -266,6 +299,7 @@ impl Inner {
 
         let config = mount_config(&published, self.config.default_metadata_ttl);
         let mount_context = self.mount_context.clone();
+        let warm_store = store.clone();
         let (mount_target, mount_config) = (target.clone(), config.clone());
         let handle = tokio::task::spawn_blocking(move || {
             ferry_fs::mount(store, mount_config, &mount_target, mount_context)
@@ -273,6 +307,13 @@ impl Inner {
         .await
         .map_err(|e| CsiError::Internal(format!("mount task failed: {e}")))?
         .map_err(|e| CsiError::Internal(format!("mounting at {}: {e}", target.display())))?;
+        if let (Some(cache), Some(subs), true) = (
+            &self.mount_context.cache,
+            &published.spec.options.warm_up,
+            config.node_cache,
+        ) {
+            start_warm_up(warm_store, cache.clone(), &config, subs);
+        }
         info!(
             bucket = %published.spec.bucket,
             prefix = %published.spec.prefix,

@@ -193,7 +193,8 @@ mod tests {
         .unwrap();
         assert_eq!(p.node_attributes.len(), 2);
         assert!(
-            crate::StorageClassParams::parse(&map(&[("bucketName", "bkt"), ("cache", "x")])).is_err()
+            crate::StorageClassParams::parse(&map(&[("bucketName", "bkt"), ("cache", "x")]))
+                .is_err()
         );
     }
 
