@@ -359,6 +359,9 @@ struct Row {
     get_bytes: f64,
     proxy_bytes: u64,
     joins: f64,
+    /// Blocks evicted and fetched blocks not stored during epoch 1 (space pressure).
+    evicted: f64,
+    skipped: f64,
     epoch2: Duration,
     gets2: f64,
     proxy_bytes2: u64,
@@ -462,6 +465,8 @@ fn run(cli: &Cli, work: &Path) -> anyhow::Result<()> {
             let get_bytes = node.metric("ferry_s3_received_bytes_total", "")? - m0;
             let proxy_bytes = proxy.bytes_down() - p0;
             let joins = node.metric("ferry_cache_single_flight_joins_total", "")?;
+            let evicted = node.metric("ferry_cache_evictions_total", "")?;
+            let skipped = node.metric("ferry_cache_store_skipped_total", "")?;
             eprintln!("P9 block size {bs}: restart");
             node.stop();
             let node = Node::start(cli, work, &server, &proxy, &cache, bs).await?;
@@ -489,6 +494,8 @@ fn run(cli: &Cli, work: &Path) -> anyhow::Result<()> {
                 get_bytes,
                 proxy_bytes,
                 joins,
+                evicted,
+                skipped,
                 epoch2,
                 gets2,
                 proxy_bytes2,
@@ -513,16 +520,18 @@ fn run(cli: &Cli, work: &Path) -> anyhow::Result<()> {
         cli.rtt_ms,
         load_average()
     ));
-    out.push_str("| block size | epoch 1 MiB/s (4 pods) | S3 GET bytes / dataset (Ferry metrics) | proxy bytes / dataset | single-flight joins | epoch 2 after restart MiB/s | epoch 2 data GETs | epoch 2 bytes from cache / read | epoch 2 proxy bytes | epoch 2 / local disk |\n|---|---|---|---|---|---|---|---|---|---|\n");
+    out.push_str("| block size | epoch 1 MiB/s (4 pods) | S3 GET bytes / dataset (Ferry metrics) | proxy bytes / dataset | single-flight joins | evicted / not stored (epoch 1) | epoch 2 after restart MiB/s | epoch 2 data GETs | epoch 2 bytes from cache / read | epoch 2 proxy bytes | epoch 2 / local disk |\n|---|---|---|---|---|---|---|---|---|---|---|\n");
     let local_speed = mibs(read_bytes, local_time);
     for r in &rows {
         out.push_str(&format!(
-            "| {} | {:.0} | {:.3} | {:.3} | {:.0} | {:.0} | {:.0} | {:.2} | {} | {:.2} |\n",
+            "| {} | {:.0} | {:.3} | {:.3} | {:.0} | {:.0} / {:.0} | {:.0} | {:.0} | {:.2} | {} | {:.2} |\n",
             r.block_size,
             mibs(read_bytes, r.epoch1),
             r.get_bytes / total as f64,
             r.proxy_bytes as f64 / total as f64,
             r.joins,
+            r.evicted,
+            r.skipped,
             mibs(read_bytes, r.epoch2),
             r.gets2,
             r.hit_bytes2 / read_bytes as f64,
