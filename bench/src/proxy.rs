@@ -32,6 +32,8 @@ pub struct DelayProxy {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
     connections: Arc<AtomicU64>,
+    /// Bytes forwarded from the server to the clients (GET bodies, headers, listings).
+    down: Arc<AtomicU64>,
 }
 
 impl DelayProxy {
@@ -42,7 +44,8 @@ impl DelayProxy {
         let addr = listener.local_addr()?;
         let stop = Arc::new(AtomicBool::new(false));
         let connections = Arc::new(AtomicU64::new(0));
-        let (stop2, conns2) = (stop.clone(), connections.clone());
+        let down = Arc::new(AtomicU64::new(0));
+        let (stop2, conns2, down2) = (stop.clone(), connections.clone(), down.clone());
         thread::Builder::new()
             .name("proxy-accept".into())
             .spawn(move || {
@@ -52,10 +55,11 @@ impl DelayProxy {
                     }
                     let Ok(client) = client else { continue };
                     conns2.fetch_add(1, Ordering::Relaxed);
+                    let down = down2.clone();
                     let _ = thread::Builder::new()
                         .name("proxy-conn".into())
                         .spawn(move || {
-                            if let Err(e) = forward(client, upstream, one_way) {
+                            if let Err(e) = forward(client, upstream, one_way, down) {
                                 eprintln!("delay proxy: connection failed: {e:#}");
                             }
                         });
@@ -65,12 +69,19 @@ impl DelayProxy {
             addr,
             stop,
             connections,
+            down,
         })
     }
 
     /// `http://127.0.0.1:<port>`.
     pub fn url(&self) -> String {
         format!("http://{}", self.addr)
+    }
+
+    /// Bytes forwarded from the server to the clients so far.
+    #[allow(dead_code)] // used by ferry-bench-cache only
+    pub fn bytes_down(&self) -> u64 {
+        self.down.load(Ordering::Relaxed)
     }
 
     /// Connections accepted so far.
@@ -88,13 +99,18 @@ impl Drop for DelayProxy {
 }
 
 /// Connects upstream and runs both directions until each side has closed.
-fn forward(client: TcpStream, upstream: SocketAddr, one_way: Duration) -> anyhow::Result<()> {
+fn forward(
+    client: TcpStream,
+    upstream: SocketAddr,
+    one_way: Duration,
+    down: Arc<AtomicU64>,
+) -> anyhow::Result<()> {
     let server = TcpStream::connect(upstream).context("connecting upstream")?;
     for s in [&client, &server] {
         s.set_nodelay(true)?;
     }
-    let up = pump(client.try_clone()?, server.try_clone()?, one_way)?;
-    let down = pump(server, client, one_way)?;
+    let up = pump(client.try_clone()?, server.try_clone()?, one_way, None)?;
+    let down = pump(server, client, one_way, Some(down))?;
     for h in up.into_iter().chain(down) {
         let _ = h.join();
     }
@@ -106,6 +122,7 @@ fn pump(
     mut from: TcpStream,
     mut to: TcpStream,
     delay: Duration,
+    counter: Option<Arc<AtomicU64>>,
 ) -> anyhow::Result<[thread::JoinHandle<()>; 2]> {
     let (tx, rx): (SyncSender<Stamped>, Receiver<Stamped>) = sync_channel(QUEUE);
     let to_for_reader = to.try_clone()?;
@@ -118,6 +135,9 @@ fn pump(
                     Ok(0) | Err(_) => break,
                     Ok(n) => {
                         buf.truncate(n);
+                        if let Some(c) = &counter {
+                            c.fetch_add(n as u64, Ordering::Relaxed);
+                        }
                         if tx.send(Some((Instant::now() + delay, buf))).is_err() {
                             // The writer is gone (peer reset): stop reading and close our side.
                             let _ = from.shutdown(Shutdown::Both);

@@ -4,11 +4,13 @@
 //! - [`accounts`]: ServiceAccount reads through the Kubernetes API (pod-level credentials);
 //! - [`mounts`]: the table of live mounts, one FUSE session each, all in this process;
 //! - [`targetpath`]: kubelet target-path checks;
+//! - [`size`]: byte sizes and the memory budget on the command line;
 //! - [`mountinfo`] (from `ferry-fs`): what the kernel says is mounted where.
 
 pub mod accounts;
 pub mod mounts;
 pub mod service;
+pub mod size;
 pub mod targetpath;
 
 pub use ferry_fs::mountinfo;

@@ -6,12 +6,14 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
+use ferry_cache::{BlockCache, CacheConfig};
 use ferry_csi::identity::IdentityService;
 use ferry_csi::pb::identity_server::IdentityServer;
 use ferry_csi::pb::node_server::NodeServer;
 use ferry_csi::pb::plugin_capability::service::Type as PluginCap;
 use ferry_csi::stores::{S3Stores, Stores};
 use ferry_node::mounts::{MountCredentials, MountTable, Published};
+use ferry_node::size::{parse_budget, parse_size, BudgetSpec};
 use ferry_node::{NodeConfig, NodeService, PodAuth};
 use ferry_volume::{AuthenticationSource, Endpoint, MetadataTtl, MountOptions, VolumeSpec};
 
@@ -75,6 +77,22 @@ struct ServeArgs {
     /// Pod-level credentials are renewed this many seconds before they expire.
     #[arg(long, env = "FERRY_CREDENTIAL_REFRESH_BEFORE", default_value = "300")]
     credential_refresh_before: u64,
+    /// Directory of the node's block cache, shared by every mount (a hostPath); no cache if unset.
+    #[arg(long, env = "FERRY_CACHE_DIR")]
+    cache_dir: Option<PathBuf>,
+    /// Most bytes the block cache keeps on disk (e.g. 20GiB).
+    #[arg(long, env = "FERRY_CACHE_MAX_SIZE", default_value = "10GiB", value_parser = parse_size)]
+    cache_max_size: u64,
+    /// Bytes the cache leaves free on its filesystem (it evicts, or stops caching, to keep them).
+    #[arg(long, env = "FERRY_CACHE_MIN_FREE", default_value = "1GiB", value_parser = parse_size)]
+    cache_min_free: u64,
+    /// Cache block size: a power of two from 64KiB to 64MiB.
+    #[arg(long, env = "FERRY_CACHE_BLOCK_SIZE", default_value = "4MiB", value_parser = parse_size)]
+    cache_block_size: u64,
+    /// Memory for prefetched data, shared by all mounts: a size (2GiB) or a share of the
+    /// container's memory limit (75%, with FERRY_MEMORY_LIMIT in bytes). Default 1GiB.
+    #[arg(long, env = "FERRY_MEMORY_BUDGET", value_parser = parse_budget)]
+    memory_budget: Option<BudgetSpec>,
 }
 
 #[derive(Debug, Args)]
@@ -128,6 +146,53 @@ struct MountArgs {
     /// Serve Prometheus metrics at this address (e.g. 127.0.0.1:9810).
     #[arg(long)]
     metrics_addr: Option<String>,
+    /// Cache object blocks in this directory (kept across mounts and restarts).
+    #[arg(long)]
+    cache: Option<PathBuf>,
+    /// Most MiB the cache keeps on disk (mount-s3's flag). Default 10 GiB.
+    #[arg(long)]
+    max_cache_size: Option<u64>,
+    /// Bytes the cache leaves free on its filesystem.
+    #[arg(long, default_value = "1GiB", value_parser = parse_size)]
+    cache_min_free: u64,
+    /// Cache block size: a power of two from 64KiB to 64MiB.
+    #[arg(long, default_value = "4MiB", value_parser = parse_size)]
+    cache_block_size: u64,
+    /// Memory for prefetched data: a size or a share (75%) of FERRY_MEMORY_LIMIT. Default 1GiB.
+    #[arg(long, env = "FERRY_MEMORY_BUDGET", value_parser = parse_budget)]
+    memory_budget: Option<BudgetSpec>,
+}
+
+/// The node-level things every mount shares: the memory budget and the block cache.
+fn mount_context(
+    cache: Option<CacheConfig>,
+    budget: Option<BudgetSpec>,
+) -> anyhow::Result<ferry_fs::MountContext> {
+    let mut ctx = ferry_fs::MountContext::new(tokio::runtime::Handle::current());
+    if let Some(spec) = budget {
+        let limit = std::env::var("FERRY_MEMORY_LIMIT").ok();
+        let bytes = spec
+            .resolve(limit.as_deref())
+            .map_err(|e| anyhow::anyhow!("--memory-budget: {e}"))?;
+        ctx.budget = ferry_fs::MemoryBudget::new(bytes);
+    }
+    ferry_metrics::global()
+        .gauge(
+            ferry_metrics::names::MEMORY_BUDGET_LIMIT,
+            "The node-wide prefetch memory budget.",
+            &[],
+        )
+        .set(ctx.budget.limit() as i64);
+    if let Some(cfg) = cache {
+        let dir = cfg.dir.clone();
+        let cache = BlockCache::open(cfg)
+            .with_context(|| format!("opening the cache at {}", dir.display()))?;
+        let c = cache.config();
+        tracing::info!(dir = %dir.display(), max_size = c.max_size, min_free = c.min_free, block_size = c.block_size, "node cache opened; indexing its blocks in the background");
+        ctx.cache = Some(cache);
+    }
+    tracing::info!(memory_budget = ctx.budget.limit(), "mount context ready");
+    Ok(ctx)
 }
 
 fn parse_ttl(s: &str) -> Result<MetadataTtl, String> {
@@ -289,7 +354,15 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
     let mut config = ferry_node::service::mount_config(&published, MetadataTtl::Seconds(1));
     config.allow_other = a.allow_other;
     let dir = a.directory.clone();
-    let ctx = ferry_fs::MountContext::new(tokio::runtime::Handle::current());
+    let cache = a.cache.as_ref().map(|dir| CacheConfig {
+        dir: dir.clone(),
+        max_size: a
+            .max_cache_size
+            .map_or(10 << 30, |mib| mib.saturating_mul(1 << 20)),
+        min_free: a.cache_min_free,
+        block_size: a.cache_block_size,
+    });
+    let ctx = mount_context(cache, a.memory_budget)?;
     let handle = tokio::task::spawn_blocking(move || ferry_fs::mount(store, config, &dir, ctx))
         .await?
         .with_context(|| format!("mounting at {}", a.directory.display()))?;
@@ -336,7 +409,15 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     );
     let mounts = Arc::new(MountTable::default());
     let pod_auth = pod_auth(&a).await?;
-    let node = NodeService::with_pod_auth(
+    let cache = a.cache_dir.as_ref().map(|dir| CacheConfig {
+        dir: dir.clone(),
+        max_size: a.cache_max_size,
+        min_free: a.cache_min_free,
+        block_size: a.cache_block_size,
+    });
+    let ctx = mount_context(cache, a.memory_budget)?;
+    let cache = ctx.cache.clone();
+    let node = NodeService::with_parts(
         NodeConfig {
             node_id: a.node_id.clone(),
             kubelet_root: a.kubelet_root.clone(),
@@ -344,6 +425,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         },
         stores,
         mounts.clone(),
+        ctx,
         pod_auth,
     );
     let identity = IdentityService::new(
@@ -362,6 +444,10 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         .await
         .context("serving gRPC")?;
     let _ = std::fs::remove_file(&socket);
+    if let Some(cache) = &cache {
+        // Blocks fetched just before the signal are still being written: finish them.
+        cache.settle().await;
+    }
     // Live mounts are left in place: unmounting them would show pods an empty directory whose
     // writes land on the node's disk. When this process exits their FUSE connections end and
     // they fail with ENOTCONN until kubelet unpublishes them (which detaches the dead mount).

@@ -103,12 +103,58 @@ pub fn mount_config(p: &Published, default_ttl: MetadataTtl) -> MountConfig {
         allow_other: true,
         metadata_ttl: fs_ttl(o.metadata_ttl.unwrap_or(default_ttl)),
         fs_name: format!("ferry:{}/{}", p.spec.bucket, p.spec.prefix),
+        endpoint: p.spec.endpoint.endpoint_url.clone().unwrap_or_default(),
+        node_cache: !o.no_cache,
     }
+}
+
+/// Starts filling the node cache from the volume's prefix (or its sub-prefixes) in the background,
+/// unless this node plugin already ran the same warm-up.
+fn start_warm_up(
+    store: Arc<dyn ferry_store::ObjectStore>,
+    cache: Arc<ferry_cache::BlockCache>,
+    cfg: &MountConfig,
+    subs: &[String],
+) {
+    let w = ferry_fs::WarmUp {
+        endpoint: cfg.endpoint.clone(),
+        bucket: cfg.bucket.clone(),
+        prefixes: subs.iter().map(|s| format!("{}{s}", cfg.prefix)).collect(),
+    };
+    if !cache.claim(&w.id()) {
+        info!(bucket = %w.bucket, prefixes = ?w.prefixes, "warm-up already run on this node; not repeated");
+        return;
+    }
+    info!(bucket = %w.bucket, prefixes = ?w.prefixes, "warm-up started");
+    tokio::spawn(async move {
+        let (bucket, prefixes) = (w.bucket.clone(), w.prefixes.clone());
+        match ferry_fs::warm_up(store, cache, w).await {
+            Ok(r) => {
+                ferry_cache::warmup_done(if r.truncated { "truncated" } else { "ok" });
+                info!(%bucket, ?prefixes, objects = r.objects, fetched_blocks = r.fetched, cached_blocks = r.cached, bytes = r.bytes, truncated = r.truncated, "warm-up done");
+            }
+            Err(e) => {
+                ferry_cache::warmup_done("error");
+                warn!(%bucket, ?prefixes, error = %e, "warm-up failed");
+            }
+        }
+    });
 }
 
 impl NodeService {
     pub fn new(config: NodeConfig, stores: Arc<dyn Stores>, mounts: Arc<MountTable>) -> Self {
-        Self::with_pod_auth(config, stores, mounts, None)
+        let ctx = ferry_fs::MountContext::new(tokio::runtime::Handle::current());
+        Self::with_parts(config, stores, mounts, ctx, None)
+    }
+
+    /// A node service whose mounts share `ctx` (memory budget, block cache).
+    pub fn with_context(
+        config: NodeConfig,
+        stores: Arc<dyn Stores>,
+        mounts: Arc<MountTable>,
+        ctx: ferry_fs::MountContext,
+    ) -> Self {
+        Self::with_parts(config, stores, mounts, ctx, None)
     }
 
     /// A node service that also serves `authenticationSource: pod` volumes.
@@ -116,6 +162,19 @@ impl NodeService {
         config: NodeConfig,
         stores: Arc<dyn Stores>,
         mounts: Arc<MountTable>,
+        pod_auth: Option<PodAuth>,
+    ) -> Self {
+        let ctx = ferry_fs::MountContext::new(tokio::runtime::Handle::current());
+        Self::with_parts(config, stores, mounts, ctx, pod_auth)
+    }
+
+    /// A node service whose mounts share `ctx` (memory budget, block cache) and that also
+    /// serves `authenticationSource: pod` volumes when `pod_auth` is given.
+    pub fn with_parts(
+        config: NodeConfig,
+        stores: Arc<dyn Stores>,
+        mounts: Arc<MountTable>,
+        ctx: ferry_fs::MountContext,
         pod_auth: Option<PodAuth>,
     ) -> Self {
         let canonical_root = std::fs::canonicalize(&config.kubelet_root)
@@ -127,7 +186,7 @@ impl NodeService {
                 stores,
                 mounts,
                 in_flight: InFlightSet::default(),
-                mount_context: ferry_fs::MountContext::new(tokio::runtime::Handle::current()),
+                mount_context: ctx,
                 pod_auth,
             }),
         }
@@ -380,6 +439,7 @@ impl Inner {
 
         let config = mount_config(&published, self.config.default_metadata_ttl);
         let mount_context = self.mount_context.clone();
+        let warm_store = store.clone();
         let (mount_target, mount_config) = (target.clone(), config.clone());
         let handle = tokio::task::spawn_blocking(move || {
             ferry_fs::mount(store, mount_config, &mount_target, mount_context)
@@ -387,6 +447,13 @@ impl Inner {
         .await
         .map_err(|e| CsiError::Internal(format!("mount task failed: {e}")))?
         .map_err(|e| CsiError::Internal(format!("mounting at {}: {e}", target.display())))?;
+        if let (Some(cache), Some(subs), true) = (
+            &self.mount_context.cache,
+            &published.spec.options.warm_up,
+            config.node_cache,
+        ) {
+            start_warm_up(warm_store, cache.clone(), &config, subs);
+        }
         info!(
             bucket = %published.spec.bucket,
             prefix = %published.spec.prefix,

@@ -145,12 +145,14 @@ impl Default for PrefetchConfig {
 }
 
 /// What every mount of one node plugin shares: the runtime its requests run on, the memory
-/// budget of all prefetching and the prefetch tuning. Not part of the per-mount plain data.
+/// budget of all prefetching, the prefetch tuning and the block cache. Not part of the per-mount plain data.
 #[derive(Debug, Clone)]
 pub struct MountContext {
     pub runtime: tokio::runtime::Handle,
     pub budget: MemoryBudget,
     pub prefetch: PrefetchConfig,
+    /// The node's block cache, if the node plugin has one (`--cache-dir`).
+    pub cache: Option<Arc<ferry_cache::BlockCache>>,
 }
 
 impl MountContext {
@@ -160,6 +162,7 @@ impl MountContext {
             runtime,
             budget: MemoryBudget::default(),
             prefetch: PrefetchConfig::default(),
+            cache: None,
         }
     }
 }

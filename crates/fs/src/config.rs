@@ -31,6 +31,16 @@ pub struct MountConfig {
     pub metadata_ttl: MetadataTtl,
     /// The source shown in `/proc/mounts`, e.g. `ferry:bucket/prefix`.
     pub fs_name: String,
+    /// The S3 endpoint URL (`""` = AWS's default): part of every node-cache block key.
+    #[serde(default)]
+    pub endpoint: String,
+    /// Whether reads use the node plugin's block cache, when it has one (`cache: none` opts out).
+    #[serde(default = "yes")]
+    pub node_cache: bool,
+}
+
+fn yes() -> bool {
+    true
 }
 
 impl MountConfig {
@@ -50,6 +60,8 @@ impl MountConfig {
             dir_mode: 0o755,
             allow_other: false,
             metadata_ttl: MetadataTtl::default(),
+            endpoint: String::new(),
+            node_cache: true,
         }
     }
 

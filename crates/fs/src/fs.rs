@@ -15,6 +15,8 @@ use ferry_store::{CompletedPart, ListRequest, ObjectStore, StoreError};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
+use ferry_cache::BlockCache;
+
 use crate::budget::{MemoryBudget, PrefetchConfig};
 use crate::config::MountConfig;
 use crate::error::FsError;
@@ -27,7 +29,7 @@ use crate::names::{
     child_path, dir_prefix, file_key, lookup_name, new_name, Kind, ListedEntry, ListingBuilder,
     ObjectMeta, KEY_MAX,
 };
-use crate::prefetch::{fetch_exact, Part, SmallObjects, Source};
+use crate::prefetch::{fetch, CacheUse, Part, SmallObjects, Source};
 
 /// Block size reported by `stat`.
 pub const BLKSIZE: u32 = 4096;
@@ -130,6 +132,10 @@ struct FsState {
     /// Per directory: the furthest listing index opened for reading so far and how many opens
     /// in a row followed listing order (within [`ORDER_SLACK`]).
     order: HashMap<Ino, (usize, u32)>,
+    /// Object versions (key, ETag) this mount's own credentials showed access to (a HEAD or GET
+    /// returned that ETag), until when: the node cache serves a version only to mounts that
+    /// proved access to it. Not carried over a handover (proofs start expired).
+    proven: HashMap<(String, String), Validity>,
 }
 
 /// How far behind a sequential reader its fetched parts are kept, for the kernel's reordered
@@ -139,6 +145,10 @@ const REORDER_KEEP: u64 = 2 << 20;
 /// How far ahead of the furthest entry opened so far an open still counts as following the
 /// listing (concurrent readers taking entries in turn open them slightly out of order).
 const ORDER_SLACK: usize = 16;
+
+/// Most remembered proofs of access; past it, expired ones are dropped (and, if that is not
+/// enough, all of them: proofs are then re-established with a HEAD).
+const PROVEN_MAX: usize = 1 << 20;
 
 /// Most directories whose listing-order streak is remembered.
 const ORDER_MAX: usize = 1024;
@@ -165,6 +175,8 @@ pub struct Fs {
     /// The node-wide budget every prefetched byte is charged to.
     budget: MemoryBudget,
     prefetch: PrefetchConfig,
+    /// The node's block cache (`None` without one, or when this mount opted out).
+    cache: Option<Arc<BlockCache>>,
 }
 
 fn stale(ino: Ino) -> FsError {
@@ -204,9 +216,11 @@ impl Fs {
                 hidden_logged: HashSet::new(),
                 small: SmallObjects::default(),
                 order: HashMap::new(),
+                proven: HashMap::new(),
             }),
             budget,
             prefetch,
+            cache: None,
         }
     }
 
@@ -227,10 +241,46 @@ impl Fs {
                 hidden_logged: HashSet::new(),
                 small: SmallObjects::default(),
                 order: HashMap::new(),
+                proven: HashMap::new(),
             }),
             budget,
             prefetch,
+            cache: None,
         }
+    }
+
+    /// Reads through the node's block cache `cache` (ignored when the mount opted out with
+    /// [`MountConfig::node_cache`] `false`).
+    pub fn with_cache(mut self, cache: Option<Arc<BlockCache>>) -> Self {
+        self.cache = cache.filter(|_| self.cfg.node_cache);
+        self
+    }
+
+    /// Whether reads may use the node cache.
+    pub fn uses_cache(&self) -> bool {
+        self.cache.is_some()
+    }
+
+    /// Remembers that this mount's credentials just saw `etag` for `key` (for the metadata TTL).
+    fn prove(&self, st: &mut FsState, key: &str, etag: Option<&str>) {
+        let (Some(_), Some(etag)) = (&self.cache, etag) else {
+            return;
+        };
+        let now = Instant::now();
+        if st.proven.len() >= PROVEN_MAX {
+            st.proven.retain(|_, v| v.is_valid(now));
+            if st.proven.len() >= PROVEN_MAX {
+                st.proven.clear();
+            }
+        }
+        st.proven
+            .insert((key.to_owned(), etag.to_owned()), self.ttl());
+    }
+
+    fn is_proven(st: &FsState, key: &str, etag: &str) -> bool {
+        st.proven
+            .get(&(key.to_owned(), etag.to_owned()))
+            .is_some_and(|v| v.is_valid(Instant::now()))
     }
 
     /// The budget prefetching is charged to.
@@ -373,7 +423,10 @@ impl Fs {
             return Ok(Some((Kind::Dir, None)));
         }
         match head {
-            Ok(info) => Ok(Some((Kind::File, Some(ObjectMeta::from(&info))))),
+            Ok(info) => {
+                self.prove(&mut self.lock(), &key, info.etag.as_deref());
+                Ok(Some((Kind::File, Some(ObjectMeta::from(&info)))))
+            }
             Err(StoreError::NotFound(_)) => Ok(None),
             Err(e) => Err(e.into()),
         }
@@ -472,6 +525,9 @@ impl Fs {
         let head = self.store.head(self.bucket(), &key).await;
         let valid = self.ttl();
         let mut st = self.lock();
+        if let Ok(info) = &head {
+            self.prove(&mut st, &key, info.etag.as_deref());
+        }
         let inode = st.inodes.get_mut(ino).ok_or_else(|| stale(ino))?;
         match head {
             Ok(info) => {
@@ -1077,14 +1133,32 @@ impl Fs {
             let key = file_key(&self.cfg.prefix, &inode.path);
             let fresh = inode.valid.is_valid(Instant::now())
                 && inode.meta.as_ref().is_some_and(|m| m.etag.is_some());
-            (key, fresh.then(|| inode.meta.clone()).flatten())
+            // With the node cache, a version this mount has not proven access to (e.g. known only
+            // from a LIST, which needs no read permission) is HEADed with its own credentials.
+            let usable = |m: &ObjectMeta| match (&self.cache, m.etag.as_deref()) {
+                (Some(_), Some(etag)) => Self::is_proven(st, &key, etag),
+                _ => true,
+            };
+            let cached = fresh
+                .then(|| inode.meta.clone())
+                .flatten()
+                .filter(|m| usable(m));
+            (key, cached)
         };
         let meta = match cached {
             Some(meta) => meta,
-            None => {
-                let info = self.store.head(self.bucket(), &key).await?;
-                ObjectMeta::from(&info)
-            }
+            None => match self.store.head(self.bucket(), &key).await {
+                Ok(info) => {
+                    self.prove(&mut self.lock(), &key, info.etag.as_deref());
+                    ObjectMeta::from(&info)
+                }
+                Err(e) => {
+                    if let (Some(cache), StoreError::AccessDenied(_)) = (&self.cache, &e) {
+                        cache.note_denied();
+                    }
+                    return Err(e.into());
+                }
+            },
         };
         let valid = self.ttl();
         let mut st = self.lock();
@@ -1097,6 +1171,7 @@ impl Fs {
         inode.last_open_etag = meta.etag.clone();
         let (parent, name) = (inode.parent, inode.name.clone());
         let mut handle = ReadHandle::new(ino, key, meta.etag, meta.size);
+        handle.cached = self.cache.is_some() && handle.etag.is_some();
         if let Some(etag) = handle.etag.as_deref() {
             // Fetched ahead by a listing-order reader, for this very version: use it.
             if let Some(part) = st.small.take(&handle.key, etag) {
@@ -1126,26 +1201,29 @@ impl Fs {
         }
     }
 
-    /// One ranged GET pinned to the handle's ETag, of exactly `range` (a short body is retried
-    /// once, then `EIO`).
-    async fn get(
-        &self,
-        ino: Ino,
-        key: &str,
-        etag: Option<&str>,
-        range: std::ops::Range<u64>,
-    ) -> Result<Bytes, FsError> {
-        fetch_exact(&*self.store, self.bucket(), key, range, etag)
+    /// Exactly `range` of the handle's version: from the node cache when the handle may use it,
+    /// else one ranged GET pinned to the handle's ETag (a short body is retried once, then `EIO`).
+    async fn get(&self, r: &ReadHandle, range: std::ops::Range<u64>) -> Result<Bytes, FsError> {
+        let src = self.source(&r.key, r.etag.as_deref(), r.size, r.cached);
+        fetch(&src, range)
             .await
-            .map_err(|e| self.read_error(ino, e))
+            .map_err(|e| self.read_error(r.ino, e))
     }
 
-    fn source(&self, key: &str, etag: Option<&str>) -> Source {
+    /// Where to read `key` at `etag` from; `proven`: this mount's credentials showed access to
+    /// that version (otherwise a cached read HEADs first).
+    fn source(&self, key: &str, etag: Option<&str>, size: u64, proven: bool) -> Source {
         Source {
             store: self.store.clone(),
             bucket: self.cfg.bucket.clone(),
             key: key.to_owned(),
             etag: etag.map(str::to_owned),
+            size,
+            cache: self.cache.as_ref().map(|cache| CacheUse {
+                cache: cache.clone(),
+                endpoint: self.cfg.endpoint.clone(),
+                proven,
+            }),
         }
     }
 
@@ -1173,9 +1251,9 @@ impl Fs {
             // The kernel's read-ahead requests for one file run concurrently and can arrive out
             // of order. A read a little behind the stream that the kept parts do not cover
             // (REORDER_KEEP) is fetched on its own; the stream, its window and parts stay.
-            let (ino, key, etag) = (r.ino, r.key.clone(), r.etag.clone());
+            let r = r.clone();
             drop(g);
-            return self.get(ino, &key, etag.as_deref(), offset..end).await;
+            return self.get(&r, offset..end).await;
         }
         if !r.is_sequential(offset) {
             r.prefetch.reset();
@@ -1183,9 +1261,9 @@ impl Fs {
             let align = cfg.random_align.max(1);
             let start = offset - offset % align;
             let stop = r.size.min(end.div_ceil(align).saturating_mul(align));
-            let (ino, key, etag) = (r.ino, r.key.clone(), r.etag.clone());
+            let r = r.clone();
             drop(g);
-            let data = self.get(ino, &key, etag.as_deref(), start..stop).await?;
+            let data = self.get(&r, start..stop).await?;
             return Ok(data.slice((offset - start) as usize..(end - start) as usize));
         }
         if r.prefetch.window == 0 {
@@ -1198,7 +1276,7 @@ impl Fs {
         // Parts are kept a little past the reader, for reads the kernel reorders.
         r.prefetch
             .consume_before(offset.saturating_sub(REORDER_KEEP));
-        let src = self.source(&r.key, r.etag.as_deref());
+        let src = self.source(&r.key, r.etag.as_deref(), r.size, r.cached);
         r.prefetch.fill(&src, r.size, offset, cfg, &self.budget);
 
         let mut pieces: Vec<Bytes> = Vec::with_capacity(2);
@@ -1234,7 +1312,7 @@ impl Fs {
                         .min()
                         .unwrap_or(end)
                         .min(end);
-                    self.get(r.ino, &r.key, r.etag.as_deref(), pos..stop).await
+                    self.get(r, pos..stop).await
                 }
             };
             match piece {
@@ -1325,8 +1403,9 @@ impl Fs {
             let Some(reservation) = self.budget.try_reserve(meta.size) else {
                 break;
             };
+            let proven = Self::is_proven(st, &key, etag);
             let part = Part::spawn(
-                &self.source(&key, Some(etag)),
+                &self.source(&key, Some(etag), meta.size, proven),
                 0..meta.size,
                 Some(reservation),
             );
@@ -1626,3 +1705,7 @@ impl Fs {
 #[cfg(test)]
 #[path = "fs_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "cache_tests.rs"]
+mod cache_tests;

@@ -36,6 +36,10 @@ pub struct ReadHandle {
     pub size: u64,
     /// Where a sequential reader's next read starts.
     pub next_offset: u64,
+    /// Reads may be served from the node cache: this mount's own credentials showed access to
+    /// this version (`etag`) at open.
+    #[serde(default)]
+    pub cached: bool,
     /// Parts fetched or being fetched ahead of the reader; not carried over.
     #[serde(skip)]
     pub prefetch: Prefetch,
@@ -49,6 +53,7 @@ impl ReadHandle {
             etag,
             size,
             next_offset: 0,
+            cached: false,
             prefetch: Prefetch::default(),
         }
     }

@@ -16,9 +16,11 @@ pub mod mount;
 pub mod mountinfo;
 pub mod names;
 pub mod prefetch;
+pub mod warmup;
 
 pub use budget::{MemoryBudget, MountContext, PrefetchConfig, Reservation};
 pub use config::{ConfigError, MetadataTtl, MountConfig};
 pub use error::FsError;
 pub use fs::{Fs, FsSnapshot};
 pub use mount::{is_mounted, mount, MountError, MountHandle};
+pub use warmup::{warm_up, WarmUp, WarmUpReport};

@@ -111,12 +111,9 @@ pub fn mount(
             "not a directory",
         )));
     }
-    let fs = Arc::new(Fs::with_budget(
-        store,
-        cfg.clone(),
-        ctx.budget,
-        ctx.prefetch,
-    ));
+    let fs = Arc::new(
+        Fs::with_budget(store, cfg.clone(), ctx.budget, ctx.prefetch).with_cache(ctx.cache),
+    );
     let adapter = FuseAdapter::new(fs.clone(), ctx.runtime);
     let session = fuser::spawn_mount(adapter, &target, &mount_options(&cfg)).map_err(|source| {
         MountError::Fuse {

@@ -13,6 +13,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
+use ferry_cache::{BlockCache, BlockKey};
 use ferry_store::{ObjectStore, StoreError};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -43,6 +44,17 @@ pub async fn fetch_exact(
     )))
 }
 
+/// The node cache as one mount uses it.
+#[derive(Debug, Clone)]
+pub struct CacheUse {
+    pub cache: Arc<BlockCache>,
+    /// The mount's endpoint (part of every block key).
+    pub endpoint: String,
+    /// This mount's credentials have shown access to the source's version (a HEAD or GET with
+    /// them returned its ETag within the metadata TTL). When `false`, [`fetch`] HEADs first.
+    pub proven: bool,
+}
+
 /// Where a GET to read from lives.
 #[derive(Debug, Clone)]
 pub struct Source {
@@ -50,6 +62,101 @@ pub struct Source {
     pub bucket: String,
     pub key: String,
     pub etag: Option<String>,
+    /// The object's size (blocks are clipped to it).
+    pub size: u64,
+    /// Read through the node cache (only with an ETag).
+    pub cache: Option<CacheUse>,
+}
+
+/// Bytes `range` of `src`: through the node cache when the source uses it (whole blocks, each
+/// fetched from S3 at most once at a time node-wide, with this mount's credentials and `If-Match`),
+/// else one [`fetch_exact`].
+///
+/// A cached block is served only to a mount whose own credentials showed access to this object
+/// version: if the source is not `proven`, a HEAD with the mount's store must return the same ETag
+/// first (a denied HEAD is the caller's `EACCES`, another ETag `ESTALE`).
+pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError> {
+    let (Some(c), Some(etag)) = (&src.cache, src.etag.as_deref()) else {
+        return fetch_exact(
+            &*src.store,
+            &src.bucket,
+            &src.key,
+            range,
+            src.etag.as_deref(),
+        )
+        .await;
+    };
+    if range.start >= range.end || range.end > src.size {
+        return fetch_exact(&*src.store, &src.bucket, &src.key, range, Some(etag)).await;
+    }
+    if !c.proven {
+        let info = src.store.head(&src.bucket, &src.key).await?;
+        if info.etag.as_deref() != Some(etag) {
+            return Err(StoreError::PreconditionFailed(format!(
+                "{}: ETag is now {:?}, not {etag}",
+                src.key, info.etag
+            )));
+        }
+    }
+    let bs = c.cache.block_size();
+    let (first, last) = (range.start / bs, (range.end - 1) / bs);
+    let blocks =
+        futures::future::try_join_all((first..=last).map(|i| cached_block(src, c, etag, i)))
+            .await?;
+    let base = first * bs;
+    let (from, to) = ((range.start - base) as usize, (range.end - base) as usize);
+    if let [block] = blocks.as_slice() {
+        if from == 0 && to == block.len() {
+            return Ok(block.clone());
+        }
+        // A copy, so the part holds (and the memory budget counts) only what it asked for.
+        return Ok(Bytes::copy_from_slice(&block[from..to]));
+    }
+    let mut out = bytes::BytesMut::with_capacity(to - from);
+    let mut pos = 0usize;
+    for block in &blocks {
+        let (b0, b1) = (pos, pos + block.len());
+        let (s, e) = (from.max(b0), to.min(b1));
+        if s < e {
+            out.extend_from_slice(&block[s - b0..e - b0]);
+        }
+        pos = b1;
+    }
+    Ok(out.freeze())
+}
+
+/// Block `index` of `src` from the node cache, or fetched (and stored) on a miss.
+async fn cached_block(
+    src: &Source,
+    c: &CacheUse,
+    etag: &str,
+    index: u64,
+) -> Result<Bytes, StoreError> {
+    let bs = c.cache.block_size();
+    let start = index * bs;
+    let end = src.size.min(start + bs);
+    let key = BlockKey {
+        endpoint: c.endpoint.clone(),
+        bucket: src.bucket.clone(),
+        key: src.key.clone(),
+        etag: etag.to_owned(),
+        index,
+    };
+    let data = c
+        .cache
+        .get_or_fetch(&key, || {
+            fetch_exact(&*src.store, &src.bucket, &src.key, start..end, Some(etag))
+        })
+        .await?;
+    if data.len() as u64 != end - start {
+        return Err(StoreError::Corrupt(format!(
+            "{}: cached block {index} has {} bytes, the object's size says {}",
+            src.key,
+            data.len(),
+            end - start
+        )));
+    }
+    Ok(data)
 }
 
 enum PartState {
@@ -83,16 +190,7 @@ impl Part {
     pub fn spawn(src: &Source, range: Range<u64>, reservation: Option<Reservation>) -> Part {
         let src = src.clone();
         let (start, end) = (range.start, range.end);
-        let task = tokio::spawn(async move {
-            fetch_exact(
-                &*src.store,
-                &src.bucket,
-                &src.key,
-                range,
-                src.etag.as_deref(),
-            )
-            .await
-        });
+        let task = tokio::spawn(async move { fetch(&src, range).await });
         Part {
             start,
             end,
@@ -191,8 +289,14 @@ impl Prefetch {
             return;
         }
         let target = size.min(reader.saturating_add(self.window));
+        // Through the node cache, parts end on block boundaries: each block is then read (and
+        // its checksum computed) once per reader, not by two neighbouring parts.
+        let block = src.cache.as_ref().map(|c| c.cache.block_size());
         while next < target {
-            let len = cfg.part_size.min(target - next);
+            let mut len = cfg.part_size.min(target - next);
+            if let Some(bs) = block {
+                len = (next + len).next_multiple_of(bs).min(size) - next;
+            }
             let Some(reservation) = budget.try_reserve(len) else {
                 tracing::trace!(key = %src.key, "memory budget exhausted: prefetch shrinks");
                 break;

@@ -22,3 +22,27 @@ pub const MEMORY_BUDGET_LIMIT: &str = "ferry_memory_budget_limit_bytes";
 pub const PREFETCH_HIT_BYTES: &str = "ferry_prefetch_hit_bytes_total";
 /// Prefetched bytes discarded unread.
 pub const PREFETCH_WASTE_BYTES: &str = "ferry_prefetch_wasted_bytes_total";
+/// Node cache: blocks served from disk.
+pub const CACHE_HITS: &str = "ferry_cache_hits_total";
+/// Node cache: bytes served from disk.
+pub const CACHE_HIT_BYTES: &str = "ferry_cache_hit_bytes_total";
+/// Node cache: misses that fetched the block from S3.
+pub const CACHE_MISSES: &str = "ferry_cache_misses_total";
+/// Node cache: misses that waited for another reader's fetch of the same block (single flight).
+pub const CACHE_JOINS: &str = "ferry_cache_single_flight_joins_total";
+/// Node cache: blocks evicted (budget or free-space floor).
+pub const CACHE_EVICTIONS: &str = "ferry_cache_evictions_total";
+/// Node cache: block files that failed their checksum or key check (deleted, refetched).
+pub const CACHE_CORRUPT: &str = "ferry_cache_corrupt_blocks_total";
+/// Node cache: fetched blocks not stored (no room, write failed, index not yet rebuilt).
+pub const CACHE_SKIPPED: &str = "ferry_cache_store_skipped_total";
+/// Node cache: bytes of block files on disk.
+pub const CACHE_BYTES: &str = "ferry_cache_bytes";
+/// Node cache: block files on disk.
+pub const CACHE_BLOCKS: &str = "ferry_cache_blocks";
+/// Node cache: cache reads refused because the mount's credentials were denied the object.
+pub const CACHE_DENIED: &str = "ferry_cache_access_denied_total";
+/// Warm-up: bytes fetched into the node cache by volume warm-ups.
+pub const CACHE_WARMUP_BYTES: &str = "ferry_cache_warmup_bytes_total";
+/// Warm-up: warm-ups finished, by outcome (`result`).
+pub const CACHE_WARMUPS: &str = "ferry_cache_warmups_total";

@@ -305,6 +305,18 @@ impl S3Store {
         }
     }
 
+    /// Sets the bucket's policy (a JSON document); for tests that need a server to deny access.
+    pub async fn put_bucket_policy(&self, bucket: &str, policy: &str) -> Result<()> {
+        self.client
+            .put_bucket_policy()
+            .bucket(bucket)
+            .policy(policy)
+            .send()
+            .await
+            .map(drop)
+            .map_err(|e| map_sdk_error(e, Target::Bucket(bucket)))
+    }
+
     /// Resolves credentials through the configured provider (the default chain or static keys)
     /// without sending a request to S3: readiness probes use it. The error never carries a secret.
     pub async fn check_credentials(&self) -> Result<()> {

@@ -78,6 +78,8 @@ pub struct S3Server {
     log_path: PathBuf,
     sidecar: bool,
     tls: bool,
+    /// The admin API's port when started with IAM.
+    admin_port: Option<u16>,
     // Last: removed after the process is gone.
     _dir: tempfile::TempDir,
 }
@@ -98,16 +100,23 @@ impl S3Server {
     /// Panics (with install instructions) if versitygw cannot be found, and with the server's log if
     /// it does not come up. The temp dir is made under `$FERRY_TEST_TMPDIR`, else the system temp dir.
     pub fn start() -> S3Server {
-        Self::start_inner(None)
+        Self::start_inner(None, false)
     }
 
     /// Like [`S3Server::start`], serving HTTPS with this certificate and key (PEM files): for
     /// private-CA tests. [`S3Server::endpoint_url`] is then `https://127.0.0.1:<port>`.
     pub fn start_tls(cert: &Path, key: &Path) -> S3Server {
-        Self::start_inner(Some((cert.to_path_buf(), key.to_path_buf())))
+        Self::start_inner(Some((cert.to_path_buf(), key.to_path_buf())), false)
     }
 
-    fn start_inner(tls: Option<(PathBuf, PathBuf)>) -> S3Server {
+    /// Starts a server that enforces access: an internal IAM (users made with
+    /// [`S3Server::create_user`]) and bucket policies ([`S3Store::put_bucket_policy`]). The root
+    /// credentials ([`S3Server::store`]) may do anything.
+    pub fn start_with_iam() -> S3Server {
+        Self::start_inner(None, true)
+    }
+
+    fn start_inner(tls: Option<(PathBuf, PathBuf)>, iam: bool) -> S3Server {
         let bin = versitygw_path().unwrap_or_else(|| panic!("{VERSITYGW_INSTALL_HINT}"));
         let base = std::env::var_os("FERRY_TEST_TMPDIR")
             .map(PathBuf::from)
@@ -126,17 +135,28 @@ impl S3Server {
             std::fs::create_dir(&meta).expect("creating the sidecar dir");
         }
         let log_path = dir.path().join("versitygw.log");
+        let iam_dir = dir.path().join("iam");
+        if iam {
+            std::fs::create_dir(&iam_dir).expect("creating the IAM dir");
+        }
 
         let mut last_log = String::new();
         for _ in 0..5 {
             let port = free_port();
+            let admin_port = free_port();
             let log = File::create(&log_path).expect("creating the server log");
             let mut cmd = Command::new(&bin);
             cmd.env("ROOT_ACCESS_KEY", ACCESS_KEY)
                 .env("ROOT_SECRET_KEY", SECRET_KEY)
                 .arg("--port")
-                .arg(format!("127.0.0.1:{port}"))
-                .args(["--region", REGION, "--keep-alive", "--quiet"]);
+                .arg(format!("127.0.0.1:{port}"));
+            if iam {
+                cmd.arg("--admin-port")
+                    .arg(format!("127.0.0.1:{admin_port}"))
+                    .arg("--iam-dir")
+                    .arg(&iam_dir);
+            }
+            cmd.args(["--region", REGION, "--keep-alive", "--quiet"]);
             if let Some((cert, key)) = &tls {
                 cmd.arg("--cert").arg(cert).arg("--key").arg(key);
             }
@@ -151,7 +171,11 @@ impl S3Server {
             let mut child = cmd
                 .spawn()
                 .unwrap_or_else(|e| panic!("starting {}: {e}", bin.display()));
-            match wait_for_port(&mut child, port) {
+            let started = wait_for_port(&mut child, port).and_then(|()| match iam {
+                true => wait_for_port(&mut child, admin_port),
+                false => Ok(()),
+            });
+            match started {
                 Ok(()) => {
                     return S3Server {
                         child,
@@ -160,6 +184,7 @@ impl S3Server {
                         log_path,
                         sidecar,
                         tls: tls.is_some(),
+                        admin_port: iam.then_some(admin_port),
                         _dir: dir,
                     }
                 }
@@ -215,6 +240,47 @@ impl S3Server {
     /// What the server printed so far (requests are not logged: it runs with `--quiet`).
     pub fn log(&self) -> String {
         read_log(&self.log_path)
+    }
+
+    /// Creates an IAM user (`role`: `user`, `userplus` or `admin`) with the admin CLI. Only on a
+    /// server started with [`S3Server::start_with_iam`]; panics with the CLI's output on failure.
+    pub fn create_user(&self, access_key: &str, secret_key: &str, role: &str) {
+        let port = self
+            .admin_port
+            .expect("create_user needs a server started with S3Server::start_with_iam");
+        let bin = versitygw_path().unwrap_or_else(|| panic!("{VERSITYGW_INSTALL_HINT}"));
+        let out = Command::new(bin)
+            .args(["admin", "--access", ACCESS_KEY, "--secret", SECRET_KEY])
+            .args(["--endpoint-url", &format!("http://127.0.0.1:{port}")])
+            .args([
+                "create-user",
+                "--access",
+                access_key,
+                "--secret",
+                secret_key,
+            ])
+            .args(["--role", role])
+            .output()
+            .expect("running versitygw admin create-user");
+        assert!(
+            out.status.success(),
+            "versitygw admin create-user {access_key}: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Path-style config with the static credentials `access_key`/`secret_key` (e.g. a user made
+    /// with [`S3Server::create_user`]).
+    pub fn s3_config_as(&self, access_key: &str, secret_key: &str) -> S3Config {
+        S3Config {
+            credentials: S3Credentials::Static {
+                access_key_id: access_key.into(),
+                secret_access_key: secret_key.into(),
+                session_token: None,
+            },
+            ..self.s3_config()
+        }
     }
 
     /// Path-style config with static credentials for this server.

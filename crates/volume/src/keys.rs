@@ -16,6 +16,13 @@ pub const FORCE_PATH_STYLE: &str = "forcePathStyle";
 pub const DELETE_POLICY: &str = "deletePolicy";
 /// Volume attribute: the volume's prefix inside the bucket.
 pub const PREFIX: &str = "prefix";
+/// Volume attribute (PV `volumeAttributes` or StorageClass parameter): `none` keeps the volume's
+/// reads out of the node cache; `node` (the default) uses it when the node plugin has one.
+pub const CACHE: &str = "cache";
+/// Volume attribute (PV `volumeAttributes` or StorageClass parameter): warm the node cache after
+/// NodePublishVolume: `"true"` (the whole volume), `"false"`, or comma-separated sub-prefixes of
+/// the volume (`"train/,val/"`).
+pub const PREFETCH_ON_MOUNT: &str = "prefetchOnMount";
 /// Volume attribute: whose credentials the mount uses: `driver` (default; the node plugin's own, or
 /// the node-publish Secret's keys when there is one) or `pod` (the pod's IRSA role or EKS Pod
 /// Identity).

@@ -49,6 +49,53 @@ pub struct MountOptions {
     pub file_mode: Option<u16>,
     pub dir_mode: Option<u16>,
     pub metadata_ttl: Option<MetadataTtl>,
+    /// `cache none`: keep this volume's reads out of the node cache.
+    pub no_cache: bool,
+    /// Warm the node cache after publishing: sub-prefixes of the volume (`[""]` = all of it).
+    /// Set by the `prefetchOnMount` volume attribute.
+    pub warm_up: Option<Vec<String>>,
+}
+
+/// Parses `prefetchOnMount`: `true` → the whole volume, `false` → none, else comma-separated
+/// sub-prefixes (no leading `/`, no `.`/`..` or empty segments).
+pub fn parse_warm_up(what: &'static str, value: &str) -> Result<Option<Vec<String>>, VolumeError> {
+    match value.trim() {
+        "true" => return Ok(Some(vec![String::new()])),
+        "false" | "" => return Ok(None),
+        _ => {}
+    }
+    let mut out = Vec::new();
+    for p in value.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        let body = p.strip_suffix('/').unwrap_or(p);
+        if body
+            .split('/')
+            .any(|s| s.is_empty() || s == "." || s == "..")
+        {
+            return Err(VolumeError::invalid(
+                what,
+                crate::keys::PREFETCH_ON_MOUNT,
+                format!("{p:?}: sub-prefixes must be relative to the volume, without empty, '.' or '..' segments"),
+            ));
+        }
+        out.push(p.to_owned());
+    }
+    Ok(Some(out))
+}
+
+/// Parses a `cache` value: `none` (opt out of the node cache) → `true`, `node` → `false`.
+pub fn parse_cache(what: &'static str, value: &str) -> Result<bool, VolumeError> {
+    match value {
+        "none" => Ok(true),
+        "node" => Ok(false),
+        other => Err(VolumeError::invalid(
+            what,
+            "cache",
+            format!(
+                "{other:?}: only \"none\" (keep this volume out of the node cache) or \"node\" is accepted; \
+                 the node cache's directory and size are set on the node plugin (--cache-dir)"
+            ),
+        )),
+    }
 }
 
 /// mount-s3 options that only tune logging or threads: accepted so migrated PVs mount, and ignored
@@ -79,7 +126,6 @@ const REFUSED: &[&str] = &[
     "bucket-type",
     "profile",
     "allow-root",
-    "cache",
     "cache-xz",
     "max-cache-size",
     "negative-metadata-ttl",
@@ -158,6 +204,7 @@ impl MountOptions {
                 self.metadata_ttl =
                     Some(v.parse().map_err(|e| VolumeError::invalid(WHAT, name, e))?);
             }
+            "cache" => self.no_cache = parse_cache(WHAT, &need(value)?)?,
             n if IGNORED.contains(&n) => {}
             n if REFUSED.contains(&n) => {
                 return Err(VolumeError::Unsupported {

@@ -27,6 +27,9 @@ pub struct StorageClassParams {
     pub authentication: AuthenticationSource,
     /// `stsRegion`, passed on to the node in the volume context.
     pub sts_region: Option<String>,
+    /// Node-side attributes (`cache`, `prefetchOnMount`), validated here and handed to the node
+    /// in the volume context.
+    pub node_attributes: Vec<(String, String)>,
 }
 
 const WHAT: &str = "StorageClass parameter";
@@ -42,6 +45,7 @@ impl StorageClassParams {
         let mut delete_policy = DeletePolicy::Retain;
         let mut authentication = AuthenticationSource::Driver;
         let mut sts_region = None;
+        let mut node_attributes = Vec::new();
         let mut sorted: Vec<_> = params.iter().collect();
         sorted.sort();
         for (k, v) in sorted {
@@ -50,6 +54,14 @@ impl StorageClassParams {
             }
             match k.as_str() {
                 keys::BASE_PREFIX => base_prefix = validate::prefix(k, v, true)?,
+                keys::CACHE => {
+                    crate::options::parse_cache(WHAT, v)?;
+                    node_attributes.push((k.clone(), v.clone()));
+                }
+                keys::PREFETCH_ON_MOUNT => {
+                    crate::options::parse_warm_up(WHAT, v)?;
+                    node_attributes.push((k.clone(), v.clone()));
+                }
                 keys::PREFIX_TEMPLATE => template = Template::parse(v)?,
                 keys::AUTHENTICATION_SOURCE => {
                     authentication = crate::spec::authentication_source(WHAT, k, v)?
@@ -101,12 +113,14 @@ impl StorageClassParams {
             delete_policy,
             authentication,
             sts_region,
+            node_attributes,
         })
     }
 
-    /// What the node needs besides the volume id: `authenticationSource` and `stsRegion`, when set.
+    /// What the node needs besides the volume id: `authenticationSource` and `stsRegion`, when set,
+    /// and the node-side attributes (`cache`, `prefetchOnMount`).
     pub fn node_context(&self) -> HashMap<String, String> {
-        let mut ctx = HashMap::new();
+        let mut ctx: HashMap<String, String> = self.node_attributes.iter().cloned().collect();
         if self.authentication == AuthenticationSource::Pod {
             ctx.insert(keys::AUTHENTICATION_SOURCE.to_string(), "pod".to_string());
         }

@@ -88,7 +88,9 @@ impl VolumeSpec {
         context: &HashMap<String, String>,
         mount_flags: &[S],
     ) -> Result<Self, VolumeError> {
-        let options = MountOptions::parse(mount_flags)?;
+        let mut options = MountOptions::parse(mount_flags)?;
+        let mut no_cache = None;
+        let mut warm_up = None;
         let mut bucket = None;
         let mut prefix = None;
         let mut endpoint = Endpoint::default();
@@ -102,6 +104,8 @@ impl VolumeSpec {
             }
             match k.as_str() {
                 keys::PREFIX => prefix = Some(validate::prefix(k, v, true)?),
+                keys::CACHE => no_cache = Some(crate::options::parse_cache(WHAT, v)?),
+                keys::PREFETCH_ON_MOUNT => warm_up = crate::options::parse_warm_up(WHAT, v)?,
                 keys::AUTHENTICATION_SOURCE => authentication = authentication_source(WHAT, k, v)?,
                 keys::STS_REGION => {
                     validate::region(k, v)?;
@@ -136,6 +140,9 @@ impl VolumeSpec {
             options.endpoint_url.clone(),
         )?;
         endpoint.force_path_style |= options.force_path_style;
+        // Either one opting out keeps the volume out of the node cache.
+        options.no_cache = no_cache.unwrap_or(false) || options.no_cache;
+        options.warm_up = warm_up;
         Ok(VolumeSpec {
             bucket,
             prefix,
@@ -156,6 +163,69 @@ mod tests {
         kv.iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect()
+    }
+
+    #[test]
+    fn cache_opt_out_and_warm_up_attributes() {
+        let base = [("bucketName", "bkt"), ("prefix", "ds/")];
+        let spec = |extra: &[(&str, &str)], flags: &[&str]| {
+            let mut kv = base.to_vec();
+            kv.extend_from_slice(extra);
+            VolumeSpec::from_publish(&map(&kv), flags)
+        };
+        let plain = spec(&[], &[]).unwrap();
+        assert!(!plain.options.no_cache);
+        assert_eq!(plain.options.warm_up, None);
+        assert!(spec(&[("cache", "none")], &[]).unwrap().options.no_cache);
+        assert!(spec(&[], &["cache none"]).unwrap().options.no_cache);
+        assert!(
+            spec(&[("cache", "node")], &["cache=none"])
+                .unwrap()
+                .options
+                .no_cache
+        );
+        assert!(!spec(&[("cache", "node")], &[]).unwrap().options.no_cache);
+        let err = spec(&[], &["cache /tmp/x"]).unwrap_err().to_string();
+        assert!(
+            err.contains("cache") && err.contains("--cache-dir"),
+            "{err}"
+        );
+        assert!(spec(&[("cache", "disk")], &[]).is_err());
+        assert_eq!(
+            spec(&[("prefetchOnMount", "true")], &[])
+                .unwrap()
+                .options
+                .warm_up,
+            Some(vec![String::new()])
+        );
+        assert_eq!(
+            spec(&[("prefetchOnMount", "false")], &[])
+                .unwrap()
+                .options
+                .warm_up,
+            None
+        );
+        assert_eq!(
+            spec(&[("prefetchOnMount", "train/, val/")], &[])
+                .unwrap()
+                .options
+                .warm_up,
+            Some(vec!["train/".to_owned(), "val/".to_owned()])
+        );
+        assert!(spec(&[("prefetchOnMount", "../x")], &[]).is_err());
+        assert!(spec(&[("prefetchOnMount", "/abs")], &[]).is_err());
+        // StorageClass: validated there and passed on to the node.
+        let p = crate::StorageClassParams::parse(&map(&[
+            ("bucketName", "bkt"),
+            ("cache", "none"),
+            ("prefetchOnMount", "true"),
+        ]))
+        .unwrap();
+        assert_eq!(p.node_attributes.len(), 2);
+        assert!(
+            crate::StorageClassParams::parse(&map(&[("bucketName", "bkt"), ("cache", "x")]))
+                .is_err()
+        );
     }
 
     #[test]

@@ -79,6 +79,7 @@ impl Env {
             runtime: self.rt.handle().clone(),
             budget: self.budget.clone(),
             prefetch: PrefetchConfig::default(),
+            cache: None,
         };
         let handle = mount(store, cfg, dir.path(), ctx).expect("mount");
         Mount {

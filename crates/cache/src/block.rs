@@ -1,0 +1,199 @@
+//! One cached block on disk: [`BlockKey`] names it, [`encode`] / [`decode`] give the file format
+//! and [`BlockKey::file_id`] its file name.
+//!
+//! A block file is a header followed by the data:
+//!
+//! ```text
+//! "FERRYBK1"  magic and format version (8 bytes)
+//! crc32c      u32 LE, over every byte after this field (the rest of the header and the data)
+//! data_len    u64 LE
+//! index       u64 LE (block index in the object)
+//! endpoint, bucket, key, etag: each u32 LE length + UTF-8 bytes
+//! data        data_len bytes
+//! ```
+//!
+//! [`decode`] accepts a file only if the checksum matches, the length is exact and the header
+//! names the very block asked for; anything else is [`Invalid`] and the caller treats it as a miss.
+
+use bytes::{BufMut, Bytes, BytesMut};
+use sha2::{Digest, Sha256};
+
+const MAGIC: &[u8; 8] = b"FERRYBK1";
+
+/// Which block of which object version: (endpoint, bucket, key, ETag, block index).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BlockKey {
+    /// The S3 endpoint the object lives at (`""` for AWS's default).
+    pub endpoint: String,
+    pub bucket: String,
+    pub key: String,
+    /// The ETag, quotes included, as the server sent it.
+    pub etag: String,
+    /// Block number: the block covers `index * block_size ..` of the object.
+    pub index: u64,
+}
+
+/// A block's file name: the first 16 bytes of a SHA-256 of the key fields.
+pub type FileId = [u8; 16];
+
+impl BlockKey {
+    /// The stable file id of this block (the same in every process and version of Ferry).
+    pub fn file_id(&self) -> FileId {
+        let mut h = Sha256::new();
+        for field in [&self.endpoint, &self.bucket, &self.key, &self.etag] {
+            h.update((field.len() as u64).to_le_bytes());
+            h.update(field.as_bytes());
+        }
+        h.update(self.index.to_le_bytes());
+        let digest = h.finalize();
+        let mut id = [0u8; 16];
+        id.copy_from_slice(&digest[..16]);
+        id
+    }
+}
+
+/// Lower-case hex of a file id (the file's name; its first two characters name its directory).
+pub fn hex(id: &FileId) -> String {
+    id.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+/// Parses [`hex`] back.
+pub fn parse_hex(s: &str) -> Option<FileId> {
+    if s.len() != 32 || !s.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let mut id = [0u8; 16];
+    for (i, b) in id.iter_mut().enumerate() {
+        *b = u8::from_str_radix(&s[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(id)
+}
+
+/// Why a block file was not served.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Invalid {
+    #[error("block file is truncated or has a bad header")]
+    Malformed,
+    #[error("block file checksum mismatch (stored {stored:08x}, computed {computed:08x})")]
+    Checksum { stored: u32, computed: u32 },
+    #[error("block file belongs to another block")]
+    OtherBlock,
+}
+
+/// The file contents for `data` as block `key`.
+pub fn encode(key: &BlockKey, data: &[u8]) -> Vec<u8> {
+    let mut body = BytesMut::with_capacity(64 + key.key.len() + data.len());
+    body.put_u64_le(data.len() as u64);
+    body.put_u64_le(key.index);
+    for field in [&key.endpoint, &key.bucket, &key.key, &key.etag] {
+        body.put_u32_le(field.len() as u32);
+        body.put_slice(field.as_bytes());
+    }
+    body.put_slice(data);
+    let crc = crc32c::crc32c(&body);
+    let mut out = Vec::with_capacity(12 + body.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+/// The data of a block file, if it is intact and is block `key`.
+pub fn decode(key: &BlockKey, file: Bytes) -> Result<Bytes, Invalid> {
+    if file.len() < 12 + 16 + 16 || &file[..8] != MAGIC {
+        return Err(Invalid::Malformed);
+    }
+    let stored = u32::from_le_bytes(file[8..12].try_into().expect("4 bytes"));
+    let computed = crc32c::crc32c(&file[12..]);
+    if stored != computed {
+        return Err(Invalid::Checksum { stored, computed });
+    }
+    let mut pos = 12;
+    let mut take = |n: usize| -> Result<&[u8], Invalid> {
+        let s = file.get(pos..pos + n).ok_or(Invalid::Malformed)?;
+        pos += n;
+        Ok(s)
+    };
+    let data_len = u64::from_le_bytes(take(8)?.try_into().expect("8 bytes"));
+    let index = u64::from_le_bytes(take(8)?.try_into().expect("8 bytes"));
+    let mut same = index == key.index;
+    for field in [&key.endpoint, &key.bucket, &key.key, &key.etag] {
+        let len = u32::from_le_bytes(take(4)?.try_into().expect("4 bytes")) as usize;
+        same &= take(len)? == field.as_bytes();
+    }
+    if !same {
+        return Err(Invalid::OtherBlock);
+    }
+    if (file.len() - pos) as u64 != data_len {
+        return Err(Invalid::Malformed);
+    }
+    Ok(file.slice(pos..))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> BlockKey {
+        BlockKey {
+            endpoint: "http://127.0.0.1:9000".into(),
+            bucket: "b".into(),
+            key: "data/x.bin".into(),
+            etag: "\"abc\"".into(),
+            index: 3,
+        }
+    }
+
+    #[test]
+    fn round_trip_and_every_flipped_byte_is_refused() {
+        let k = key();
+        let file = encode(&k, b"hello block");
+        assert_eq!(
+            decode(&k, Bytes::from(file.clone())).unwrap(),
+            &b"hello block"[..]
+        );
+        for i in 0..file.len() {
+            let mut bad = file.clone();
+            bad[i] ^= 0x40;
+            assert!(decode(&k, Bytes::from(bad)).is_err(), "flip at {i} served");
+        }
+        assert_eq!(
+            decode(&k, Bytes::from(file[..file.len() - 1].to_vec())),
+            Err(Invalid::Checksum {
+                stored: u32::from_le_bytes(file[8..12].try_into().unwrap()),
+                computed: crc32c::crc32c(&file[12..file.len() - 1])
+            })
+        );
+    }
+
+    #[test]
+    fn another_blocks_file_is_refused() {
+        let file = Bytes::from(encode(&key(), b"data"));
+        for other in [
+            BlockKey { index: 4, ..key() },
+            BlockKey {
+                etag: "\"abd\"".into(),
+                ..key()
+            },
+            BlockKey {
+                endpoint: String::new(),
+                ..key()
+            },
+            BlockKey {
+                bucket: "c".into(),
+                ..key()
+            },
+        ] {
+            assert_eq!(decode(&other, file.clone()), Err(Invalid::OtherBlock));
+            assert_ne!(other.file_id(), key().file_id());
+        }
+    }
+
+    #[test]
+    fn file_ids_are_stable_and_hex_round_trips() {
+        let id = key().file_id();
+        assert_eq!(id, key().file_id());
+        assert_eq!(parse_hex(&hex(&id)), Some(id));
+        assert_eq!(parse_hex("zz"), None);
+    }
+}

@@ -1,0 +1,312 @@
+//! Unit tests of [`BlockCache`] on a temporary directory.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use bytes::Bytes;
+use proptest::prelude::*;
+use tokio::sync::Notify;
+
+use super::*;
+
+const BS: u64 = MIN_BLOCK_SIZE;
+
+fn key(name: &str, index: u64) -> BlockKey {
+    BlockKey {
+        endpoint: "http://s3.test".into(),
+        bucket: "bucket".into(),
+        key: name.into(),
+        etag: "\"e1\"".into(),
+        index,
+    }
+}
+
+fn data(seed: u8, len: usize) -> Bytes {
+    Bytes::from(
+        (0..len)
+            .map(|i| seed.wrapping_add(i as u8))
+            .collect::<Vec<_>>(),
+    )
+}
+
+async fn open(dir: &Path, max_size: u64) -> Arc<BlockCache> {
+    let cache = BlockCache::open(CacheConfig {
+        block_size: BS,
+        ..CacheConfig::new(dir, max_size)
+    })
+    .unwrap();
+    cache.ready().await;
+    cache
+}
+
+/// Gets `k` through the cache; the fetch returns `d` and counts itself in `fetches`.
+async fn get(cache: &Arc<BlockCache>, k: &BlockKey, d: &Bytes, fetches: &AtomicUsize) -> Bytes {
+    cache
+        .get_or_fetch(k, || async {
+            fetches.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, std::convert::Infallible>(d.clone())
+        })
+        .await
+        .unwrap()
+}
+
+/// Every block file on disk: (file id, size).
+fn files_on_disk(cache: &BlockCache) -> Vec<(FileId, u64)> {
+    let mut out = Vec::new();
+    for dir in std::fs::read_dir(&cache.blocks_dir).unwrap() {
+        for f in std::fs::read_dir(dir.unwrap().path()).unwrap() {
+            let f = f.unwrap();
+            let id = block::parse_hex(f.file_name().to_str().unwrap()).unwrap();
+            out.push((id, f.metadata().unwrap().len()));
+        }
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test]
+async fn a_miss_fetches_and_stores_then_hits_are_served_from_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 10 * BS).await;
+    let fetches = AtomicUsize::new(0);
+    let (k, d) = (key("a", 0), data(1, 1000));
+    assert_eq!(get(&cache, &k, &d, &fetches).await, d);
+    cache.settle().await;
+    assert!(cache.contains(&k));
+    for _ in 0..3 {
+        assert_eq!(get(&cache, &k, &d, &fetches).await, d);
+    }
+    assert_eq!(fetches.load(Ordering::SeqCst), 1);
+    let s = cache.stats();
+    assert_eq!((s.misses, s.hits, s.hit_bytes, s.stored), (1, 3, 3000, 1));
+    assert_eq!(s.blocks, 1);
+    assert_eq!(s.bytes, files_on_disk(&cache)[0].1);
+    // Another version (ETag) of the same key is another block.
+    let other = BlockKey {
+        etag: "\"e2\"".into(),
+        ..k.clone()
+    };
+    assert_eq!(
+        get(&cache, &other, &data(9, 10), &fetches).await,
+        data(9, 10)
+    );
+    assert_eq!(fetches.load(Ordering::SeqCst), 2);
+    assert!(
+        std::fs::read_dir(&cache.tmp_dir).unwrap().next().is_none(),
+        "no temp files left"
+    );
+}
+
+#[tokio::test]
+async fn a_flipped_byte_is_a_counted_miss_never_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 10 * BS).await;
+    let fetches = AtomicUsize::new(0);
+    let (k, d) = (key("a", 2), data(7, 5000));
+    get(&cache, &k, &d, &fetches).await;
+    cache.settle().await;
+    let path = cache.block_path(&k.file_id());
+    let mut file = std::fs::read(&path).unwrap();
+    let last = file.len() - 1;
+    file[last] ^= 1;
+    std::fs::write(&path, &file).unwrap();
+
+    assert_eq!(get(&cache, &k, &d, &fetches).await, d, "correct data");
+    assert_eq!(fetches.load(Ordering::SeqCst), 2, "refetched");
+    let s = cache.stats();
+    assert_eq!((s.corrupt, s.hits), (1, 0));
+    cache.settle().await;
+    // The refetched block was stored again and is intact.
+    assert_eq!(get(&cache, &k, &d, &fetches).await, d);
+    assert_eq!(fetches.load(Ordering::SeqCst), 2);
+    assert_eq!(cache.stats().hits, 1);
+
+    // A file of another block under this block's name (e.g. a hash collision) is refused too.
+    let other = key("b", 0);
+    std::fs::write(&path, block::encode(&other, &d)).unwrap();
+    assert_eq!(get(&cache, &k, &d, &fetches).await, d);
+    assert_eq!(cache.stats().corrupt, 2);
+}
+
+#[tokio::test]
+async fn concurrent_misses_of_one_block_run_one_fetch() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 10 * BS).await;
+    let fetches = Arc::new(AtomicUsize::new(0));
+    let release = Arc::new(Notify::new());
+    let k = key("shared", 0);
+    let mut tasks = Vec::new();
+    for _ in 0..8 {
+        let (cache, fetches, release, k) =
+            (cache.clone(), fetches.clone(), release.clone(), k.clone());
+        tasks.push(tokio::spawn(async move {
+            cache
+                .get_or_fetch(&k, || async {
+                    fetches.fetch_add(1, Ordering::SeqCst);
+                    release.notified().await;
+                    Ok::<_, std::convert::Infallible>(data(3, 100))
+                })
+                .await
+                .unwrap()
+        }));
+    }
+    // Wait until one fetch is running and every other caller joined it.
+    while fetches.load(Ordering::SeqCst) == 0 || Arc::strong_count(&cache) < 9 {
+        tokio::task::yield_now().await;
+    }
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    release.notify_one();
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), data(3, 100));
+    }
+    assert_eq!(fetches.load(Ordering::SeqCst), 1);
+    let s = cache.stats();
+    assert_eq!(s.misses + s.hits + s.joins, 8);
+    assert_eq!(s.misses, 1);
+}
+
+#[tokio::test]
+async fn a_failed_fetch_is_not_shared_and_the_next_caller_fetches() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 10 * BS).await;
+    let k = key("x", 0);
+    let err = cache
+        .get_or_fetch(&k, || async { Err::<Bytes, _>("denied") })
+        .await;
+    assert_eq!(err, Err("denied"));
+    let ok = cache
+        .get_or_fetch(&k, || async { Ok::<_, &str>(data(1, 10)) })
+        .await;
+    assert_eq!(ok, Ok(data(1, 10)));
+}
+
+#[tokio::test]
+async fn blocks_survive_a_restart_and_the_index_is_rebuilt() {
+    let dir = tempfile::tempdir().unwrap();
+    let fetches = AtomicUsize::new(0);
+    let before = {
+        let cache = open(dir.path(), 100 * BS).await;
+        for i in 0..20 {
+            get(&cache, &key("f", i), &data(i as u8, 3000), &fetches).await;
+        }
+        cache.settle().await;
+        cache.stats()
+    };
+    // A half-written temporary file of the old process is removed.
+    std::fs::write(dir.path().join("tmp/leftover"), b"torn").unwrap();
+    let cache = open(dir.path(), 100 * BS).await;
+    assert!(!dir.path().join("tmp/leftover").exists());
+    let after = cache.stats();
+    assert_eq!((after.blocks, after.bytes), (before.blocks, before.bytes));
+    for i in 0..20 {
+        assert_eq!(
+            get(&cache, &key("f", i), &data(i as u8, 3000), &fetches).await,
+            data(i as u8, 3000)
+        );
+    }
+    assert_eq!(
+        fetches.load(Ordering::SeqCst),
+        20,
+        "no fetch after the restart"
+    );
+    assert_eq!(cache.stats().hits, 20);
+}
+
+#[tokio::test]
+async fn a_smaller_budget_at_restart_evicts_down_to_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let fetches = AtomicUsize::new(0);
+    {
+        let cache = open(dir.path(), 100 * BS).await;
+        for i in 0..10 {
+            get(&cache, &key("f", i), &data(0, BS as usize), &fetches).await;
+        }
+        cache.settle().await;
+    }
+    let cache = open(dir.path(), 4 * BS).await;
+    let on_disk: u64 = files_on_disk(&cache).iter().map(|f| f.1).sum();
+    assert!(on_disk <= 4 * BS, "{on_disk} bytes on disk over the budget");
+    assert_eq!(cache.stats().bytes, on_disk);
+    assert!(cache.stats().evictions >= 6);
+}
+
+#[test]
+fn bad_configs_are_refused_with_a_reason() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = CacheConfig {
+        block_size: 3 << 20,
+        ..CacheConfig::new(dir.path(), 1 << 30)
+    };
+    assert!(BlockCache::open(bad)
+        .unwrap_err()
+        .to_string()
+        .contains("power of two"));
+    let small = CacheConfig::new(dir.path(), 1 << 20);
+    assert!(BlockCache::open(small)
+        .unwrap_err()
+        .to_string()
+        .contains("smaller than one block"));
+}
+
+/// The reference model of eviction: blocks by recency, each with its file size.
+#[derive(Default)]
+struct ModelCache(Vec<(u8, u64)>);
+
+impl ModelCache {
+    /// A get of block `b` whose file is `size` bytes; `true` for a hit.
+    fn get(&mut self, b: u8, size: u64, max: u64) -> bool {
+        if let Some(i) = self.0.iter().position(|e| e.0 == b) {
+            let e = self.0.remove(i);
+            self.0.push(e);
+            return true;
+        }
+        while self.0.iter().map(|e| e.1).sum::<u64>() + size > max && !self.0.is_empty() {
+            self.0.remove(0);
+        }
+        self.0.push((b, size));
+        false
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 24, ..ProptestConfig::default() })]
+
+    /// Any sequence of gets: the cache hits exactly when the LRU model does, the files on disk are
+    /// exactly the model's, and they never exceed the budget.
+    #[test]
+    fn eviction_matches_the_lru_model(
+        max_blocks in 2u64..6,
+        gets in proptest::collection::vec(0u8..10, 1..60),
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        rt.block_on(async {
+            let dir = tempfile::tempdir().unwrap();
+            let max = max_blocks * 2 * BS;
+            let cache = open(dir.path(), max).await;
+            let mut model = ModelCache::default();
+            let fetches = AtomicUsize::new(0);
+            let sizes: Vec<u64> = (0u8..10).map(|b| block::encode(&key("m", b.into()), &data(b, 1)).len() as u64).collect();
+            for b in gets {
+                // Block b always has the same length: half, one or one and a half blocks' worth.
+                let len = (BS as usize / 2) * (1 + (b as usize % 3));
+                let size = sizes[b as usize] - 1 + len as u64;
+                let before = fetches.load(Ordering::SeqCst);
+                let got = get(&cache, &key("m", b.into()), &data(b, len), &fetches).await;
+                cache.settle().await;
+                prop_assert_eq!(got, data(b, len));
+                let hit = fetches.load(Ordering::SeqCst) == before;
+                prop_assert_eq!(hit, model.get(b, size, max));
+                let disk: HashSet<FileId> = files_on_disk(&cache).iter().map(|f| f.0).collect();
+                let want: HashSet<FileId> = model.0.iter().map(|e| key("m", e.0.into()).file_id()).collect();
+                prop_assert_eq!(disk, want);
+                let bytes: u64 = files_on_disk(&cache).iter().map(|f| f.1).sum();
+                prop_assert!(bytes <= max);
+                prop_assert_eq!(cache.stats().bytes, bytes);
+            }
+            Ok(())
+        })?;
+    }
+}

@@ -1,0 +1,250 @@
+//! The filesystem on the node cache: several mounts (`Fs` instances) sharing one `BlockCache`,
+//! each with its own store (its own credentials), on `MemoryStore`.
+
+use std::ffi::OsStr;
+
+use ferry_cache::{CacheConfig, MIN_BLOCK_SIZE};
+use ferry_store::{FaultyStore, MemoryStore, Op};
+
+use super::*;
+
+const B: &str = "bkt";
+const PID: u32 = 7;
+const BS: u64 = MIN_BLOCK_SIZE;
+
+fn data(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| {
+            (i as u32)
+                .wrapping_mul(2_654_435_761)
+                .rotate_left(seed as u32) as u8
+                ^ seed
+        })
+        .collect()
+}
+
+fn cache(dir: &std::path::Path) -> Arc<BlockCache> {
+    BlockCache::open(CacheConfig {
+        block_size: BS,
+        ..CacheConfig::new(dir, 1 << 30)
+    })
+    .unwrap()
+}
+
+fn mount(
+    store: Arc<dyn ObjectStore>,
+    cache: &Arc<BlockCache>,
+    tweak: impl FnOnce(&mut MountConfig),
+) -> Fs {
+    let mut cfg = MountConfig::new(B);
+    cfg.endpoint = "http://s3.test".into();
+    cfg.metadata_ttl = crate::config::MetadataTtl::Indefinite;
+    tweak(&mut cfg);
+    Fs::new(store, cfg).with_cache(Some(cache.clone()))
+}
+
+async fn ino_of(fs: &Fs, name: &str) -> Result<Ino, FsError> {
+    Ok(fs.lookup(ROOT_INO, OsStr::new(name)).await?.attr.ino)
+}
+
+/// Reads the whole file with `chunk`-byte reads.
+async fn read_all(fs: &Fs, name: &str, chunk: u32) -> Result<Vec<u8>, FsError> {
+    let ino = ino_of(fs, name).await?;
+    let o = fs.open(ino, libc::O_RDONLY, PID).await?;
+    let mut out = Vec::new();
+    loop {
+        let got = fs.read(o.fh, out.len() as u64, chunk).await?;
+        if got.is_empty() {
+            break;
+        }
+        out.extend_from_slice(&got);
+    }
+    fs.release(o.fh).await?;
+    Ok(out)
+}
+
+#[tokio::test]
+async fn a_second_mount_reads_from_the_cache_with_no_get() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache(dir.path());
+    cache.ready().await;
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    let big = data((5 * BS + 123) as usize, 1);
+    store.insert(B, "big.bin", big.clone());
+    // Two pods with their own clients (same credentials here).
+    let a = mount(Arc::new(store.clone()), &cache, |_| {});
+    let b = mount(Arc::new(store.clone()), &cache, |_| {});
+    assert_eq!(read_all(&a, "big.bin", 4096).await.unwrap(), big);
+    cache.settle().await;
+    let first = store.stats();
+    assert_eq!(first.get_bytes, big.len() as u64, "each block fetched once");
+    // Sequential and random reads on the other mount: only its own HEAD (lookup) reaches S3.
+    assert_eq!(read_all(&b, "big.bin", 128 << 10).await.unwrap(), big);
+    let ino = ino_of(&b, "big.bin").await.unwrap();
+    let o = b.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    let got = b.read(o.fh, 3 * BS - 10, 100).await.unwrap();
+    assert_eq!(
+        &got[..],
+        &big[(3 * BS - 10) as usize..(3 * BS + 90) as usize]
+    );
+    let s = store.stats();
+    assert_eq!(s.get, first.get, "no GET from the second mount");
+    assert_eq!(s.head, first.head + 1, "one HEAD: its own lookup");
+    assert!(cache.stats().hits >= 6);
+}
+
+#[tokio::test]
+async fn concurrent_readers_on_four_mounts_fetch_each_block_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache(dir.path());
+    cache.ready().await;
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    let big = data((8 * BS) as usize, 2);
+    store.insert(B, "f", big.clone());
+    let mounts: Vec<Arc<Fs>> = (0..4)
+        .map(|_| Arc::new(mount(Arc::new(store.clone()), &cache, |_| {})))
+        .collect();
+    let tasks: Vec<_> = mounts
+        .iter()
+        .map(|fs| {
+            let fs = fs.clone();
+            tokio::spawn(async move { read_all(&fs, "f", 64 << 10).await.unwrap() })
+        })
+        .collect();
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), big);
+    }
+    assert_eq!(store.stats().get_bytes, big.len() as u64);
+}
+
+#[tokio::test]
+async fn a_mount_whose_credentials_are_denied_gets_eacces_though_the_blocks_are_cached() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache(dir.path());
+    cache.ready().await;
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    let body = data((2 * BS) as usize, 3);
+    store.insert(B, "secret.bin", body.clone());
+    let allowed = mount(Arc::new(store.clone()), &cache, |_| {});
+    assert_eq!(
+        read_all(&allowed, "secret.bin", 1 << 20).await.unwrap(),
+        body
+    );
+    cache.settle().await;
+
+    // The other pod's credentials may list the prefix but not read its objects.
+    let denied_store = FaultyStore::new(store.clone(), 1);
+    for op in [Op::Head, Op::Get] {
+        denied_store.fail_next(
+            op,
+            u64::MAX,
+            StoreError::AccessDenied("403 AccessDenied".into()),
+        );
+    }
+    let denied = mount(Arc::new(denied_store), &cache, |_| {});
+    let names = {
+        let fh = denied.opendir(ROOT_INO).unwrap();
+        struct Sink(Vec<String>);
+        impl crate::fs::DirSink for Sink {
+            fn add(&mut self, e: &crate::fs::DirEntry<'_>) -> bool {
+                self.0.push(e.name.to_owned());
+                false
+            }
+        }
+        let mut sink = Sink(Vec::new());
+        denied
+            .readdir(ROOT_INO, fh, 0, true, &mut sink)
+            .await
+            .unwrap();
+        sink.0
+    };
+    assert!(
+        names.contains(&"secret.bin".to_owned()),
+        "the LIST is allowed: {names:?}"
+    );
+    // Known from the listing (size, ETag) — but a LIST proves no read access: open HEADs.
+    let ino = ino_of(&denied, "secret.bin").await.unwrap();
+    let err = denied.open(ino, libc::O_RDONLY, PID).await.unwrap_err();
+    assert_eq!(err.errno(), libc::EACCES);
+    let hits = cache.stats().hits;
+    assert_eq!(
+        read_all(&allowed, "secret.bin", 1 << 20).await.unwrap(),
+        body
+    );
+    assert!(
+        cache.stats().hits > hits,
+        "the allowed mount still reads from the cache"
+    );
+}
+
+#[tokio::test]
+async fn a_flipped_byte_on_disk_is_refetched_and_counted() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache(dir.path());
+    cache.ready().await;
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    let body = data((3 * BS) as usize, 4);
+    let etag = store.insert(B, "f", body.clone());
+    let fs = mount(Arc::new(store.clone()), &cache, |_| {});
+    assert_eq!(read_all(&fs, "f", 1 << 20).await.unwrap(), body);
+    cache.settle().await;
+    let key = ferry_cache::BlockKey {
+        endpoint: "http://s3.test".into(),
+        bucket: B.into(),
+        key: "f".into(),
+        etag,
+        index: 1,
+    };
+    let path = cache.block_path(&key.file_id());
+    let mut file = std::fs::read(&path).unwrap();
+    let i = file.len() - 1000;
+    file[i] ^= 0x10;
+    std::fs::write(&path, file).unwrap();
+    let gets = store.stats().get;
+    let other = mount(Arc::new(store.clone()), &cache, |_| {});
+    assert_eq!(
+        read_all(&other, "f", 1 << 20).await.unwrap(),
+        body,
+        "correct data"
+    );
+    assert_eq!(cache.stats().corrupt, 1);
+    assert_eq!(store.stats().get, gets + 1, "only the bad block refetched");
+}
+
+#[tokio::test]
+async fn cache_none_keeps_a_mount_out_of_the_cache() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache(dir.path());
+    cache.ready().await;
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    store.insert(B, "f", data(1000, 5));
+    let fs = mount(Arc::new(store.clone()), &cache, |c| c.node_cache = false);
+    assert!(!fs.uses_cache());
+    read_all(&fs, "f", 4096).await.unwrap();
+    read_all(&fs, "f", 4096).await.unwrap();
+    cache.settle().await;
+    assert_eq!(cache.stats(), ferry_cache::CacheStats::default());
+    assert_eq!(store.stats().get, 2);
+}
+
+#[tokio::test]
+async fn a_changed_object_is_a_new_block_and_the_old_handle_gets_estale() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache(dir.path());
+    cache.ready().await;
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    store.insert(B, "f", data(1000, 6));
+    let fs = mount(Arc::new(store.clone()), &cache, |c| {
+        c.metadata_ttl = crate::config::MetadataTtl::Duration(Duration::ZERO)
+    });
+    assert_eq!(read_all(&fs, "f", 4096).await.unwrap(), data(1000, 6));
+    cache.settle().await;
+    store.insert(B, "f", data(2000, 7));
+    assert_eq!(read_all(&fs, "f", 4096).await.unwrap(), data(2000, 7));
+}

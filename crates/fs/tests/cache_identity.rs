@@ -1,0 +1,136 @@
+//! The node cache and credentials, on a real S3 server that enforces access (versitygw with its
+//! internal IAM and a bucket policy) through real FUSE mounts: a pod whose credentials may list a
+//! prefix but not read its objects gets `EACCES`, although the bytes are in the node cache, while
+//! the pod allowed to read them is served from the cache.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ferry_cache::{BlockCache, CacheConfig};
+use ferry_fs::{mount, MetadataTtl, MountConfig, MountContext, MountHandle};
+use ferry_store::{ObjectStore, S3Store, StoreError};
+use ferry_testkit::S3Server;
+
+const BUCKET: &str = "data";
+
+fn mount_as(
+    store: S3Store,
+    server: &S3Server,
+    cache: &Arc<BlockCache>,
+    dir: &Path,
+    rt: &tokio::runtime::Runtime,
+) -> MountHandle {
+    let mut cfg = MountConfig::new(BUCKET);
+    cfg.fs_name = format!("ferry:{BUCKET}/");
+    cfg.prefix = "ds/".into();
+    cfg.endpoint = server.endpoint_url();
+    cfg.metadata_ttl = MetadataTtl::Indefinite;
+    let mut ctx = MountContext::new(rt.handle().clone());
+    ctx.cache = Some(cache.clone());
+    mount(Arc::new(store), cfg, dir, ctx).expect("mount")
+}
+
+#[test]
+fn a_pod_denied_the_objects_gets_eacces_while_the_allowed_pod_reads_from_the_cache() {
+    if !Path::new("/dev/fuse").exists() {
+        eprintln!("/dev/fuse is missing: skipping the real-FUSE test");
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = S3Server::start_with_iam();
+    server.create_user("alice", "alice-secret-key", "user");
+    server.create_user("bob", "bob-secret-key", "user");
+    let body: Vec<u8> = (0..(3u32 << 20) + 77)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
+        .collect();
+    let (alice, bob) = rt.block_on(async {
+        server.create_bucket(BUCKET).await;
+        let root = server.store().await;
+        root.put(BUCKET, "ds/shard-0.bin", body.clone().into()).await.unwrap();
+        // alice may list and read the prefix; bob may only list it.
+        let policy = serde_json::json!({
+            "Version": "2012-10-17",
+            "Statement": [
+                {"Effect": "Allow", "Principal": {"AWS": ["alice"]},
+                 "Action": ["s3:ListBucket", "s3:GetObject"],
+                 "Resource": [format!("arn:aws:s3:::{BUCKET}"), format!("arn:aws:s3:::{BUCKET}/*")]},
+                {"Effect": "Allow", "Principal": {"AWS": ["bob", "alice"]},
+                 "Action": ["s3:ListBucket"],
+                 "Resource": [format!("arn:aws:s3:::{BUCKET}")]}
+            ]
+        });
+        root.put_bucket_policy(BUCKET, &policy.to_string()).await.unwrap();
+        let opts = S3Server::test_options();
+        let alice = S3Store::with_options(server.s3_config_as("alice", "alice-secret-key"), opts.clone()).await.unwrap();
+        let bob = S3Store::with_options(server.s3_config_as("bob", "bob-secret-key"), opts).await.unwrap();
+        // The server really enforces it: bob lists, but his HEAD and GET are refused.
+        let page = bob.list(BUCKET, ferry_store::ListRequest { prefix: "ds/", ..Default::default() }).await.unwrap();
+        assert_eq!(page.objects.len(), 1);
+        assert!(matches!(bob.head(BUCKET, "ds/shard-0.bin").await, Err(StoreError::AccessDenied(_))));
+        assert!(matches!(bob.get_range(BUCKET, "ds/shard-0.bin", 0..10, None).await, Err(StoreError::AccessDenied(_))));
+        assert_eq!(alice.get_range(BUCKET, "ds/shard-0.bin", 0..10, None).await.unwrap(), &body[..10]);
+        (alice, bob)
+    });
+
+    let cache_dir = tempfile::tempdir().unwrap();
+    let cache = BlockCache::open(CacheConfig {
+        block_size: 1 << 20,
+        ..CacheConfig::new(cache_dir.path(), 64 << 20)
+    })
+    .unwrap();
+    rt.block_on(cache.ready());
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let pod_a = mount_as(alice, &server, &cache, dir_a.path(), &rt);
+    let pod_b = mount_as(bob, &server, &cache, dir_b.path(), &rt);
+
+    // alice's pod fills the cache.
+    assert_eq!(
+        std::fs::read(dir_a.path().join("shard-0.bin")).unwrap(),
+        body
+    );
+    rt.block_on(cache.settle());
+    let filled = cache.stats();
+    assert_eq!(filled.blocks, 4, "{filled:?}");
+
+    // bob's pod sees the file in the listing (LIST is allowed), with its size ...
+    let names: Vec<String> = std::fs::read_dir(dir_b.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    assert_eq!(names, ["shard-0.bin"]);
+    assert_eq!(
+        std::fs::metadata(dir_b.path().join("shard-0.bin"))
+            .unwrap()
+            .len(),
+        body.len() as u64
+    );
+    // ... but cannot read it, although every block is on the node's disk.
+    let err = std::fs::read(dir_b.path().join("shard-0.bin")).unwrap_err();
+    assert_eq!(err.raw_os_error(), Some(libc::EACCES), "{err}");
+    assert_eq!(cache.stats().hits, filled.hits, "nothing served to bob");
+
+    // alice's pod (another open; the page cache dropped by a fresh mount) reads from the cache.
+    let dir_c = tempfile::tempdir().unwrap();
+    let alice2 = rt
+        .block_on(S3Store::with_options(
+            server.s3_config_as("alice", "alice-secret-key"),
+            S3Server::test_options(),
+        ))
+        .unwrap();
+    let pod_c = mount_as(alice2, &server, &cache, dir_c.path(), &rt);
+    assert_eq!(
+        std::fs::read(dir_c.path().join("shard-0.bin")).unwrap(),
+        body
+    );
+    let after = cache.stats();
+    assert_eq!(after.hits - filled.hits, 4, "{after:?}");
+    assert_eq!(after.misses, filled.misses, "no new fetch");
+
+    for m in [pod_a, pod_b, pod_c] {
+        m.unmount().unwrap();
+    }
+}
