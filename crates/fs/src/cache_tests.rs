@@ -248,3 +248,34 @@ async fn a_changed_object_is_a_new_block_and_the_old_handle_gets_estale() {
     store.insert(B, "f", data(2000, 7));
     assert_eq!(read_all(&fs, "f", 4096).await.unwrap(), data(2000, 7));
 }
+
+#[tokio::test]
+async fn a_small_random_read_on_a_cold_cache_fetches_the_one_block_it_touches() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache(dir.path());
+    cache.ready().await;
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    let big = data((6 * BS) as usize, 4);
+    store.insert(B, "big.bin", big.clone());
+    let fs = mount(Arc::new(store.clone()), &cache, |_| {});
+    let ino = ino_of(&fs, "big.bin").await.unwrap();
+    let o = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    store.reset_stats();
+    // 4 KiB in the middle of block 3 (not at the file's start: not a sequential reader).
+    let off = 3 * BS + BS / 2;
+    let got = fs.read(o.fh, off, 4096).await.unwrap();
+    assert_eq!(&got[..], &big[off as usize..off as usize + 4096]);
+    cache.settle().await;
+    let s = store.stats();
+    assert_eq!(s.get, 1, "one GET: {s:?}");
+    assert_eq!(s.get_bytes, BS, "the whole block it touches, nothing more");
+    // The same block again: served from the cache.
+    let got = fs.read(o.fh, 3 * BS + 10, 100).await.unwrap();
+    assert_eq!(
+        &got[..],
+        &big[(3 * BS + 10) as usize..(3 * BS + 110) as usize]
+    );
+    assert_eq!(store.stats().get, 1, "a hit");
+    fs.release(o.fh).await.unwrap();
+}

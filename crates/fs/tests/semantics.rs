@@ -87,6 +87,51 @@ const CLAIMS: &[(&str, &str, How)] = &[
     ("Store errors → errno", "InvalidRequest", Here(err_invalid)),
     ("Store errors → errno", "Throttled, Transient, Corrupt, NoSuchBucket, Other", Here(err_eio)),
     (
+        "Node cache",
+        "What is cached",
+        Elsewhere("crates/fs/src/cache_tests.rs", "a_changed_object_is_a_new_block_and_the_old_handle_gets_estale"),
+    ),
+    (
+        "Node cache",
+        "Correct bytes",
+        Elsewhere("crates/cache/src/tests.rs", "a_flipped_byte_is_a_counted_miss_never_served"),
+    ),
+    (
+        "Node cache",
+        "Who may read",
+        Elsewhere("crates/fs/tests/cache_identity.rs", "a_pod_denied_the_objects_gets_eacces_while_the_allowed_pod_reads_from_the_cache"),
+    ),
+    (
+        "Node cache",
+        "One GET per block",
+        Elsewhere("crates/fs/src/cache_tests.rs", "concurrent_readers_on_four_mounts_fetch_each_block_once"),
+    ),
+    (
+        "Node cache",
+        "Read granularity",
+        Elsewhere("crates/fs/src/cache_tests.rs", "a_small_random_read_on_a_cold_cache_fetches_the_one_block_it_touches"),
+    ),
+    (
+        "Node cache",
+        "Space",
+        Elsewhere("crates/cache/tests/disk_full.rs", "a_full_disk_makes_the_cache_step_aside_and_reads_still_succeed"),
+    ),
+    (
+        "Node cache",
+        "Restarts",
+        Elsewhere("crates/cache/src/tests.rs", "blocks_survive_a_restart_and_the_index_is_rebuilt"),
+    ),
+    (
+        "Node cache",
+        "Opt-out",
+        Elsewhere("crates/fs/src/cache_tests.rs", "cache_none_keeps_a_mount_out_of_the_cache"),
+    ),
+    (
+        "Node cache",
+        "Warm-up",
+        Elsewhere("crates/fs/src/warmup.rs", "warms_the_prefix_once_within_the_cache_size"),
+    ),
+    (
         "Through CSI",
         "Read-only",
         Elsewhere("e2e/tests/csi.rs", "readonly_publish_refuses_writes"),
