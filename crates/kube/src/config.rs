@@ -18,8 +18,9 @@ use crate::error::{KubeError, Result};
 /// The in-cluster service account mount.
 pub const SERVICE_ACCOUNT_DIR: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
 
-/// A credential: shown as `<redacted>` by `Debug`, read only through [`Secret::expose`].
-#[derive(Clone, PartialEq, Eq)]
+/// A credential (token, key, password): shown as `<redacted>` by `Debug`, no `Display`, read only
+/// through [`Secret::expose`]. The one secret string type of the workspace (ferry-creds uses it).
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Secret(String);
 
 impl Secret {
