@@ -1176,49 +1176,79 @@ async fn prefetch_keeps_the_etag_pinned_at_open() {
     fs.release(o.fh).await.unwrap();
 }
 
+/// A directory `ds` of `n` small files behind a store whose GETs take 50 ms, listed once.
+struct SmallFiles {
+    mem: MemoryStore,
+    fs: Fs,
+    budget: MemoryBudget,
+    ds: Ino,
+    files: Vec<Vec<u8>>,
+}
+
+impl SmallFiles {
+    async fn new(n: u8, len: usize, also: &[(&str, Vec<u8>)]) -> Self {
+        let (mem, store) = faulty();
+        store.set_latency(
+            [ferry_store::Op::Get],
+            Duration::from_millis(50),
+            Duration::ZERO,
+        );
+        let files: Vec<Vec<u8>> = (0..n).map(|i| data(len, i)).collect();
+        for (i, f) in files.iter().enumerate() {
+            mem.insert(B, &format!("ds/f{i:03}"), f.clone());
+        }
+        for (name, body) in also {
+            mem.insert(B, &format!("ds/{name}"), body.clone());
+        }
+        let budget = MemoryBudget::new(1 << 30);
+        let fs = setup_budget(
+            store,
+            budget.clone(),
+            PrefetchConfig::default(),
+            MetadataTtl::Indefinite,
+        );
+        let ds = walk(&fs, "ds").await.unwrap().attr.ino;
+        let listed = list_batched(&fs, ds, 1000, true).await;
+        assert_eq!(listed.len(), files.len() + also.len());
+        mem.reset_stats();
+        SmallFiles {
+            mem,
+            fs,
+            budget,
+            ds,
+            files,
+        }
+    }
+
+    /// Opens and reads the files in `order` (indices), checking every byte; returns the time taken.
+    async fn read_in(&self, order: impl IntoIterator<Item = usize>) -> Duration {
+        let started = tokio::time::Instant::now();
+        for i in order {
+            let ino = self
+                .fs
+                .lookup(self.ds, n(&format!("f{i:03}")))
+                .await
+                .unwrap()
+                .attr
+                .ino;
+            assert_eq!(&read_all(&self.fs, ino, 128 << 10).await, &self.files[i]);
+        }
+        started.elapsed()
+    }
+}
+
 #[tokio::test(start_paused = true)]
 async fn listing_order_opens_prefetch_the_next_small_files() {
-    let (mem, store) = faulty();
-    store.set_latency(
-        [ferry_store::Op::Get],
-        Duration::from_millis(50),
-        Duration::ZERO,
-    );
-    let files: Vec<Vec<u8>> = (0..40u8).map(|i| data(128 << 10, i)).collect();
-    for (i, f) in files.iter().enumerate() {
-        mem.insert(B, &format!("ds/f{i:03}"), f.clone());
-    }
-    mem.insert(B, "ds/huge", data(2 << 20, 9));
-    let budget = MemoryBudget::new(1 << 30);
-    let fs = setup_budget(
-        store,
-        budget.clone(),
-        PrefetchConfig::default(),
-        MetadataTtl::Indefinite,
-    );
-    let ds = walk(&fs, "ds").await.unwrap().attr.ino;
-    let listed = list_batched(&fs, ds, 1000, true).await;
-    assert_eq!(listed.len(), 41);
-    mem.reset_stats();
-    let started = tokio::time::Instant::now();
-    for (i, f) in files.iter().enumerate() {
-        let ino = fs
-            .lookup(ds, n(&format!("f{i:03}")))
-            .await
-            .unwrap()
-            .attr
-            .ino;
-        assert_eq!(&read_all(&fs, ino, 128 << 10).await, f);
-    }
-    let s = mem.stats();
+    let t = SmallFiles::new(40, 128 << 10, &[("huge", data(2 << 20, 9))]).await;
+    let took = t.read_in(0..40).await;
+    let s = t.mem.stats();
     assert_eq!(s.get, 40, "each file fetched once: {s:?}");
     assert_eq!(s.head, 0, "ETags come from the listing");
     // 40 round trips of 50 ms one after the other would be 2 s.
-    let took = started.elapsed();
     assert!(took < Duration::from_millis(800), "{took:?}");
     // Nothing left over (huge is not small; nothing after it).
-    assert_eq!(fs.small_objects_cached(), 0);
-    assert_eq!(budget.used(), 0);
+    assert_eq!(t.fs.small_objects_cached(), 0);
+    assert_eq!(t.budget.used(), 0);
 }
 
 #[tokio::test(start_paused = true)]
@@ -1395,26 +1425,7 @@ async fn reads_the_kernel_reorders_do_not_restart_the_sequential_stream() {
 
 #[tokio::test(start_paused = true)]
 async fn interleaved_listing_order_readers_still_get_small_files_ahead() {
-    let (mem, store) = faulty();
-    store.set_latency(
-        [ferry_store::Op::Get],
-        Duration::from_millis(50),
-        Duration::ZERO,
-    );
-    let files: Vec<Vec<u8>> = (0..64u8).map(|i| data(64 << 10, i)).collect();
-    for (i, f) in files.iter().enumerate() {
-        mem.insert(B, &format!("ds/f{i:03}"), f.clone());
-    }
-    let budget = MemoryBudget::new(1 << 30);
-    let fs = setup_budget(
-        store,
-        budget.clone(),
-        PrefetchConfig::default(),
-        MetadataTtl::Indefinite,
-    );
-    let ds = walk(&fs, "ds").await.unwrap().attr.ino;
-    list_batched(&fs, ds, 1000, true).await;
-    mem.reset_stats();
+    let t = SmallFiles::new(64, 64 << 10, &[]).await;
     // Eight readers taking entries in turn open them slightly out of listing order.
     let order: Vec<usize> = (0..64usize)
         .collect::<Vec<_>>()
@@ -1426,20 +1437,10 @@ async fn interleaved_listing_order_readers_still_get_small_files_ahead() {
             c
         })
         .collect();
-    let started = tokio::time::Instant::now();
-    for &i in &order {
-        let ino = fs
-            .lookup(ds, n(&format!("f{i:03}")))
-            .await
-            .unwrap()
-            .attr
-            .ino;
-        assert_eq!(&read_all(&fs, ino, 64 << 10).await, &files[i]);
-    }
-    let s = mem.stats();
+    let took = t.read_in(order).await;
+    let s = t.mem.stats();
     assert_eq!(s.get, 64, "each file fetched once: {s:?}");
     // 64 round trips of 50 ms one after the other would be 3.2 s.
-    let took = started.elapsed();
     assert!(took < Duration::from_millis(1200), "{took:?}");
-    assert_eq!(budget.used(), 0);
+    assert_eq!(t.budget.used(), 0);
 }
