@@ -130,26 +130,8 @@ async fn demo(keep: bool) -> Result<()> {
 
     say("CreateVolume pvc-demo (StorageClass: bucketName=ferry-demo basePrefix=datasets deletePolicy=delete)");
     let mut ctrl = plugin.controller().await?;
-    let params: HashMap<String, String> = [
-        ("bucketName", bucket),
-        ("basePrefix", "datasets"),
-        ("deletePolicy", "delete"),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v.to_string()))
-    .collect();
     let cap = mount_capability(Mode::SingleNodeWriter, &["allow-delete"]);
-    let vol = ctrl
-        .create_volume(pb::CreateVolumeRequest {
-            name: "pvc-demo".into(),
-            parameters: params,
-            volume_capabilities: vec![cap.clone()],
-            ..Default::default()
-        })
-        .await?
-        .into_inner()
-        .volume
-        .context("CreateVolume returned no volume")?;
+    let vol = create_delete_volume(&mut ctrl, "pvc-demo", bucket, "datasets", &cap).await?;
     println!("    volume_id      {}", vol.volume_id);
     println!("    volume_context {:?}", vol.volume_context);
     let prefix = vol
@@ -325,26 +307,8 @@ async fn driver_irsa() -> Result<()> {
 
     say("CreateVolume (the controller's LIST is signed with the assumed role's credentials)");
     let mut ctrl = plugin.controller().await?;
-    let params: HashMap<String, String> = [
-        ("bucketName", bucket),
-        ("basePrefix", "dyn"),
-        ("deletePolicy", "delete"),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_string(), v.to_string()))
-    .collect();
     let cap = mount_capability(Mode::SingleNodeWriter, &["allow-delete"]);
-    let vol = ctrl
-        .create_volume(pb::CreateVolumeRequest {
-            name: "pvc-irsa".into(),
-            parameters: params,
-            volume_capabilities: vec![cap.clone()],
-            ..Default::default()
-        })
-        .await?
-        .into_inner()
-        .volume
-        .context("CreateVolume returned no volume")?;
+    let vol = create_delete_volume(&mut ctrl, "pvc-irsa", bucket, "dyn", &cap).await?;
 
     say("NodePublishVolume, write and read back through the mount");
     let mut node = plugin.node().await?;
@@ -695,4 +659,32 @@ async fn sanity(bin: Option<PathBuf>, extra: Vec<String>) -> Result<()> {
         bail!("csi-sanity failed ({status})");
     }
     Ok(())
+}
+
+/// CreateVolume `name` in a StorageClass of `bucket` with `basePrefix` and `deletePolicy: delete`.
+async fn create_delete_volume(
+    ctrl: &mut ferry_e2e::ControllerClient<tonic::transport::Channel>,
+    name: &str,
+    bucket: &str,
+    base_prefix: &str,
+    cap: &pb::VolumeCapability,
+) -> Result<pb::Volume> {
+    let params: HashMap<String, String> = [
+        ("bucketName", bucket),
+        ("basePrefix", base_prefix),
+        ("deletePolicy", "delete"),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    ctrl.create_volume(pb::CreateVolumeRequest {
+        name: name.into(),
+        parameters: params,
+        volume_capabilities: vec![cap.clone()],
+        ..Default::default()
+    })
+    .await?
+    .into_inner()
+    .volume
+    .context("CreateVolume returned no volume")
 }
