@@ -27,11 +27,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Parser;
+use ferry_e2e::unix_channel;
 use ferry_proto::csi::v1 as pb;
 use ferry_store::ObjectStore;
 use ferry_testkit::S3Server;
-use hyper_util::rt::TokioIo;
-use tonic::transport::{Channel, Endpoint, Uri};
+use tonic::transport::Channel;
 
 use proxy::DelayProxy;
 
@@ -171,21 +171,6 @@ fn drop_caches() {
     if let Err(e) = std::fs::write("/proc/sys/vm/drop_caches", "3") {
         eprintln!("warning: could not drop the page cache: {e}");
     }
-}
-
-/// Connects a gRPC channel to a unix socket.
-async fn unix_channel(path: &Path) -> anyhow::Result<Channel> {
-    let path = path.to_path_buf();
-    Endpoint::try_from("http://[::]:50051")?
-        .connect_with_connector(tower::service_fn(move |_: Uri| {
-            let path = path.clone();
-            async move {
-                let stream = tokio::net::UnixStream::connect(path).await?;
-                Ok::<_, std::io::Error>(TokioIo::new(stream))
-            }
-        }))
-        .await
-        .context("connecting to the CSI socket")
 }
 
 fn free_port() -> u16 {
