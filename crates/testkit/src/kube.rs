@@ -124,8 +124,24 @@ impl KubeCluster {
         KubeCluster::start_with(KubeClusterOptions::default()).await
     }
 
-    /// [`KubeCluster::start`] with options.
+    /// [`KubeCluster::start`] with options. Ports are picked free just before use, so another
+    /// process can take one first: a start that fails on "address already in use" is retried
+    /// with new ports (as [`crate::S3Server::start`] does).
     pub async fn start_with(options: KubeClusterOptions) -> Result<KubeCluster> {
+        let mut attempt = 1;
+        loop {
+            match KubeCluster::start_once(options.clone()).await {
+                Err(KubeClusterError::NotReady { ref log, .. })
+                    if attempt < 5 && log.contains("address already in use") =>
+                {
+                    attempt += 1;
+                }
+                other => return other,
+            }
+        }
+    }
+
+    async fn start_once(options: KubeClusterOptions) -> Result<KubeCluster> {
         let etcd = tool("etcd")?;
         let apiserver = tool("kube-apiserver")?;
         let kcm = if options.controller_manager {
