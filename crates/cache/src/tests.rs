@@ -215,6 +215,310 @@ async fn blocks_survive_a_restart_and_the_index_is_rebuilt() {
     assert_eq!(cache.stats().hits, 20);
 }
 
+/// An object of `size` bytes under `name`, and its content.
+fn object(name: &str, size: u64, seed: u8) -> (ObjectKey, Bytes) {
+    (
+        ObjectKey {
+            endpoint: "http://s3.test".into(),
+            bucket: "bucket".into(),
+            key: name.into(),
+            etag: "\"e1\"".into(),
+        },
+        data(seed, size as usize),
+    )
+}
+
+/// Reads every block of `obj` through the cache (fetching from `content` on a miss).
+async fn read_all(
+    cache: &Arc<BlockCache>,
+    obj: &ObjectKey,
+    content: &Bytes,
+    fetches: &AtomicUsize,
+) {
+    let n = (content.len() as u64).div_ceil(BS);
+    for i in 0..n {
+        let piece = content.slice((i * BS) as usize..content.len().min(((i + 1) * BS) as usize));
+        assert_eq!(
+            get(cache, &obj.block(i), &piece, fetches).await,
+            piece,
+            "block {i}"
+        );
+    }
+}
+
+fn read_file(mut f: File) -> Vec<u8> {
+    let mut out = Vec::new();
+    std::io::Read::read_to_end(&mut f, &mut out).unwrap();
+    out
+}
+
+#[tokio::test]
+async fn an_object_wanted_whole_is_joined_when_its_last_block_is_stored() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 20 * BS).await;
+    let fetches = AtomicUsize::new(0);
+    let size = 3 * BS + 1234;
+    let (obj, content) = object("big", size, 3);
+    assert!(cache.open_whole(&obj, size).is_none(), "nothing cached yet");
+    cache.want_whole(obj.clone(), size);
+    read_all(&cache, &obj, &content, &fetches).await;
+    cache.settle().await;
+    let s = cache.stats();
+    assert_eq!((s.assembled, s.objects, s.blocks), (1, 1, 0), "{s:?}");
+    assert!(
+        files_on_disk(&cache).is_empty(),
+        "the blocks are deleted once joined"
+    );
+    assert!(cache.has_whole(&obj));
+    assert!(cache.contains(&obj.block(2)));
+    // The whole file is exactly the object; blocks are now read out of it.
+    let f = cache.open_whole(&obj, size).expect("whole file");
+    assert_eq!(read_file(f), content.to_vec());
+    read_all(&cache, &obj, &content, &fetches).await;
+    assert_eq!(fetches.load(Ordering::SeqCst), 4, "no fetch after the join");
+    let s = cache.stats();
+    assert_eq!((s.whole_opens, s.hits), (1, 4));
+    let on_disk = std::fs::metadata(cache.object_path(&obj.file_id()))
+        .unwrap()
+        .len()
+        + std::fs::metadata(cache.meta_path(&obj.file_id()))
+            .unwrap()
+            .len();
+    assert_eq!(s.bytes, on_disk);
+    assert!(std::fs::read_dir(&cache.tmp_dir).unwrap().next().is_none());
+
+    // Wanting it when every block is already there joins it at once; a missing block never.
+    let (small, small_content) = object("small", BS / 2, 9);
+    read_all(&cache, &small, &small_content, &fetches).await;
+    cache.settle().await;
+    cache.want_whole(small.clone(), BS / 2);
+    cache.settle().await;
+    assert!(cache.has_whole(&small));
+    let (partial, partial_content) = object("partial", 2 * BS, 5);
+    get(
+        &cache,
+        &partial.block(0),
+        &partial_content.slice(..BS as usize),
+        &fetches,
+    )
+    .await;
+    cache.settle().await;
+    cache.want_whole(partial.clone(), 2 * BS);
+    cache.settle().await;
+    assert!(!cache.has_whole(&partial));
+    assert!(cache.open_whole(&partial, 2 * BS).is_none());
+}
+
+#[tokio::test]
+async fn a_flipped_byte_in_a_whole_object_is_never_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let fetches = AtomicUsize::new(0);
+    let size = 2 * BS + 10;
+    let (obj, content) = object("o", size, 1);
+    let flip = |cache: &BlockCache, at: u64| {
+        let path = cache.object_path(&obj.file_id());
+        let mut f = std::fs::read(&path).unwrap();
+        f[at as usize] ^= 0x40;
+        std::fs::write(&path, f).unwrap();
+    };
+    {
+        let cache = open(dir.path(), 20 * BS).await;
+        cache.want_whole(obj.clone(), size);
+        read_all(&cache, &obj, &content, &fetches).await;
+        cache.settle().await;
+        assert!(cache.has_whole(&obj));
+        // Read as a block: the piece fails its crc, the file is dropped, the block refetched.
+        flip(&cache, BS + 7);
+        let piece = content.slice(BS as usize..2 * BS as usize);
+        assert_eq!(get(&cache, &obj.block(1), &piece, &fetches).await, piece);
+        assert_eq!(cache.stats().corrupt, 1);
+        assert!(!cache.has_whole(&obj));
+        // Everything is fetched and joined again.
+        cache.want_whole(obj.clone(), size);
+        read_all(&cache, &obj, &content, &fetches).await;
+        cache.settle().await;
+        assert!(cache.has_whole(&obj));
+    }
+    // A new process checks the whole file before handing it out: a flipped byte means no file.
+    let cache = open(dir.path(), 20 * BS).await;
+    assert_eq!(cache.stats().objects, 1, "indexed after the restart");
+    flip(&cache, size - 1);
+    assert!(cache.open_whole(&obj, size).is_none());
+    let s = cache.stats();
+    assert_eq!((s.corrupt, s.objects, s.whole_opens), (1, 0, 0));
+    // A sidecar that names another object is refused the same way.
+    cache.want_whole(obj.clone(), size);
+    read_all(&cache, &obj, &content, &fetches).await;
+    cache.settle().await;
+    assert!(cache.has_whole(&obj));
+    let other = ObjectKey {
+        etag: "\"e2\"".into(),
+        ..obj.clone()
+    };
+    let meta = object::encode_meta(
+        &other,
+        &ObjectMeta {
+            size,
+            block_size: BS,
+            crcs: vec![0; 3],
+        },
+    );
+    std::fs::write(cache.meta_path(&obj.file_id()), meta).unwrap();
+    cache.metas.lock().unwrap().clear();
+    cache.verified.lock().unwrap().clear();
+    assert!(cache.open_whole(&obj, size).is_none());
+    assert_eq!(cache.stats().corrupt, 2);
+}
+
+#[tokio::test]
+async fn whole_objects_survive_a_restart_and_are_checked_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let fetches = AtomicUsize::new(0);
+    let size = 3 * BS;
+    let (obj, content) = object("w", size, 4);
+    {
+        let cache = open(dir.path(), 20 * BS).await;
+        cache.want_whole(obj.clone(), size);
+        read_all(&cache, &obj, &content, &fetches).await;
+        cache.settle().await;
+    }
+    // A sidecar without its data file is stray.
+    let stray = cache_dir_file(
+        dir.path(),
+        "objects/00/00000000000000000000000000000000.meta",
+    );
+    std::fs::write(&stray, b"x").unwrap();
+    let cache = open(dir.path(), 20 * BS).await;
+    assert!(!stray.exists());
+    assert_eq!(cache.stats().objects, 1);
+    for _ in 0..3 {
+        let f = cache.open_whole(&obj, size).expect("whole file");
+        assert_eq!(read_file(f), content.to_vec());
+    }
+    assert_eq!(cache.stats().whole_opens, 3);
+    // A wrong size (another version would have another ETag) is refused.
+    cache.verified.lock().unwrap().clear();
+    assert!(cache.open_whole(&obj, size + 1).is_none());
+    assert_eq!(fetches.load(Ordering::SeqCst), 3);
+}
+
+#[tokio::test]
+async fn a_clean_shutdown_lets_the_next_process_trust_unchanged_whole_files_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let fetches = AtomicUsize::new(0);
+    let size = 2 * BS + 99;
+    let (obj, content) = object("t", size, 6);
+    {
+        let cache = open(dir.path(), 20 * BS).await;
+        cache.want_whole(obj.clone(), size);
+        read_all(&cache, &obj, &content, &fetches).await;
+        cache.settle().await;
+        assert_eq!(
+            cache.save_checked().unwrap(),
+            1,
+            "written by this process: checked"
+        );
+    }
+    {
+        let cache = open(dir.path(), 20 * BS).await;
+        assert!(
+            !dir.path().join(CHECKED_FILE).exists(),
+            "the record is used once"
+        );
+        assert_eq!(cache.stats().trusted, 1);
+        let f = cache.open_whole(&obj, size).expect("trusted file");
+        assert_eq!(read_file(f), content.to_vec());
+        // No clean shutdown (a crash): nothing recorded.
+    }
+    {
+        let cache = open(dir.path(), 20 * BS).await;
+        assert_eq!(
+            cache.stats().trusted,
+            0,
+            "after a crash everything is checked again"
+        );
+        assert!(cache.open_whole(&obj, size).is_some());
+        assert_eq!(cache.save_checked().unwrap(), 1);
+    }
+    // Changed after the record (a later clock tick: ctime moves): checked, and refused.
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let cache_path = {
+        let cache = BlockCache::open(CacheConfig {
+            block_size: BS,
+            ..CacheConfig::new(dir.path(), 20 * BS)
+        })
+        .unwrap();
+        let p = cache.object_path(&obj.file_id());
+        // Let this process's index finish without keeping its record.
+        cache.ready().await;
+        assert_eq!(cache.save_checked().unwrap(), 1);
+        p
+    };
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let mut bytes = std::fs::read(&cache_path).unwrap();
+    bytes[5] ^= 1;
+    std::fs::write(&cache_path, bytes).unwrap();
+    let cache = open(dir.path(), 20 * BS).await;
+    assert_eq!(cache.stats().trusted, 0, "a changed file is not trusted");
+    assert!(cache.open_whole(&obj, size).is_none());
+    assert_eq!(cache.stats().corrupt, 1);
+}
+
+fn cache_dir_file(dir: &Path, rel: &str) -> PathBuf {
+    let p = dir.join(rel);
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    p
+}
+
+#[tokio::test]
+async fn whole_objects_are_evicted_under_the_budget_like_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let fetches = AtomicUsize::new(0);
+    // Room for one 3-block object and its blocks while it is joined, not for two objects.
+    let cache = open(dir.path(), 7 * BS).await;
+    let (a, ca) = object("a", 3 * BS, 1);
+    let (b, cb) = object("b", 3 * BS, 2);
+    for (o, c) in [(&a, &ca), (&b, &cb)] {
+        cache.want_whole(o.clone(), 3 * BS);
+        read_all(&cache, o, c, &fetches).await;
+        cache.settle().await;
+    }
+    assert!(cache.has_whole(&b), "{:?}", cache.stats());
+    assert!(!cache.has_whole(&a), "the older object was evicted");
+    let s = cache.stats();
+    assert!(s.bytes <= 7 * BS && s.evictions >= 1, "{s:?}");
+    assert!(!cache.object_path(&a.file_id()).exists());
+}
+
+#[tokio::test]
+async fn a_cache_directory_of_another_block_size_is_emptied_not_misread() {
+    let dir = tempfile::tempdir().unwrap();
+    let fetches = AtomicUsize::new(0);
+    {
+        let cache = open(dir.path(), 20 * BS).await;
+        get(&cache, &key("x", 1), &data(1, 100), &fetches).await;
+        cache.settle().await;
+        assert_eq!(cache.stats().blocks, 1);
+    }
+    let cache = BlockCache::open(CacheConfig {
+        block_size: 2 * BS,
+        ..CacheConfig::new(dir.path(), 20 * BS)
+    })
+    .unwrap();
+    cache.ready().await;
+    assert_eq!(cache.stats().blocks, 0);
+    assert!(
+        !dir.path().join("trash").exists(),
+        "the old files are deleted"
+    );
+    get(&cache, &key("x", 1), &data(2, 100), &fetches).await;
+    assert_eq!(
+        fetches.load(Ordering::SeqCst),
+        2,
+        "block 1 of another size is a miss"
+    );
+}
+
 #[tokio::test]
 async fn a_smaller_budget_at_restart_evicts_down_to_it() {
     let dir = tempfile::tempdir().unwrap();

@@ -30,16 +30,22 @@ pub const CACHE_HIT_BYTES: &str = "ferry_cache_hit_bytes_total";
 pub const CACHE_MISSES: &str = "ferry_cache_misses_total";
 /// Node cache: misses that waited for another reader's fetch of the same block (single flight).
 pub const CACHE_JOINS: &str = "ferry_cache_single_flight_joins_total";
-/// Node cache: blocks evicted (budget or free-space floor).
+/// Node cache: block and whole-object files evicted (budget or free-space floor).
 pub const CACHE_EVICTIONS: &str = "ferry_cache_evictions_total";
-/// Node cache: block files that failed their checksum or key check (deleted, refetched).
+/// Node cache: block or whole-object files that failed their checksum or key check (deleted).
 pub const CACHE_CORRUPT: &str = "ferry_cache_corrupt_blocks_total";
 /// Node cache: fetched blocks not stored (no room, write failed, index not yet rebuilt).
 pub const CACHE_SKIPPED: &str = "ferry_cache_store_skipped_total";
-/// Node cache: bytes of block files on disk.
+/// Node cache: bytes of block and whole-object files on disk.
 pub const CACHE_BYTES: &str = "ferry_cache_bytes";
 /// Node cache: block files on disk.
 pub const CACHE_BLOCKS: &str = "ferry_cache_blocks";
+/// Node cache: whole-object files on disk.
+pub const CACHE_OBJECTS: &str = "ferry_cache_objects";
+/// Node cache: objects whose blocks were joined into one whole-object file.
+pub const CACHE_ASSEMBLED: &str = "ferry_cache_objects_assembled_total";
+/// Node cache: opens served by handing the kernel a whole cached object (FUSE passthrough).
+pub const CACHE_WHOLE_OPENS: &str = "ferry_cache_passthrough_opens_total";
 /// Node cache: cache reads refused because the mount's credentials were denied the object.
 pub const CACHE_DENIED: &str = "ferry_cache_access_denied_total";
 /// Warm-up: bytes fetched into the node cache by volume warm-ups.

@@ -1,0 +1,205 @@
+//! A whole cached object: once every block of an object version is on disk, the blocks are
+//! joined into one file holding exactly the object's bytes (so the kernel can read it directly,
+//! FUSE passthrough) and a sidecar `.meta` file that names the object and holds a crc32c of each
+//! block-sized piece of the data:
+//!
+//! ```text
+//! "FERRYOB1"  magic and format version (8 bytes)
+//! crc32c      u32 LE, over every byte after this field
+//! size        u64 LE (object size = data file length)
+//! block_size  u64 LE (the piece size the crcs cover)
+//! endpoint, bucket, key, etag: each u32 LE length + UTF-8 bytes
+//! count       u64 LE, then count × u32 LE crc32c of each piece of the data file
+//! ```
+//!
+//! The data file carries no header (its offsets are the object's), so it is checked against the
+//! sidecar: piece by piece when a block is read from it, and as a whole the first time a process
+//! hands it to the kernel.
+
+use bytes::{BufMut, BytesMut};
+use sha2::{Digest, Sha256};
+
+use crate::block::{BlockKey, FileId, Invalid};
+
+const MAGIC: &[u8; 8] = b"FERRYOB1";
+
+/// One object version: (endpoint, bucket, key, ETag).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ObjectKey {
+    /// The S3 endpoint the object lives at (`""` for AWS's default).
+    pub endpoint: String,
+    pub bucket: String,
+    pub key: String,
+    /// The ETag, quotes included, as the server sent it.
+    pub etag: String,
+}
+
+impl ObjectKey {
+    /// Block `index` of this object version.
+    pub fn block(&self, index: u64) -> BlockKey {
+        BlockKey {
+            endpoint: self.endpoint.clone(),
+            bucket: self.bucket.clone(),
+            key: self.key.clone(),
+            etag: self.etag.clone(),
+            index,
+        }
+    }
+
+    /// The stable file id of the whole-object file (never equal to a block's: another domain).
+    pub fn file_id(&self) -> FileId {
+        let mut h = Sha256::new();
+        h.update(b"ferry-object\0");
+        for field in [&self.endpoint, &self.bucket, &self.key, &self.etag] {
+            h.update((field.len() as u64).to_le_bytes());
+            h.update(field.as_bytes());
+        }
+        let digest = h.finalize();
+        let mut id = [0u8; 16];
+        id.copy_from_slice(&digest[..16]);
+        id
+    }
+}
+
+impl BlockKey {
+    /// The object version this block belongs to.
+    pub fn object(&self) -> ObjectKey {
+        ObjectKey {
+            endpoint: self.endpoint.clone(),
+            bucket: self.bucket.clone(),
+            key: self.key.clone(),
+            etag: self.etag.clone(),
+        }
+    }
+}
+
+/// What the sidecar says about a whole-object file.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ObjectMeta {
+    pub size: u64,
+    pub block_size: u64,
+    /// crc32c of each `block_size` piece of the data (the last one may be shorter).
+    pub crcs: Vec<u32>,
+}
+
+impl ObjectMeta {
+    /// The byte range of piece `index`, if the object has it.
+    pub fn piece(&self, index: u64) -> Option<std::ops::Range<u64>> {
+        let start = index.checked_mul(self.block_size)?;
+        (start < self.size).then(|| start..self.size.min(start + self.block_size))
+    }
+}
+
+/// The sidecar contents for `obj`.
+pub fn encode_meta(obj: &ObjectKey, meta: &ObjectMeta) -> Vec<u8> {
+    let mut body = BytesMut::with_capacity(64 + obj.key.len() + 4 * meta.crcs.len());
+    body.put_u64_le(meta.size);
+    body.put_u64_le(meta.block_size);
+    for field in [&obj.endpoint, &obj.bucket, &obj.key, &obj.etag] {
+        body.put_u32_le(field.len() as u32);
+        body.put_slice(field.as_bytes());
+    }
+    body.put_u64_le(meta.crcs.len() as u64);
+    for crc in &meta.crcs {
+        body.put_u32_le(*crc);
+    }
+    let crc = crc32c::crc32c(&body);
+    let mut out = Vec::with_capacity(12 + body.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(&body);
+    out
+}
+
+/// The sidecar's contents, if it is intact, names `obj` and is consistent.
+pub fn decode_meta(obj: &ObjectKey, file: &[u8]) -> Result<ObjectMeta, Invalid> {
+    if file.len() < 12 + 16 + 16 + 8 || &file[..8] != MAGIC {
+        return Err(Invalid::Malformed);
+    }
+    let stored = u32::from_le_bytes(file[8..12].try_into().expect("4 bytes"));
+    let computed = crc32c::crc32c(&file[12..]);
+    if stored != computed {
+        return Err(Invalid::Checksum { stored, computed });
+    }
+    let mut pos = 12;
+    let mut take = |n: usize| -> Result<&[u8], Invalid> {
+        let s = file.get(pos..pos + n).ok_or(Invalid::Malformed)?;
+        pos += n;
+        Ok(s)
+    };
+    let u64_at = |s: &[u8]| u64::from_le_bytes(s.try_into().expect("8 bytes"));
+    let size = u64_at(take(8)?);
+    let block_size = u64_at(take(8)?);
+    let mut same = true;
+    for field in [&obj.endpoint, &obj.bucket, &obj.key, &obj.etag] {
+        let len = u32::from_le_bytes(take(4)?.try_into().expect("4 bytes")) as usize;
+        same &= take(len)? == field.as_bytes();
+    }
+    if !same {
+        return Err(Invalid::OtherBlock);
+    }
+    let count = u64_at(take(8)?);
+    if block_size == 0 || count != size.div_ceil(block_size) {
+        return Err(Invalid::Malformed);
+    }
+    let mut crcs = Vec::with_capacity(count as usize);
+    for _ in 0..count {
+        crcs.push(u32::from_le_bytes(take(4)?.try_into().expect("4 bytes")));
+    }
+    if pos != file.len() {
+        return Err(Invalid::Malformed);
+    }
+    Ok(ObjectMeta {
+        size,
+        block_size,
+        crcs,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn obj() -> ObjectKey {
+        ObjectKey {
+            endpoint: "".into(),
+            bucket: "b".into(),
+            key: "data/x.bin".into(),
+            etag: "\"abc\"".into(),
+        }
+    }
+
+    #[test]
+    fn meta_round_trips_and_every_flipped_byte_is_refused() {
+        let meta = ObjectMeta {
+            size: 10,
+            block_size: 4,
+            crcs: vec![1, 2, 3],
+        };
+        let file = encode_meta(&obj(), &meta);
+        assert_eq!(decode_meta(&obj(), &file), Ok(meta.clone()));
+        for i in 0..file.len() {
+            let mut bad = file.clone();
+            bad[i] ^= 0x01;
+            assert!(
+                decode_meta(&obj(), &bad).is_err(),
+                "flipped byte {i} accepted"
+            );
+        }
+        let other = ObjectKey {
+            etag: "\"abd\"".into(),
+            ..obj()
+        };
+        assert_eq!(decode_meta(&other, &file), Err(Invalid::OtherBlock));
+        assert_eq!(meta.piece(2), Some(8..10));
+        assert_eq!(meta.piece(3), None);
+    }
+
+    #[test]
+    fn an_object_and_its_blocks_never_share_a_file_id() {
+        let o = obj();
+        let ids: Vec<FileId> = (0..4).map(|i| o.block(i).file_id()).collect();
+        assert!(!ids.contains(&o.file_id()));
+        assert_eq!(o.block(2).object(), o);
+    }
+}
