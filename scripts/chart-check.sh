@@ -115,6 +115,9 @@ if grep -qE '^[[:space:]]*resources:.*serviceaccounts/token' "$OUT/helm-defaults
   fail "the node plugin must not be allowed to create tokens (kubelet passes them)"
 fi
 
+grep -q 'FERRY_NO_CACHE_PASSTHROUGH' "$OUT/helm-all-features.yaml" || fail "node.cache.passthrough=false does not reach the node plugin"
+! grep -q 'FERRY_NO_CACHE_PASSTHROUGH' "$OUT/helm-defaults.yaml" || fail "passthrough must be on by default"
+
 step "the rendered objects"
 for v in defaults all-features minimal; do
   printf '%-13s %s\n' "$v:" "$(grep -E '^kind: ' "$OUT/helm-$v.yaml" | sort | uniq -c | awk '{printf "%s%s %s", (NR > 1 ? ", " : ""), $1, $3}')" >&2

@@ -89,6 +89,10 @@ struct ServeArgs {
     /// Cache block size: a power of two from 64KiB to 64MiB.
     #[arg(long, env = "FERRY_CACHE_BLOCK_SIZE", default_value = "4MiB", value_parser = parse_size)]
     cache_block_size: u64,
+    /// Never hand cached objects to the kernel to read directly (FUSE passthrough); every read
+    /// then goes through Ferry and its per-block checksums.
+    #[arg(long, env = "FERRY_NO_CACHE_PASSTHROUGH")]
+    no_cache_passthrough: bool,
     /// Memory for prefetched data, shared by all mounts: a size (2GiB) or a share of the
     /// container's memory limit (75%, with FERRY_MEMORY_LIMIT in bytes). Default 1GiB.
     #[arg(long, env = "FERRY_MEMORY_BUDGET", value_parser = parse_budget)]
@@ -158,17 +162,35 @@ struct MountArgs {
     /// Cache block size: a power of two from 64KiB to 64MiB.
     #[arg(long, default_value = "4MiB", value_parser = parse_size)]
     cache_block_size: u64,
+    /// Never hand cached objects to the kernel to read directly (FUSE passthrough).
+    #[arg(long)]
+    no_cache_passthrough: bool,
     /// Memory for prefetched data: a size or a share (75%) of FERRY_MEMORY_LIMIT. Default 1GiB.
     #[arg(long, env = "FERRY_MEMORY_BUDGET", value_parser = parse_budget)]
     memory_budget: Option<BudgetSpec>,
+}
+
+/// Records the whole cached files this process checked, so the next one trusts them while they
+/// stay unchanged (a clean shutdown only; after a crash everything is checked again).
+async fn save_checked(cache: &Arc<BlockCache>) {
+    let c = cache.clone();
+    match tokio::task::spawn_blocking(move || c.save_checked()).await {
+        Ok(Ok(n)) => tracing::info!(files = n, "cache: checked whole files recorded"),
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "cache: recording checked files failed; the next start checks them again")
+        }
+        Err(_) => {}
+    }
 }
 
 /// The node-level things every mount shares: the memory budget and the block cache.
 fn mount_context(
     cache: Option<CacheConfig>,
     budget: Option<BudgetSpec>,
+    passthrough: bool,
 ) -> anyhow::Result<ferry_fs::MountContext> {
     let mut ctx = ferry_fs::MountContext::new(tokio::runtime::Handle::current());
+    ctx.passthrough = passthrough;
     if let Some(spec) = budget {
         let limit = std::env::var("FERRY_MEMORY_LIMIT").ok();
         let bytes = spec
@@ -362,7 +384,8 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
         min_free: a.cache_min_free,
         block_size: a.cache_block_size,
     });
-    let ctx = mount_context(cache, a.memory_budget)?;
+    let ctx = mount_context(cache, a.memory_budget, !a.no_cache_passthrough)?;
+    let cache = ctx.cache.clone();
     let handle = tokio::task::spawn_blocking(move || ferry_fs::mount(store, config, &dir, ctx))
         .await?
         .with_context(|| format!("mounting at {}", a.directory.display()))?;
@@ -387,6 +410,10 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
             // The kernel mount is already gone: dropping the handle would try to unmount again.
             std::mem::forget(handle);
         }
+    }
+    if let Some(cache) = &cache {
+        cache.settle().await;
+        save_checked(cache).await;
     }
     Ok(())
 }
@@ -415,7 +442,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         min_free: a.cache_min_free,
         block_size: a.cache_block_size,
     });
-    let ctx = mount_context(cache, a.memory_budget)?;
+    let ctx = mount_context(cache, a.memory_budget, !a.no_cache_passthrough)?;
     let cache = ctx.cache.clone();
     let node = NodeService::with_parts(
         NodeConfig {
@@ -447,6 +474,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if let Some(cache) = &cache {
         // Blocks fetched just before the signal are still being written: finish them.
         cache.settle().await;
+        save_checked(cache).await;
     }
     // Live mounts are left in place: unmounting them would show pods an empty directory whose
     // writes land on the node's disk. When this process exits their FUSE connections end and

@@ -153,6 +153,11 @@ pub struct MountContext {
     pub prefetch: PrefetchConfig,
     /// The node's block cache, if the node plugin has one (`--cache-dir`).
     pub cache: Option<Arc<ferry_cache::BlockCache>>,
+    /// Hand objects whole in the node cache to the kernel to read directly (FUSE passthrough),
+    /// where the kernel allows it. On by default.
+    pub passthrough: bool,
+    /// Proofs of access by store, shared by the mounts of one store (the same credentials).
+    pub proofs: Arc<crate::proofs::ProofRegistry>,
 }
 
 impl MountContext {
@@ -163,6 +168,8 @@ impl MountContext {
             budget: MemoryBudget::default(),
             prefetch: PrefetchConfig::default(),
             cache: None,
+            passthrough: true,
+            proofs: Arc::default(),
         }
     }
 }

@@ -47,6 +47,22 @@ async fn ino_of(fs: &Fs, name: &str) -> Result<Ino, FsError> {
     Ok(fs.lookup(ROOT_INO, OsStr::new(name)).await?.attr.ino)
 }
 
+/// The names in the root directory, from a LIST (readdirplus: no HEAD per entry).
+async fn list_root(fs: &Fs) -> Vec<String> {
+    let fh = fs.opendir(ROOT_INO).unwrap();
+    struct Sink(Vec<String>);
+    impl crate::fs::DirSink for Sink {
+        fn add(&mut self, e: &crate::fs::DirEntry<'_>) -> bool {
+            self.0.push(e.name.to_owned());
+            false
+        }
+    }
+    let mut sink = Sink(Vec::new());
+    fs.readdir(ROOT_INO, fh, 0, true, &mut sink).await.unwrap();
+    fs.releasedir(fh);
+    sink.0
+}
+
 /// Reads the whole file with `chunk`-byte reads.
 async fn read_all(fs: &Fs, name: &str, chunk: u32) -> Result<Vec<u8>, FsError> {
     let ino = ino_of(fs, name).await?;
@@ -145,22 +161,7 @@ async fn a_mount_whose_credentials_are_denied_gets_eacces_though_the_blocks_are_
         );
     }
     let denied = mount(Arc::new(denied_store), &cache, |_| {});
-    let names = {
-        let fh = denied.opendir(ROOT_INO).unwrap();
-        struct Sink(Vec<String>);
-        impl crate::fs::DirSink for Sink {
-            fn add(&mut self, e: &crate::fs::DirEntry<'_>) -> bool {
-                self.0.push(e.name.to_owned());
-                false
-            }
-        }
-        let mut sink = Sink(Vec::new());
-        denied
-            .readdir(ROOT_INO, fh, 0, true, &mut sink)
-            .await
-            .unwrap();
-        sink.0
-    };
+    let names = list_root(&denied).await;
     assert!(
         names.contains(&"secret.bin".to_owned()),
         "the LIST is allowed: {names:?}"
@@ -192,16 +193,17 @@ async fn a_flipped_byte_on_disk_is_refetched_and_counted() {
     let fs = mount(Arc::new(store.clone()), &cache, |_| {});
     assert_eq!(read_all(&fs, "f", 1 << 20).await.unwrap(), body);
     cache.settle().await;
-    let key = ferry_cache::BlockKey {
+    let obj = ferry_cache::ObjectKey {
         endpoint: "http://s3.test".into(),
         bucket: B.into(),
         key: "f".into(),
         etag,
-        index: 1,
     };
-    let path = cache.block_path(&key.file_id());
+    // Read to its end, the object is one whole file in the cache; flip a byte of block 1 in it.
+    assert!(cache.has_whole(&obj), "{:?}", cache.stats());
+    let path = cache.object_path(&obj.file_id());
     let mut file = std::fs::read(&path).unwrap();
-    let i = file.len() - 1000;
+    let i = (BS + 1000) as usize;
     file[i] ^= 0x10;
     std::fs::write(&path, file).unwrap();
     let gets = store.stats().get;
@@ -212,7 +214,43 @@ async fn a_flipped_byte_on_disk_is_refetched_and_counted() {
         "correct data"
     );
     assert_eq!(cache.stats().corrupt, 1);
-    assert_eq!(store.stats().get, gets + 1, "only the bad block refetched");
+    // The bad file is dropped whole: the blocks not yet read from it are fetched again, once.
+    let refetched = store.stats().get - gets;
+    assert!((1..=3).contains(&refetched), "{refetched} GETs");
+    // The next reader fetches what is still missing and the object is whole again.
+    let third = mount(Arc::new(store.clone()), &cache, |_| {});
+    assert_eq!(read_all(&third, "f", 1 << 20).await.unwrap(), body);
+    cache.settle().await;
+    assert!(cache.has_whole(&obj), "{:?}", cache.stats());
+}
+
+#[tokio::test]
+async fn mounts_of_one_store_share_proofs_of_access_and_other_stores_do_not() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache(dir.path());
+    cache.ready().await;
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    let body = data(5000, 8);
+    store.insert(B, "f", body.clone());
+    let registry = crate::proofs::ProofRegistry::default();
+    let shared: Arc<dyn ObjectStore> = Arc::new(store.clone());
+    let pod = || mount(shared.clone(), &cache, |_| {}).with_proofs(registry.for_store(&shared));
+    let (a, b) = (pod(), pod());
+    assert_eq!(read_all(&a, "f", 4096).await.unwrap(), body);
+    cache.settle().await;
+    // The other pods know the file from a LIST, which proves no read access.
+    let other: Arc<dyn ObjectStore> = Arc::new(store.clone());
+    let c = mount(other.clone(), &cache, |_| {}).with_proofs(registry.for_store(&other));
+    assert!(list_root(&b).await.contains(&"f".to_owned()));
+    assert!(list_root(&c).await.contains(&"f".to_owned()));
+    let heads = store.stats().head;
+    // Another pod of the same identity (the same store): a's proof holds, no HEAD.
+    assert_eq!(read_all(&b, "f", 4096).await.unwrap(), body);
+    assert_eq!(store.stats().head, heads);
+    // A store of its own (other credentials) proves access itself.
+    assert_eq!(read_all(&c, "f", 4096).await.unwrap(), body);
+    assert_eq!(store.stats().head, heads + 1);
 }
 
 #[tokio::test]

@@ -15,7 +15,9 @@ use ferry_store::{CompletedPart, ListRequest, ObjectStore, StoreError};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
-use ferry_cache::BlockCache;
+use ferry_cache::{BlockCache, ObjectKey};
+
+use crate::proofs::Proofs;
 
 use crate::budget::{MemoryBudget, PrefetchConfig};
 use crate::config::MountConfig;
@@ -132,10 +134,40 @@ struct FsState {
     /// Per directory: the furthest listing index opened for reading so far and how many opens
     /// in a row followed listing order (within [`ORDER_SLACK`]).
     order: HashMap<Ino, (usize, u32)>,
-    /// Object versions (key, ETag) this mount's own credentials showed access to (a HEAD or GET
-    /// returned that ETag), until when: the node cache serves a version only to mounts that
-    /// proved access to it. Not carried over a handover (proofs start expired).
-    proven: HashMap<(String, String), Validity>,
+    /// Per inode: read handles open in the kernel's cached mode and through passthrough. The
+    /// kernel refuses to mix the two on one inode, so passthrough is offered only when no other
+    /// cached-mode handle is open (derived from the handles: rebuilt on a handover).
+    io: HashMap<Ino, IoModes>,
+}
+
+/// Open read handles of one inode by kernel I/O mode.
+#[derive(Debug, Default, Clone, Copy)]
+struct IoModes {
+    cached: u32,
+    passthrough: u32,
+}
+
+impl FsState {
+    /// Whether handle `fh`'s inode may switch it to passthrough: another handle already reads
+    /// through passthrough, or it is the only cached-mode handle.
+    fn passthrough_allowed(&self, ino: Ino) -> bool {
+        self.io
+            .get(&ino)
+            .is_some_and(|m| m.passthrough > 0 || m.cached == 1)
+    }
+
+    fn io_closed(&mut self, ino: Ino, passthrough: bool) {
+        if let Some(m) = self.io.get_mut(&ino) {
+            if passthrough {
+                m.passthrough = m.passthrough.saturating_sub(1);
+            } else {
+                m.cached = m.cached.saturating_sub(1);
+            }
+            if m.cached == 0 && m.passthrough == 0 {
+                self.io.remove(&ino);
+            }
+        }
+    }
 }
 
 /// How far behind a sequential reader its fetched parts are kept, for the kernel's reordered
@@ -145,10 +177,6 @@ const REORDER_KEEP: u64 = 2 << 20;
 /// How far ahead of the furthest entry opened so far an open still counts as following the
 /// listing (concurrent readers taking entries in turn open them slightly out of order).
 const ORDER_SLACK: usize = 16;
-
-/// Most remembered proofs of access; past it, expired ones are dropped (and, if that is not
-/// enough, all of them: proofs are then re-established with a HEAD).
-const PROVEN_MAX: usize = 1 << 20;
 
 /// Most directories whose listing-order streak is remembered.
 const ORDER_MAX: usize = 1024;
@@ -177,6 +205,11 @@ pub struct Fs {
     prefetch: PrefetchConfig,
     /// The node's block cache (`None` without one, or when this mount opted out).
     cache: Option<Arc<BlockCache>>,
+    /// Object versions this mount's credentials showed access to (a HEAD or GET returned that
+    /// ETag), and when: the node cache serves a version only to mounts that proved access to
+    /// it. Shared with the mounts of the same store (the same credentials); not carried over a
+    /// handover (proofs start afresh).
+    proofs: Arc<Proofs>,
 }
 
 fn stale(ino: Ino) -> FsError {
@@ -216,11 +249,12 @@ impl Fs {
                 hidden_logged: HashSet::new(),
                 small: SmallObjects::default(),
                 order: HashMap::new(),
-                proven: HashMap::new(),
+                io: HashMap::new(),
             }),
             budget,
             prefetch,
             cache: None,
+            proofs: Arc::new(Proofs::default()),
         }
     }
 
@@ -231,6 +265,16 @@ impl Fs {
         budget: MemoryBudget,
         prefetch: PrefetchConfig,
     ) -> Self {
+        let mut io: HashMap<Ino, IoModes> = HashMap::new();
+        for (_, h) in &snap.handles {
+            if let Handle::Read(r) = h {
+                let m = io.entry(r.ino).or_default();
+                match r.passthrough {
+                    true => m.passthrough += 1,
+                    false => m.cached += 1,
+                }
+            }
+        }
         Fs {
             store,
             cfg: snap.config,
@@ -241,11 +285,12 @@ impl Fs {
                 hidden_logged: HashSet::new(),
                 small: SmallObjects::default(),
                 order: HashMap::new(),
-                proven: HashMap::new(),
+                io,
             }),
             budget,
             prefetch,
             cache: None,
+            proofs: Arc::new(Proofs::default()),
         }
     }
 
@@ -262,25 +307,21 @@ impl Fs {
     }
 
     /// Remembers that this mount's credentials just saw `etag` for `key` (for the metadata TTL).
-    fn prove(&self, st: &mut FsState, key: &str, etag: Option<&str>) {
-        let (Some(_), Some(etag)) = (&self.cache, etag) else {
-            return;
-        };
-        let now = Instant::now();
-        if st.proven.len() >= PROVEN_MAX {
-            st.proven.retain(|_, v| v.is_valid(now));
-            if st.proven.len() >= PROVEN_MAX {
-                st.proven.clear();
-            }
+    fn prove(&self, key: &str, etag: Option<&str>) {
+        if let (Some(_), Some(etag)) = (&self.cache, etag) {
+            self.proofs.prove(&self.cfg.bucket, key, etag);
         }
-        st.proven
-            .insert((key.to_owned(), etag.to_owned()), self.ttl());
     }
 
-    fn is_proven(st: &FsState, key: &str, etag: &str) -> bool {
-        st.proven
-            .get(&(key.to_owned(), etag.to_owned()))
-            .is_some_and(|v| v.is_valid(Instant::now()))
+    fn is_proven(&self, key: &str, etag: &str) -> bool {
+        self.proofs
+            .is_proven(&self.cfg.bucket, key, etag, self.cfg.metadata_ttl)
+    }
+
+    /// Shares proofs of access with the other mounts of the same store (see [`Proofs`]).
+    pub fn with_proofs(mut self, proofs: Arc<Proofs>) -> Self {
+        self.proofs = proofs;
+        self
     }
 
     /// The budget prefetching is charged to.
@@ -424,7 +465,7 @@ impl Fs {
         }
         match head {
             Ok(info) => {
-                self.prove(&mut self.lock(), &key, info.etag.as_deref());
+                self.prove(&key, info.etag.as_deref());
                 Ok(Some((Kind::File, Some(ObjectMeta::from(&info)))))
             }
             Err(StoreError::NotFound(_)) => Ok(None),
@@ -526,7 +567,7 @@ impl Fs {
         let valid = self.ttl();
         let mut st = self.lock();
         if let Ok(info) = &head {
-            self.prove(&mut st, &key, info.etag.as_deref());
+            self.prove(&key, info.etag.as_deref());
         }
         let inode = st.inodes.get_mut(ino).ok_or_else(|| stale(ino))?;
         match head {
@@ -1089,6 +1130,12 @@ impl Fs {
             if matches!(inode.state, InodeState::Writing { .. }) {
                 return Err(FsError::Busy("the file is being written"));
             }
+            if write && st.io.get(&ino).is_some_and(|m| m.passthrough > 0) {
+                // The kernel would refuse a cached-mode open next to passthrough ones anyway.
+                return Err(FsError::Busy(
+                    "the file is open for reading straight from the node cache; close it first",
+                ));
+            }
             if write {
                 if self.cfg.read_only {
                     return Err(FsError::ReadOnly);
@@ -1136,7 +1183,7 @@ impl Fs {
             // With the node cache, a version this mount has not proven access to (e.g. known only
             // from a LIST, which needs no read permission) is HEADed with its own credentials.
             let usable = |m: &ObjectMeta| match (&self.cache, m.etag.as_deref()) {
-                (Some(_), Some(etag)) => Self::is_proven(st, &key, etag),
+                (Some(_), Some(etag)) => self.is_proven(&key, etag),
                 _ => true,
             };
             let cached = fresh
@@ -1145,11 +1192,14 @@ impl Fs {
                 .filter(|m| usable(m));
             (key, cached)
         };
+        if cached.is_none() {
+            self.prepare_whole(ino, &key);
+        }
         let meta = match cached {
             Some(meta) => meta,
             None => match self.store.head(self.bucket(), &key).await {
                 Ok(info) => {
-                    self.prove(&mut self.lock(), &key, info.etag.as_deref());
+                    self.prove(&key, info.etag.as_deref());
                     ObjectMeta::from(&info)
                 }
                 Err(e) => {
@@ -1180,9 +1230,105 @@ impl Fs {
                 }
             }
         }
+        if let (true, Some(cache), Some(etag)) = (handle.cached, &self.cache, &handle.etag) {
+            // Read to its end, the object becomes one file the kernel can read directly.
+            cache.want_whole(
+                ObjectKey {
+                    endpoint: self.cfg.endpoint.clone(),
+                    bucket: self.cfg.bucket.clone(),
+                    key: handle.key.clone(),
+                    etag: etag.clone(),
+                },
+                handle.size,
+            );
+        }
         self.prefetch_following(&mut st, parent, &name);
+        st.io.entry(ino).or_default().cached += 1;
         let fh = st.handles.insert(Handle::Read(handle));
         Ok(Opened { fh, keep_cache })
+    }
+
+    /// While an open proves access with a HEAD: gets the node cache's whole file of the version
+    /// the inode last saw ready in the background (nothing is served before the proof).
+    fn prepare_whole(&self, ino: Ino, key: &str) {
+        let Some(cache) = &self.cache else { return };
+        let known = self.lock().inodes.get(ino).and_then(|i| i.meta.clone());
+        let Some(ObjectMeta {
+            size,
+            etag: Some(etag),
+            ..
+        }) = known
+        else {
+            return;
+        };
+        let obj = ObjectKey {
+            endpoint: self.cfg.endpoint.clone(),
+            bucket: self.cfg.bucket.clone(),
+            key: key.to_owned(),
+            etag,
+        };
+        if size > 0 && cache.has_whole(&obj) {
+            let cache = cache.clone();
+            tokio::task::spawn_blocking(move || cache.prepare_whole(&obj, size));
+        }
+    }
+
+    /// The node cache's whole file of read handle `fh`'s object version, for the kernel to read
+    /// directly (FUSE passthrough), with the handle switched to passthrough: only for a handle
+    /// that may use the cache (its mount proved access to this version at open), whose object
+    /// is whole and checked in the cache, and whose inode has no other cached-mode handle open.
+    /// Blocking (a first use checks the file). [`Fs::passthrough_failed`] undoes the switch.
+    pub fn passthrough_file(&self, fh: u64) -> Option<std::fs::File> {
+        let cache = self.cache.as_ref()?;
+        let read_handle = |st: &FsState| -> Option<(Ino, ObjectKey, u64)> {
+            let h = st.handles.get(fh)?;
+            let g = h.try_lock().ok()?;
+            let Handle::Read(r) = &*g else { return None };
+            if !r.cached || r.passthrough || r.size == 0 || !st.passthrough_allowed(r.ino) {
+                return None;
+            }
+            let obj = ObjectKey {
+                endpoint: self.cfg.endpoint.clone(),
+                bucket: self.cfg.bucket.clone(),
+                key: r.key.clone(),
+                etag: r.etag.clone()?,
+            };
+            Some((r.ino, obj, r.size))
+        };
+        let (ino, obj, size) = read_handle(&self.lock())?;
+        if !cache.has_whole(&obj) {
+            return None;
+        }
+        let file = cache.open_whole(&obj, size)?;
+        let mut st = self.lock();
+        // Another open of the inode may have come meanwhile.
+        read_handle(&st)?;
+        let h = st.handles.get(fh)?;
+        let mut g = h.try_lock().ok()?;
+        let Handle::Read(r) = &mut *g else {
+            return None;
+        };
+        r.passthrough = true;
+        drop(g);
+        let m = st.io.entry(ino).or_default();
+        m.cached -= 1;
+        m.passthrough += 1;
+        Some(file)
+    }
+
+    /// The kernel connection refused the passthrough file: handle `fh` reads through Ferry.
+    pub fn passthrough_failed(&self, fh: u64) {
+        let mut st = self.lock();
+        let Some(h) = st.handles.get(fh) else { return };
+        let Ok(mut g) = h.try_lock() else { return };
+        let Handle::Read(r) = &mut *g else { return };
+        if std::mem::take(&mut r.passthrough) {
+            let ino = r.ino;
+            drop(g);
+            let m = st.io.entry(ino).or_default();
+            m.passthrough = m.passthrough.saturating_sub(1);
+            m.cached += 1;
+        }
     }
 
     /// A failed GET: a changed or vanished object is `ESTALE` and drops the inode's cached
@@ -1403,7 +1549,7 @@ impl Fs {
             let Some(reservation) = self.budget.try_reserve(meta.size) else {
                 break;
             };
-            let proven = Self::is_proven(st, &key, etag);
+            let proven = self.is_proven(&key, etag);
             let part = Part::spawn(
                 &self.source(&key, Some(etag), meta.size, proven),
                 0..meta.size,
@@ -1695,6 +1841,7 @@ impl Fs {
             Handle::Read(r) => {
                 // Aborts GETs in flight and gives their memory back.
                 r.prefetch.reset();
+                self.lock().io_closed(r.ino, r.passthrough);
                 Ok(())
             }
             Handle::Dir(_) => Ok(()),

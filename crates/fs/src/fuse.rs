@@ -2,17 +2,19 @@
 //! ([`crate::fs::Fs`]) on the tokio runtime and replying from the task, so the session thread
 //! never waits for S3 and requests proceed concurrently. No filesystem logic lives here.
 
+use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::future::Future;
 use std::path::Path;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use fuser::{
-    AccessFlags, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags, Generation,
-    INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr, ReplyCreate,
-    ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen, ReplyStatfs,
-    ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
+    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr,
+    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen,
+    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use tokio::runtime::Handle;
 
@@ -30,11 +32,67 @@ const MAX_BACKGROUND: u16 = 128;
 pub struct FuseAdapter {
     fs: Arc<Fs>,
     rt: Handle,
+    pt: Arc<Passthrough>,
+}
+
+/// FUSE passthrough: the kernel reads an open file straight from a backing file (the node
+/// cache's whole copy of the object) and no read reaches Ferry.
+#[derive(Debug, Default)]
+struct Passthrough {
+    /// Asked for, and not refused by the kernel so far.
+    enabled: AtomicBool,
+    /// Backing files registered with this connection, by inode, with how many handles use them
+    /// (the kernel wants one backing file per inode; it is unregistered when the last closes).
+    backing: Mutex<HashMap<u64, (Arc<BackingId>, usize)>>,
+    /// Passthrough handles and their inodes.
+    handles: Mutex<HashMap<u64, u64>>,
+}
+
+impl Passthrough {
+    /// The inode's backing id: the one in use, or `file` registered now.
+    fn backing_for(
+        &self,
+        ino: u64,
+        reply: &ReplyOpen,
+        file: &std::fs::File,
+    ) -> std::io::Result<Arc<BackingId>> {
+        let mut backing = self.backing.lock().expect("backing lock");
+        if let Some((id, users)) = backing.get_mut(&ino) {
+            *users += 1;
+            return Ok(id.clone());
+        }
+        let id = Arc::new(reply.open_backing(file)?);
+        backing.insert(ino, (id.clone(), 1));
+        Ok(id)
+    }
+
+    fn closed(&self, fh: u64) {
+        let Some(ino) = self.handles.lock().expect("handles lock").remove(&fh) else {
+            return;
+        };
+        let mut backing = self.backing.lock().expect("backing lock");
+        if let Some((_, users)) = backing.get_mut(&ino) {
+            *users -= 1;
+            if *users == 0 {
+                backing.remove(&ino);
+            }
+        }
+    }
 }
 
 impl FuseAdapter {
-    pub fn new(fs: Arc<Fs>, rt: Handle) -> Self {
-        FuseAdapter { fs, rt }
+    /// The adapter of `fs`; `passthrough`: hand whole cached objects to the kernel when it
+    /// supports FUSE passthrough.
+    pub fn new(fs: Arc<Fs>, rt: Handle, passthrough: bool) -> Self {
+        let pt = Passthrough {
+            enabled: AtomicBool::new(passthrough && fs.uses_cache()),
+            ..Default::default()
+        };
+        FuseAdapter {
+            fs,
+            rt,
+            pt: Arc::new(pt),
+        }
     }
 
     fn spawn<F, Fut>(&self, f: F)
@@ -151,6 +209,17 @@ impl Filesystem for FuseAdapter {
         }
         let _ = config.set_max_background(MAX_BACKGROUND);
         let _ = config.set_congestion_threshold(MAX_BACKGROUND / 4 * 3);
+        if self.pt.enabled.load(Ordering::Relaxed) {
+            // Backing files live on a local filesystem (depth 0), so this mount is depth 1.
+            let ok = config.add_capabilities(InitFlags::FUSE_PASSTHROUGH).is_ok()
+                && config.set_max_stack_depth(1).is_ok();
+            if !ok {
+                self.pt.enabled.store(false, Ordering::Relaxed);
+                tracing::info!(
+                    "the kernel offers no FUSE passthrough: cached objects are read through Ferry"
+                );
+            }
+        }
         Ok(())
     }
 
@@ -314,11 +383,40 @@ impl Filesystem for FuseAdapter {
 
     fn open(&self, req: &Request, ino: INodeNo, flags: OpenFlags, reply: ReplyOpen) {
         let pid = req.pid();
+        let pt = self.pt.clone();
+        let read_only = flags.0 & libc::O_ACCMODE == libc::O_RDONLY && flags.0 & libc::O_TRUNC == 0;
         self.spawn(move |fs| async move {
-            match fs.open(ino.0, flags.0, tgid(pid)).await {
-                Ok(o) => reply.opened(FileHandle(o.fh), fopen_flags(o)),
-                Err(e) => reply.error(errno("open", &e)),
+            let o = match fs.open(ino.0, flags.0, tgid(pid)).await {
+                Ok(o) => o,
+                Err(e) => return reply.error(errno("open", &e)),
+            };
+            if read_only && pt.enabled.load(Ordering::Relaxed) {
+                let f = fs.clone();
+                let file = tokio::task::spawn_blocking(move || f.passthrough_file(o.fh))
+                    .await
+                    .ok()
+                    .flatten();
+                if let Some(file) = file {
+                    match pt.backing_for(ino.0, &reply, &file) {
+                        Ok(id) => {
+                            pt.handles.lock().expect("handles lock").insert(o.fh, ino.0);
+                            return reply.opened_passthrough(
+                                FileHandle(o.fh),
+                                FopenFlags::empty(),
+                                &id,
+                            );
+                        }
+                        Err(e) => {
+                            // EPERM (no CAP_SYS_ADMIN), ENOTTY/EINVAL (not offered): stop asking.
+                            if pt.enabled.swap(false, Ordering::Relaxed) {
+                                tracing::warn!(error = %e, "FUSE passthrough refused; cached objects are read through Ferry from now on");
+                            }
+                            fs.passthrough_failed(o.fh);
+                        }
+                    }
+                }
             }
+            reply.opened(FileHandle(o.fh), fopen_flags(o))
         });
     }
 
@@ -389,7 +487,9 @@ impl Filesystem for FuseAdapter {
         _flush: bool,
         reply: ReplyEmpty,
     ) {
+        let pt = self.pt.clone();
         self.spawn(move |fs| async move {
+            pt.closed(fh.0);
             match fs.release(fh.0).await {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(errno("release", &e)),

@@ -40,6 +40,10 @@ pub struct ReadHandle {
     /// this version (`etag`) at open.
     #[serde(default)]
     pub cached: bool,
+    /// The kernel reads this handle straight from the node cache's whole file (FUSE
+    /// passthrough): no read reaches Ferry.
+    #[serde(default)]
+    pub passthrough: bool,
     /// Parts fetched or being fetched ahead of the reader; not carried over.
     #[serde(skip)]
     pub prefetch: Prefetch,
@@ -54,6 +58,7 @@ impl ReadHandle {
             size,
             next_offset: 0,
             cached: false,
+            passthrough: false,
             prefetch: Prefetch::default(),
         }
     }

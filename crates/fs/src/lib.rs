@@ -16,6 +16,7 @@ pub mod mount;
 pub mod mountinfo;
 pub mod names;
 pub mod prefetch;
+pub mod proofs;
 pub mod warmup;
 
 pub use budget::{MemoryBudget, MountContext, PrefetchConfig, Reservation};
@@ -23,4 +24,5 @@ pub use config::{ConfigError, MetadataTtl, MountConfig};
 pub use error::FsError;
 pub use fs::{Fs, FsSnapshot};
 pub use mount::{is_mounted, mount, MountError, MountHandle};
+pub use proofs::{ProofRegistry, Proofs};
 pub use warmup::{warm_up, WarmUp, WarmUpReport};

@@ -111,10 +111,13 @@ pub fn mount(
             "not a directory",
         )));
     }
+    let proofs = ctx.proofs.for_store(&store);
     let fs = Arc::new(
-        Fs::with_budget(store, cfg.clone(), ctx.budget, ctx.prefetch).with_cache(ctx.cache),
+        Fs::with_budget(store, cfg.clone(), ctx.budget, ctx.prefetch)
+            .with_cache(ctx.cache)
+            .with_proofs(proofs),
     );
-    let adapter = FuseAdapter::new(fs.clone(), ctx.runtime);
+    let adapter = FuseAdapter::new(fs.clone(), ctx.runtime, ctx.passthrough);
     let session = fuser::spawn_mount(adapter, &target, &mount_options(&cfg)).map_err(|source| {
         MountError::Fuse {
             path: target.clone(),

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use ferry_cache::{BlockCache, BlockKey};
+use ferry_cache::{BlockCache, BlockKey, ObjectKey};
 use ferry_store::{ListRequest, ObjectStore, StoreError, MAX_LIST_KEYS};
 use futures::stream::{FuturesUnordered, StreamExt};
 
@@ -91,6 +91,16 @@ pub async fn warm_up(
                     continue;
                 }
                 report.objects += 1;
+                // Once all its blocks are in, the object becomes one whole file (passthrough).
+                cache.want_whole(
+                    ObjectKey {
+                        endpoint: w.endpoint.clone(),
+                        bucket: w.bucket.clone(),
+                        key: obj.key.clone(),
+                        etag: etag.clone(),
+                    },
+                    obj.size,
+                );
                 for index in 0..obj.size.div_ceil(bs) {
                     let start = index * bs;
                     let end = obj.size.min(start + bs);

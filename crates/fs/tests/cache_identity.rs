@@ -19,6 +19,7 @@ fn mount_as(
     cache: &Arc<BlockCache>,
     dir: &Path,
     rt: &tokio::runtime::Runtime,
+    passthrough: bool,
 ) -> MountHandle {
     let mut cfg = MountConfig::new(BUCKET);
     cfg.fs_name = format!("ferry:{BUCKET}/");
@@ -27,6 +28,7 @@ fn mount_as(
     cfg.metadata_ttl = MetadataTtl::Indefinite;
     let mut ctx = MountContext::new(rt.handle().clone());
     ctx.cache = Some(cache.clone());
+    ctx.passthrough = passthrough;
     mount(Arc::new(store), cfg, dir, ctx).expect("mount")
 }
 
@@ -84,8 +86,8 @@ fn a_pod_denied_the_objects_gets_eacces_while_the_allowed_pod_reads_from_the_cac
     .unwrap();
     rt.block_on(cache.ready());
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
-    let pod_a = mount_as(alice, &server, &cache, dir_a.path(), &rt);
-    let pod_b = mount_as(bob, &server, &cache, dir_b.path(), &rt);
+    let pod_a = mount_as(alice, &server, &cache, dir_a.path(), &rt, true);
+    let pod_b = mount_as(bob, &server, &cache, dir_b.path(), &rt, true);
 
     // alice's pod fills the cache.
     assert_eq!(
@@ -94,7 +96,12 @@ fn a_pod_denied_the_objects_gets_eacces_while_the_allowed_pod_reads_from_the_cac
     );
     rt.block_on(cache.settle());
     let filled = cache.stats();
-    assert_eq!(filled.blocks, 4, "{filled:?}");
+    // Read to its end, the object's four blocks were joined into one whole file.
+    assert_eq!(
+        (filled.blocks, filled.objects, filled.assembled),
+        (0, 1, 1),
+        "{filled:?}"
+    );
 
     // bob's pod sees the file in the listing (LIST is allowed), with its size ...
     let names: Vec<String> = std::fs::read_dir(dir_b.path())
@@ -112,25 +119,47 @@ fn a_pod_denied_the_objects_gets_eacces_while_the_allowed_pod_reads_from_the_cac
     let err = std::fs::read(dir_b.path().join("shard-0.bin")).unwrap_err();
     assert_eq!(err.raw_os_error(), Some(libc::EACCES), "{err}");
     assert_eq!(cache.stats().hits, filled.hits, "nothing served to bob");
+    assert_eq!(
+        cache.stats().whole_opens,
+        0,
+        "no whole file handed out for bob"
+    );
 
-    // alice's pod (another open; the page cache dropped by a fresh mount) reads from the cache.
-    let dir_c = tempfile::tempdir().unwrap();
-    let alice2 = rt
-        .block_on(S3Store::with_options(
+    // Another pod of alice's (a fresh mount: no page cache) is handed the whole file: the
+    // kernel reads it directly (FUSE passthrough), so no read reaches Ferry.
+    let alice_again = || {
+        rt.block_on(S3Store::with_options(
             server.s3_config_as("alice", "alice-secret-key"),
             S3Server::test_options(),
         ))
-        .unwrap();
-    let pod_c = mount_as(alice2, &server, &cache, dir_c.path(), &rt);
+        .unwrap()
+    };
+    let dir_c = tempfile::tempdir().unwrap();
+    let pod_c = mount_as(alice_again(), &server, &cache, dir_c.path(), &rt, true);
     assert_eq!(
         std::fs::read(dir_c.path().join("shard-0.bin")).unwrap(),
         body
     );
     let after = cache.stats();
-    assert_eq!(after.hits - filled.hits, 4, "{after:?}");
+    assert_eq!(after.whole_opens, 1, "{after:?}");
+    assert_eq!(
+        after.hits, filled.hits,
+        "the kernel read the file, not Ferry"
+    );
     assert_eq!(after.misses, filled.misses, "no new fetch");
 
-    for m in [pod_a, pod_b, pod_c] {
+    // Without passthrough, the same pod reads the four blocks out of the whole file.
+    let dir_d = tempfile::tempdir().unwrap();
+    let pod_d = mount_as(alice_again(), &server, &cache, dir_d.path(), &rt, false);
+    assert_eq!(
+        std::fs::read(dir_d.path().join("shard-0.bin")).unwrap(),
+        body
+    );
+    let last = cache.stats();
+    assert_eq!(last.hits - after.hits, 4, "{last:?}");
+    assert_eq!((last.whole_opens, last.misses), (1, filled.misses));
+
+    for m in [pod_a, pod_b, pod_c, pod_d] {
         m.unmount().unwrap();
     }
 }

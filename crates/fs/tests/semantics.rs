@@ -118,6 +118,16 @@ const CLAIMS: &[(&str, &str, How)] = &[
     ),
     (
         "Node cache",
+        "Whole objects and passthrough",
+        Elsewhere("crates/fs/tests/cache_identity.rs", "a_pod_denied_the_objects_gets_eacces_while_the_allowed_pod_reads_from_the_cache"),
+    ),
+    (
+        "Node cache",
+        "Checked before hand-out",
+        Elsewhere("crates/cache/src/tests.rs", "a_clean_shutdown_lets_the_next_process_trust_unchanged_whole_files_only"),
+    ),
+    (
+        "Node cache",
         "Restarts",
         Elsewhere("crates/cache/src/tests.rs", "blocks_survive_a_restart_and_the_index_is_rebuilt"),
     ),

@@ -80,6 +80,8 @@ impl Env {
             budget: self.budget.clone(),
             prefetch: PrefetchConfig::default(),
             cache: None,
+            passthrough: true,
+            proofs: Default::default(),
         };
         let handle = mount(store, cfg, dir.path(), ctx).expect("mount");
         Mount {

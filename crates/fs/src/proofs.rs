@@ -1,0 +1,126 @@
+//! Proofs of access for the node cache: which object versions a set of credentials was shown
+//! to read (a HEAD or GET with them returned that ETag), and when.
+//!
+//! The node cache serves a version only to a mount whose credentials proved access to it. Mounts
+//! that use the very same store (the node plugin keeps one client per endpoint and identity) have
+//! the same credentials, so they share one [`Proofs`]: many pods of one identity on a node prove
+//! each object once, not once per pod. Each mount still honours its own metadata TTL: a proof is
+//! valid for a mount while `proven_at + its TTL` has not passed.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, Weak};
+use tokio::time::Instant;
+
+use ferry_store::ObjectStore;
+
+use crate::config::MetadataTtl;
+use crate::inode::Validity;
+
+/// Most remembered proofs per store; past it, the oldest half is dropped (re-proved by a HEAD).
+const PROOFS_MAX: usize = 1 << 20;
+
+/// The proofs of one set of credentials: (bucket, key, ETag) → when.
+#[derive(Debug, Default)]
+pub struct Proofs {
+    map: Mutex<HashMap<(String, String, String), Instant>>,
+}
+
+impl Proofs {
+    /// Records that these credentials read `bucket/key` at `etag` just now.
+    pub fn prove(&self, bucket: &str, key: &str, etag: &str) {
+        let now = Instant::now();
+        let mut map = self.map.lock().expect("proofs lock");
+        if map.len() >= PROOFS_MAX {
+            let mut ages: Vec<Instant> = map.values().copied().collect();
+            ages.sort_unstable();
+            let cut = ages[ages.len() / 2];
+            map.retain(|_, at| *at > cut);
+        }
+        map.insert((bucket.to_owned(), key.to_owned(), etag.to_owned()), now);
+    }
+
+    /// Whether these credentials proved access to `bucket/key` at `etag` within `ttl`.
+    pub fn is_proven(&self, bucket: &str, key: &str, etag: &str, ttl: MetadataTtl) -> bool {
+        let map = self.map.lock().expect("proofs lock");
+        map.get(&(bucket.to_owned(), key.to_owned(), etag.to_owned()))
+            .is_some_and(|at| Validity::new(ttl, *at).is_valid(Instant::now()))
+    }
+
+    pub fn len(&self) -> usize {
+        self.map.lock().expect("proofs lock").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One store (held weakly) and its proofs.
+type Book = (Weak<dyn ObjectStore>, Arc<Proofs>);
+
+/// The node's [`Proofs`], one per live store: mounts given the same store share them.
+#[derive(Default)]
+pub struct ProofRegistry {
+    books: Mutex<Vec<Book>>,
+}
+
+impl std::fmt::Debug for ProofRegistry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.books.lock().map(|b| b.len()).unwrap_or(0);
+        f.debug_struct("ProofRegistry").field("stores", &n).finish()
+    }
+}
+
+impl ProofRegistry {
+    /// The proofs of `store`'s credentials. A store that is gone takes its proofs with it, so a
+    /// new store at the same address never inherits them.
+    pub fn for_store(&self, store: &Arc<dyn ObjectStore>) -> Arc<Proofs> {
+        let mut books = self.books.lock().expect("proof registry lock");
+        books.retain(|(w, _)| w.strong_count() > 0);
+        let weak = Arc::downgrade(store);
+        if let Some((_, p)) = books.iter().find(|(w, _)| Weak::ptr_eq(w, &weak)) {
+            return p.clone();
+        }
+        let p = Arc::new(Proofs::default());
+        books.push((weak, p.clone()));
+        p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_store::MemoryStore;
+    use std::time::Duration;
+
+    #[test]
+    fn proofs_are_shared_by_store_and_honour_each_mounts_ttl() {
+        let reg = ProofRegistry::default();
+        let a: Arc<dyn ObjectStore> = Arc::new(MemoryStore::new());
+        let b: Arc<dyn ObjectStore> = Arc::new(MemoryStore::new());
+        let (pa, pa2, pb) = (
+            reg.for_store(&a),
+            reg.for_store(&a.clone()),
+            reg.for_store(&b),
+        );
+        assert!(Arc::ptr_eq(&pa, &pa2), "one store, one book");
+        assert!(!Arc::ptr_eq(&pa, &pb), "other credentials, other book");
+        pa.prove("bk", "k", "\"e1\"");
+        let forever = MetadataTtl::Indefinite;
+        assert!(pa2.is_proven("bk", "k", "\"e1\"", forever));
+        assert!(
+            !pa.is_proven("bk", "k", "\"e2\"", forever),
+            "another version"
+        );
+        assert!(
+            !pa.is_proven("other", "k", "\"e1\"", forever),
+            "another bucket"
+        );
+        assert!(!pb.is_proven("bk", "k", "\"e1\"", forever));
+        assert!(!pa.is_proven("bk", "k", "\"e1\"", MetadataTtl::Duration(Duration::ZERO)));
+        // A dropped store's book goes with it.
+        drop((a, pa, pa2));
+        let c: Arc<dyn ObjectStore> = Arc::new(MemoryStore::new());
+        assert!(!reg.for_store(&c).is_proven("bk", "k", "\"e1\"", forever));
+    }
+}
