@@ -52,13 +52,19 @@ enum CredentialsKey {
     Pod(Identity),
 }
 
+/// A client and its metrics wrapper (what callers get).
+type Client = (Arc<S3Store>, Arc<dyn ObjectStore>);
+
 /// Real S3 clients (counted in the metrics) with the driver's credentials (by default the AWS SDK's default chain). A
 /// volume's endpoint fields override the driver-level defaults field by field.
 pub struct S3Stores {
     defaults: Endpoint,
     credentials: S3Credentials,
     options: S3Options,
-    clients: Mutex<HashMap<(Endpoint, CredentialsKey), Arc<S3Store>>>,
+    /// One client per (endpoint, identity), with its metrics wrapper: every caller of one
+    /// identity gets the very same store, so the mounts that share it share its proofs of access
+    /// to cached objects (`ferry_fs::ProofRegistry`).
+    clients: Mutex<HashMap<(Endpoint, CredentialsKey), Client>>,
 }
 
 impl S3Stores {
@@ -106,7 +112,7 @@ impl S3Stores {
 
     /// The (cached) client for an endpoint with the driver's credentials.
     async fn client(&self, endpoint: &Endpoint) -> Result<Arc<S3Store>, StoreError> {
-        self.client_as(endpoint, &StoreCredentials::Driver).await
+        Ok(self.client_as(endpoint, &StoreCredentials::Driver).await?.0)
     }
 
     /// The (cached) client for an endpoint and credentials.
@@ -114,7 +120,7 @@ impl S3Stores {
         &self,
         endpoint: &Endpoint,
         credentials: &StoreCredentials,
-    ) -> Result<Arc<S3Store>, StoreError> {
+    ) -> Result<Client, StoreError> {
         let e = self.resolve(endpoint);
         let key = match credentials {
             StoreCredentials::Driver => CredentialsKey::Driver,
@@ -146,8 +152,11 @@ impl S3Stores {
             }
         };
         let store = Arc::new(store);
-        clients.insert((e, key), store.clone());
-        Ok(store)
+        let client: Arc<dyn ObjectStore> = store.clone();
+        let instrumented: Arc<dyn ObjectStore> =
+            Arc::new(ferry_metrics::InstrumentedStore::new(client));
+        clients.insert((e, key), (store.clone(), instrumented.clone()));
+        Ok((store, instrumented))
     }
 
     /// Readiness: the driver-level credentials resolve. Uses the cached client, whose credentials
@@ -164,8 +173,7 @@ impl S3Stores {
 #[tonic::async_trait]
 impl Stores for S3Stores {
     async fn get(&self, endpoint: &Endpoint) -> Result<Arc<dyn ObjectStore>, StoreError> {
-        let client: Arc<dyn ObjectStore> = self.client(endpoint).await?;
-        Ok(Arc::new(ferry_metrics::InstrumentedStore::new(client)))
+        self.get_as(endpoint, &StoreCredentials::Driver).await
     }
 
     async fn get_as(
@@ -173,8 +181,7 @@ impl Stores for S3Stores {
         endpoint: &Endpoint,
         credentials: &StoreCredentials,
     ) -> Result<Arc<dyn ObjectStore>, StoreError> {
-        let client: Arc<dyn ObjectStore> = self.client_as(endpoint, credentials).await?;
-        Ok(Arc::new(ferry_metrics::InstrumentedStore::new(client)))
+        Ok(self.client_as(endpoint, credentials).await?.1)
     }
 }
 
@@ -193,5 +200,42 @@ impl Stores for FixedStore {
         _credentials: &StoreCredentials,
     ) -> Result<Arc<dyn ObjectStore>, StoreError> {
         Ok(self.0.clone())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn endpoint(url: &str) -> Endpoint {
+        Endpoint {
+            endpoint_url: Some(url.into()),
+            region: Some("us-east-1".into()),
+            force_path_style: true,
+        }
+    }
+
+    fn keys(id: &str) -> StoreCredentials {
+        StoreCredentials::Static(StaticKeys {
+            access_key_id: id.into(),
+            secret_access_key: ferry_creds::Secret::new("secret"),
+            session_token: None,
+        })
+    }
+
+    #[tokio::test]
+    async fn one_identity_gets_the_very_same_store_and_another_identity_another() {
+        let stores = S3Stores::new(endpoint("http://127.0.0.1:9"));
+        let e = Endpoint::default();
+        let a = stores.get(&e).await.unwrap();
+        let b = stores.get_as(&e, &StoreCredentials::Driver).await.unwrap();
+        assert!(Arc::ptr_eq(&a, &b), "the driver's store is shared");
+        let k1 = stores.get_as(&e, &keys("AKIA1")).await.unwrap();
+        let k1_again = stores.get_as(&e, &keys("AKIA1")).await.unwrap();
+        let k2 = stores.get_as(&e, &keys("AKIA2")).await.unwrap();
+        assert!(Arc::ptr_eq(&k1, &k1_again), "one static key, one store");
+        assert!(!Arc::ptr_eq(&k1, &k2) && !Arc::ptr_eq(&k1, &a));
+        let other = stores.get(&endpoint("http://127.0.0.1:10")).await.unwrap();
+        assert!(!Arc::ptr_eq(&a, &other), "another endpoint, another store");
     }
 }

@@ -28,8 +28,8 @@ use crate::handles::{
 };
 use crate::inode::{now_secs, CachedEntry, Ino, Inode, InodeState, InodeTable, Validity, ROOT_INO};
 use crate::names::{
-    child_path, dir_prefix, file_key, lookup_name, new_name, Kind, ListedEntry, ListingBuilder,
-    ObjectMeta, KEY_MAX,
+    child_path, dir_prefix, file_key, lookup_name, new_name, Kind, ListedEntry, Listing,
+    ListingBuilder, ObjectMeta, KEY_MAX,
 };
 use crate::prefetch::{fetch, CacheUse, Part, SmallObjects, Source};
 
@@ -138,7 +138,18 @@ struct FsState {
     /// kernel refuses to mix the two on one inode, so passthrough is offered only when no other
     /// cached-mode handle is open (derived from the handles: rebuilt on a handover).
     io: HashMap<Ino, IoModes>,
+    /// One-page listings started by the first lookup miss in a directory without a cached
+    /// listing, with [`FsState::changes`] at their start (see [`Fs::probe_dir`]).
+    probes: HashMap<Ino, (u64, tokio::task::JoinHandle<Option<Listing>>)>,
+    /// Directories probed already (bounded: cleared past [`PROBED_MAX`]).
+    probed: HashSet<Ino>,
+    /// Bumped by every change this mount makes to the namespace: a probe that started before
+    /// one is not adopted (its listing may predate the change).
+    changes: u64,
 }
+
+/// Most directories remembered as probed.
+const PROBED_MAX: usize = 4096;
 
 /// Open read handles of one inode by kernel I/O mode.
 #[derive(Debug, Default, Clone, Copy)]
@@ -250,6 +261,9 @@ impl Fs {
                 small: SmallObjects::default(),
                 order: HashMap::new(),
                 io: HashMap::new(),
+                probes: HashMap::new(),
+                probed: HashSet::new(),
+                changes: 0,
             }),
             budget,
             prefetch,
@@ -286,6 +300,9 @@ impl Fs {
                 small: SmallObjects::default(),
                 order: HashMap::new(),
                 io,
+                probes: HashMap::new(),
+                probed: HashSet::new(),
+                changes: 0,
             }),
             budget,
             prefetch,
@@ -475,8 +492,10 @@ impl Fs {
 
     /// Resolves `name` in `parent`: local state, then the caches, then S3 (recording a miss).
     async fn find_child(&self, parent: Ino, name: &str) -> Result<Found, FsError> {
+        self.adopt_probe(parent);
         let path = {
-            let st = self.lock();
+            let mut guard = self.lock();
+            let st = &mut *guard;
             let now = Instant::now();
             let p = st.inodes.get(parent).ok_or_else(|| stale(parent))?;
             if p.kind != Kind::Dir {
@@ -499,7 +518,12 @@ impl Fs {
                     valid: p.cache.entries_valid,
                 });
             }
-            child_path(&p.path, name)
+            let path = child_path(&p.path, name);
+            if p.cache.cached_listing(now).is_none() && !p.is_local() {
+                let dprefix = dir_prefix(&self.cfg.prefix, &p.path);
+                self.probe_dir(st, parent, dprefix);
+            }
+            path
         };
         match self.remote_lookup(&path).await? {
             Some((kind, meta)) => Ok(Found::Fresh {
@@ -515,6 +539,63 @@ impl Fs {
                 }
                 Err(FsError::NotFound)
             }
+        }
+    }
+
+    /// Starts listing the first page (up to 1,000 entries) of directory `dir` in the background,
+    /// once per directory: when that page is the whole directory, a later lookup adopts it as
+    /// the directory's cached listing ([`Fs::adopt_probe`]), so opening its files by path (no
+    /// `readdir` first) costs no HEAD + LIST per name after the first. A bigger directory costs
+    /// this one extra LIST.
+    fn probe_dir(&self, st: &mut FsState, dir: Ino, dprefix: String) {
+        if st.probes.contains_key(&dir) || st.probed.contains(&dir) {
+            return;
+        }
+        if st.probed.len() >= PROBED_MAX {
+            st.probed.clear();
+        }
+        st.probed.insert(dir);
+        let (store, bucket) = (self.store.clone(), self.cfg.bucket.clone());
+        let task = tokio::spawn(async move {
+            let req = ListRequest {
+                prefix: &dprefix,
+                delimiter: Some("/"),
+                ..Default::default()
+            };
+            let page = store.list(&bucket, req).await.ok()?;
+            if page.next_token.is_some() {
+                return None;
+            }
+            let mut builder = ListingBuilder::new(&dprefix);
+            builder.add_page(&page.objects, &page.common_prefixes);
+            Some(builder.finish())
+        });
+        st.probes.insert(dir, (st.changes, task));
+    }
+
+    /// Installs `dir`'s probe listing if it finished, was complete and no change was made
+    /// through this mount since it started.
+    fn adopt_probe(&self, dir: Ino) {
+        let listing = {
+            let mut st = self.lock();
+            match st.probes.get(&dir) {
+                Some((_, task)) if task.is_finished() => {}
+                _ => return,
+            }
+            let (at, task) = st.probes.remove(&dir).expect("checked");
+            let listing = futures::FutureExt::now_or_never(task)
+                .and_then(Result::ok)
+                .flatten();
+            match listing {
+                Some(l) if at == st.changes => l,
+                _ => return,
+            }
+        };
+        if self
+            .install_listing(dir, listing, Instant::now(), true)
+            .is_ok()
+        {
+            tracing::debug!(dir, "directory listing adopted from a lookup's probe");
         }
     }
 
@@ -720,15 +801,30 @@ impl Fs {
                 None => break,
             }
         }
-        let listing = builder.finish();
-        let now = Instant::now();
-        let valid = self.ttl();
+        self.install_listing(ino, builder.finish(), Instant::now(), false)
+    }
 
+    /// Makes `listing` (taken at `now`) directory `ino`'s listing: live children learn its
+    /// metadata, local ones are merged in, and within the TTL it is cached (entries and the
+    /// snapshot). Returns the merged entries and `now`. With `keep_negatives` (a listing that
+    /// may have started before this mount learned that a name was missing), names still in the
+    /// negative cache stay missing and are left out of the listing.
+    fn install_listing(
+        &self,
+        ino: Ino,
+        listing: Listing,
+        now: Instant,
+        keep_negatives: bool,
+    ) -> Result<(Vec<ListedEntry>, Instant), FsError> {
+        let valid = self.ttl();
         let mut guard = self.lock();
         let st = &mut *guard;
         Self::log_hidden(st, listing.hidden);
-        let remote = listing.entries;
+        let mut remote = listing.entries;
         let dir = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+        if keep_negatives {
+            remote.retain(|e| !dir.cache.is_negative(&e.name, now));
+        }
         let children: Vec<(String, Ino)> =
             dir.children.iter().map(|(n, i)| (n.clone(), *i)).collect();
 
@@ -899,6 +995,7 @@ impl Fs {
         if let Some(p) = st.inodes.get_mut(parent) {
             p.cache.negative.remove(name);
         }
+        st.changes += 1;
         Ok(entry)
     }
 
@@ -955,6 +1052,7 @@ impl Fs {
         let valid = self.ttl();
         {
             let mut st = self.lock();
+            st.changes += 1;
             if let Some(c) = live.and_then(|ino| st.inodes.get_mut(ino)) {
                 if c.kind == Kind::File && !c.is_local() {
                     c.meta = None;
@@ -1072,6 +1170,7 @@ impl Fs {
         let valid = self.ttl();
         {
             let mut st = self.lock();
+            st.changes += 1;
             if let Some(ino) = live {
                 if let Some(c) = st.inodes.get_mut(ino) {
                     c.state = InodeState::Remote;
@@ -1597,6 +1696,7 @@ impl Fs {
         if let Some(p) = st.inodes.get_mut(parent) {
             p.cache.negative.remove(name);
         }
+        st.changes += 1;
         let got = st.handles.insert(Handle::Write(WriteHandle {
             ino,
             parent,
@@ -1779,6 +1879,7 @@ impl Fs {
         };
         let valid = self.ttl();
         let mut st = self.lock();
+        st.changes += 1;
         if let Some(inode) = st.inodes.get_mut(w.ino) {
             inode.state = InodeState::Remote;
             inode.meta = Some(meta.clone());

@@ -443,6 +443,10 @@ async fn indefinite_ttl_never_expires() {
     assert_eq!(errno(fs.lookup(ROOT_INO, n("missing")).await), libc::ENOENT);
     store.insert(B, "missing", &b"1"[..]);
     store.insert(B, "f", &b"changed"[..]);
+    // The first lookup's one-page listing of the directory runs in the background: let it.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
     store.reset_stats();
     tokio::time::advance(Duration::from_secs(10_000_000)).await;
     assert_eq!(fs.getattr(e.attr.ino).await.unwrap().attr.size, 1);
@@ -1443,4 +1447,83 @@ async fn interleaved_listing_order_readers_still_get_small_files_ahead() {
     // 64 round trips of 50 ms one after the other would be 3.2 s.
     assert!(took < Duration::from_millis(1200), "{took:?}");
     assert_eq!(t.budget.used(), 0);
+}
+
+/// Lets background tasks (a lookup's directory probe) run on the test's runtime.
+async fn let_background_run() {
+    for _ in 0..20 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test]
+async fn files_opened_by_path_in_an_unlisted_directory_cost_one_lookup_round_trip() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Indefinite);
+    for i in 0..50 {
+        store.insert(B, &format!("ds/f{i:02}"), &b"x"[..]);
+    }
+    let ds = fs.lookup(ROOT_INO, n("ds")).await.unwrap().attr.ino;
+    let_background_run().await;
+    store.reset_stats();
+    // The first name: HEAD + LIST as always, and the directory's first page in the background.
+    fs.lookup(ds, n("f00")).await.unwrap();
+    let_background_run().await;
+    let first = store.stats();
+    assert_eq!((first.head, first.list), (1, 2), "{first:?}");
+    // That page was the whole directory: every other name, and a missing one, without requests.
+    for i in 1..50 {
+        assert_eq!(
+            fs.lookup(ds, n(&format!("f{i:02}")))
+                .await
+                .unwrap()
+                .attr
+                .size,
+            1
+        );
+    }
+    let after = store.stats();
+    assert_eq!(
+        (after.head, after.list),
+        (first.head, first.list),
+        "{after:?}"
+    );
+    // readdir is served from the adopted listing too.
+    assert_eq!(names(&fs, ds).await.len(), 50);
+    assert_eq!(store.stats().list, first.list);
+}
+
+#[tokio::test]
+async fn a_directory_probe_is_dropped_when_the_directory_is_bigger_or_changed_meanwhile() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Indefinite);
+    for i in 0..1001 {
+        store.insert(B, &format!("big/f{i:04}"), &b"x"[..]);
+    }
+    store.insert(B, "small/a", &b"x"[..]);
+    store.insert(B, "small/b", &b"x"[..]);
+    let big = fs.lookup(ROOT_INO, n("big")).await.unwrap().attr.ino;
+    let small = fs.lookup(ROOT_INO, n("small")).await.unwrap().attr.ino;
+    let_background_run().await;
+    // More than one page: the probe is not adopted, each name is looked up on its own (and the
+    // directory is probed once only).
+    fs.lookup(big, n("f0000")).await.unwrap();
+    let_background_run().await;
+    store.reset_stats();
+    fs.lookup(big, n("f0001")).await.unwrap();
+    let_background_run().await;
+    fs.lookup(big, n("f0002")).await.unwrap();
+    let s = store.stats();
+    assert_eq!((s.head, s.list), (2, 2), "{s:?}");
+    // A change through this mount while the probe is out: its (older) listing is not adopted,
+    // so the file written meanwhile is not hidden by it.
+    fs.lookup(small, n("a")).await.unwrap();
+    let ino = write_new(&fs, small, "c", b"new", 3).await;
+    let_background_run().await;
+    fs.lookup(small, n("b")).await.unwrap();
+    let listed: Vec<String> = names(&fs, small)
+        .await
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(listed, ["a", "b", "c"]);
+    assert_eq!(fs.getattr(ino).await.unwrap().attr.size, 3);
 }
