@@ -1527,3 +1527,19 @@ async fn a_directory_probe_is_dropped_when_the_directory_is_bigger_or_changed_me
     assert_eq!(listed, ["a", "b", "c"]);
     assert_eq!(fs.getattr(ino).await.unwrap().attr.size, 3);
 }
+
+#[tokio::test(start_paused = true)]
+async fn readers_that_move_the_listing_frontier_back_never_fetch_a_file_twice() {
+    let t = SmallFiles::new(64, 64 << 10, &[]).await;
+    // A streak builds up (files fetched ahead), one reader jumps far ahead (the streak resets
+    // there), then the others go on from far behind it (the frontier moves back and a new streak
+    // would fetch ahead again over files the fast reader already opened).
+    let mut order: Vec<usize> = (0..=10).collect();
+    order.extend([40, 41, 42, 43]);
+    order.extend(11..40);
+    order.extend(44..64);
+    t.read_in(order).await;
+    let s = t.mem.stats();
+    assert_eq!(s.get, 64, "each file fetched once: {s:?}");
+    assert_eq!(t.budget.used(), 0);
+}

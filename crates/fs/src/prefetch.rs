@@ -317,10 +317,14 @@ struct SmallEntry {
 
 /// Per-mount cache of small objects fetched ahead, by (key, ETag): an open that pins the same
 /// ETag takes the entry (so it is used once); entries not taken within the TTL are dropped by a
-/// timer, so an idle mount does not keep prefetched bytes charged to the node's budget.
+/// timer, so an idle mount does not keep prefetched bytes charged to the node's budget. Versions
+/// already opened (taken, or read without a prefetch) are remembered for the TTL, so readers
+/// that move the listing-order frontier back (several readers at different speeds) never make
+/// the prefetcher fetch them again.
 #[derive(Debug, Default)]
 pub struct SmallObjects {
     entries: Arc<Mutex<HashMap<(String, String), SmallEntry>>>,
+    opened: HashMap<(String, String), Instant>,
 }
 
 type Entries = HashMap<(String, String), SmallEntry>;
@@ -335,8 +339,16 @@ fn drop_expired(entries: &mut Entries, ttl: std::time::Duration) {
 }
 
 impl SmallObjects {
+    /// Whether `key` at `etag` is fetched (or being fetched) ahead, or was opened within the TTL.
     pub fn contains(&self, key: &str, etag: &str) -> bool {
-        lock_entries(&self.entries).contains_key(&(key.to_owned(), etag.to_owned()))
+        let k = (key.to_owned(), etag.to_owned());
+        self.opened.contains_key(&k) || lock_entries(&self.entries).contains_key(&k)
+    }
+
+    /// Records that `key` at `etag` was opened (so it is not fetched ahead again).
+    pub fn opened(&mut self, key: &str, etag: &str) {
+        self.opened
+            .insert((key.to_owned(), etag.to_owned()), Instant::now());
     }
 
     /// Adds an entry and starts its timer (on the current runtime): it is dropped once `ttl` has
@@ -353,16 +365,19 @@ impl SmallObjects {
         });
     }
 
-    /// Takes the entry for `key` at `etag`, if any.
+    /// Takes the entry for `key` at `etag`, if any, and records the open.
     pub fn take(&mut self, key: &str, etag: &str) -> Option<Part> {
+        self.opened(key, etag);
         lock_entries(&self.entries)
             .remove(&(key.to_owned(), etag.to_owned()))
             .map(|e| e.part)
     }
 
-    /// Drops entries older than `ttl` (aborting their requests).
+    /// Drops entries older than `ttl` (aborting their requests) and forgets older opens.
     pub fn expire(&mut self, ttl: std::time::Duration) {
         drop_expired(&mut lock_entries(&self.entries), ttl);
+        let now = Instant::now();
+        self.opened.retain(|_, at| now.duration_since(*at) < ttl);
     }
 
     pub fn len(&self) -> usize {
