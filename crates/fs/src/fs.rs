@@ -519,7 +519,9 @@ impl Fs {
                 });
             }
             let path = child_path(&p.path, name);
-            if p.cache.cached_listing(now).is_none() && !p.is_local() {
+            // With a zero TTL no listing is ever cached: nothing to probe for.
+            let caches = self.ttl().is_valid(now);
+            if caches && p.cache.cached_listing(now).is_none() && !p.is_local() {
                 let dprefix = dir_prefix(&self.cfg.prefix, &p.path);
                 self.probe_dir(st, parent, dprefix);
             }
