@@ -85,49 +85,107 @@ pub fn encode(key: &BlockKey, data: &[u8]) -> Vec<u8> {
     let mut body = BytesMut::with_capacity(64 + key.key.len() + data.len());
     body.put_u64_le(data.len() as u64);
     body.put_u64_le(key.index);
-    for field in [&key.endpoint, &key.bucket, &key.key, &key.etag] {
-        body.put_u32_le(field.len() as u32);
-        body.put_slice(field.as_bytes());
-    }
+    put_names(&mut body, [&key.endpoint, &key.bucket, &key.key, &key.etag]);
     body.put_slice(data);
-    let crc = crc32c::crc32c(&body);
-    let mut out = Vec::with_capacity(12 + body.len());
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&crc.to_le_bytes());
-    out.extend_from_slice(&body);
-    out
+    seal(MAGIC, &body)
 }
 
 /// The data of a block file, if it is intact and is block `key`.
 pub fn decode(key: &BlockKey, file: Bytes) -> Result<Bytes, Invalid> {
-    if file.len() < 12 + 16 + 16 || &file[..8] != MAGIC {
-        return Err(Invalid::Malformed);
-    }
-    let stored = u32::from_le_bytes(file[8..12].try_into().expect("4 bytes"));
-    let computed = crc32c::crc32c(&file[12..]);
-    if stored != computed {
-        return Err(Invalid::Checksum { stored, computed });
-    }
-    let mut pos = 12;
-    let mut take = |n: usize| -> Result<&[u8], Invalid> {
-        let s = file.get(pos..pos + n).ok_or(Invalid::Malformed)?;
-        pos += n;
-        Ok(s)
-    };
-    let data_len = u64::from_le_bytes(take(8)?.try_into().expect("8 bytes"));
-    let index = u64::from_le_bytes(take(8)?.try_into().expect("8 bytes"));
-    let mut same = index == key.index;
-    for field in [&key.endpoint, &key.bucket, &key.key, &key.etag] {
-        let len = u32::from_le_bytes(take(4)?.try_into().expect("4 bytes")) as usize;
-        same &= take(len)? == field.as_bytes();
-    }
-    if !same {
+    let mut r = Reader::unseal(MAGIC, &file, 16 + 16)?;
+    let data_len = r.u64()?;
+    let index = r.u64()?;
+    let same = r.names_are([&key.endpoint, &key.bucket, &key.key, &key.etag])?;
+    if !(same && index == key.index) {
         return Err(Invalid::OtherBlock);
     }
-    if (file.len() - pos) as u64 != data_len {
+    if r.rest() as u64 != data_len {
         return Err(Invalid::Malformed);
     }
-    Ok(file.slice(pos..))
+    let at = file.len() - r.rest();
+    Ok(file.slice(at..))
+}
+
+/// Frames `body` as a cache file: `magic`, the crc32c of `body` (u32 LE), `body`.
+pub(crate) fn seal(magic: &[u8; 8], body: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(12 + body.len());
+    out.extend_from_slice(magic);
+    out.extend_from_slice(&crc32c::crc32c(body).to_le_bytes());
+    out.extend_from_slice(body);
+    out
+}
+
+/// Writes the names of an object version (endpoint, bucket, key, ETag), each length-prefixed.
+pub(crate) fn put_names(body: &mut BytesMut, names: [&String; 4]) {
+    for field in names {
+        body.put_u32_le(field.len() as u32);
+        body.put_slice(field.as_bytes());
+    }
+}
+
+/// Reads the body of a [`seal`]ed file field by field; every short read is [`Invalid::Malformed`].
+pub(crate) struct Reader<'a> {
+    body: &'a [u8],
+    pos: usize,
+}
+
+impl<'a> Reader<'a> {
+    /// The body of `file`, if its magic is `magic`, its body has at least `min_body` bytes and
+    /// its checksum holds.
+    pub(crate) fn unseal(
+        magic: &[u8; 8],
+        file: &'a [u8],
+        min_body: usize,
+    ) -> Result<Self, Invalid> {
+        if file.len() < 12 + min_body || &file[..8] != magic {
+            return Err(Invalid::Malformed);
+        }
+        let stored = u32::from_le_bytes(file[8..12].try_into().expect("4 bytes"));
+        let computed = crc32c::crc32c(&file[12..]);
+        if stored != computed {
+            return Err(Invalid::Checksum { stored, computed });
+        }
+        Ok(Reader {
+            body: &file[12..],
+            pos: 0,
+        })
+    }
+
+    fn take(&mut self, n: usize) -> Result<&'a [u8], Invalid> {
+        let s = self
+            .body
+            .get(self.pos..self.pos + n)
+            .ok_or(Invalid::Malformed)?;
+        self.pos += n;
+        Ok(s)
+    }
+
+    pub(crate) fn u64(&mut self) -> Result<u64, Invalid> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+
+    pub(crate) fn u32(&mut self) -> Result<u32, Invalid> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+
+    /// Whether the next names (as [`put_names`] wrote them) are `names`.
+    pub(crate) fn names_are(&mut self, names: [&String; 4]) -> Result<bool, Invalid> {
+        let mut same = true;
+        for field in names {
+            let len = self.u32()? as usize;
+            same &= self.take(len)? == field.as_bytes();
+        }
+        Ok(same)
+    }
+
+    /// Bytes not read yet.
+    pub(crate) fn rest(&self) -> usize {
+        self.body.len() - self.pos
+    }
 }
 
 #[cfg(test)]

@@ -19,7 +19,7 @@
 use bytes::{BufMut, BytesMut};
 use sha2::{Digest, Sha256};
 
-use crate::block::{BlockKey, FileId, Invalid};
+use crate::block::{put_names, seal, BlockKey, FileId, Invalid, Reader};
 
 const MAGIC: &[u8; 8] = b"FERRYOB1";
 
@@ -95,58 +95,28 @@ pub fn encode_meta(obj: &ObjectKey, meta: &ObjectMeta) -> Vec<u8> {
     let mut body = BytesMut::with_capacity(64 + obj.key.len() + 4 * meta.crcs.len());
     body.put_u64_le(meta.size);
     body.put_u64_le(meta.block_size);
-    for field in [&obj.endpoint, &obj.bucket, &obj.key, &obj.etag] {
-        body.put_u32_le(field.len() as u32);
-        body.put_slice(field.as_bytes());
-    }
+    put_names(&mut body, [&obj.endpoint, &obj.bucket, &obj.key, &obj.etag]);
     body.put_u64_le(meta.crcs.len() as u64);
     for crc in &meta.crcs {
         body.put_u32_le(*crc);
     }
-    let crc = crc32c::crc32c(&body);
-    let mut out = Vec::with_capacity(12 + body.len());
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&crc.to_le_bytes());
-    out.extend_from_slice(&body);
-    out
+    seal(MAGIC, &body)
 }
 
 /// The sidecar's contents, if it is intact, names `obj` and is consistent.
 pub fn decode_meta(obj: &ObjectKey, file: &[u8]) -> Result<ObjectMeta, Invalid> {
-    if file.len() < 12 + 16 + 16 + 8 || &file[..8] != MAGIC {
-        return Err(Invalid::Malformed);
-    }
-    let stored = u32::from_le_bytes(file[8..12].try_into().expect("4 bytes"));
-    let computed = crc32c::crc32c(&file[12..]);
-    if stored != computed {
-        return Err(Invalid::Checksum { stored, computed });
-    }
-    let mut pos = 12;
-    let mut take = |n: usize| -> Result<&[u8], Invalid> {
-        let s = file.get(pos..pos + n).ok_or(Invalid::Malformed)?;
-        pos += n;
-        Ok(s)
-    };
-    let u64_at = |s: &[u8]| u64::from_le_bytes(s.try_into().expect("8 bytes"));
-    let size = u64_at(take(8)?);
-    let block_size = u64_at(take(8)?);
-    let mut same = true;
-    for field in [&obj.endpoint, &obj.bucket, &obj.key, &obj.etag] {
-        let len = u32::from_le_bytes(take(4)?.try_into().expect("4 bytes")) as usize;
-        same &= take(len)? == field.as_bytes();
-    }
-    if !same {
+    let mut r = Reader::unseal(MAGIC, file, 16 + 16 + 8)?;
+    let size = r.u64()?;
+    let block_size = r.u64()?;
+    if !r.names_are([&obj.endpoint, &obj.bucket, &obj.key, &obj.etag])? {
         return Err(Invalid::OtherBlock);
     }
-    let count = u64_at(take(8)?);
+    let count = r.u64()?;
     if block_size == 0 || count != size.div_ceil(block_size) {
         return Err(Invalid::Malformed);
     }
-    let mut crcs = Vec::with_capacity(count as usize);
-    for _ in 0..count {
-        crcs.push(u32::from_le_bytes(take(4)?.try_into().expect("4 bytes")));
-    }
-    if pos != file.len() {
+    let crcs = (0..count).map(|_| r.u32()).collect::<Result<Vec<_>, _>>()?;
+    if r.rest() != 0 {
         return Err(Invalid::Malformed);
     }
     Ok(ObjectMeta {
