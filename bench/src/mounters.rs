@@ -257,7 +257,8 @@ impl Mount {
     }
 
     /// Ferry's S3 requests so far by operation, from its `/metrics` endpoint, e.g.
-    /// `get 2000, list 3`; results other than `ok` are spelled out. `None` for other mounters.
+    /// `get 2000, list 3`; results other than `ok` are spelled out; and its FUSE read requests
+    /// (`FUSE read 8192`). `None` for other mounters.
     pub fn s3_requests(&self) -> Option<String> {
         use std::io::{Read, Write};
         let addr = self.metrics_addr.as_ref()?;
@@ -269,8 +270,14 @@ impl Mount {
         s.read_to_string(&mut text).ok()?;
         let mut counts: Vec<(String, f64)> = Vec::new();
         for line in text.lines() {
-            let Some(rest) = line.strip_prefix("ferry_s3_requests_total{") else {
-                continue;
+            // FUSE reads too: how many requests the kernel split the reads into.
+            let (rest, fuse) = match (
+                line.strip_prefix("ferry_s3_requests_total{"),
+                line.strip_prefix("ferry_fuse_operations_total{"),
+            ) {
+                (Some(rest), _) => (rest, false),
+                (_, Some(rest)) if rest.contains("op=\"read\"") => (rest, true),
+                _ => continue,
             };
             let Some((labels, value)) = rest.split_once("} ") else {
                 continue;
@@ -283,10 +290,10 @@ impl Mount {
                     .unwrap_or_default()
             };
             let (op, result) = (label("op"), label("result"));
-            let key = if result == "ok" {
-                op
-            } else {
-                format!("{op} ({result})")
+            let key = match (fuse, result == "ok" || result.is_empty()) {
+                (true, _) => format!("FUSE {op}"),
+                (false, true) => op,
+                (false, false) => format!("{op} ({result})"),
             };
             let v: f64 = value.trim().parse().unwrap_or(0.0);
             match counts.iter_mut().find(|(k, _)| *k == key) {

@@ -21,6 +21,8 @@ pub struct MemoryBudget {
 struct Inner {
     limit: u64,
     used: AtomicU64,
+    /// `ferry_memory_budget_used_bytes`: every reservation adds to it and takes back.
+    gauge: Arc<ferry_metrics::Gauge>,
 }
 
 impl fmt::Debug for MemoryBudget {
@@ -45,6 +47,11 @@ impl MemoryBudget {
             inner: Arc::new(Inner {
                 limit,
                 used: AtomicU64::new(0),
+                gauge: ferry_metrics::global().gauge(
+                    ferry_metrics::names::MEMORY_BUDGET_USED,
+                    "Bytes of the node-wide prefetch memory budget in use.",
+                    &[],
+                ),
             }),
         }
     }
@@ -73,10 +80,11 @@ impl MemoryBudget {
                 Ordering::Relaxed,
             ) {
                 Ok(_) => {
+                    self.inner.gauge.add(bytes as i64);
                     return Some(Reservation {
                         budget: self.clone(),
                         bytes,
-                    })
+                    });
                 }
                 Err(now) => used = now,
             }
@@ -104,10 +112,9 @@ impl fmt::Debug for Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
-        self.budget
-            .inner
-            .used
-            .fetch_sub(self.bytes, Ordering::AcqRel);
+        let inner = &self.budget.inner;
+        inner.used.fetch_sub(self.bytes, Ordering::AcqRel);
+        inner.gauge.add(-(self.bytes as i64));
     }
 }
 

@@ -1542,6 +1542,7 @@ impl Fs {
                             let stop = end.min(pend);
                             let piece =
                                 data.slice((pos - pstart) as usize..(stop - pstart) as usize);
+                            part.note_served(stop - pos);
                             Ok(piece)
                         }
                         Err(e) => Err(self.read_error(r.ino, e)),

@@ -95,12 +95,53 @@ impl FuseAdapter {
         }
     }
 
-    fn spawn<F, Fut>(&self, f: F)
+    /// Runs operation `op` on the runtime; it is counted and timed (until its reply) in
+    /// `ferry_fuse_operations_total` / `ferry_fuse_operation_duration_seconds`.
+    fn spawn<F, Fut>(&self, op: &'static str, f: F)
     where
         F: FnOnce(Arc<Fs>) -> Fut,
         Fut: Future<Output = ()> + Send + 'static,
     {
-        self.rt.spawn(f(self.fs.clone()));
+        let timer = OpTimer::start(op);
+        let fut = f(self.fs.clone());
+        self.rt.spawn(async move {
+            fut.await;
+            drop(timer);
+        });
+    }
+}
+
+/// Counts and times one FUSE operation, from the request to its reply (when dropped).
+struct OpTimer {
+    op: &'static str,
+    start: std::time::Instant,
+}
+
+impl OpTimer {
+    fn start(op: &'static str) -> Self {
+        OpTimer {
+            op,
+            start: std::time::Instant::now(),
+        }
+    }
+}
+
+impl Drop for OpTimer {
+    fn drop(&mut self) {
+        let reg = ferry_metrics::global();
+        let labels = [("op", self.op)];
+        reg.counter(
+            ferry_metrics::names::FUSE_OPS,
+            "FUSE operations served, by operation.",
+            &labels,
+        )
+        .inc();
+        reg.histogram(
+            ferry_metrics::names::FUSE_OP_SECONDS,
+            "FUSE operation latency in seconds (request to reply), by operation.",
+            &labels,
+        )
+        .observe(self.start.elapsed());
     }
 }
 
@@ -225,7 +266,7 @@ impl Filesystem for FuseAdapter {
 
     fn lookup(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEntry) {
         let name = name.to_owned();
-        self.spawn(move |fs| async move {
+        self.spawn("lookup", move |fs| async move {
             match fs.lookup(parent.0, &name).await {
                 Ok(e) => reply.entry(&e.ttl, &file_attr(&e.attr), Generation(0)),
                 Err(e) => reply.error(errno("lookup", &e)),
@@ -234,11 +275,12 @@ impl Filesystem for FuseAdapter {
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        let _timer = OpTimer::start("forget");
         self.fs.forget(ino.0, nlookup);
     }
 
     fn getattr(&self, _req: &Request, ino: INodeNo, _fh: Option<FileHandle>, reply: ReplyAttr) {
-        self.spawn(move |fs| async move {
+        self.spawn("getattr", move |fs| async move {
             match fs.getattr(ino.0).await {
                 Ok(e) => reply.attr(&e.ttl, &file_attr(&e.attr)),
                 Err(e) => reply.error(errno("getattr", &e)),
@@ -272,7 +314,7 @@ impl Filesystem for FuseAdapter {
             times: atime.is_some() || mtime.is_some(),
             fh: fh.map(|f| f.0),
         };
-        self.spawn(move |fs| async move {
+        self.spawn("setattr", move |fs| async move {
             match fs.setattr(ino.0, req).await {
                 Ok(e) => reply.attr(&e.ttl, &file_attr(&e.attr)),
                 Err(e) => reply.error(errno("setattr", &e)),
@@ -290,6 +332,7 @@ impl Filesystem for FuseAdapter {
         _rdev: u32,
         reply: ReplyEntry,
     ) {
+        let _timer = OpTimer::start("mknod");
         let e = match self.fs.config().read_only {
             true => FsError::ReadOnly,
             false => FsError::NotPermitted("only regular files and directories"),
@@ -307,7 +350,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         let name = name.to_owned();
-        self.spawn(move |fs| async move {
+        self.spawn("mkdir", move |fs| async move {
             match fs.mkdir(parent.0, &name).await {
                 Ok(e) => reply.entry(&e.ttl, &file_attr(&e.attr), Generation(0)),
                 Err(e) => reply.error(errno("mkdir", &e)),
@@ -317,7 +360,7 @@ impl Filesystem for FuseAdapter {
 
     fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let name = name.to_owned();
-        self.spawn(move |fs| async move {
+        self.spawn("unlink", move |fs| async move {
             match fs.unlink(parent.0, &name).await {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(errno("unlink", &e)),
@@ -327,7 +370,7 @@ impl Filesystem for FuseAdapter {
 
     fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let name = name.to_owned();
-        self.spawn(move |fs| async move {
+        self.spawn("rmdir", move |fs| async move {
             match fs.rmdir(parent.0, &name).await {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(errno("rmdir", &e)),
@@ -343,6 +386,7 @@ impl Filesystem for FuseAdapter {
         _target: &Path,
         reply: ReplyEntry,
     ) {
+        let _timer = OpTimer::start("symlink");
         let e = match self.fs.config().read_only {
             true => FsError::ReadOnly,
             false => FsError::NotPermitted("no symlinks in S3"),
@@ -360,6 +404,7 @@ impl Filesystem for FuseAdapter {
         _flags: RenameFlags,
         reply: ReplyEmpty,
     ) {
+        let _timer = OpTimer::start("rename");
         match self.fs.rename() {
             Ok(()) => reply.ok(),
             Err(e) => reply.error(errno("rename", &e)),
@@ -374,6 +419,7 @@ impl Filesystem for FuseAdapter {
         _newname: &OsStr,
         reply: ReplyEntry,
     ) {
+        let _timer = OpTimer::start("link");
         let e = match self.fs.config().read_only {
             true => FsError::ReadOnly,
             false => FsError::NotPermitted("no hard links in S3"),
@@ -385,7 +431,7 @@ impl Filesystem for FuseAdapter {
         let pid = req.pid();
         let pt = self.pt.clone();
         let read_only = flags.0 & libc::O_ACCMODE == libc::O_RDONLY && flags.0 & libc::O_TRUNC == 0;
-        self.spawn(move |fs| async move {
+        self.spawn("open", move |fs| async move {
             let o = match fs.open(ino.0, flags.0, tgid(pid)).await {
                 Ok(o) => o,
                 Err(e) => return reply.error(errno("open", &e)),
@@ -431,7 +477,7 @@ impl Filesystem for FuseAdapter {
         _lock_owner: Option<LockOwner>,
         reply: ReplyData,
     ) {
-        self.spawn(move |fs| async move {
+        self.spawn("read", move |fs| async move {
             match fs.read(fh.0, offset, size).await {
                 Ok(data) => reply.data(&data),
                 Err(e) => reply.error(errno("read", &e)),
@@ -452,7 +498,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyWrite,
     ) {
         let data = data.to_vec();
-        self.spawn(move |fs| async move {
+        self.spawn("write", move |fs| async move {
             match fs.write(fh.0, offset, &data).await {
                 Ok(n) => reply.written(n),
                 Err(e) => reply.error(errno("write", &e)),
@@ -469,7 +515,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         let pid = req.pid();
-        self.spawn(move |fs| async move {
+        self.spawn("flush", move |fs| async move {
             match fs.flush(fh.0, tgid(pid)).await {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(errno("flush", &e)),
@@ -488,7 +534,7 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         let pt = self.pt.clone();
-        self.spawn(move |fs| async move {
+        self.spawn("release", move |fs| async move {
             pt.closed(fh.0);
             match fs.release(fh.0).await {
                 Ok(()) => reply.ok(),
@@ -505,7 +551,7 @@ impl Filesystem for FuseAdapter {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
-        self.spawn(move |fs| async move {
+        self.spawn("fsync", move |fs| async move {
             match fs.fsync(fh.0).await {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(errno("fsync", &e)),
@@ -514,6 +560,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        let _timer = OpTimer::start("opendir");
         match self.fs.opendir(ino.0) {
             Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
             Err(e) => reply.error(errno("opendir", &e)),
@@ -528,7 +575,7 @@ impl Filesystem for FuseAdapter {
         offset: u64,
         mut reply: ReplyDirectory,
     ) {
-        self.spawn(move |fs| async move {
+        self.spawn("readdir", move |fs| async move {
             match fs
                 .readdir(ino.0, fh.0, offset, false, &mut PlainSink(&mut reply))
                 .await
@@ -547,7 +594,7 @@ impl Filesystem for FuseAdapter {
         offset: u64,
         mut reply: ReplyDirectoryPlus,
     ) {
-        self.spawn(move |fs| async move {
+        self.spawn("readdirplus", move |fs| async move {
             match fs
                 .readdir(ino.0, fh.0, offset, true, &mut PlusSink(&mut reply))
                 .await
@@ -566,6 +613,7 @@ impl Filesystem for FuseAdapter {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
+        let _timer = OpTimer::start("releasedir");
         self.fs.releasedir(fh.0);
         reply.ok();
     }
@@ -578,10 +626,12 @@ impl Filesystem for FuseAdapter {
         _datasync: bool,
         reply: ReplyEmpty,
     ) {
+        let _timer = OpTimer::start("fsyncdir");
         reply.ok();
     }
 
     fn statfs(&self, _req: &Request, _ino: INodeNo, reply: ReplyStatfs) {
+        let _timer = OpTimer::start("statfs");
         let s = self.fs.statfs();
         reply.statfs(
             s.blocks, s.bfree, s.bavail, s.files, s.ffree, s.bsize, s.namelen, s.frsize,
@@ -598,6 +648,7 @@ impl Filesystem for FuseAdapter {
         _position: u32,
         reply: ReplyEmpty,
     ) {
+        let _timer = OpTimer::start("setxattr");
         reply.error(errno("setxattr", &FsError::NotImplemented));
     }
 
@@ -609,18 +660,22 @@ impl Filesystem for FuseAdapter {
         _size: u32,
         reply: ReplyXattr,
     ) {
+        let _timer = OpTimer::start("getxattr");
         reply.error(errno("getxattr", &FsError::NotImplemented));
     }
 
     fn listxattr(&self, _req: &Request, _ino: INodeNo, _size: u32, reply: ReplyXattr) {
+        let _timer = OpTimer::start("listxattr");
         reply.error(errno("listxattr", &FsError::NotImplemented));
     }
 
     fn removexattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
+        let _timer = OpTimer::start("removexattr");
         reply.error(errno("removexattr", &FsError::NotImplemented));
     }
 
     fn access(&self, _req: &Request, _ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {
+        let _timer = OpTimer::start("access");
         // With default_permissions the kernel checks modes itself and does not call this.
         reply.ok();
     }
@@ -637,7 +692,7 @@ impl Filesystem for FuseAdapter {
     ) {
         let name = name.to_owned();
         let pid = req.pid();
-        self.spawn(move |fs| async move {
+        self.spawn("create", move |fs| async move {
             match fs.create(parent.0, &name, tgid(pid)).await {
                 Ok((e, o)) => reply.created(
                     &e.ttl,

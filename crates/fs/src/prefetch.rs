@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use ferry_cache::{BlockCache, BlockKey};
+use ferry_metrics::names;
 use ferry_store::{ObjectStore, StoreError};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -172,6 +173,8 @@ pub struct Part {
     state: PartState,
     /// Budget held for the part's bytes from request start until the part is dropped.
     _reservation: Option<Reservation>,
+    /// Bytes of it handed to the reader (hits; the rest, if fetched, is waste when dropped).
+    served: u64,
 }
 
 impl fmt::Debug for Part {
@@ -196,7 +199,13 @@ impl Part {
             end,
             state: PartState::Pending(task),
             _reservation: reservation,
+            served: 0,
         }
+    }
+
+    /// Records that `n` bytes of the part were handed to the reader.
+    pub fn note_served(&mut self, n: u64) {
+        self.served = self.served.saturating_add(n);
     }
 
     /// The part's bytes, waiting for the request if it is still running.
@@ -226,8 +235,32 @@ impl Part {
 
 impl Drop for Part {
     fn drop(&mut self) {
-        if let PartState::Pending(task) = &self.state {
-            task.abort();
+        let fetched = match &self.state {
+            PartState::Pending(task) => {
+                let done = task.is_finished();
+                task.abort();
+                done
+            }
+            PartState::Ready(_) => true,
+            PartState::Failed(_) => false,
+        };
+        let hit = self.served.min(self.len());
+        let reg = ferry_metrics::global();
+        if hit > 0 {
+            reg.counter(
+                names::PREFETCH_HIT_BYTES,
+                "Prefetched bytes later read by the application.",
+                &[],
+            )
+            .add(hit);
+        }
+        if fetched && hit < self.len() {
+            reg.counter(
+                names::PREFETCH_WASTE_BYTES,
+                "Prefetched bytes dropped unread (random access, close, expiry).",
+                &[],
+            )
+            .add(self.len() - hit);
         }
     }
 }

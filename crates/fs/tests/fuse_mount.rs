@@ -242,3 +242,56 @@ fn read_only_mount() {
     drop(handle);
     assert!(mountinfo_line(&root).is_none());
 }
+
+/// The sum of every series of metric `name` whose labels contain `labels`.
+fn metric(name: &str, labels: &str) -> f64 {
+    ferry_metrics::global()
+        .render()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.split(['{', ' ']).next() == Some(name) && l.contains(labels))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[test]
+fn fuse_operations_prefetch_hits_and_the_memory_budget_show_in_the_metrics() {
+    if !fuse_available() {
+        return;
+    }
+    let rt = runtime();
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    let data = body(6 << 20, 9);
+    store.insert(B, "metrics/seq.bin", data.clone());
+    let dir = tempfile::tempdir().unwrap();
+    let before = (
+        metric("ferry_fuse_operations_total", "op=\"read\""),
+        metric("ferry_fuse_operation_duration_seconds_count", "op=\"open\""),
+        metric("ferry_prefetch_hit_bytes_total", ""),
+    );
+    let m = mount_store(&store, dir.path(), &rt, |_| {});
+    let got = fs::read(dir.path().join("metrics/seq.bin")).unwrap();
+    assert!(got == data);
+    let after = (
+        metric("ferry_fuse_operations_total", "op=\"read\""),
+        metric("ferry_fuse_operation_duration_seconds_count", "op=\"open\""),
+        metric("ferry_prefetch_hit_bytes_total", ""),
+    );
+    assert!(
+        after.0 > before.0,
+        "FUSE reads counted: {before:?} -> {after:?}"
+    );
+    assert!(
+        after.1 > before.1,
+        "FUSE opens timed: {before:?} -> {after:?}"
+    );
+    m.unmount().unwrap();
+    // The sequential reader was served from prefetched parts (counted when they are dropped).
+    let hits = metric("ferry_prefetch_hit_bytes_total", "") - before.2;
+    assert!(hits >= (4 << 20) as f64, "{hits} prefetched bytes read");
+    assert!(
+        metric("ferry_memory_budget_used_bytes", "") >= 0.0,
+        "the budget gauge never goes below zero"
+    );
+}
