@@ -295,3 +295,23 @@ fn fuse_operations_prefetch_hits_and_the_memory_budget_show_in_the_metrics() {
         "the budget gauge never goes below zero"
     );
 }
+
+#[test]
+fn a_mount_reads_ahead_4_mib_so_sequential_reads_come_in_1_mib_requests() {
+    if !fuse_available() {
+        return;
+    }
+    let rt = runtime();
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    let dir = tempfile::tempdir().unwrap();
+    let m = mount_store(&store, dir.path(), &rt, |_| {});
+    let dev = fs::metadata(dir.path()).unwrap().dev();
+    let path = format!(
+        "/sys/class/bdi/{}:{}/read_ahead_kb",
+        libc::major(dev),
+        libc::minor(dev)
+    );
+    assert_eq!(fs::read_to_string(&path).unwrap().trim(), "4096", "{path}");
+    m.unmount().unwrap();
+}
