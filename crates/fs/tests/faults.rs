@@ -30,9 +30,9 @@ fn body(len: usize, seed: u32) -> Vec<u8> {
 
 /// Retries as in production but with short backoffs, and short timeouts so a hung request is
 /// abandoned (and retried) quickly.
-fn flaky_options() -> S3Options {
+fn flaky_options(max_attempts: u32) -> S3Options {
     S3Options {
-        max_attempts: 4,
+        max_attempts,
         initial_backoff: Duration::from_millis(10),
         max_backoff: Duration::from_millis(100),
         connect_timeout: Duration::from_secs(2),
@@ -50,14 +50,19 @@ struct Flaky {
     store: Arc<S3Store>,
 }
 
+/// A mount's store behind a fault proxy, retrying each request up to 4 times.
 fn flaky() -> Flaky {
+    flaky_with(4)
+}
+
+fn flaky_with(max_attempts: u32) -> Flaky {
     let env = Env::start();
     let proxy = FaultProxy::start(([127, 0, 0, 1], env.server.port()).into()).unwrap();
     let mut cfg = env.server.s3_config();
     cfg.endpoint_url = Some(proxy.url());
     let store = Arc::new(
         env.rt
-            .block_on(S3Store::with_options(cfg, flaky_options()))
+            .block_on(S3Store::with_options(cfg, flaky_options(max_attempts)))
             .unwrap(),
     );
     Flaky { env, proxy, store }
@@ -71,7 +76,11 @@ fn read_all(p: PathBuf) -> std::io::Result<Vec<u8>> {
 
 #[test]
 fn transient_faults_slow_reads_down_but_never_corrupt_them() {
-    let f = flaky();
+    // Every other request fails. One reader's retries alternate with successes, but concurrent
+    // readers' requests interleave, so one request can meet several faults in a row: with 4
+    // attempts a lookup (HEAD and LIST) failed about one run in a few. 10 attempts make that
+    // (1/2)^10 per request; the persistent-fault tests keep 4.
+    let f = flaky_with(10);
     let prefix = f.env.fresh_prefix("transient");
     let big = body(5 << 20, 1);
     f.env.put(&format!("{prefix}big"), &big);
