@@ -141,10 +141,11 @@ pub fn mount(
 }
 
 /// Kernel read-ahead of a mount, in KiB: with it (and 1 MiB FUSE requests, `max_pages`) a
-/// sequential reader's data comes in 1 MiB `read` requests, several in flight, instead of
-/// 128 KiB ones (P1 at 10 ms: 8,192 → 1,024 FUSE reads; 1 MiB and 16 MiB measured slower, the
-/// latter breaks the sequential pattern into small GETs: see doc/BENCHMARKS.md).
-const READ_AHEAD_KB: u32 = 4096;
+/// sequential reader's data comes in 1 MiB `read` requests instead of 128 KiB ones (P1 at 10 ms:
+/// 8,192 → 1,024 FUSE reads). 4 MiB and 16 MiB were measured too: more requests in flight at
+/// once arrive out of order and cost extra GETs (16 MiB: 510 instead of 135) and memory; see
+/// doc/BENCHMARKS.md.
+const READ_AHEAD_KB: u32 = 1024;
 
 /// Raises the read-ahead of the mount's backing device (`/sys/class/bdi/MAJOR:MINOR`): FUSE
 /// starts every mount at the kernel default (128 KiB) and `init` can only lower it. Needs root;

@@ -297,7 +297,7 @@ fn fuse_operations_prefetch_hits_and_the_memory_budget_show_in_the_metrics() {
 }
 
 #[test]
-fn a_mount_reads_ahead_4_mib_so_sequential_reads_come_in_1_mib_requests() {
+fn a_mount_reads_ahead_1_mib_so_sequential_reads_come_in_1_mib_requests() {
     if !fuse_available() {
         return;
     }
@@ -312,6 +312,6 @@ fn a_mount_reads_ahead_4_mib_so_sequential_reads_come_in_1_mib_requests() {
         libc::major(dev),
         libc::minor(dev)
     );
-    assert_eq!(fs::read_to_string(&path).unwrap().trim(), "4096", "{path}");
+    assert_eq!(fs::read_to_string(&path).unwrap().trim(), "1024", "{path}");
     m.unmount().unwrap();
 }
