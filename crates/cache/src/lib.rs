@@ -214,9 +214,17 @@ struct State {
     pending: u64,
     /// Objects a reader wants whole, by object file id, with their size: joined when the last
     /// block is stored.
-    wishes: HashMap<FileId, (ObjectKey, u64)>,
+    wishes: HashMap<FileId, Wish>,
     /// Objects being joined right now.
     assembling: HashSet<FileId>,
+}
+
+/// An object a reader wants whole, and the block indices it still lacks (so a stored block
+/// checks its own index, not the whole object: [`State::has_all_blocks`] hashes every block key).
+struct Wish {
+    obj: ObjectKey,
+    size: u64,
+    missing: HashSet<u64>,
 }
 
 impl State {
@@ -793,14 +801,20 @@ impl BlockCache {
         let blocks = size.div_ceil(self.cfg.block_size);
         {
             let mut st = self.lock();
-            if st.lru.contains(&Entry::Object(id)) || st.assembling.contains(&id) {
+            if st.lru.contains(&Entry::Object(id))
+                || st.assembling.contains(&id)
+                || st.wishes.contains_key(&id)
+            {
                 return;
             }
-            if !st.has_all_blocks(&obj, blocks) {
+            let missing: HashSet<u64> = (0..blocks)
+                .filter(|&i| !st.lru.contains(&Entry::Block(obj.block(i).file_id())))
+                .collect();
+            if !missing.is_empty() {
                 if st.wishes.len() >= MAX_WISHES {
                     st.wishes.clear();
                 }
-                st.wishes.insert(id, (obj, size));
+                st.wishes.insert(id, Wish { obj, size, missing });
                 return;
             }
         }
@@ -1019,12 +1033,12 @@ impl BlockCache {
         if stored {
             st.insert(Entry::Block(id), len);
         }
-        // The last block of an object a reader wants whole: join it now.
-        let wish = match st.wishes.get(&obj_id) {
-            Some((obj, size))
-                if stored && st.has_all_blocks(obj, size.div_ceil(self.cfg.block_size)) =>
-            {
-                Some((obj.clone(), *size))
+        // The last block of an object a reader wants whole: join it now (`assemble` checks
+        // that every block is still there).
+        let wish = match st.wishes.get_mut(&obj_id) {
+            Some(w) if stored => {
+                w.missing.remove(&key.index);
+                w.missing.is_empty().then(|| (w.obj.clone(), w.size))
             }
             _ => None,
         };
