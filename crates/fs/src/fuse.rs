@@ -111,16 +111,75 @@ impl FuseAdapter {
     }
 }
 
+/// Every operation the adapter serves (the `op` label of its metrics).
+const OPS: [&str; 29] = [
+    "access",
+    "create",
+    "flush",
+    "forget",
+    "fsync",
+    "fsyncdir",
+    "getattr",
+    "getxattr",
+    "link",
+    "listxattr",
+    "lookup",
+    "mkdir",
+    "mknod",
+    "open",
+    "opendir",
+    "read",
+    "readdir",
+    "readdirplus",
+    "release",
+    "releasedir",
+    "removexattr",
+    "rename",
+    "rmdir",
+    "setattr",
+    "setxattr",
+    "statfs",
+    "symlink",
+    "unlink",
+    "write",
+];
+
+type OpSeries = (Arc<ferry_metrics::Counter>, Arc<ferry_metrics::Histogram>);
+
+/// Each operation's counter and histogram, looked up in the registry once, not per request.
+static OP_METRICS: std::sync::LazyLock<HashMap<&'static str, OpSeries>> =
+    std::sync::LazyLock::new(|| {
+        let reg = ferry_metrics::global();
+        OPS.iter()
+            .map(|&op| {
+                let labels = [("op", op)];
+                let count = reg.counter(
+                    ferry_metrics::names::FUSE_OPS,
+                    "FUSE operations served, by operation.",
+                    &labels,
+                );
+                let time = reg.histogram(
+                    ferry_metrics::names::FUSE_OP_SECONDS,
+                    "FUSE operation latency in seconds (request to reply), by operation.",
+                    &labels,
+                );
+                (op, (count, time))
+            })
+            .collect()
+    });
+
 /// Counts and times one FUSE operation, from the request to its reply (when dropped).
 struct OpTimer {
-    op: &'static str,
+    series: &'static OpSeries,
     start: std::time::Instant,
 }
 
 impl OpTimer {
     fn start(op: &'static str) -> Self {
         OpTimer {
-            op,
+            series: OP_METRICS
+                .get(op)
+                .unwrap_or_else(|| panic!("FUSE operation {op} missing from OPS")),
             start: std::time::Instant::now(),
         }
     }
@@ -128,20 +187,8 @@ impl OpTimer {
 
 impl Drop for OpTimer {
     fn drop(&mut self) {
-        let reg = ferry_metrics::global();
-        let labels = [("op", self.op)];
-        reg.counter(
-            ferry_metrics::names::FUSE_OPS,
-            "FUSE operations served, by operation.",
-            &labels,
-        )
-        .inc();
-        reg.histogram(
-            ferry_metrics::names::FUSE_OP_SECONDS,
-            "FUSE operation latency in seconds (request to reply), by operation.",
-            &labels,
-        )
-        .observe(self.start.elapsed());
+        self.series.0.inc();
+        self.series.1.observe(self.start.elapsed());
     }
 }
 

@@ -233,6 +233,24 @@ impl Part {
     }
 }
 
+static PREFETCH_HITS: std::sync::LazyLock<Arc<ferry_metrics::Counter>> =
+    std::sync::LazyLock::new(|| {
+        ferry_metrics::global().counter(
+            names::PREFETCH_HIT_BYTES,
+            "Prefetched bytes later read by the application.",
+            &[],
+        )
+    });
+
+static PREFETCH_WASTE: std::sync::LazyLock<Arc<ferry_metrics::Counter>> =
+    std::sync::LazyLock::new(|| {
+        ferry_metrics::global().counter(
+            names::PREFETCH_WASTE_BYTES,
+            "Prefetched bytes dropped unread (random access, close, expiry).",
+            &[],
+        )
+    });
+
 impl Drop for Part {
     fn drop(&mut self) {
         let fetched = match &self.state {
@@ -245,22 +263,11 @@ impl Drop for Part {
             PartState::Failed(_) => false,
         };
         let hit = self.served.min(self.len());
-        let reg = ferry_metrics::global();
         if hit > 0 {
-            reg.counter(
-                names::PREFETCH_HIT_BYTES,
-                "Prefetched bytes later read by the application.",
-                &[],
-            )
-            .add(hit);
+            PREFETCH_HITS.add(hit);
         }
         if fetched && hit < self.len() {
-            reg.counter(
-                names::PREFETCH_WASTE_BYTES,
-                "Prefetched bytes dropped unread (random access, close, expiry).",
-                &[],
-            )
-            .add(self.len() - hit);
+            PREFETCH_WASTE.add(self.len() - hit);
         }
     }
 }
