@@ -576,6 +576,10 @@ impl BlockCache {
         let file = match file {
             Ok(file) => Bytes::from(file),
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                // A plain miss stays cheap: no blocking hop unless the object is whole on disk.
+                if !self.has_whole(&key.object()) {
+                    return None;
+                }
                 let (cache, key) = (self.clone(), key.clone());
                 return tokio::task::spawn_blocking(move || cache.read_from_whole(&key))
                     .await
