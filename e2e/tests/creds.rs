@@ -10,6 +10,8 @@
 //! the audiences the CSIDriver declares. moto does not verify web identity tokens; the Pod
 //! Identity stand-in accepts only the tokens associated with a role.
 
+mod common;
+
 use std::collections::HashMap;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -17,15 +19,12 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
-use ferry_controller::ControllerService;
 use ferry_creds::{
     PodCredentialCache, PodSettings, ProviderSettings, POD_IDENTITY_AUDIENCE, ROLE_ARN_ANNOTATION,
     STS_AUDIENCE,
 };
-use ferry_csi::pb::controller_server::ControllerServer;
-use ferry_csi::pb::node_server::NodeServer;
 use ferry_csi::stores::S3Stores;
-use ferry_e2e::{mount_capability, unix_channel, ControllerClient, NodeClient};
+use ferry_e2e::{mount_capability, ControllerClient, NodeClient};
 use ferry_kube::DryRun;
 use ferry_node::accounts::KubeServiceAccounts;
 use ferry_node::mounts::MountTable;
@@ -150,25 +149,10 @@ impl Env {
             Arc::new(MountTable::default()),
             Some(pod_auth),
         );
-        let ctrl_sock = dir.path().join("ctrl.sock");
-        let node_sock = dir.path().join("node.sock");
-        let ctrl_in = ferry_csi::endpoint::bind(&ctrl_sock).unwrap();
-        let node_in = ferry_csi::endpoint::bind(&node_sock).unwrap();
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .layer(ferry_csi::log::RpcLogLayer)
-                .add_service(ControllerServer::new(ControllerService::new(stores)))
-                .serve_with_incoming(ctrl_in),
-        );
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .layer(ferry_csi::log::RpcLogLayer)
-                .add_service(NodeServer::new(node))
-                .serve_with_incoming(node_in),
-        );
+        let (ctrl, node) = common::serve(dir.path(), stores, node).await;
         Env {
-            ctrl: ControllerClient::new(unix_channel(&ctrl_sock).await.unwrap()),
-            node: NodeClient::new(unix_channel(&node_sock).await.unwrap()),
+            ctrl,
+            node,
             _moto: moto,
             agent,
             _cluster: cluster,

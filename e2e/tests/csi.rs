@@ -2,16 +2,15 @@
 //! process, a real S3 server (versitygw) on loopback, real FUSE mounts, and gRPC clients speaking
 //! CSI to them the way csi-provisioner and kubelet do.
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
 use bytes::Bytes;
-use ferry_controller::ControllerService;
-use ferry_csi::pb::controller_server::ControllerServer;
-use ferry_csi::pb::node_server::NodeServer;
 use ferry_csi::stores::S3Stores;
-use ferry_e2e::{mount_capability, unix_channel, ControllerClient, NodeClient};
+use ferry_e2e::{mount_capability, ControllerClient, NodeClient};
 use ferry_node::mounts::MountTable;
 use ferry_node::{NodeConfig, NodeService};
 use ferry_proto::csi::v1 as pb;
@@ -58,26 +57,11 @@ impl Env {
             stores.clone(),
             mounts.clone(),
         );
-        let ctrl_sock = dir.path().join("ctrl.sock");
-        let node_sock = dir.path().join("node.sock");
-        let ctrl_in = ferry_csi::endpoint::bind(&ctrl_sock).unwrap();
-        let node_in = ferry_csi::endpoint::bind(&node_sock).unwrap();
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .layer(ferry_csi::log::RpcLogLayer)
-                .add_service(ControllerServer::new(ControllerService::new(stores)))
-                .serve_with_incoming(ctrl_in),
-        );
-        tokio::spawn(
-            tonic::transport::Server::builder()
-                .layer(ferry_csi::log::RpcLogLayer)
-                .add_service(NodeServer::new(node))
-                .serve_with_incoming(node_in),
-        );
+        let (ctrl, node) = common::serve(dir.path(), stores, node).await;
         let store = S3Store::new(s3.s3_config()).await.unwrap();
         Env {
-            ctrl: ControllerClient::new(unix_channel(&ctrl_sock).await.unwrap()),
-            node: NodeClient::new(unix_channel(&node_sock).await.unwrap()),
+            ctrl,
+            node,
             s3,
             store,
             dir,
