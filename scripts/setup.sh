@@ -15,6 +15,10 @@ FERRY_TOOLS=${FERRY_TOOLS:-$HOME/.cache/ferry-tools/bin}
 CSI_SANITY_VERSION=v5.4.0
 VERSITYGW_VERSION=v1.7.0
 mkdir -p "$FERRY_TOOLS"
+# Go's build cache for these tools is several GB (kubernetes) and of no use once a tool is stamped:
+# it lives beside the tools and is deleted when setup ends.
+export GOCACHE="$(dirname "$FERRY_TOOLS")/go-build"
+trap 'rm -rf "$GOCACHE"' EXIT
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
 

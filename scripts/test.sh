@@ -20,6 +20,13 @@ export FERRY_TOOLS=${FERRY_TOOLS:-$HOME/.cache/ferry-tools/bin}
 export PATH="$FERRY_TOOLS:$PATH"
 
 step() { printf '\n\033[1m==> %s\033[0m\n' "$*" >&2; }
+target=${CARGO_TARGET_DIR:-target}
+# Disk is the scarce thing on CI machines (a cold run once hit "No space left on device" while linking):
+# no incremental caches for a one-shot build, and the free space is printed before and after the builds.
+export CARGO_INCREMENTAL=0
+disk() { mkdir -p "$target" && printf '[disk] %s: %s free, target %s\n' "$1" \
+  "$(df -h --output=avail "$target" | tail -1 | tr -d ' ')" "$(du -sh "$target" 2>/dev/null | cut -f1)" >&2; }
+disk "before the build"
 
 step "cargo fmt --check"
 cargo fmt --all -- --check
@@ -34,15 +41,16 @@ step "cargo test --workspace"
 cargo test --workspace --locked --no-fail-fast
 
 cargo build --locked --workspace --bins
+disk "after the build"
 
 step "node plugin restart with live mounts (real binaries)"
-"${CARGO_TARGET_DIR:-target}/debug/ferry-harness" restart
+"$target/debug/ferry-harness" restart
 
 step "driver- and pod-level IRSA (real binaries, moto, kube-apiserver)"
-"${CARGO_TARGET_DIR:-target}/debug/ferry-harness" driver-irsa
+"$target/debug/ferry-harness" driver-irsa
 
 step "csi-sanity $(cat "$FERRY_TOOLS/.csi-sanity.version" 2>/dev/null)"
-"${CARGO_TARGET_DIR:-target}/debug/ferry-harness" sanity
+"$target/debug/ferry-harness" sanity
 
 step "Kubernetes e2e: real kube-apiserver $(cat "$FERRY_TOOLS/.kube-apiserver.version" 2>/dev/null), csi-provisioner $(cat "$FERRY_TOOLS/.csi-provisioner.version" 2>/dev/null)"
-"${CARGO_TARGET_DIR:-target}/debug/ferry-harness" kube
+"$target/debug/ferry-harness" kube
