@@ -11,7 +11,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use bytes::{Bytes, BytesMut};
-use ferry_store::{CompletedPart, ListRequest, ObjectStore, StoreError};
+use ferry_store::{list_all, CompletedPart, ListAll, ListRequest, ObjectStore, StoreError};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
@@ -37,6 +37,11 @@ use crate::prefetch::{fetch, CacheUse, Part, SmallObjects, Source};
 pub const BLKSIZE: u32 = 4096;
 /// Most hidden keys remembered (so each is logged once).
 const HIDDEN_LOG_MAX: usize = 10_000;
+
+/// LIST requests in flight at most while one directory of many pages is listed: after its first
+/// page, the listing guesses where later pages start and lists them at once
+/// ([`ferry_store::listing`]).
+const LIST_CONCURRENCY: usize = 8;
 
 /// A file's or directory's attributes as `stat` shows them.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -788,21 +793,13 @@ impl Fs {
             dir_prefix(&self.cfg.prefix, &inode.path)
         };
         let mut builder = ListingBuilder::new(&dprefix);
-        let mut continuation = None;
-        loop {
-            let req = ListRequest {
-                prefix: &dprefix,
-                delimiter: Some("/"),
-                continuation: continuation.take(),
-                ..Default::default()
-            };
-            let page = self.store.list(self.bucket(), req).await?;
-            builder.add_page(&page.objects, &page.common_prefixes);
-            match page.next_token {
-                Some(token) => continuation = Some(token),
-                None => break,
-            }
-        }
+        let listed = list_all(
+            &*self.store,
+            self.bucket(),
+            ListAll::dir(&dprefix, LIST_CONCURRENCY),
+        )
+        .await?;
+        builder.add_page(&listed.objects, &listed.common_prefixes);
         self.install_listing(ino, builder.finish(), Instant::now(), false)
     }
 

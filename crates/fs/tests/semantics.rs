@@ -571,6 +571,41 @@ fn listing(c: &Ctx) {
     // Unlink shows at once.
     fs::remove_file(m.path("d/a")).unwrap();
     assert_eq!(names(&m.path("d")).len(), 4);
+
+    // A directory of three pages is listed with several LISTs in flight (ranges guessed from
+    // the names of the first page): the same entries as one listing page by page, in order,
+    // subdirectories (common prefixes) inside the guessed ranges included.
+    let p = c.env.fresh_prefix("sem-pages");
+    let mut keys: Vec<String> = (0..2300).map(|i| format!("f-{i:05}")).collect();
+    keys.extend(["f-01000x/y", "f-01999x/y/z", "f-02999x/y", "g/1", "a b"].map(String::from));
+    let store = c.env.store.clone();
+    c.env.rt.block_on(async {
+        for chunk in keys.chunks(64) {
+            let puts = chunk.iter().map(|k| {
+                let key = format!("{p}{k}");
+                let store = store.clone();
+                async move {
+                    store
+                        .put(BUCKET, &key, bytes::Bytes::from_static(b"x"))
+                        .await
+                }
+            });
+            for r in futures::future::join_all(puts).await {
+                r.unwrap();
+            }
+        }
+    });
+    let m = c.mount(&p, |_| {});
+    let mut want: Vec<(String, bool)> = keys
+        .iter()
+        .map(|k| match k.split_once('/') {
+            Some((d, _)) => (d.to_owned(), true),
+            None => (k.clone(), false),
+        })
+        .collect();
+    want.sort();
+    want.dedup();
+    assert_eq!(names(&m.path("")), want, "a listing of 3 pages");
 }
 
 fn lookup(c: &Ctx) {

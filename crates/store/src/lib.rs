@@ -13,11 +13,13 @@ use async_trait::async_trait;
 use bytes::Bytes;
 
 pub mod faulty;
+pub mod listing;
 mod md5;
 pub mod memory;
 pub mod s3;
 
 pub use faulty::{FaultStats, FaultyStore};
+pub use listing::{list_all, ListAll, Listed};
 pub use memory::{MemoryStore, StoreStats};
 pub use s3::{https_client_with_ca_bundle, S3Config, S3Credentials, S3Options, S3Store};
 
