@@ -1914,11 +1914,12 @@ impl Fs {
 
     /// `flush` (every `close`): completes the upload when called by the opening process, so
     /// `close` reports upload errors; other processes' closes (forked children) do nothing.
-    pub async fn flush(&self, fh: u64, pid: u32) -> Result<(), FsError> {
+    /// `pid` gives the caller's process id; it is asked only for a write handle.
+    pub async fn flush(&self, fh: u64, pid: impl FnOnce() -> u32) -> Result<(), FsError> {
         let h = self.handle(fh)?;
         let mut g = h.lock().await;
         match &mut *g {
-            Handle::Write(w) if w.pid == pid => self.complete(w).await,
+            Handle::Write(w) if w.pid == pid() => self.complete(w).await,
             Handle::Write(_) | Handle::Read(_) | Handle::Dir(_) => Ok(()),
         }
     }

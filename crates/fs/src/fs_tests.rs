@@ -124,7 +124,7 @@ async fn write_new(fs: &Fs, parent: Ino, name: &str, bytes: &[u8], chunk: usize)
         assert_eq!(fs.write(o.fh, off, c).await.unwrap() as usize, c.len());
         off += c.len() as u64;
     }
-    fs.flush(o.fh, PID).await.unwrap();
+    fs.flush(o.fh, || PID).await.unwrap();
     fs.release(o.fh).await.unwrap();
     e.attr.ino
 }
@@ -573,12 +573,12 @@ async fn small_write_is_one_put_visible_at_flush() {
         libc::EBUSY
     );
     // A flush from another process (a forked child closing its copy) does not complete it.
-    fs.flush(o.fh, PID + 1).await.unwrap();
+    fs.flush(o.fh, || PID + 1).await.unwrap();
     assert!(store.get_object(B, "new.txt").is_none());
-    fs.flush(o.fh, PID).await.unwrap();
+    fs.flush(o.fh, || PID).await.unwrap();
     assert_eq!(store.get_object(B, "new.txt").unwrap(), &b"hello world"[..]);
     assert_eq!(errno(fs.write(o.fh, 11, b"!").await), libc::EBADF);
-    fs.flush(o.fh, PID).await.unwrap();
+    fs.flush(o.fh, || PID).await.unwrap();
     fs.release(o.fh).await.unwrap();
     let s = store.stats();
     assert_eq!((s.put, s.create_multipart), (1, 0));

@@ -479,7 +479,9 @@ impl Filesystem for FuseAdapter {
         let pt = self.pt.clone();
         let read_only = flags.0 & libc::O_ACCMODE == libc::O_RDONLY && flags.0 & libc::O_TRUNC == 0;
         self.spawn("open", move |fs| async move {
-            let o = match fs.open(ino.0, flags.0, tgid(pid)).await {
+            // Only a write handle keeps its process (reading /proc costs more than the open).
+            let owner = if read_only { pid } else { tgid(pid) };
+            let o = match fs.open(ino.0, flags.0, owner).await {
                 Ok(o) => o,
                 Err(e) => return reply.error(errno("open", &e)),
             };
@@ -563,7 +565,7 @@ impl Filesystem for FuseAdapter {
     ) {
         let pid = req.pid();
         self.spawn("flush", move |fs| async move {
-            match fs.flush(fh.0, tgid(pid)).await {
+            match fs.flush(fh.0, || tgid(pid)).await {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(errno("flush", &e)),
             }

@@ -294,7 +294,7 @@ impl Kernel {
                     self.fs.write(fh, off, c).await?;
                     off += c.len() as u64;
                 }
-                self.fs.flush(fh, PID).await?;
+                self.fs.flush(fh, || PID).await?;
                 self.fs.release(fh).await?;
                 Ok(Outcome::Ok)
             }
