@@ -15,8 +15,13 @@
 //! costs one empty LIST. A guess that lands too close to the previous one costs a page read for
 //! little. Names that give no usable guess (a single page, non-ASCII bytes where the names differ)
 //! are listed page by page as before.
+//!
+//! All of this rests on S3's order: keys and common prefixes in byte order, page after page. A
+//! server that lists in another order (a file-system walk that puts `a/` before `a-b`, say) is
+//! caught where a page is out of order or starts before the previous one ended; the listing is
+//! then made again page by page, in the server's order, so no entry is lost.
 
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use futures::future::{try_join, try_join_all, BoxFuture, FutureExt};
 use tokio::sync::Semaphore;
@@ -65,19 +70,56 @@ pub async fn list_all(store: &dyn ObjectStore, bucket: &str, opts: ListAll<'_>) 
         opts,
         permits: Semaphore::new(opts.concurrency.max(1)),
         requests: AtomicU32::new(0),
+        unordered: AtomicBool::new(false),
     };
-    let entries = lister.range(None, None, 1).await?;
-    let mut listed = Listed {
-        requests: lister.requests.load(Ordering::Relaxed),
-        ..Listed::default()
-    };
-    for entry in entries {
-        match entry {
-            Entry::Object(o) => listed.objects.push(o),
-            Entry::Prefix(p) => listed.common_prefixes.push(p),
+    if opts.concurrency > 1 {
+        let entries = lister.range(None, None, 1).await?;
+        if !lister.unordered.load(Ordering::Relaxed) {
+            let mut listed = Listed {
+                requests: lister.requests.load(Ordering::Relaxed),
+                ..Listed::default()
+            };
+            for entry in entries {
+                match entry {
+                    Entry::Object(o) => listed.objects.push(o),
+                    Entry::Prefix(p) => listed.common_prefixes.push(p),
+                }
+            }
+            return Ok(listed);
         }
+        tracing::warn!(
+            prefix = opts.prefix,
+            "the server lists out of S3's byte order: listing page by page instead"
+        );
     }
-    Ok(listed)
+    lister.sequential().await
+}
+
+impl Lister<'_> {
+    /// Every page, one after the other, as the server orders them.
+    async fn sequential(&self) -> Result<Listed> {
+        let mut listed = Listed::default();
+        let mut token = None;
+        loop {
+            self.requests.fetch_add(1, Ordering::Relaxed);
+            let req = ListRequest {
+                prefix: self.opts.prefix,
+                delimiter: self.opts.delimiter,
+                continuation: token.take(),
+                max_keys: self.opts.page_size,
+                start_after: None,
+            };
+            let page = self.store.list(self.bucket, req).await?;
+            listed.objects.extend(page.objects);
+            listed.common_prefixes.extend(page.common_prefixes);
+            match page.next_token {
+                Some(t) => token = Some(t),
+                None => break,
+            }
+        }
+        listed.requests = self.requests.load(Ordering::Relaxed);
+        Ok(listed)
+    }
 }
 
 enum Entry {
@@ -117,6 +159,9 @@ struct Lister<'a> {
     opts: ListAll<'a>,
     permits: Semaphore,
     requests: AtomicU32,
+    /// Set when the server was seen to list out of byte order: the ranges stop, and the
+    /// listing is made again page by page.
+    unordered: AtomicBool,
 }
 
 impl<'a> Lister<'a> {
@@ -141,6 +186,11 @@ impl<'a> Lister<'a> {
             };
             self.store.list(self.bucket, req).await?
         };
+        if !page.objects.is_sorted_by(|a, b| a.key < b.key)
+            || !page.common_prefixes.is_sorted_by(|a, b| a < b)
+        {
+            self.unordered.store(true, Ordering::Relaxed);
+        }
         let mut entries: Vec<Entry> = page.objects.into_iter().map(Entry::Object).collect();
         entries.extend(page.common_prefixes.into_iter().map(Entry::Prefix));
         entries.sort_by(|a, b| a.name().cmp(b.name()));
@@ -175,17 +225,17 @@ impl<'a> Lister<'a> {
             };
             let token = first.next_token.clone();
             keep(&mut out, first.entries, start.as_deref(), end.as_deref());
-            if done {
+            if done || self.unordered.load(Ordering::Relaxed) {
                 return Ok(out);
             }
             if splits.is_empty() {
-                out.extend(self.rest(token, start, end).await?);
+                out.extend(self.rest(token, last, start, end).await?);
                 return Ok(out);
             }
             debug_assert!(last.as_deref() < Some(splits[0].as_str()));
             // This range now ends at the first split; the splits between them make bounded ranges,
             // and the last split starts a new unbounded one.
-            let mine = self.rest(token, start, Some(splits[0].clone()));
+            let mine = self.rest(token, last, start, Some(splits[0].clone()));
             let mut ranges = Vec::with_capacity(splits.len());
             for (i, s) in splits.iter().enumerate() {
                 ranges.push(self.range(Some(s.clone()), splits.get(i + 1).cloned(), wave * 2));
@@ -198,17 +248,29 @@ impl<'a> Lister<'a> {
         .boxed()
     }
 
-    /// Pages on from `token` (a continuation of a listing that started after `start`) and keeps
-    /// what sorts in `(start, end]`.
+    /// Pages on from `token` (a continuation of a listing that started after `start`, whose
+    /// last page ended at `last`) and keeps what sorts in `(start, end]`.
     async fn rest(
         &self,
         mut token: Option<String>,
+        mut last: Option<String>,
         start: Option<String>,
         end: Option<String>,
     ) -> Result<Vec<Entry>> {
         let mut out = Vec::new();
         while let Some(t) = token.take() {
+            if self.unordered.load(Ordering::Relaxed) {
+                break;
+            }
             let page = self.page(None, Some(t)).await?;
+            let first = page.entries.first().map(Entry::name);
+            if first.is_some_and(|f| last.as_deref().is_some_and(|l| f <= l)) {
+                self.unordered.store(true, Ordering::Relaxed);
+                break;
+            }
+            if let Some(l) = page.last() {
+                last = Some(l.to_owned());
+            }
             let done = page.ends(end.as_deref());
             token = page.next_token.clone();
             keep(&mut out, page.entries, start.as_deref(), end.as_deref());
@@ -310,7 +372,9 @@ fn guess_splits(entries: &[Entry], count: usize) -> Vec<String> {
         }
         let mut s = last[..from].to_vec();
         s.extend_from_slice(&digits);
-        let s = String::from_utf8(s).expect("ASCII digits after a prefix of a valid name");
+        let Ok(s) = String::from_utf8(s) else {
+            break; // not reached: a window starts on an ASCII byte, so `from` is a char boundary
+        };
         if s.as_bytes() <= last || splits.last().is_some_and(|p: &String| s <= *p) {
             break;
         }
@@ -384,6 +448,53 @@ mod tests {
         inner: MemoryStore,
         now: AtomicUsize,
         peak: AtomicUsize,
+        /// List as a file-system walk does instead of in byte order (see `walk_list`).
+        walk_order: bool,
+    }
+
+    /// A LIST in the order of a file-system walk, where a directory's entries come before the
+    /// names that sort between its name and its `/` (`a/` before `a-b`), as versitygw's would.
+    /// Continuation tokens are entry indices.
+    fn walk_list(keys: Vec<String>, req: &ListRequest<'_>) -> ListPage {
+        let mut entries: Vec<(String, bool)> = keys
+            .into_iter()
+            .filter_map(|k| {
+                let rest = k.strip_prefix(req.prefix)?;
+                Some(
+                    match req
+                        .delimiter
+                        .and_then(|d| rest.find(d).map(|i| i + d.len()))
+                    {
+                        Some(end) => (format!("{}{}", req.prefix, &rest[..end]), true),
+                        None => (k.clone(), false),
+                    },
+                )
+            })
+            .collect();
+        let walk = |n: &str| n.replace('/', "\0");
+        entries.sort_by_key(|(n, _)| walk(n));
+        entries.dedup();
+        let from = match (&req.continuation, req.start_after) {
+            (Some(t), _) => t.parse().unwrap(),
+            (None, Some(after)) => entries.partition_point(|(n, _)| walk(n) <= walk(after)),
+            (None, None) => 0,
+        };
+        let to = (from + req.max_keys.unwrap_or(1000) as usize).min(entries.len());
+        let mut page = ListPage::default();
+        for (name, is_prefix) in &entries[from..to] {
+            if *is_prefix {
+                page.common_prefixes.push(name.clone());
+            } else {
+                page.objects.push(ObjectInfo {
+                    key: name.clone(),
+                    size: 1,
+                    etag: None,
+                    last_modified: None,
+                });
+            }
+        }
+        page.next_token = (to < entries.len()).then(|| to.to_string());
+        page
     }
 
     #[async_trait]
@@ -395,7 +506,10 @@ mod tests {
             let now = self.now.fetch_add(1, Ordering::SeqCst) + 1;
             self.peak.fetch_max(now, Ordering::SeqCst);
             tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-            let page = self.inner.list(bucket, req).await;
+            let page = match self.walk_order {
+                true => Ok(walk_list(self.inner.keys(bucket), &req)),
+                false => self.inner.list(bucket, req).await,
+            };
             self.now.fetch_sub(1, Ordering::SeqCst);
             page
         }
@@ -457,7 +571,33 @@ mod tests {
             inner,
             now: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
+            walk_order: false,
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_server_out_of_byte_order_is_listed_page_by_page() {
+        // "d005-x" sorts before "d005/" in bytes, after it in a walk.
+        let keys: Vec<String> = (0..300)
+            .flat_map(|i| [format!("p/d{i:03}-x"), format!("p/d{i:03}/y")])
+            .collect();
+        let store = Counting {
+            walk_order: true,
+            ..store_with(&keys).await
+        };
+        let seq = sequential(&store, "p/", Some("/"), 50).await;
+        assert_eq!(seq.objects.len() + seq.common_prefixes.len(), 600);
+        let opts = ListAll {
+            page_size: Some(50),
+            ..ListAll::dir("p/", 8)
+        };
+        let par = list_all(&store, B, opts).await.unwrap();
+        assert_eq!(names_of(&par), names_of(&seq), "the server's own listing");
+        assert!(
+            par.requests > 12,
+            "ranges were tried first: {}",
+            par.requests
+        );
     }
 
     async fn sequential(
