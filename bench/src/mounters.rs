@@ -257,8 +257,8 @@ impl Mount {
     }
 
     /// Ferry's S3 requests so far by operation, from its `/metrics` endpoint, e.g.
-    /// `get 2000, list 3`; results other than `ok` are spelled out; and its FUSE read requests
-    /// (`FUSE read 8192`). `None` for other mounters.
+    /// `get 2000, list 3`; results other than `ok` are spelled out; and its FUSE requests by
+    /// operation (`FUSE read 8192`, `FUSE open 1`). `None` for other mounters.
     pub fn s3_requests(&self) -> Option<String> {
         use std::io::{Read, Write};
         let addr = self.metrics_addr.as_ref()?;
@@ -270,13 +270,13 @@ impl Mount {
         s.read_to_string(&mut text).ok()?;
         let mut counts: Vec<(String, f64)> = Vec::new();
         for line in text.lines() {
-            // FUSE reads too: how many requests the kernel split the reads into.
+            // FUSE requests too: e.g. how many requests the kernel split the reads into.
             let (rest, fuse) = match (
                 line.strip_prefix("ferry_s3_requests_total{"),
                 line.strip_prefix("ferry_fuse_operations_total{"),
             ) {
                 (Some(rest), _) => (rest, false),
-                (_, Some(rest)) if rest.contains("op=\"read\"") => (rest, true),
+                (_, Some(rest)) => (rest, true),
                 _ => continue,
             };
             let Some((labels, value)) = rest.split_once("} ") else {

@@ -1,6 +1,8 @@
 //! The thin fuser adapter: implements [`fuser::Filesystem`] by handing each request to the core
 //! ([`crate::fs::Fs`]) on the tokio runtime and replying from the task, so the session thread
-//! never waits for S3 and requests proceed concurrently. No filesystem logic lives here.
+//! never waits for S3 and requests proceed concurrently. A few metadata operations are polled once
+//! on the session thread first and answered there when they need nothing remote. No filesystem
+//! logic lives here.
 
 use std::collections::HashMap;
 use std::ffi::OsStr;
@@ -103,13 +105,28 @@ impl FuseAdapter {
         Fut: Future<Output = ()> + Send + 'static,
     {
         let timer = OpTimer::start(op);
-        let fut = f(self.fs.clone());
+        let mut fut = Box::pin(f(self.fs.clone()));
+        if INLINE.contains(&op) {
+            // Metadata answered from memory (a cached lookup, an open pinning a cached ETag, a
+            // read handle's flush or release) completes at its first poll: reply from this thread
+            // and save the hop to a runtime worker. Whatever has to wait is handed on as is (a
+            // future may be polled with one waker and then another).
+            let _rt = self.rt.enter();
+            let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+            if fut.as_mut().poll(&mut cx).is_ready() {
+                drop(timer);
+                return;
+            }
+        }
         self.rt.spawn(async move {
             fut.await;
             drop(timer);
         });
     }
 }
+
+/// Operations first polled on the session thread: they rarely wait, and never copy file data.
+const INLINE: [&str; 5] = ["lookup", "getattr", "open", "flush", "release"];
 
 /// Every operation the adapter serves (the `op` label of its metrics).
 const OPS: [&str; 29] = [
@@ -230,12 +247,17 @@ fn file_attr(a: &Attr) -> FileAttr {
     }
 }
 
-fn fopen_flags(o: Opened) -> FopenFlags {
+/// The open's flags: keep the page cache when the version is the same, and for a read handle no
+/// `FLUSH` at `close` (it has nothing to flush; one request fewer per file read).
+fn fopen_flags(o: Opened, read_only: bool) -> FopenFlags {
+    let mut flags = FopenFlags::empty();
     if o.keep_cache {
-        FopenFlags::FOPEN_KEEP_CACHE
-    } else {
-        FopenFlags::empty()
+        flags |= FopenFlags::FOPEN_KEEP_CACHE;
     }
+    if read_only {
+        flags |= FopenFlags::FOPEN_NOFLUSH;
+    }
+    flags
 }
 
 /// FUSE reports the calling thread; uploads belong to processes (thread groups). Falls back to
@@ -497,7 +519,7 @@ impl Filesystem for FuseAdapter {
                             pt.handles.lock().expect("handles lock").insert(o.fh, ino.0);
                             return reply.opened_passthrough(
                                 FileHandle(o.fh),
-                                FopenFlags::empty(),
+                                FopenFlags::FOPEN_NOFLUSH,
                                 &id,
                             );
                         }
@@ -511,7 +533,7 @@ impl Filesystem for FuseAdapter {
                     }
                 }
             }
-            reply.opened(FileHandle(o.fh), fopen_flags(o))
+            reply.opened(FileHandle(o.fh), fopen_flags(o, read_only))
         });
     }
 
@@ -748,7 +770,7 @@ impl Filesystem for FuseAdapter {
                     &file_attr(&e.attr),
                     Generation(0),
                     FileHandle(o.fh),
-                    fopen_flags(o),
+                    fopen_flags(o, false),
                 ),
                 Err(e) => reply.error(errno("create", &e)),
             }
