@@ -184,7 +184,15 @@ impl Mount {
 impl Drop for Mount {
     fn drop(&mut self) {
         if let Some(h) = self.handle.take() {
-            let _ = h.unmount();
+            if let Err(e) = h.unmount() {
+                // Still busy (a test failed with a file open): detach it, or the mount would
+                // outlive this process as a dead FUSE connection in the machine's mount table.
+                eprintln!("unmounting {}: {e}; detaching it", self.root.display());
+                let path = std::ffi::CString::new(self.root.as_os_str().as_encoded_bytes())
+                    .expect("no NUL in a temp dir path");
+                // SAFETY: a valid NUL-terminated path; umount2 only reads it.
+                unsafe { libc::umount2(path.as_ptr(), libc::MNT_DETACH) };
+            }
         }
     }
 }
