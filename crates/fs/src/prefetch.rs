@@ -233,22 +233,21 @@ impl Part {
     }
 }
 
-static PREFETCH_HITS: std::sync::LazyLock<Arc<ferry_metrics::Counter>> =
+/// (hit bytes, wasted bytes) counters, looked up in the registry once.
+static PREFETCH_BYTES: std::sync::LazyLock<[Arc<ferry_metrics::Counter>; 2]> =
     std::sync::LazyLock::new(|| {
-        ferry_metrics::global().counter(
-            names::PREFETCH_HIT_BYTES,
-            "Prefetched bytes later read by the application.",
-            &[],
-        )
-    });
-
-static PREFETCH_WASTE: std::sync::LazyLock<Arc<ferry_metrics::Counter>> =
-    std::sync::LazyLock::new(|| {
-        ferry_metrics::global().counter(
-            names::PREFETCH_WASTE_BYTES,
-            "Prefetched bytes dropped unread (random access, close, expiry).",
-            &[],
-        )
+        let reg = ferry_metrics::global();
+        [
+            (
+                names::PREFETCH_HIT_BYTES,
+                "Prefetched bytes later read by the application.",
+            ),
+            (
+                names::PREFETCH_WASTE_BYTES,
+                "Prefetched bytes dropped unread (random access, close, expiry).",
+            ),
+        ]
+        .map(|(name, help)| reg.counter(name, help, &[]))
     });
 
 impl Drop for Part {
@@ -263,11 +262,12 @@ impl Drop for Part {
             PartState::Failed(_) => false,
         };
         let hit = self.served.min(self.len());
+        let [hits, waste] = &*PREFETCH_BYTES;
         if hit > 0 {
-            PREFETCH_HITS.add(hit);
+            hits.add(hit);
         }
         if fetched && hit < self.len() {
-            PREFETCH_WASTE.add(self.len() - hit);
+            waste.add(self.len() - hit);
         }
     }
 }
@@ -364,7 +364,11 @@ struct SmallEntry {
 #[derive(Debug, Default)]
 pub struct SmallObjects {
     entries: Arc<Mutex<HashMap<(String, String), SmallEntry>>>,
+    /// Versions opened, with when (the latest open).
     opened: HashMap<(String, String), Instant>,
+    /// The same opens in the order they happened, so expiring old ones looks only at those: an
+    /// open of a dataset of many small files must not scan every file opened within the TTL.
+    opened_order: VecDeque<(Instant, (String, String))>,
 }
 
 type Entries = HashMap<(String, String), SmallEntry>;
@@ -387,8 +391,9 @@ impl SmallObjects {
 
     /// Records that `key` at `etag` was opened (so it is not fetched ahead again).
     pub fn opened(&mut self, key: &str, etag: &str) {
-        self.opened
-            .insert((key.to_owned(), etag.to_owned()), Instant::now());
+        let (k, now) = ((key.to_owned(), etag.to_owned()), Instant::now());
+        self.opened.insert(k.clone(), now);
+        self.opened_order.push_back((now, k));
     }
 
     /// Adds an entry and starts its timer (on the current runtime): it is dropped once `ttl` has
@@ -417,7 +422,16 @@ impl SmallObjects {
     pub fn expire(&mut self, ttl: std::time::Duration) {
         drop_expired(&mut lock_entries(&self.entries), ttl);
         let now = Instant::now();
-        self.opened.retain(|_, at| now.duration_since(*at) < ttl);
+        while let Some((at, _)) = self.opened_order.front() {
+            if now.duration_since(*at) < ttl {
+                break;
+            }
+            let (at, k) = self.opened_order.pop_front().expect("front exists");
+            // A later open of the same version keeps it (its own turn comes later).
+            if self.opened.get(&k) == Some(&at) {
+                self.opened.remove(&k);
+            }
+        }
     }
 
     pub fn len(&self) -> usize {
@@ -426,5 +440,35 @@ impl SmallObjects {
 
     pub fn is_empty(&self) -> bool {
         lock_entries(&self.entries).is_empty()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[tokio::test(start_paused = true)]
+    async fn opened_versions_are_remembered_for_the_ttl_counted_from_the_latest_open() {
+        let ttl = Duration::from_secs(10);
+        let mut small = SmallObjects::default();
+        small.opened("a", "e1");
+        small.opened("b", "e1");
+        tokio::time::advance(Duration::from_secs(6)).await;
+        small.opened("a", "e1"); // opened again: remembered 10 s from now
+        small.expire(ttl);
+        assert!(small.contains("a", "e1") && small.contains("b", "e1"));
+        assert!(
+            !small.contains("a", "e2"),
+            "another version is another object"
+        );
+        tokio::time::advance(Duration::from_secs(5)).await;
+        small.expire(ttl);
+        assert!(!small.contains("b", "e1"), "b's open is 11 s old");
+        assert!(small.contains("a", "e1"), "a's latest open is 5 s old");
+        tokio::time::advance(Duration::from_secs(5)).await;
+        small.expire(ttl);
+        assert!(!small.contains("a", "e1"));
+        assert!(small.opened.is_empty() && small.opened_order.is_empty());
     }
 }
