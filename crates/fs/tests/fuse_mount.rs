@@ -10,6 +10,9 @@ use std::sync::Arc;
 use ferry_fs::{is_mounted, mount, MetadataTtl, MountConfig, MountContext, MountHandle};
 use ferry_store::MemoryStore;
 
+mod common;
+use common::metric;
+
 const B: &str = "bkt";
 
 fn runtime() -> tokio::runtime::Runtime {
@@ -134,7 +137,7 @@ fn read_write_unlink_through_the_kernel() {
         sizes.push(fs::symlink_metadata(e.path()).unwrap().len());
     }
     assert_eq!(sizes.len(), 100);
-    assert_eq!(sizes.iter().sum::<u64>(), (0..100).sum());
+    assert_eq!(sizes.iter().sum::<u64>(), (0..100u64).sum::<u64>());
     assert_eq!(store.stats().head, 0, "{:?}", store.stats());
 
     // Parallel reads from several threads.
@@ -241,17 +244,6 @@ fn read_only_mount() {
     // Dropping the handle unmounts too.
     drop(handle);
     assert!(mountinfo_line(&root).is_none());
-}
-
-/// The sum of every series of metric `name` whose labels contain `labels`.
-fn metric(name: &str, labels: &str) -> f64 {
-    ferry_metrics::global()
-        .render()
-        .lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.split(['{', ' ']).next() == Some(name) && l.contains(labels))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum()
 }
 
 #[test]

@@ -908,14 +908,7 @@ fn op_close(c: &Ctx) {
     assert_eq!(c.key(&p, "g").unwrap(), b"first second");
     // A read-only open is closed without a FLUSH request (FOPEN_NOFLUSH); a write handle's close
     // sends one. (The checks run one at a time, so the process-wide count is this mount's.)
-    let flushes = || {
-        ferry_metrics::global()
-            .render()
-            .lines()
-            .filter(|l| l.starts_with("ferry_fuse_operations_total{") && l.contains("op=\"flush\""))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum::<f64>()
-    };
+    let flushes = || common::metric("ferry_fuse_operations_total", "op=\"flush\"");
     let before = flushes();
     assert_eq!(fs::read(m.path("g")).unwrap(), b"first second");
     assert_eq!(flushes(), before, "no FLUSH for a read-only close");

@@ -253,3 +253,15 @@ pub fn cases(default: u32) -> u32 {
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
 }
+
+/// The sum of every series of metric `name` in the process-wide registry whose labels contain
+/// `labels`.
+pub fn metric(name: &str, labels: &str) -> f64 {
+    ferry_metrics::global()
+        .render()
+        .lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter(|l| l.split(['{', ' ']).next() == Some(name) && l.contains(labels))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
