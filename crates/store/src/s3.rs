@@ -29,6 +29,7 @@
 
 use std::fmt;
 use std::ops::Range;
+use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
@@ -46,6 +47,8 @@ use aws_sdk_s3::operation::RequestId;
 use aws_sdk_s3::primitives::{ByteStream, DateTime};
 use aws_sdk_s3::types::{CompletedMultipartUpload, Delete, ObjectIdentifier};
 use bytes::Bytes;
+
+mod raw_get;
 
 use crate::{
     CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, PutResult, Result, StoreError,
@@ -123,6 +126,9 @@ pub struct S3Options {
     /// A PEM file of CA certificates trusted besides the system's, for endpoints with a private
     /// CA (`--ca-bundle` / `AWS_CA_BUNDLE`). Default none.
     pub ca_bundle: Option<std::path::PathBuf>,
+    /// GETs are signed and sent without the SDK's orchestrator (see `raw_get`), on the same HTTP
+    /// connector settings; the SDK path serves them when off. Default on.
+    pub raw_get: bool,
 }
 
 impl Default for S3Options {
@@ -137,6 +143,7 @@ impl Default for S3Options {
             body_timeout: Duration::from_secs(120),
             body_attempts: 3,
             ca_bundle: None,
+            raw_get: true,
         }
     }
 }
@@ -147,6 +154,19 @@ pub fn https_client_with_ca_bundle(
     path: &std::path::Path,
 ) -> std::result::Result<aws_sdk_s3::config::SharedHttpClient, String> {
     use aws_smithy_http_client::tls;
+    Ok(aws_smithy_http_client::Builder::new()
+        .tls_provider(tls::Provider::Rustls(
+            tls::rustls_provider::CryptoMode::AwsLc,
+        ))
+        .tls_context(tls_context_with_ca_bundle(path)?)
+        .build_https())
+}
+
+/// The TLS settings of [`https_client_with_ca_bundle`].
+fn tls_context_with_ca_bundle(
+    path: &std::path::Path,
+) -> std::result::Result<aws_smithy_http_client::tls::TlsContext, String> {
+    use aws_smithy_http_client::tls;
     let pem = std::fs::read(path)
         .map_err(|e| format!("reading the CA bundle {}: {e}", path.display()))?;
     if !String::from_utf8_lossy(&pem).contains("-----BEGIN CERTIFICATE-----") {
@@ -155,16 +175,10 @@ pub fn https_client_with_ca_bundle(
             path.display()
         ));
     }
-    let ctx = tls::TlsContext::builder()
+    tls::TlsContext::builder()
         .with_trust_store(tls::TrustStore::default().with_pem_certificate(pem))
         .build()
-        .map_err(|e| format!("the CA bundle {}: {e}", path.display()))?;
-    Ok(aws_smithy_http_client::Builder::new()
-        .tls_provider(tls::Provider::Rustls(
-            tls::rustls_provider::CryptoMode::AwsLc,
-        ))
-        .tls_context(ctx)
-        .build_https())
+        .map_err(|e| format!("the CA bundle {}: {e}", path.display()))
 }
 
 /// Upload bandwidth assumed when stretching the attempt timeout of a large upload.
@@ -178,6 +192,8 @@ pub struct S3Store {
     opts: S3Options,
     /// The credentials provider the client signs with, for [`S3Store::check_credentials`].
     credentials: Option<SharedCredentialsProvider>,
+    /// GETs without the SDK's orchestrator ([`S3Options::raw_get`]; needs a credentials provider).
+    raw_get: Option<Arc<raw_get::RawGet>>,
 }
 
 impl fmt::Debug for S3Store {
@@ -267,6 +283,30 @@ impl S3Store {
             Some(url) => url.to_owned(),
             None => format!("aws:{region}"),
         };
+        let raw_get = match (opts.raw_get, shared.credentials_provider()) {
+            (true, Some(provider)) => {
+                let tls = match &opts.ca_bundle {
+                    Some(path) => {
+                        Some(tls_context_with_ca_bundle(path).map_err(StoreError::InvalidRequest)?)
+                    }
+                    None => None,
+                };
+                let endpoint = raw_get::EndpointConfig {
+                    region: region.clone(),
+                    endpoint_url: shared.endpoint_url().map(str::to_owned),
+                    force_path_style: cfg.force_path_style,
+                    use_fips: shared.use_fips().unwrap_or(false),
+                    use_dual_stack: shared.use_dual_stack().unwrap_or(false),
+                };
+                Some(Arc::new(raw_get::RawGet::new(
+                    endpoint,
+                    provider,
+                    opts.clone(),
+                    tls,
+                )))
+            }
+            _ => None,
+        };
         let s3 = aws_sdk_s3::config::Builder::from(&shared)
             .force_path_style(cfg.force_path_style)
             .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
@@ -277,6 +317,7 @@ impl S3Store {
             endpoint_id,
             opts,
             credentials: shared.credentials_provider(),
+            raw_get,
         })
     }
 
@@ -450,67 +491,88 @@ impl S3Store {
             .send()
             .await
             .map_err(|e| GetFailure::Request(map_sdk_error(e, Target::Object(bucket, key))))?;
-        // What the response says it carries.
-        let expected = match out.content_range() {
-            Some(cr) => {
-                let (first, last, _total) = parse_content_range(cr).ok_or_else(|| {
-                    GetFailure::Body(StoreError::Corrupt(format!(
-                        "{}: bad Content-Range {cr:?}",
-                        what()
-                    )))
-                })?;
-                if first != range.start || last >= range.end {
-                    return Err(GetFailure::Body(StoreError::Corrupt(format!(
-                        "{}: server sent Content-Range {cr:?}",
-                        what()
-                    ))));
-                }
-                Some(last - first + 1)
-            }
-            // No Content-Range: the server ignored Range and sent the whole object (200).
-            None => None,
-        };
         let declared = out.content_length().and_then(|l| u64::try_from(l).ok());
-        let body = tokio::time::timeout(self.opts.body_timeout, out.body.collect())
-            .await
-            .map_err(|_| {
-                GetFailure::Body(StoreError::Transient(format!(
-                    "{}: body read timed out",
+        let content_range = out.content_range().map(str::to_owned);
+        read_checked(
+            &what,
+            range,
+            content_range.as_deref(),
+            declared,
+            out.body,
+            self.opts.body_timeout,
+        )
+        .await
+    }
+}
+
+/// Reads a GET body and checks it against the range asked for and what the response headers say
+/// it carries (`Content-Range`, `Content-Length`). Without `Content-Range` the server ignored the
+/// range and sent the whole object, so the range is cut out of it.
+async fn read_checked(
+    what: &(dyn Fn() -> String + Sync),
+    range: &Range<u64>,
+    content_range: Option<&str>,
+    declared: Option<u64>,
+    body: ByteStream,
+    body_timeout: Duration,
+) -> Result<Bytes, GetFailure> {
+    let expected = match content_range {
+        Some(cr) => {
+            let (first, last, _total) = parse_content_range(cr).ok_or_else(|| {
+                GetFailure::Body(StoreError::Corrupt(format!(
+                    "{}: bad Content-Range {cr:?}",
                     what()
                 )))
-            })?
-            .map_err(|e| {
-                GetFailure::Body(StoreError::Transient(format!(
-                    "{}: reading the body: {}",
-                    what(),
-                    error_chain(&e)
-                )))
-            })?
-            .into_bytes();
-        let got = body.len() as u64;
-        if let Some(declared) = declared {
-            if got != declared {
+            })?;
+            if first != range.start || last >= range.end {
                 return Err(GetFailure::Body(StoreError::Corrupt(format!(
-                    "{}: got {got} bytes, Content-Length {declared}",
+                    "{}: server sent Content-Range {cr:?}",
                     what()
                 ))));
             }
+            Some(last - first + 1)
         }
-        match expected {
-            Some(expected) if got == expected => Ok(body),
-            Some(expected) => Err(GetFailure::Body(StoreError::Corrupt(format!(
-                "{}: got {got} bytes, expected {expected}",
+        None => None,
+    };
+    let body = tokio::time::timeout(body_timeout, body.collect())
+        .await
+        .map_err(|_| {
+            GetFailure::Body(StoreError::Transient(format!(
+                "{}: body read timed out",
                 what()
-            )))),
-            None => {
-                if range.start >= got {
-                    return Err(GetFailure::Request(StoreError::InvalidRequest(format!(
-                        "{}: starts at or past the object's end ({got} bytes)",
-                        what()
-                    ))));
-                }
-                Ok(body.slice(range.start as usize..range.end.min(got) as usize))
+            )))
+        })?
+        .map_err(|e| {
+            GetFailure::Body(StoreError::Transient(format!(
+                "{}: reading the body: {}",
+                what(),
+                error_chain(&e)
+            )))
+        })?
+        .into_bytes();
+    let got = body.len() as u64;
+    if let Some(declared) = declared {
+        if got != declared {
+            return Err(GetFailure::Body(StoreError::Corrupt(format!(
+                "{}: got {got} bytes, Content-Length {declared}",
+                what()
+            ))));
+        }
+    }
+    match expected {
+        Some(expected) if got == expected => Ok(body),
+        Some(expected) => Err(GetFailure::Body(StoreError::Corrupt(format!(
+            "{}: got {got} bytes, expected {expected}",
+            what()
+        )))),
+        None => {
+            if range.start >= got {
+                return Err(GetFailure::Request(StoreError::InvalidRequest(format!(
+                    "{}: starts at or past the object's end ({got} bytes)",
+                    what()
+                ))));
             }
+            Ok(body.slice(range.start as usize..range.end.min(got) as usize))
         }
     }
 }
@@ -704,6 +766,11 @@ where
         }
         (_, kind) => kind,
     };
+    store_error(kind, target, detail)
+}
+
+/// The [`StoreError`] of a failed request of `kind` about `target`.
+fn store_error(kind: Kind, target: Target<'_>, detail: String) -> StoreError {
     match (kind, target) {
         // HEAD has no body, so a missing bucket is a bare 404 there.
         (Kind::NotFound | Kind::NoSuchBucket, Target::Bucket(b)) => {
@@ -799,7 +866,14 @@ impl ObjectStore for S3Store {
         }
         let mut attempt = 1;
         loop {
-            match self.get_once(bucket, key, &range, if_match).await {
+            let once = match &self.raw_get {
+                Some(raw) => match raw.get(bucket, key, &range, if_match).await {
+                    Some(result) => result,
+                    None => self.get_once(bucket, key, &range, if_match).await,
+                },
+                None => self.get_once(bucket, key, &range, if_match).await,
+            };
+            match once {
                 Ok(body) => return Ok(body),
                 // The SDK already retried the request itself; only a broken body is ours to retry.
                 Err(GetFailure::Body(e)) if attempt < self.opts.body_attempts => {
