@@ -14,6 +14,11 @@ use tokio::net::TcpListener;
 /// A server answering the n-th request with `responses[n]` (the last one repeats), one request per
 /// connection. Returns the store pointed at it and the request counter.
 async fn scripted(responses: Vec<Vec<u8>>) -> (S3Store, Arc<AtomicUsize>) {
+    scripted_on(true, responses).await
+}
+
+/// [`scripted`], with GETs on the raw path (`raw`) or through the SDK's orchestrator.
+async fn scripted_on(raw: bool, responses: Vec<Vec<u8>>) -> (S3Store, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let count = Arc::new(AtomicUsize::new(0));
@@ -54,6 +59,7 @@ async fn scripted(responses: Vec<Vec<u8>>) -> (S3Store, Arc<AtomicUsize>) {
         initial_backoff: Duration::from_millis(1),
         max_backoff: Duration::from_millis(5),
         body_attempts: 3,
+        raw_get: raw,
         ..S3Options::default()
     };
     (S3Store::with_options(cfg, opts).await.unwrap(), count)
@@ -99,93 +105,116 @@ fn partial(first: u64, last: u64, total: u64, content_length: usize, body: &[u8]
 
 #[tokio::test]
 async fn good_partial_response() {
-    let (s, n) = scripted(vec![partial(2, 5, 10, 4, b"2345")]).await;
-    assert_eq!(s.get_range("b", "k", 2..6, None).await.unwrap(), "2345");
-    assert_eq!(n.load(Ordering::SeqCst), 1);
+    for raw in [true, false] {
+        let (s, n) = scripted_on(raw, vec![partial(2, 5, 10, 4, b"2345")]).await;
+        assert_eq!(s.get_range("b", "k", 2..6, None).await.unwrap(), "2345");
+        assert_eq!(n.load(Ordering::SeqCst), 1);
+    }
 }
 
 #[tokio::test]
 async fn short_body_per_content_range_is_retried_then_corrupt() {
-    // Content-Length agrees with the body, but Content-Range promised 10 bytes.
-    let (s, n) = scripted(vec![partial(0, 9, 10, 5, b"01234")]).await;
-    let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
-    assert!(matches!(e, StoreError::Corrupt(_)), "{e:?}");
-    assert_eq!(n.load(Ordering::SeqCst), 3, "body_attempts reads");
+    for raw in [true, false] {
+        // Content-Length agrees with the body, but Content-Range promised 10 bytes.
+        let (s, n) = scripted_on(raw, vec![partial(0, 9, 10, 5, b"01234")]).await;
+        let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
+        assert!(matches!(e, StoreError::Corrupt(_)), "{e:?}");
+        assert_eq!(n.load(Ordering::SeqCst), 3, "body_attempts reads");
+    }
 }
 
 #[tokio::test]
 async fn short_body_recovers_on_retry() {
-    let (s, n) = scripted(vec![
-        partial(0, 9, 10, 5, b"01234"),
-        partial(0, 9, 10, 10, b"0123456789"),
-    ])
-    .await;
-    assert_eq!(
-        s.get_range("b", "k", 0..10, None).await.unwrap(),
-        "0123456789"
-    );
-    assert_eq!(n.load(Ordering::SeqCst), 2);
+    for raw in [true, false] {
+        let (s, n) = scripted_on(
+            raw,
+            vec![
+                partial(0, 9, 10, 5, b"01234"),
+                partial(0, 9, 10, 10, b"0123456789"),
+            ],
+        )
+        .await;
+        assert_eq!(
+            s.get_range("b", "k", 0..10, None).await.unwrap(),
+            "0123456789"
+        );
+        assert_eq!(n.load(Ordering::SeqCst), 2);
+    }
 }
 
 #[tokio::test]
 async fn connection_closed_mid_body_is_retried() {
-    // Content-Length 10, 5 bytes, then the connection closes.
-    let (s, n) = scripted(vec![
-        partial(0, 9, 10, 10, b"01234"),
-        partial(0, 9, 10, 10, b"0123456789"),
-    ])
-    .await;
-    assert_eq!(
-        s.get_range("b", "k", 0..10, None).await.unwrap(),
-        "0123456789"
-    );
-    assert_eq!(n.load(Ordering::SeqCst), 2);
+    for raw in [true, false] {
+        // Content-Length 10, 5 bytes, then the connection closes.
+        let (s, n) = scripted_on(
+            raw,
+            vec![
+                partial(0, 9, 10, 10, b"01234"),
+                partial(0, 9, 10, 10, b"0123456789"),
+            ],
+        )
+        .await;
+        assert_eq!(
+            s.get_range("b", "k", 0..10, None).await.unwrap(),
+            "0123456789"
+        );
+        assert_eq!(n.load(Ordering::SeqCst), 2);
 
-    let (s, n) = scripted(vec![partial(0, 9, 10, 10, b"01234")]).await;
-    let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
-    assert!(e.is_retryable(), "{e:?}");
-    assert!(matches!(e, StoreError::Transient(_)), "{e:?}");
-    assert_eq!(n.load(Ordering::SeqCst), 3);
+        let (s, n) = scripted_on(raw, vec![partial(0, 9, 10, 10, b"01234")]).await;
+        let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
+        assert!(e.is_retryable(), "{e:?}");
+        assert!(matches!(e, StoreError::Transient(_)), "{e:?}");
+        assert_eq!(n.load(Ordering::SeqCst), 3);
+    }
 }
 
 #[tokio::test]
 async fn wrong_content_range_is_corrupt() {
-    // Asked 0..10, the server sends bytes 3-9.
-    let (s, _) = scripted(vec![partial(3, 9, 10, 7, b"3456789")]).await;
-    let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
-    assert!(matches!(e, StoreError::Corrupt(_)), "{e:?}");
+    for raw in [true, false] {
+        // Asked 0..10, the server sends bytes 3-9.
+        let (s, _) = scripted_on(raw, vec![partial(3, 9, 10, 7, b"3456789")]).await;
+        let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
+        assert!(matches!(e, StoreError::Corrupt(_)), "{e:?}");
+    }
 }
 
 #[tokio::test]
 async fn server_ignoring_range_is_sliced() {
-    let whole = response(
-        "200 OK",
-        &[("Content-Length", "10".into()), ("ETag", "\"abc\"".into())],
-        b"0123456789",
-    );
-    let (s, _) = scripted(vec![whole]).await;
-    assert_eq!(s.get_range("b", "k", 2..5, None).await.unwrap(), "234");
-    assert_eq!(s.get_range("b", "k", 8..50, None).await.unwrap(), "89");
-    let e = s.get_range("b", "k", 10..12, None).await.unwrap_err();
-    assert!(matches!(e, StoreError::InvalidRequest(_)), "{e:?}");
+    for raw in [true, false] {
+        let whole = response(
+            "200 OK",
+            &[("Content-Length", "10".into()), ("ETag", "\"abc\"".into())],
+            b"0123456789",
+        );
+        let (s, _) = scripted_on(raw, vec![whole]).await;
+        assert_eq!(s.get_range("b", "k", 2..5, None).await.unwrap(), "234");
+        assert_eq!(s.get_range("b", "k", 8..50, None).await.unwrap(), "89");
+        let e = s.get_range("b", "k", 10..12, None).await.unwrap_err();
+        assert!(matches!(e, StoreError::InvalidRequest(_)), "{e:?}");
+    }
 }
 
 #[tokio::test]
 async fn throttling_is_retried_by_the_sdk_then_throttled() {
-    let (s, n) = scripted(vec![s3_error("503 Slow Down", "SlowDown")]).await;
-    let e = s.get_range("b", "k", 0..1, None).await.unwrap_err();
-    assert!(matches!(e, StoreError::Throttled(_)), "{e:?}");
-    assert!(e.to_string().contains("SlowDown"), "{e}");
-    assert!(e.to_string().len() < 300, "concise message: {e}");
-    assert_eq!(n.load(Ordering::SeqCst), 3, "max_attempts");
+    for raw in [true, false] {
+        let (s, n) = scripted_on(raw, vec![s3_error("503 Slow Down", "SlowDown")]).await;
+        let e = s.get_range("b", "k", 0..1, None).await.unwrap_err();
+        assert!(matches!(e, StoreError::Throttled(_)), "{e:?}");
+        assert!(e.to_string().contains("SlowDown"), "{e}");
+        assert!(e.to_string().len() < 300, "concise message: {e}");
+        assert_eq!(n.load(Ordering::SeqCst), 3, "max_attempts");
 
-    let (s, n) = scripted(vec![
-        s3_error("503 Slow Down", "SlowDown"),
-        partial(0, 0, 1, 1, b"x"),
-    ])
-    .await;
-    assert_eq!(s.get_range("b", "k", 0..1, None).await.unwrap(), "x");
-    assert_eq!(n.load(Ordering::SeqCst), 2);
+        let (s, n) = scripted_on(
+            raw,
+            vec![
+                s3_error("503 Slow Down", "SlowDown"),
+                partial(0, 0, 1, 1, b"x"),
+            ],
+        )
+        .await;
+        assert_eq!(s.get_range("b", "k", 0..1, None).await.unwrap(), "x");
+        assert_eq!(n.load(Ordering::SeqCst), 2);
+    }
 }
 
 #[tokio::test]
@@ -238,13 +267,15 @@ async fn client_errors_map_without_retries() {
         }),
     ];
     for (status, code, check) in cases {
-        let (s, n) = scripted(vec![s3_error(status, code)]).await;
-        let e = s
-            .get_range("b", "k", 0..1, Some("\"abc\""))
-            .await
-            .unwrap_err();
-        assert!(check(&e), "{status} {code}: {e:?}");
-        assert_eq!(n.load(Ordering::SeqCst), 1, "{code} is not retried");
+        for raw in [true, false] {
+            let (s, n) = scripted_on(raw, vec![s3_error(status, code)]).await;
+            let e = s
+                .get_range("b", "k", 0..1, Some("\"abc\""))
+                .await
+                .unwrap_err();
+            assert!(check(&e), "{status} {code} (raw {raw}): {e:?}");
+            assert_eq!(n.load(Ordering::SeqCst), 1, "{code} is not retried");
+        }
     }
     // HEAD: bare statuses, no body.
     let bare = |status: &str| response(status, &[("Content-Length", "0".into())], b"");
