@@ -41,6 +41,7 @@ fn flaky_options(max_attempts: u32) -> S3Options {
         body_timeout: Duration::from_secs(5),
         body_attempts: 3,
         ca_bundle: None,
+        raw_get: true,
     }
 }
 

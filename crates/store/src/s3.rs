@@ -1,7 +1,11 @@
-//! [`S3Store`]: the [`ObjectStore`] over aws-sdk-s3 — the only module of Ferry that names SDK types.
+//! [`S3Store`]: the [`ObjectStore`] over aws-sdk-s3 — with its submodule `raw_get`, the only module
+//! of Ferry that names SDK types.
 //!
-//! - Retries: the SDK's *standard* mode (exponential backoff with full jitter, a retry quota),
-//!   [`S3Options::max_attempts`] attempts in all. Those cover throttling, 5xx, timeouts and
+//! - GETs (`get_range`) are signed and sent by `raw_get` on the SDK's HTTP connector, without the
+//!   SDK's orchestrator, unless [`S3Options::raw_get`] is off or the bucket needs another signing
+//!   scheme; everything below holds for both paths.
+//! - Retries: the SDK's *standard* mode (exponential backoff with full jitter, a retry quota; the
+//!   raw GET path has no retry quota), [`S3Options::max_attempts`] attempts in all. Those cover throttling, 5xx, timeouts and
 //!   connection failures. On top of that, `get_range` re-reads a body that came back short or broke
 //!   mid-stream, and `list` asks again when a 2xx response does not parse (the SDK does not retry
 //!   that), up to [`S3Options::body_attempts`] times.
@@ -534,7 +538,8 @@ async fn read_checked(
         }
         None => None,
     };
-    let body = tokio::time::timeout(body_timeout, body.collect())
+    let size_hint = expected.or(declared).unwrap_or(0);
+    let body = tokio::time::timeout(body_timeout, gather(body, size_hint))
         .await
         .map_err(|_| {
             GetFailure::Body(StoreError::Transient(format!(
@@ -548,8 +553,7 @@ async fn read_checked(
                 what(),
                 error_chain(&e)
             )))
-        })?
-        .into_bytes();
+        })?;
     let got = body.len() as u64;
     if let Some(declared) = declared {
         if got != declared {
@@ -575,6 +579,42 @@ async fn read_checked(
             Ok(body.slice(range.start as usize..range.end.min(got) as usize))
         }
     }
+}
+
+/// Most bytes reserved up front for a body from its declared size (a body larger than that grows).
+const MAX_BODY_RESERVE: u64 = 64 * 1024 * 1024;
+
+/// Reads a body into one buffer as its chunks arrive, each chunk dropped once copied, so a part
+/// never sits in memory twice (collecting all chunks first and then joining them did that). A
+/// body of one chunk is kept as it is.
+async fn gather(
+    mut body: ByteStream,
+    size_hint: u64,
+) -> std::result::Result<Bytes, aws_smithy_types::byte_stream::error::Error> {
+    let mut single: Option<Bytes> = None;
+    let mut joined: Option<bytes::BytesMut> = None;
+    while let Some(chunk) = body.try_next().await? {
+        if chunk.is_empty() {
+            continue;
+        }
+        match (&mut joined, single.take()) {
+            (Some(buf), _) => buf.extend_from_slice(&chunk),
+            (None, None) => single = Some(chunk),
+            (None, Some(first)) => {
+                let reserve = size_hint.min(MAX_BODY_RESERVE) as usize;
+                let mut buf =
+                    bytes::BytesMut::with_capacity(reserve.max(first.len() + chunk.len()));
+                buf.extend_from_slice(&first);
+                buf.extend_from_slice(&chunk);
+                joined = Some(buf);
+            }
+        }
+    }
+    Ok(match (joined, single) {
+        (Some(buf), _) => buf.freeze(),
+        (None, Some(one)) => one,
+        (None, None) => Bytes::new(),
+    })
 }
 
 /// The SDK timeouts for attempts of at most `attempt`.
