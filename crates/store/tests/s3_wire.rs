@@ -126,39 +126,26 @@ async fn short_body_per_content_range_is_retried_then_corrupt() {
 #[tokio::test]
 async fn short_body_recovers_on_retry() {
     for raw in [true, false] {
-        let (s, n) = scripted_on(
-            raw,
-            vec![
-                partial(0, 9, 10, 5, b"01234"),
-                partial(0, 9, 10, 10, b"0123456789"),
-            ],
-        )
-        .await;
-        assert_eq!(
-            s.get_range("b", "k", 0..10, None).await.unwrap(),
-            "0123456789"
-        );
-        assert_eq!(n.load(Ordering::SeqCst), 2);
+        recovers_after(raw, partial(0, 9, 10, 5, b"01234")).await;
     }
+}
+
+/// A GET whose first response is `broken` and whose second is whole returns the whole body,
+/// after two requests.
+async fn recovers_after(raw: bool, broken: Vec<u8>) {
+    let (s, n) = scripted_on(raw, vec![broken, partial(0, 9, 10, 10, b"0123456789")]).await;
+    assert_eq!(
+        s.get_range("b", "k", 0..10, None).await.unwrap(),
+        "0123456789"
+    );
+    assert_eq!(n.load(Ordering::SeqCst), 2);
 }
 
 #[tokio::test]
 async fn connection_closed_mid_body_is_retried() {
     for raw in [true, false] {
         // Content-Length 10, 5 bytes, then the connection closes.
-        let (s, n) = scripted_on(
-            raw,
-            vec![
-                partial(0, 9, 10, 10, b"01234"),
-                partial(0, 9, 10, 10, b"0123456789"),
-            ],
-        )
-        .await;
-        assert_eq!(
-            s.get_range("b", "k", 0..10, None).await.unwrap(),
-            "0123456789"
-        );
-        assert_eq!(n.load(Ordering::SeqCst), 2);
+        recovers_after(raw, partial(0, 9, 10, 10, b"01234")).await;
 
         let (s, n) = scripted_on(raw, vec![partial(0, 9, 10, 10, b"01234")]).await;
         let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
@@ -430,6 +417,62 @@ async fn broken_list_responses_are_asked_again_then_transient() {
             n.load(Ordering::SeqCst),
             3,
             "{what}: SDK or body_attempts LISTs"
+        );
+    }
+}
+
+/// A body that takes longer than the attempt timeout but arrives within the body timeout is read,
+/// on both paths: the attempt timeout covers the request up to the response head only.
+#[tokio::test]
+async fn slow_body_within_the_body_timeout_is_read() {
+    for raw in [true, false] {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(async move {
+            while let Ok((mut sock, _)) = listener.accept().await {
+                tokio::spawn(async move {
+                    let mut buf = Vec::new();
+                    let mut chunk = [0u8; 4096];
+                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match sock.read(&mut chunk).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(k) => buf.extend_from_slice(&chunk[..k]),
+                        }
+                    }
+                    let whole = partial(0, 9, 10, 10, b"0123456789");
+                    let split = whole.len() - 10;
+                    let _ = sock.write_all(&whole[..split]).await;
+                    let _ = sock.flush().await;
+                    tokio::time::sleep(Duration::from_millis(800)).await;
+                    let _ = sock.write_all(&whole[split..]).await;
+                    let _ = sock.shutdown().await;
+                });
+            }
+        });
+        let cfg = S3Config {
+            endpoint_url: Some(format!("http://{addr}")),
+            region: Some("us-east-1".into()),
+            force_path_style: true,
+            credentials: S3Credentials::Static {
+                access_key_id: "a".into(),
+                secret_access_key: "s".into(),
+                session_token: None,
+            },
+        };
+        let opts = S3Options {
+            max_attempts: 1,
+            attempt_timeout: Duration::from_millis(300),
+            read_timeout: Duration::from_millis(300),
+            body_timeout: Duration::from_secs(10),
+            body_attempts: 1,
+            raw_get: raw,
+            ..S3Options::default()
+        };
+        let s = S3Store::with_options(cfg, opts).await.unwrap();
+        assert_eq!(
+            s.get_range("b", "k", 0..10, None).await.unwrap(),
+            "0123456789",
+            "raw {raw}"
         );
     }
 }

@@ -34,7 +34,7 @@ use aws_smithy_async::rt::sleep::TokioSleep;
 use aws_smithy_http_client::tls;
 use aws_smithy_runtime_api::client::http::{HttpConnector, HttpConnectorSettings};
 use aws_smithy_runtime_api::client::identity::Identity;
-use aws_smithy_runtime_api::client::orchestrator::HttpRequest;
+use aws_smithy_runtime_api::client::orchestrator::{HttpRequest, HttpResponse};
 use aws_smithy_types::body::SdkBody;
 use aws_smithy_types::byte_stream::ByteStream;
 use aws_smithy_types::Document;
@@ -146,18 +146,7 @@ impl RawGet {
         let target = Target::Object(bucket, key);
         let mut attempt = 1;
         loop {
-            let result = tokio::time::timeout(
-                self.opts.attempt_timeout,
-                self.attempt(&endpoint, target, key, range, if_match),
-            )
-            .await
-            .unwrap_or_else(|_| {
-                Err(GetFailure::Request(StoreError::Transient(format!(
-                    "{target}: attempt timed out after {:?}",
-                    self.opts.attempt_timeout
-                ))))
-            });
-            match result {
+            match self.attempt(&endpoint, target, key, range, if_match).await {
                 Err(GetFailure::Request(e)) if e.is_retryable() => {
                     if attempt >= self.opts.max_attempts {
                         return Some(Err(GetFailure::Request(e)));
@@ -172,7 +161,8 @@ impl RawGet {
         }
     }
 
-    /// One request: sign, send, check the status, read the body.
+    /// One request: sign and send it, check the status, read the body. As on the SDK path, the
+    /// attempt timeout covers everything up to the response head and the body timeout the body.
     async fn attempt(
         &self,
         endpoint: &BucketEndpoint,
@@ -182,32 +172,16 @@ impl RawGet {
         if_match: Option<&str>,
     ) -> Result<Bytes, GetFailure> {
         let what = || format!("GET {target} bytes {}..{}", range.start, range.end);
-        let creds = self.credentials().await.map_err(GetFailure::Request)?;
-        let uri = format!("{}/{}", endpoint.base, utf8_percent_encode(key, KEY_ENCODE));
-        let range_header = format!("bytes={}-{}", range.start, range.end - 1);
-        let mut req = http::Request::builder()
-            .method("GET")
-            .uri(&uri)
-            .header("range", &range_header);
-        if let Some(etag) = if_match {
-            req = req.header("if-match", etag);
-        }
-        let mut req = req.body(SdkBody::empty()).map_err(|e| {
-            GetFailure::Request(StoreError::InvalidRequest(format!("{}: {e}", what())))
-        })?;
-        sign_request(&mut req, &creds, &endpoint.signing_region).map_err(|e| {
-            GetFailure::Request(StoreError::Other(format!("{}: signing: {e}", what())))
-        })?;
-        let req = HttpRequest::try_from(req)
-            .map_err(|e| GetFailure::Request(StoreError::Other(format!("{}: {e}", what()))))?;
-        let resp = self.connector.call(req).await.map_err(|e| {
-            let detail = format!("{}: {}", what(), error_chain(&e));
-            GetFailure::Request(if e.is_user() {
-                StoreError::Other(detail)
-            } else {
-                StoreError::Transient(detail)
-            })
-        })?;
+        let head = self.send(endpoint, key, range, if_match, &what);
+        let resp = tokio::time::timeout(self.opts.attempt_timeout, head)
+            .await
+            .unwrap_or_else(|_| {
+                Err(GetFailure::Request(StoreError::Transient(format!(
+                    "{}: no response head within the attempt timeout ({:?})",
+                    what(),
+                    self.opts.attempt_timeout
+                ))))
+            })?;
         let status = resp.status().as_u16();
         let header = |name: &str| resp.headers().get(name).map(str::to_owned);
         let content_range = header("content-range");
@@ -247,6 +221,43 @@ impl RawGet {
         Err(GetFailure::Request(super::store_error(
             kind, target, detail,
         )))
+    }
+
+    /// Signs and sends one GET; resolves at the response head.
+    async fn send(
+        &self,
+        endpoint: &BucketEndpoint,
+        key: &str,
+        range: &Range<u64>,
+        if_match: Option<&str>,
+        what: &(dyn Fn() -> String + Sync),
+    ) -> Result<HttpResponse, GetFailure> {
+        let creds = self.credentials().await.map_err(GetFailure::Request)?;
+        let uri = format!("{}/{}", endpoint.base, utf8_percent_encode(key, KEY_ENCODE));
+        let range_header = format!("bytes={}-{}", range.start, range.end - 1);
+        let mut req = http::Request::builder()
+            .method("GET")
+            .uri(&uri)
+            .header("range", &range_header);
+        if let Some(etag) = if_match {
+            req = req.header("if-match", etag);
+        }
+        let mut req = req.body(SdkBody::empty()).map_err(|e| {
+            GetFailure::Request(StoreError::InvalidRequest(format!("{}: {e}", what())))
+        })?;
+        sign_request(&mut req, &creds, &endpoint.signing_region).map_err(|e| {
+            GetFailure::Request(StoreError::Other(format!("{}: signing: {e}", what())))
+        })?;
+        let req = HttpRequest::try_from(req)
+            .map_err(|e| GetFailure::Request(StoreError::Other(format!("{}: {e}", what()))))?;
+        self.connector.call(req).await.map_err(|e| {
+            let detail = format!("{}: {}", what(), error_chain(&e));
+            GetFailure::Request(if e.is_user() {
+                StoreError::Other(detail)
+            } else {
+                StoreError::Transient(detail)
+            })
+        })
     }
 
     /// The credentials to sign with, from the provider when none are held or they expire soon.
