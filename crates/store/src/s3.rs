@@ -5,8 +5,8 @@
 //!   SDK's orchestrator, unless [`S3Options::raw_get`] is off or the bucket needs another signing
 //!   scheme; everything below holds for both paths.
 //! - Retries: the SDK's *standard* mode (exponential backoff with full jitter, a retry quota; the
-//!   raw GET path has no retry quota), [`S3Options::max_attempts`] attempts in all. Those cover throttling, 5xx, timeouts and
-//!   connection failures. On top of that, `get_range` re-reads a body that came back short or broke
+//!   raw GET path has no retry quota), [`S3Options::max_attempts`] attempts in all. Those cover
+//!   throttling, 5xx, timeouts and connection failures. On top of that, `get_range` re-reads a body that came back short or broke
 //!   mid-stream, and `list` asks again when a 2xx response does not parse (the SDK does not retry
 //!   that), up to [`S3Options::body_attempts`] times.
 //! - Timeouts on every request: connect, read (time to the response head) and per attempt; large
@@ -591,30 +591,32 @@ async fn gather(
     mut body: ByteStream,
     size_hint: u64,
 ) -> std::result::Result<Bytes, aws_smithy_types::byte_stream::error::Error> {
-    let mut single: Option<Bytes> = None;
-    let mut joined: Option<bytes::BytesMut> = None;
+    let Some(first) = next_chunk(&mut body).await? else {
+        return Ok(Bytes::new());
+    };
+    let Some(second) = next_chunk(&mut body).await? else {
+        return Ok(first);
+    };
+    let reserve = size_hint.min(MAX_BODY_RESERVE) as usize;
+    let mut buf = bytes::BytesMut::with_capacity(reserve.max(first.len() + second.len()));
+    buf.extend_from_slice(&first);
+    buf.extend_from_slice(&second);
     while let Some(chunk) = body.try_next().await? {
-        if chunk.is_empty() {
-            continue;
-        }
-        match (&mut joined, single.take()) {
-            (Some(buf), _) => buf.extend_from_slice(&chunk),
-            (None, None) => single = Some(chunk),
-            (None, Some(first)) => {
-                let reserve = size_hint.min(MAX_BODY_RESERVE) as usize;
-                let mut buf =
-                    bytes::BytesMut::with_capacity(reserve.max(first.len() + chunk.len()));
-                buf.extend_from_slice(&first);
-                buf.extend_from_slice(&chunk);
-                joined = Some(buf);
-            }
+        buf.extend_from_slice(&chunk);
+    }
+    Ok(buf.freeze())
+}
+
+/// The body's next chunk that is not empty.
+async fn next_chunk(
+    body: &mut ByteStream,
+) -> std::result::Result<Option<Bytes>, aws_smithy_types::byte_stream::error::Error> {
+    while let Some(chunk) = body.try_next().await? {
+        if !chunk.is_empty() {
+            return Ok(Some(chunk));
         }
     }
-    Ok(match (joined, single) {
-        (Some(buf), _) => buf.freeze(),
-        (None, Some(one)) => one,
-        (None, None) => Bytes::new(),
-    })
+    Ok(None)
 }
 
 /// The SDK timeouts for attempts of at most `attempt`.
@@ -906,11 +908,12 @@ impl ObjectStore for S3Store {
         }
         let mut attempt = 1;
         loop {
-            let once = match &self.raw_get {
-                Some(raw) => match raw.get(bucket, key, &range, if_match).await {
-                    Some(result) => result,
-                    None => self.get_once(bucket, key, &range, if_match).await,
-                },
+            let raw = match &self.raw_get {
+                Some(raw) => raw.get(bucket, key, &range, if_match).await,
+                None => None,
+            };
+            let once = match raw {
+                Some(result) => result,
                 None => self.get_once(bucket, key, &range, if_match).await,
             };
             match once {

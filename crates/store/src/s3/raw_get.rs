@@ -58,7 +58,7 @@ const KEY_ENCODE: &AsciiSet = &NON_ALPHANUMERIC
     .remove(b'/');
 
 /// Where a bucket's objects are and how to sign for them.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug)]
 struct BucketEndpoint {
     /// The endpoint URL without a trailing `/` (`https://b.s3.eu-west-1.amazonaws.com`,
     /// `http://127.0.0.1:7070/b`); the encoded key follows after a `/`.
