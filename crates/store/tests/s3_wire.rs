@@ -1,6 +1,7 @@
 //! [`S3Store`] against a scripted HTTP server on loopback: error mapping end to end, SDK retries,
 //! and the body checks (short bodies, broken streams, servers that ignore `Range`).
 
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -19,6 +20,24 @@ async fn scripted(responses: Vec<Vec<u8>>) -> (S3Store, Arc<AtomicUsize>) {
 
 /// [`scripted`], with GETs on the raw path (`raw`) or through the SDK's orchestrator.
 async fn scripted_on(raw: bool, responses: Vec<Vec<u8>>) -> (S3Store, Arc<AtomicUsize>) {
+    let (addr, count) = serve(responses, None).await;
+    let opts = S3Options {
+        max_attempts: 3,
+        initial_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(5),
+        body_attempts: 3,
+        raw_get: raw,
+        ..S3Options::default()
+    };
+    (store_at(addr, opts).await, count)
+}
+
+/// The scripted server: answers the n-th connection's request with `responses[n]` (the last one
+/// repeats). With `stall = Some((n, d))` the last `n` bytes of each response follow after `d`.
+async fn serve(
+    responses: Vec<Vec<u8>>,
+    stall: Option<(usize, Duration)>,
+) -> (SocketAddr, Arc<AtomicUsize>) {
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let count = Arc::new(AtomicUsize::new(0));
@@ -39,11 +58,23 @@ async fn scripted_on(raw: bool, responses: Vec<Vec<u8>>) -> (S3Store, Arc<Atomic
                         Ok(k) => buf.extend_from_slice(&chunk[..k]),
                     }
                 }
-                let _ = sock.write_all(&response).await;
+                let (held, pause) = stall.unwrap_or((0, Duration::ZERO));
+                let split = response.len().saturating_sub(held);
+                let _ = sock.write_all(&response[..split]).await;
+                if split < response.len() {
+                    let _ = sock.flush().await;
+                    tokio::time::sleep(pause).await;
+                    let _ = sock.write_all(&response[split..]).await;
+                }
                 let _ = sock.shutdown().await;
             });
         }
     });
+    (addr, count)
+}
+
+/// A store with `opts` pointed at the scripted server at `addr`.
+async fn store_at(addr: SocketAddr, opts: S3Options) -> S3Store {
     let cfg = S3Config {
         endpoint_url: Some(format!("http://{addr}")),
         region: Some("us-east-1".into()),
@@ -54,15 +85,7 @@ async fn scripted_on(raw: bool, responses: Vec<Vec<u8>>) -> (S3Store, Arc<Atomic
             session_token: None,
         },
     };
-    let opts = S3Options {
-        max_attempts: 3,
-        initial_backoff: Duration::from_millis(1),
-        max_backoff: Duration::from_millis(5),
-        body_attempts: 3,
-        raw_get: raw,
-        ..S3Options::default()
-    };
-    (S3Store::with_options(cfg, opts).await.unwrap(), count)
+    S3Store::with_options(cfg, opts).await.unwrap()
 }
 
 fn response(status: &str, headers: &[(&str, String)], body: &[u8]) -> Vec<u8> {
@@ -426,39 +449,9 @@ async fn broken_list_responses_are_asked_again_then_transient() {
 #[tokio::test]
 async fn slow_body_within_the_body_timeout_is_read() {
     for raw in [true, false] {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        tokio::spawn(async move {
-            while let Ok((mut sock, _)) = listener.accept().await {
-                tokio::spawn(async move {
-                    let mut buf = Vec::new();
-                    let mut chunk = [0u8; 4096];
-                    while !buf.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match sock.read(&mut chunk).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(k) => buf.extend_from_slice(&chunk[..k]),
-                        }
-                    }
-                    let whole = partial(0, 9, 10, 10, b"0123456789");
-                    let split = whole.len() - 10;
-                    let _ = sock.write_all(&whole[..split]).await;
-                    let _ = sock.flush().await;
-                    tokio::time::sleep(Duration::from_millis(800)).await;
-                    let _ = sock.write_all(&whole[split..]).await;
-                    let _ = sock.shutdown().await;
-                });
-            }
-        });
-        let cfg = S3Config {
-            endpoint_url: Some(format!("http://{addr}")),
-            region: Some("us-east-1".into()),
-            force_path_style: true,
-            credentials: S3Credentials::Static {
-                access_key_id: "a".into(),
-                secret_access_key: "s".into(),
-                session_token: None,
-            },
-        };
+        // The body's 10 bytes come 800 ms after the head.
+        let stall = Some((10, Duration::from_millis(800)));
+        let (addr, _) = serve(vec![partial(0, 9, 10, 10, b"0123456789")], stall).await;
         let opts = S3Options {
             max_attempts: 1,
             attempt_timeout: Duration::from_millis(300),
@@ -468,7 +461,7 @@ async fn slow_body_within_the_body_timeout_is_read() {
             raw_get: raw,
             ..S3Options::default()
         };
-        let s = S3Store::with_options(cfg, opts).await.unwrap();
+        let s = store_at(addr, opts).await;
         assert_eq!(
             s.get_range("b", "k", 0..10, None).await.unwrap(),
             "0123456789",
