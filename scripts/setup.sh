@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs everything Ferry's demo and test suite need on a Debian machine, idempotently:
 #   - Debian packages: fuse3 (fusermount3, /dev/fuse userspace), build essentials;
-#   - Debian packages: openssl (the test Kubernetes cluster's certificates);
+#   - Debian packages: openssl (the test Kubernetes cluster's certificates), rsync (the SEMANTICS
+#     test writes files the way users do);
 #   - Go-built judges and servers, into $FERRY_TOOLS (default ~/.cache/ferry-tools/bin), built from
 #     the Go module proxy: csi-sanity (the CSI conformance suite) and versitygw (an S3 server), and
 #     through scripts/kube-tools.sh etcd, kube-apiserver, kube-controller-manager, csi-provisioner
@@ -36,6 +37,7 @@ install_debian_packages() {
   command -v git >/dev/null || missing+=(git)
   command -v curl >/dev/null || missing+=(curl)
   command -v openssl >/dev/null || missing+=(openssl)
+  command -v rsync >/dev/null || missing+=(rsync) # the SEMANTICS test writes with rsync
   [ -e /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)
   command -v python3 >/dev/null && python3 -c "import ensurepip" 2>/dev/null || missing+=(python3-venv)
   if [ ${#missing[@]} -gt 0 ]; then

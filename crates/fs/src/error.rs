@@ -45,6 +45,10 @@ pub enum FsError {
     /// Not implemented at all (the kernel caches ENOSYS for some operations, e.g. xattrs).
     #[error("not implemented")]
     NotImplemented,
+    /// No `ioctl` is supported: the answer a terminal query (`TCGETS`, as Python's `open` sends)
+    /// expects from a regular file.
+    #[error("inappropriate ioctl for a file on this mount")]
+    NoIoctl,
     #[error("object store: {0}")]
     Store(#[from] StoreError),
 }
@@ -70,6 +74,7 @@ impl FsError {
             FsError::FileTooLarge => libc::EFBIG,
             FsError::UploadFailed => libc::EIO,
             FsError::NotImplemented => libc::ENOSYS,
+            FsError::NoIoctl => libc::ENOTTY,
             FsError::Store(e) => match e {
                 StoreError::NotFound(_) => libc::ENOENT,
                 StoreError::NoSuchBucket(_) => libc::EIO,
@@ -106,5 +111,6 @@ mod tests {
         }
         assert_eq!(FsError::CrossDevice.errno(), libc::EXDEV);
         assert_eq!(FsError::ReadOnly.errno(), libc::EROFS);
+        assert_eq!(FsError::NoIoctl.errno(), libc::ENOTTY);
     }
 }

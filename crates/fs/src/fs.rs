@@ -1319,6 +1319,7 @@ impl Fs {
         inode.last_open_etag = meta.etag.clone();
         let (parent, name) = (inode.parent, inode.name.clone());
         let mut handle = ReadHandle::new(ino, key, meta.etag, meta.size);
+        handle.last_modified = meta.mtime;
         handle.cached = self.cache.is_some() && handle.etag.is_some();
         if let Some(etag) = handle.etag.as_deref() {
             // Fetched ahead by a listing-order reader, for this very version: use it.
@@ -1448,7 +1449,10 @@ impl Fs {
     /// Exactly `range` of the handle's version: from the node cache when the handle may use it,
     /// else one ranged GET pinned to the handle's ETag (a short body is retried once, then `EIO`).
     async fn get(&self, r: &ReadHandle, range: std::ops::Range<u64>) -> Result<Bytes, FsError> {
-        let src = self.source(&r.key, r.etag.as_deref(), r.size, r.cached);
+        let src = Source {
+            last_modified: r.last_modified,
+            ..self.source(&r.key, r.etag.as_deref(), r.size, r.cached)
+        };
         fetch(&src, range)
             .await
             .map_err(|e| self.read_error(r.ino, e))
@@ -1462,6 +1466,7 @@ impl Fs {
             bucket: self.cfg.bucket.clone(),
             key: key.to_owned(),
             etag: etag.map(str::to_owned),
+            last_modified: None,
             size,
             cache: self.cache.as_ref().map(|cache| CacheUse {
                 cache: cache.clone(),
@@ -1520,7 +1525,10 @@ impl Fs {
         // Parts are kept a little past the reader, for reads the kernel reorders.
         r.prefetch
             .consume_before(offset.saturating_sub(REORDER_KEEP));
-        let src = self.source(&r.key, r.etag.as_deref(), r.size, r.cached);
+        let src = Source {
+            last_modified: r.last_modified,
+            ..self.source(&r.key, r.etag.as_deref(), r.size, r.cached)
+        };
         r.prefetch.fill(&src, r.size, offset, cfg, &self.budget);
 
         let mut pieces: Vec<Bytes> = Vec::with_capacity(2);
@@ -1739,7 +1747,7 @@ impl Fs {
             WriteStatus::Open => {}
             WriteStatus::Completed => {
                 return Err(FsError::BadHandle(
-                    "the upload completed at the first flush; no more writes",
+                    "the upload completed (at a close after writing, or fsync); no more writes",
                 ))
             }
             WriteStatus::Failed => return Err(FsError::UploadFailed),
@@ -1912,14 +1920,18 @@ impl Fs {
         Ok(())
     }
 
-    /// `flush` (every `close`): completes the upload when called by the opening process, so
-    /// `close` reports upload errors; other processes' closes (forked children) do nothing.
-    /// `pid` gives the caller's process id; it is asked only for a write handle.
+    /// `flush` (every `close`): completes the upload when called by the opening process after
+    /// something was written, so `close` reports upload errors; other processes' closes (forked
+    /// children) do nothing. A flush before the first write does nothing either: a shell's
+    /// `> file` (and `dd`, `/bin/echo`) opens the file, `dup2`s it onto stdout and closes the
+    /// first descriptor before anything is written; the empty file is then completed by a later
+    /// flush, `fsync` or `release`. `pid` gives the caller's process id; it is asked only for a
+    /// write handle with data.
     pub async fn flush(&self, fh: u64, pid: impl FnOnce() -> u32) -> Result<(), FsError> {
         let h = self.handle(fh)?;
         let mut g = h.lock().await;
         match &mut *g {
-            Handle::Write(w) if w.pid == pid() => self.complete(w).await,
+            Handle::Write(w) if w.written > 0 && w.pid == pid() => self.complete(w).await,
             Handle::Write(_) | Handle::Read(_) | Handle::Dir(_) => Ok(()),
         }
     }

@@ -598,6 +598,21 @@ async fn empty_file_via_release_only() {
     assert_eq!(store.get_object(B, "touched").unwrap().len(), 0);
 }
 
+/// The shell's `> file`: open, dup2 onto stdout, close the first descriptor (a flush with
+/// nothing written), then write through the duplicate and close it.
+#[tokio::test]
+async fn a_flush_before_the_first_write_completes_nothing() {
+    let (store, fs) = setup(|_| {});
+    let (_, o) = fs.create(ROOT_INO, n("redirected"), PID).await.unwrap();
+    fs.flush(o.fh, || PID).await.unwrap();
+    assert!(store.get_object(B, "redirected").is_none());
+    assert_eq!(fs.write(o.fh, 0, b"hi\n").await.unwrap(), 3);
+    fs.flush(o.fh, || PID).await.unwrap();
+    assert_eq!(store.get_object(B, "redirected").unwrap(), &b"hi\n"[..]);
+    fs.release(o.fh).await.unwrap();
+    assert_eq!(store.stats().put, 1, "one PUT, of the data");
+}
+
 #[tokio::test]
 async fn large_write_is_multipart() {
     let (store, fs) = setup(|_| {});
@@ -875,6 +890,18 @@ impl ObjectStore for HeadFails {
         if_match: Option<&str>,
     ) -> ferry_store::Result<Bytes> {
         self.inner.get_range(bucket, key, range, if_match).await
+    }
+    async fn get_range_unmodified(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        last_modified: Option<std::time::SystemTime>,
+        size: u64,
+    ) -> ferry_store::Result<Bytes> {
+        self.inner
+            .get_range_unmodified(bucket, key, range, last_modified, size)
+            .await
     }
     async fn put(&self, bucket: &str, key: &str, body: Bytes) -> ferry_store::Result<PutResult> {
         self.inner.put(bucket, key, body).await

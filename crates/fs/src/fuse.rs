@@ -13,10 +13,11 @@ use std::sync::{Arc, Mutex};
 use std::time::SystemTime;
 
 use fuser::{
-    AccessFlags, BackingId, Errno, FileAttr, FileHandle, FileType, Filesystem, FopenFlags,
-    Generation, INodeNo, InitFlags, KernelConfig, LockOwner, OpenFlags, RenameFlags, ReplyAttr,
-    ReplyCreate, ReplyData, ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyOpen,
-    ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
+    AccessFlags, BackingId, CopyFileRangeFlags, Errno, FileAttr, FileHandle, FileType, Filesystem,
+    FopenFlags, Generation, INodeNo, InitFlags, IoctlFlags, KernelConfig, LockOwner, OpenFlags,
+    PollEvents, PollFlags, PollNotifier, RenameFlags, ReplyAttr, ReplyCreate, ReplyData,
+    ReplyDirectory, ReplyDirectoryPlus, ReplyEmpty, ReplyEntry, ReplyIoctl, ReplyLseek, ReplyOpen,
+    ReplyPoll, ReplyStatfs, ReplyWrite, ReplyXattr, Request, TimeOrNow, WriteFlags,
 };
 use tokio::runtime::Handle;
 
@@ -144,25 +145,31 @@ impl FuseAdapter {
 }
 
 /// Every operation the adapter serves (the `op` label of its metrics).
-const OPS: [&str; 29] = [
+const OPS: [&str; 35] = [
     "access",
+    "copy_file_range",
     "create",
+    "fallocate",
     "flush",
     "forget",
     "fsync",
     "fsyncdir",
     "getattr",
     "getxattr",
+    "ioctl",
     "link",
     "listxattr",
     "lookup",
+    "lseek",
     "mkdir",
     "mknod",
     "open",
     "opendir",
+    "poll",
     "read",
     "readdir",
     "readdirplus",
+    "readlink",
     "release",
     "releasedir",
     "removexattr",
@@ -758,6 +765,93 @@ impl Filesystem for FuseAdapter {
     fn removexattr(&self, _req: &Request, _ino: INodeNo, _name: &OsStr, reply: ReplyEmpty) {
         let _timer = OpTimer::start("removexattr");
         reply.error(errno("removexattr", &FsError::NotImplemented));
+    }
+
+    // The operations below are not supported. fuser's defaults would answer the same errno but
+    // log a warning per call; everyday programs send some of them on every file (Python's `open`
+    // asks `TCGETS`, `cp` tries `copy_file_range` and `SEEK_DATA`), so they are refused quietly.
+    // For ENOSYS the kernel stops asking for the rest of the mount's life.
+
+    fn ioctl(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _flags: IoctlFlags,
+        _cmd: u32,
+        _in_data: &[u8],
+        _out_size: u32,
+        reply: ReplyIoctl,
+    ) {
+        let _timer = OpTimer::start("ioctl");
+        reply.error(errno("ioctl", &FsError::NoIoctl));
+    }
+
+    fn poll(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _ph: PollNotifier,
+        _events: PollEvents,
+        _flags: PollFlags,
+        reply: ReplyPoll,
+    ) {
+        let _timer = OpTimer::start("poll");
+        reply.error(errno("poll", &FsError::NotImplemented));
+    }
+
+    fn fallocate(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: u64,
+        _length: u64,
+        _mode: i32,
+        reply: ReplyEmpty,
+    ) {
+        let _timer = OpTimer::start("fallocate");
+        reply.error(errno("fallocate", &FsError::NotImplemented));
+    }
+
+    fn lseek(
+        &self,
+        _req: &Request,
+        _ino: INodeNo,
+        _fh: FileHandle,
+        _offset: i64,
+        _whence: i32,
+        reply: ReplyLseek,
+    ) {
+        let _timer = OpTimer::start("lseek");
+        reply.error(errno("lseek", &FsError::NotImplemented));
+    }
+
+    fn copy_file_range(
+        &self,
+        _req: &Request,
+        _ino_in: INodeNo,
+        _fh_in: FileHandle,
+        _offset_in: u64,
+        _ino_out: INodeNo,
+        _fh_out: FileHandle,
+        _offset_out: u64,
+        _len: u64,
+        _flags: CopyFileRangeFlags,
+        reply: ReplyWrite,
+    ) {
+        let _timer = OpTimer::start("copy_file_range");
+        reply.error(errno("copy_file_range", &FsError::NotImplemented));
+    }
+
+    fn readlink(&self, _req: &Request, _ino: INodeNo, reply: ReplyData) {
+        let _timer = OpTimer::start("readlink");
+        // Ferry shows no symlinks, so the kernel never asks; a file is not a link.
+        reply.error(errno(
+            "readlink",
+            &FsError::InvalidArgument("not a symbolic link"),
+        ));
     }
 
     fn access(&self, _req: &Request, _ino: INodeNo, _mask: AccessFlags, reply: ReplyEmpty) {

@@ -30,8 +30,11 @@ pub enum Handle {
 pub struct ReadHandle {
     pub ino: Ino,
     pub key: String,
-    /// Every GET carries `If-Match: etag` (none if S3 gave no ETag).
+    /// Every GET carries `If-Match: etag`.
     pub etag: Option<String>,
+    /// The object's Last-Modified at open: without an ETag, GETs are pinned to it and `size`.
+    #[serde(default)]
+    pub last_modified: Option<std::time::SystemTime>,
     /// The object's size at open.
     pub size: u64,
     /// Where a sequential reader's next read starts.
@@ -55,6 +58,7 @@ impl ReadHandle {
             ino,
             key,
             etag,
+            last_modified: None,
             size,
             next_offset: 0,
             cached: false,

@@ -84,6 +84,11 @@ pub fn new_name(name: &OsStr) -> Result<&str, FsError> {
     match invalid_segment(name) {
         Some(why) => Err(FsError::InvalidArgument(why)),
         None if name.contains('/') => Err(FsError::InvalidArgument("'/' in a name")),
+        // Existing keys with control characters are shown, but new ones are refused: many S3
+        // servers reject or rewrite them, and an XML body cannot carry most of them.
+        None if name.chars().any(char::is_control) => Err(FsError::InvalidArgument(
+            "control characters are not allowed in new names",
+        )),
         None => Ok(name),
     }
 }

@@ -2,9 +2,9 @@
 //! sequential window ([`Prefetch`]) and the per-mount cache of small objects fetched ahead of a
 //! reader that opens a directory's files in listing order ([`SmallObjects`]).
 //!
-//! Every GET carries the ETag pinned at open and must return exactly the asked length; a short
-//! body is retried once, then is an error ([`StoreError::Corrupt`], so `EIO`). Prefetched bytes
-//! are charged to the node's [`MemoryBudget`] from the moment the request starts until the data
+//! Every GET is pinned to the version seen at open (its ETag; without one, its Last-Modified and
+//! size) and must return exactly the asked length; a short body is retried once, then is an error
+//! ([`StoreError::Corrupt`], so `EIO`). Prefetched bytes are charged to the node's [`MemoryBudget`] from the moment the request starts until the data
 //! is consumed or dropped; a [`Part`] that is dropped before it completed aborts its request.
 
 use std::collections::{HashMap, VecDeque};
@@ -15,24 +15,24 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use bytes::Bytes;
 use ferry_cache::{BlockCache, BlockKey};
 use ferry_metrics::names;
-use ferry_store::{ObjectStore, StoreError};
+use ferry_store::{get_version, ObjectStore, StoreError, Version};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::budget::{MemoryBudget, PrefetchConfig, Reservation};
 
-/// One ranged GET of `range`, retried once if the body is short.
+/// One ranged GET of `range` of `version`, retried once if the body is short.
 pub async fn fetch_exact(
     store: &dyn ObjectStore,
     bucket: &str,
     key: &str,
     range: Range<u64>,
-    etag: Option<&str>,
+    version: Version<'_>,
 ) -> Result<Bytes, StoreError> {
     let want = range.end - range.start;
     let mut last = 0;
     for _ in 0..2 {
-        let data = store.get_range(bucket, key, range.clone(), etag).await?;
+        let data = get_version(store, bucket, key, range.clone(), version).await?;
         if data.len() as u64 == want {
             return Ok(data);
         }
@@ -63,6 +63,9 @@ pub struct Source {
     pub bucket: String,
     pub key: String,
     pub etag: Option<String>,
+    /// The object's Last-Modified at open: with `size`, what reads are pinned to when the server
+    /// gave no ETag.
+    pub last_modified: Option<std::time::SystemTime>,
     /// The object's size (blocks are clipped to it).
     pub size: u64,
     /// Read through the node cache (only with an ETag).
@@ -78,17 +81,18 @@ pub struct Source {
 /// first (a denied HEAD is the caller's `EACCES`, another ETag `ESTALE`).
 pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError> {
     let (Some(c), Some(etag)) = (&src.cache, src.etag.as_deref()) else {
+        let version = Version::of(src.etag.as_deref(), src.last_modified, src.size);
+        return fetch_exact(&*src.store, &src.bucket, &src.key, range, version).await;
+    };
+    if range.start >= range.end || range.end > src.size {
         return fetch_exact(
             &*src.store,
             &src.bucket,
             &src.key,
             range,
-            src.etag.as_deref(),
+            Version::ETag(etag),
         )
         .await;
-    };
-    if range.start >= range.end || range.end > src.size {
-        return fetch_exact(&*src.store, &src.bucket, &src.key, range, Some(etag)).await;
     }
     if !c.proven {
         let info = src.store.head(&src.bucket, &src.key).await?;
@@ -146,7 +150,13 @@ async fn cached_block(
     let data = c
         .cache
         .get_or_fetch(&key, || {
-            fetch_exact(&*src.store, &src.bucket, &src.key, start..end, Some(etag))
+            fetch_exact(
+                &*src.store,
+                &src.bucket,
+                &src.key,
+                start..end,
+                Version::ETag(etag),
+            )
         })
         .await?;
     if data.len() as u64 != end - start {

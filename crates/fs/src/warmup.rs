@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use ferry_cache::{BlockCache, BlockKey, ObjectKey};
-use ferry_store::{ListRequest, ObjectStore, StoreError, MAX_LIST_KEYS};
+use ferry_store::{ListRequest, ObjectStore, StoreError, Version, MAX_LIST_KEYS};
 use futures::stream::{FuturesUnordered, StreamExt};
 
 use crate::prefetch::fetch_exact;
@@ -128,7 +128,13 @@ pub async fn warm_up(
                     inflight.push(async move {
                         let data = cache
                             .get_or_fetch(&key, || {
-                                fetch_exact(&*store, &bucket, &key.key, start..end, Some(&key.etag))
+                                fetch_exact(
+                                    &*store,
+                                    &bucket,
+                                    &key.key,
+                                    start..end,
+                                    Version::ETag(&key.etag),
+                                )
                             })
                             .await?;
                         Ok::<u64, StoreError>(data.len() as u64)

@@ -45,6 +45,11 @@ use How::*;
 const CLAIMS: &[(&str, &str, How)] = &[
     ("Names and the tree", "Tree", Here(tree)),
     ("Names and the tree", "Keys that are not POSIX names", Here(non_posix_keys)),
+    (
+        "Names and the tree",
+        "Keys anyone can write",
+        Elsewhere("crates/fs/tests/hostile_keys.rs", "hostile_keys_never_take_a_directory_down"),
+    ),
     ("Names and the tree", "File and directory with the same name", Here(file_and_dir_same_name)),
     ("Names and the tree", "Names from the kernel", Here(names_from_the_kernel)),
     ("Names and the tree", "Inode numbers", Here(inode_numbers)),
@@ -77,6 +82,11 @@ const CLAIMS: &[(&str, &str, How)] = &[
     ("Operations", "unlink", Here(op_unlink)),
     ("Operations", "rmdir", Here(op_rmdir)),
     ("Operations", "rename", Here(op_rename)),
+    (
+        "Operations",
+        "ioctl, poll, fallocate, lseek (SEEK_DATA/SEEK_HOLE), copy_file_range",
+        Here(op_unsupported_quietly),
+    ),
     ("Operations", "link, symlink, mknod", Here(op_link_symlink_mknod)),
     ("Operations", "xattrs", Here(op_xattrs)),
     ("Operations", "statfs", Here(op_statfs)),
@@ -385,6 +395,10 @@ fn tree(c: &Ctx) {
     assert_eq!(sorted_names(&m.path("a/b")), [("c".into(), false)]);
     assert!(fs::metadata(m.path("m")).unwrap().is_dir(), "marker dir");
     assert!(names(&m.path("m")).is_empty(), "marker dir is empty");
+    // A marker with content (versitygw cannot hold one): a directory, its bytes shown nowhere.
+    let (_mem, m) = c.memory_mount(&[("full/", b"hidden bytes"), ("full/f", b"f")]);
+    assert!(fs::metadata(m.path("full")).unwrap().is_dir());
+    assert_eq!(names(&m.path("full")), [("f".into(), false)]);
 }
 
 fn non_posix_keys(c: &Ctx) {
@@ -426,6 +440,19 @@ fn names_from_the_kernel(c: &Ctx) {
     assert_eq!(errno(fs::metadata(&bad)), libc::ENOENT, "lookup");
     assert_eq!(errno(File::create(&bad)), libc::EINVAL, "create");
     assert_eq!(errno(fs::create_dir(&bad)), libc::EINVAL, "mkdir");
+    // Control characters: refused before any request (the server's answer would be EIO).
+    for name in ["ctl\x01", "esc\x1b[31m", "new\nline", "del\x7f"] {
+        assert_eq!(
+            errno(File::create(m.path(name))),
+            libc::EINVAL,
+            "create {name:?}"
+        );
+        assert_eq!(
+            errno(fs::create_dir(m.path(name))),
+            libc::EINVAL,
+            "mkdir {name:?}"
+        );
+    }
     let long = m.path(&"n".repeat(256));
     assert_eq!(errno(fs::metadata(&long)), libc::ENAMETOOLONG);
     assert_eq!(errno(File::create(&long)), libc::ENAMETOOLONG);
@@ -761,6 +788,45 @@ fn op_read(c: &Ctx) {
     // A read on a write handle: EBADF.
     let mut w = writing(&m.path("w"), b"abc");
     assert_eq!(errno(w.read(&mut buf)), libc::EBADF);
+    // Without an ETag (a file put in versitygw's directory behind its back has none), reads are
+    // pinned to Last-Modified and size: an overwrite under an open handle is ESTALE, never bytes
+    // of the new version after bytes of the old one.
+    let file = c.env.server.root().join(BUCKET).join(format!("{p}noetag"));
+    let old_time = SystemTime::now() - Duration::from_secs(100);
+    let put_behind = |byte: u8, time: SystemTime| {
+        fs::write(&file, vec![byte; 8 << 20]).unwrap();
+        File::options()
+            .write(true)
+            .open(&file)
+            .unwrap()
+            .set_modified(time)
+            .unwrap();
+    };
+    put_behind(1, old_time);
+    let head = c.env.rt.block_on(c.s3.head(BUCKET, &format!("{p}noetag")));
+    assert_eq!(
+        head.unwrap().etag,
+        None,
+        "the server must send no ETag here"
+    );
+    let f = File::open(m.path("noetag")).unwrap();
+    let mut buf = vec![0u8; 1 << 20];
+    assert_eq!(f.read_at(&mut buf, 0).unwrap(), 1 << 20);
+    assert!(buf.iter().all(|&b| b == 1), "the old version");
+    put_behind(2, SystemTime::now());
+    assert_eq!(
+        errno(f.read_exact_at(&mut buf, 6 << 20)),
+        libc::ESTALE,
+        "a read after an overwrite of an object without an ETag"
+    );
+    drop(f);
+    let mut fresh = File::open(m.path("noetag")).unwrap();
+    let mut all = Vec::new();
+    fresh.read_to_end(&mut all).unwrap();
+    assert!(
+        all.len() == 8 << 20 && all.iter().all(|&b| b == 2),
+        "a new open reads the new version"
+    );
     // Small files opened in listing order are fetched ahead, keyed by the listing's ETag: one
     // changed after the listing is read in its new version, never the prefetched old one.
     for i in 0..8 {
@@ -914,6 +980,102 @@ fn op_close(c: &Ctx) {
     assert_eq!(flushes(), before, "no FLUSH for a read-only close");
     drop(writing(&m.path("h"), b"h"));
     assert_eq!(flushes(), before + 1.0, "a write handle's close flushes");
+    // A close before anything was written completes nothing: the way shells redirect (open, dup2
+    // onto stdout, close the first descriptor, then write) works.
+    let f = File::create(m.path("dup")).unwrap();
+    // SAFETY: dup of a descriptor we own; the new one is owned by the File made from it.
+    let mut out =
+        unsafe { <File as std::os::fd::FromRawFd>::from_raw_fd(libc::dup(f.as_raw_fd())) };
+    drop(f);
+    assert_eq!(c.key(&p, "dup"), None, "not completed by the first close");
+    out.write_all(b"through the duplicate").unwrap();
+    drop(out);
+    assert_eq!(c.key(&p, "dup").unwrap(), b"through the duplicate");
+    shell_writes(c);
+}
+
+/// What shells, coreutils, rsync and Python do to write a file, each through a real mount.
+fn shell_writes(c: &Ctx) {
+    let p = c.prefix(&[("old", b"old content")]);
+    let m = c.mount(&p, |_| {});
+    let src = tempfile::tempdir().unwrap();
+    let data: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    fs::write(src.path().join("src"), &data).unwrap();
+    let run = |script: &str| {
+        let out = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(script)
+            .current_dir(&m.root)
+            .env("SRC", src.path().join("src"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{script}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    let cases: &[(&str, &str, &[u8])] = &[
+        ("builtin", "echo hi > builtin", b"hi\n"),
+        ("binecho", "/bin/echo hi > binecho", b"hi\n"),
+        ("sh", "sh -c 'echo dash > sh'", b"dash\n"),
+        ("old", "echo replaced > old", b"replaced\n"),
+        ("append", "echo more >> append", b"more\n"),
+        ("group", "{ echo a; echo b; } > group", b"a\nb\n"),
+        ("tee", "printf 'x\\ny\\n' | tee tee > /dev/null", b"x\ny\n"),
+        ("dd", "printf abc | dd of=dd status=none", b"abc"),
+        (
+            "python",
+            "python3 -c \"open('python', 'w').write('py')\"",
+            b"py",
+        ),
+    ];
+    for (name, script, want) in cases {
+        run(script);
+        assert_eq!(c.key(&p, name).as_deref(), Some(*want), "{script}");
+    }
+    for (name, script) in [
+        ("cp", "cp \"$SRC\" cp"),
+        ("dd-big", "dd if=\"$SRC\" of=dd-big bs=4096 status=none"),
+        ("rsync-inplace", "rsync --inplace \"$SRC\" rsync-inplace"),
+        // Default rsync writes a temporary file and renames it; S3 has no rename (EXDEV), and
+        // rsync then copies it over and deletes the temporary file.
+        ("rsync", "rsync \"$SRC\" rsync"),
+    ] {
+        run(script);
+        assert!(c.key(&p, name).unwrap() == data, "{script}");
+    }
+    assert_eq!(
+        c.env.keys(&p),
+        [
+            "append",
+            "binecho",
+            "builtin",
+            "cp",
+            "dd",
+            "dd-big",
+            "group",
+            "old",
+            "python",
+            "rsync",
+            "rsync-inplace",
+            "sh",
+            "tee"
+        ],
+        "no temporary file left behind"
+    );
+    // Nothing written: the empty object is completed at the last close (`release`), which the
+    // kernel sends without waiting: it appears a moment after the command returns.
+    run(": > empty");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while c.key(&p, "empty").is_none() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the empty file never appeared"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(c.key(&p, "empty").unwrap(), b"");
 }
 
 fn op_fsync(c: &Ctx) {
@@ -1113,6 +1275,57 @@ fn op_link_symlink_mknod(c: &Ctx) {
         let r = unsafe { libc::mknod(cstr(&m.path("n")).as_ptr(), libc::S_IFIFO | 0o644, 0) };
         assert_eq!(libc_errno(r), want, "mknod");
     }
+}
+
+fn op_unsupported_quietly(c: &Ctx) {
+    let p = c.prefix(&[("f", b"data")]);
+    let m = c.mount(&p, |_| {});
+    let f = File::open(m.path("f")).unwrap();
+    let mut termios = std::mem::MaybeUninit::<libc::termios>::uninit();
+    // SAFETY: TCGETS writes one termios into the buffer given, or fails.
+    let r = unsafe { libc::ioctl(f.as_raw_fd(), libc::TCGETS, termios.as_mut_ptr()) };
+    assert_eq!(r, -1);
+    assert_eq!(
+        std::io::Error::last_os_error().raw_os_error(),
+        Some(libc::ENOTTY),
+        "ioctl"
+    );
+    let w = File::create(m.path("g")).unwrap();
+    for _ in 0..2 {
+        // SAFETY: a valid descriptor; fallocate only asks the filesystem.
+        let r = unsafe { libc::fallocate(w.as_raw_fd(), 0, 0, 4096) };
+        assert_eq!(r, -1);
+        assert_eq!(
+            std::io::Error::last_os_error().raw_os_error(),
+            Some(libc::EOPNOTSUPP),
+            "fallocate"
+        );
+    }
+    drop(w);
+    // SEEK_DATA falls back to the generic one: data starts at 0.
+    // SAFETY: a valid descriptor.
+    assert_eq!(unsafe { libc::lseek(f.as_raw_fd(), 0, libc::SEEK_DATA) }, 0);
+    let out = m.path("copy");
+    // The kernel copies itself (or says EXDEV/ENOSYS, and `cp` copies by reading and writing).
+    let copied = {
+        let o = File::create(&out).unwrap();
+        // SAFETY: valid descriptors and null offsets (the files' own positions are used).
+        let n = unsafe {
+            libc::copy_file_range(
+                f.as_raw_fd(),
+                std::ptr::null_mut(),
+                o.as_raw_fd(),
+                std::ptr::null_mut(),
+                4,
+                0,
+            )
+        };
+        (n, std::io::Error::last_os_error().raw_os_error())
+    };
+    assert!(
+        copied.0 == 4 || copied.1 == Some(libc::EXDEV) || copied.1 == Some(libc::ENOSYS),
+        "copy_file_range: {copied:?}"
+    );
 }
 
 fn op_xattrs(c: &Ctx) {

@@ -3,7 +3,7 @@
 use std::future::Future;
 use std::ops::Range;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Instant, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -105,6 +105,26 @@ impl ObjectStore for InstrumentedStore {
         if_match: Option<&str>,
     ) -> Result<Bytes> {
         let r = timed("get", self.inner.get_range(bucket, key, range, if_match)).await;
+        if let Ok(b) = &r {
+            bytes_in(b.len());
+        }
+        r
+    }
+
+    async fn get_range_unmodified(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        last_modified: Option<SystemTime>,
+        size: u64,
+    ) -> Result<Bytes> {
+        let r = timed(
+            "get",
+            self.inner
+                .get_range_unmodified(bucket, key, range, last_modified, size),
+        )
+        .await;
         if let Ok(b) = &r {
             bytes_in(b.len());
         }

@@ -19,7 +19,7 @@
 use std::fmt;
 use std::ops::Range;
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use bytes::Bytes;
@@ -206,6 +206,36 @@ impl<S: ObjectStore> FaultyStore<S> {
         });
     }
 
+    /// A GET (`call`) with this store's plan for [`Op::Get`] applied: delays, failures and
+    /// truncated bodies.
+    async fn get_faulty(
+        &self,
+        call: impl std::future::Future<Output = Result<Bytes>>,
+    ) -> Result<Bytes> {
+        let plan = self.plan(Op::Get);
+        if !plan.delay.is_zero() {
+            tokio::time::sleep(plan.delay).await;
+        }
+        match plan.effect {
+            Some((Effect::FailBefore, error)) => Err(error),
+            Some((Effect::FailAfter, error)) => {
+                let _ = call.await;
+                Err(error)
+            }
+            Some((Effect::Truncate, _)) => {
+                let body = call.await?;
+                if body.is_empty() {
+                    return Ok(body);
+                }
+                // Strictly shorter: somewhere in [0, len).
+                let keep = ((body.len() as f64) * plan.truncate_fraction) as usize;
+                self.lock().stats.truncated += 1;
+                Ok(body.slice(..keep.min(body.len() - 1)))
+            }
+            None => call.await,
+        }
+    }
+
     fn plan(&self, op: Op) -> Plan {
         let mut guard = self.lock();
         let state = &mut *guard;
@@ -331,29 +361,23 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         range: Range<u64>,
         if_match: Option<&str>,
     ) -> Result<Bytes> {
-        let plan = self.plan(Op::Get);
-        if !plan.delay.is_zero() {
-            tokio::time::sleep(plan.delay).await;
-        }
-        let call = self.inner.get_range(bucket, key, range, if_match);
-        match plan.effect {
-            Some((Effect::FailBefore, error)) => Err(error),
-            Some((Effect::FailAfter, error)) => {
-                let _ = call.await;
-                Err(error)
-            }
-            Some((Effect::Truncate, _)) => {
-                let body = call.await?;
-                if body.is_empty() {
-                    return Ok(body);
-                }
-                // Strictly shorter: somewhere in [0, len).
-                let keep = ((body.len() as f64) * plan.truncate_fraction) as usize;
-                self.lock().stats.truncated += 1;
-                Ok(body.slice(..keep.min(body.len() - 1)))
-            }
-            None => call.await,
-        }
+        self.get_faulty(self.inner.get_range(bucket, key, range, if_match))
+            .await
+    }
+
+    async fn get_range_unmodified(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        last_modified: Option<SystemTime>,
+        size: u64,
+    ) -> Result<Bytes> {
+        self.get_faulty(
+            self.inner
+                .get_range_unmodified(bucket, key, range, last_modified, size),
+        )
+        .await
     }
 
     async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult> {

@@ -57,6 +57,53 @@ pub struct ListRequest<'a> {
     pub start_after: Option<&'a str>,
 }
 
+/// The version of an object that reads are pinned to, so that one handle never mixes two.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Version<'a> {
+    /// By ETag: every GET carries `If-Match`.
+    ETag(&'a str),
+    /// The server sent no ETag: by `Last-Modified` and size ([`ObjectStore::get_range_unmodified`]).
+    Unmodified {
+        last_modified: Option<SystemTime>,
+        size: u64,
+    },
+}
+
+impl<'a> Version<'a> {
+    /// The pin for what a HEAD or LIST said: the ETag when there is one.
+    pub fn of(etag: Option<&'a str>, last_modified: Option<SystemTime>, size: u64) -> Self {
+        match etag {
+            Some(etag) => Version::ETag(etag),
+            None => Version::Unmodified {
+                last_modified,
+                size,
+            },
+        }
+    }
+}
+
+/// Bytes `range` of `version` of the object: [`ObjectStore::get_range`] with `If-Match`, or
+/// [`ObjectStore::get_range_unmodified`].
+pub async fn get_version(
+    store: &dyn ObjectStore,
+    bucket: &str,
+    key: &str,
+    range: Range<u64>,
+    version: Version<'_>,
+) -> Result<Bytes> {
+    match version {
+        Version::ETag(etag) => store.get_range(bucket, key, range, Some(etag)).await,
+        Version::Unmodified {
+            last_modified,
+            size,
+        } => {
+            store
+                .get_range_unmodified(bucket, key, range, last_modified, size)
+                .await
+        }
+    }
+}
+
 /// The result of a completed upload.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PutResult {
@@ -130,6 +177,21 @@ pub trait ObjectStore: Send + Sync + Debug + 'static {
         key: &str,
         range: Range<u64>,
         if_match: Option<&str>,
+    ) -> Result<Bytes>;
+
+    /// Bytes `range` of the version of an object that the server sent without an ETag, known by
+    /// its `Last-Modified` time (if the server sent one) and its size. Sent with
+    /// `If-Unmodified-Since`, and the response must say the same `Last-Modified` and total size,
+    /// else [`StoreError::PreconditionFailed`]: so reads pinned to such a version never return
+    /// another version's bytes (short of an overwrite of the same size within the same second,
+    /// which `Last-Modified`'s one-second resolution cannot tell). Otherwise as [`Self::get_range`].
+    async fn get_range_unmodified(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        last_modified: Option<SystemTime>,
+        size: u64,
     ) -> Result<Bytes>;
 
     async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult>;
@@ -271,6 +333,18 @@ impl<T: ObjectStore + ?Sized> ObjectStore for Arc<T> {
         if_match: Option<&str>,
     ) -> Result<Bytes> {
         (**self).get_range(bucket, key, range, if_match).await
+    }
+    async fn get_range_unmodified(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        last_modified: Option<SystemTime>,
+        size: u64,
+    ) -> Result<Bytes> {
+        (**self)
+            .get_range_unmodified(bucket, key, range, last_modified, size)
+            .await
     }
     async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult> {
         (**self).put(bucket, key, body).await

@@ -525,6 +525,16 @@ mod tests {
         ) -> Result<Bytes> {
             self.inner.get_range(b, k, r, m).await
         }
+        async fn get_range_unmodified(
+            &self,
+            b: &str,
+            k: &str,
+            r: std::ops::Range<u64>,
+            t: Option<std::time::SystemTime>,
+            n: u64,
+        ) -> Result<Bytes> {
+            self.inner.get_range_unmodified(b, k, r, t, n).await
+        }
         async fn put(&self, b: &str, k: &str, body: Bytes) -> Result<crate::PutResult> {
             self.inner.put(b, k, body).await
         }

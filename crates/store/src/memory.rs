@@ -142,6 +142,37 @@ impl fmt::Debug for MemoryStore {
 }
 
 impl MemoryStore {
+    /// A ranged GET whose object must pass `check` first (its preconditions).
+    fn get_checked(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        check: impl FnOnce(&Object) -> Result<()>,
+    ) -> Result<Bytes> {
+        self.with_bucket(Op::Get, bucket, |b, stats, _| {
+            if range.start >= range.end {
+                return Err(StoreError::InvalidRequest(format!(
+                    "empty range {range:?} of {key}"
+                )));
+            }
+            let object = b
+                .objects
+                .get(key)
+                .ok_or_else(|| StoreError::NotFound(key.to_owned()))?;
+            check(object)?;
+            let size = object.data.len() as u64;
+            if range.start >= size {
+                return Err(StoreError::InvalidRequest(format!(
+                    "range {range:?} of {key} starts at or past its end ({size} bytes)"
+                )));
+            }
+            let end = range.end.min(size);
+            let data = object.data.slice(range.start as usize..end as usize);
+            stats.get_bytes += data.len() as u64;
+            Ok(data)
+        })
+    }
     /// An empty store without buckets.
     pub fn new() -> Self {
         MemoryStore {
@@ -411,34 +442,31 @@ impl ObjectStore for MemoryStore {
         range: Range<u64>,
         if_match: Option<&str>,
     ) -> Result<Bytes> {
-        self.with_bucket(Op::Get, bucket, |b, stats, _| {
-            if range.start >= range.end {
-                return Err(StoreError::InvalidRequest(format!(
-                    "empty range {range:?} of {key}"
+        self.get_checked(bucket, key, range, |object| match if_match {
+            Some(want) if !etag_matches(want, &object.etag) => Err(StoreError::PreconditionFailed(
+                format!("{key}: If-Match {want} but the ETag is {}", object.etag),
+            )),
+            _ => Ok(()),
+        })
+    }
+
+    async fn get_range_unmodified(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        last_modified: Option<SystemTime>,
+        size: u64,
+    ) -> Result<Bytes> {
+        self.get_checked(bucket, key, range, |object| {
+            let now = (object.last_modified, object.data.len() as u64);
+            if last_modified.is_some_and(|t| t != now.0) || size != now.1 {
+                return Err(StoreError::PreconditionFailed(format!(
+                    "{key}: pinned at {last_modified:?} and {size} bytes, now {:?} and {} bytes",
+                    now.0, now.1
                 )));
             }
-            let object = b
-                .objects
-                .get(key)
-                .ok_or_else(|| StoreError::NotFound(key.to_owned()))?;
-            if let Some(want) = if_match {
-                if !etag_matches(want, &object.etag) {
-                    return Err(StoreError::PreconditionFailed(format!(
-                        "{key}: If-Match {want} but the ETag is {}",
-                        object.etag
-                    )));
-                }
-            }
-            let size = object.data.len() as u64;
-            if range.start >= size {
-                return Err(StoreError::InvalidRequest(format!(
-                    "range {range:?} of {key} starts at or past its end ({size} bytes)"
-                )));
-            }
-            let end = range.end.min(size);
-            let data = object.data.slice(range.start as usize..end as usize);
-            stats.get_bytes += data.len() as u64;
-            Ok(data)
+            Ok(())
         })
     }
 

@@ -49,14 +49,14 @@ use aws_sdk_s3::config::{
 use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::operation::RequestId;
 use aws_sdk_s3::primitives::{ByteStream, DateTime};
-use aws_sdk_s3::types::{CompletedMultipartUpload, Delete, ObjectIdentifier};
+use aws_sdk_s3::types::{CompletedMultipartUpload, Delete, EncodingType, ObjectIdentifier};
 use bytes::Bytes;
 
 mod raw_get;
 
 use crate::{
     CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, PutResult, Result, StoreError,
-    MAX_DELETE_BATCH, MAX_LIST_KEYS,
+    Version, MAX_DELETE_BATCH, MAX_LIST_KEYS,
 };
 
 /// Where an [`S3Store`] connects and as whom.
@@ -403,15 +403,35 @@ impl S3Store {
             .set_continuation_token(req.continuation)
             .set_max_keys(max_keys)
             .set_start_after(req.start_after.map(str::to_owned))
+            // Keys may hold characters XML 1.0 cannot carry (control characters): asked for
+            // URL-encoded, one such key cannot make a whole page unreadable.
+            .encoding_type(EncodingType::Url)
             .send()
             .await
             .map_err(|e| Broken::classify(e, Target::Bucket(bucket)))?;
+        // A server that ignores `EncodingType` says so by not echoing it: its keys are taken as
+        // they are (decoding them would corrupt keys holding `%` or `+`).
+        let encoded = out.encoding_type() == Some(&EncodingType::Url);
+        let text = |raw: &str| -> Option<String> {
+            if !encoded {
+                return Some(raw.to_owned());
+            }
+            let decoded = url_decode(raw);
+            if decoded.is_none() {
+                tracing::warn!(
+                    bucket,
+                    raw,
+                    "LIST returned a key that does not URL-decode to UTF-8; skipped"
+                );
+            }
+            decoded
+        };
         let objects: Vec<ObjectInfo> = out
             .contents()
             .iter()
             .filter_map(|o| {
                 Some(ObjectInfo {
-                    key: o.key()?.to_owned(),
+                    key: text(o.key()?)?,
                     size: size_of(o.size()),
                     etag: o.e_tag().map(str::to_owned),
                     last_modified: to_system_time(o.last_modified()),
@@ -421,7 +441,7 @@ impl S3Store {
         let common_prefixes: Vec<String> = out
             .common_prefixes()
             .iter()
-            .filter_map(|p| p.prefix().map(str::to_owned))
+            .filter_map(|p| text(p.prefix()?))
             .collect();
         // A body cut short can still parse (the SDK's XML reader stops at the end of the input):
         // a page without `IsTruncated` (always sent), with fewer entries than its `KeyCount`, whose
@@ -434,10 +454,10 @@ impl S3Store {
         );
         let delimiter = req.delimiter.filter(|d| !d.is_empty());
         let whole_prefix = |p: &String| match delimiter {
-            Some(d) => p.strip_prefix(req.prefix).is_some_and(|rest| {
-                rest.strip_suffix(d)
-                    .is_some_and(|seg| !seg.is_empty() && !seg.contains(d))
-            }),
+            // The segment may be empty: a key `a//b` listed under `a/` gives `a//`.
+            Some(d) => p
+                .strip_prefix(req.prefix)
+                .is_some_and(|rest| rest.strip_suffix(d).is_some_and(|seg| !seg.contains(d))),
             None => true,
         };
         let complete = out.is_truncated().is_some()
@@ -476,15 +496,52 @@ impl S3Store {
         })
     }
 
+    /// A ranged GET pinned to `pin` (none: any version), on the raw path where it serves the
+    /// bucket, else through the SDK; a broken body is read again.
+    async fn get_pinned(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        pin: Option<Version<'_>>,
+    ) -> Result<Bytes> {
+        if range.start >= range.end {
+            return Err(StoreError::InvalidRequest(format!(
+                "empty range {range:?} of {bucket}/{key}"
+            )));
+        }
+        let mut attempt = 1;
+        loop {
+            let raw = match &self.raw_get {
+                Some(raw) => raw.get(bucket, key, &range, pin).await,
+                None => None,
+            };
+            let once = match raw {
+                Some(result) => result,
+                None => self.get_once(bucket, key, &range, pin).await,
+            };
+            match once {
+                Ok(body) => return Ok(body),
+                // The SDK already retried the request itself; only a broken body is ours to retry.
+                Err(GetFailure::Body(e)) if attempt < self.opts.body_attempts => {
+                    tracing::warn!(error = %e, attempt, "re-reading a broken GET body");
+                    attempt += 1;
+                }
+                Err(GetFailure::Body(e) | GetFailure::Request(e)) => return Err(e),
+            }
+        }
+    }
+
     /// One GET attempt whose body is checked against the range.
     async fn get_once(
         &self,
         bucket: &str,
         key: &str,
         range: &Range<u64>,
-        if_match: Option<&str>,
+        pin: Option<Version<'_>>,
     ) -> Result<Bytes, GetFailure> {
         let what = || format!("GET {bucket}/{key} bytes {}..{}", range.start, range.end);
+        let (if_match, since) = conditions(pin);
         let out = self
             .client
             .get_object()
@@ -492,11 +549,20 @@ impl S3Store {
             .key(key)
             .range(format!("bytes={}-{}", range.start, range.end - 1))
             .set_if_match(if_match.map(str::to_owned))
+            .set_if_unmodified_since(since.map(DateTime::from))
             .send()
             .await
             .map_err(|e| GetFailure::Request(map_sdk_error(e, Target::Object(bucket, key))))?;
         let declared = out.content_length().and_then(|l| u64::try_from(l).ok());
         let content_range = out.content_range().map(str::to_owned);
+        check_version(
+            &what,
+            pin,
+            out.e_tag(),
+            to_system_time(out.last_modified()),
+            content_range.as_deref(),
+            declared,
+        )?;
         read_checked(
             &what,
             range,
@@ -506,6 +572,89 @@ impl S3Store {
             self.opts.body_timeout,
         )
         .await
+    }
+}
+
+/// The `If-Match` ETag and `If-Unmodified-Since` time a pinned GET carries.
+///
+/// `If-Unmodified-Since` names the end of the pinned `Last-Modified` second: servers that compare
+/// it with their file's sub-second modification time (versitygw's posix backend does) would
+/// otherwise refuse the very version the header names. A change within that second goes unseen
+/// either way; a later one fails the condition or, where a server ignores it, [`check_version`].
+fn conditions(pin: Option<Version<'_>>) -> (Option<&str>, Option<SystemTime>) {
+    match pin {
+        None => (None, None),
+        Some(Version::ETag(etag)) => (Some(etag), None),
+        Some(Version::Unmodified { last_modified, .. }) => {
+            let end_of_second = |t: SystemTime| {
+                let secs = t
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs());
+                std::time::UNIX_EPOCH + Duration::from_secs(secs + 1)
+            };
+            (None, last_modified.map(end_of_second))
+        }
+    }
+}
+
+/// A pinned GET's response must come from the pinned version, whatever the server did with the
+/// condition headers (a server that ignores `If-Match` or `If-Unmodified-Since` is caught here):
+/// pinned by ETag, the response's `ETag` (when sent) must be it; pinned without one, the
+/// response's `Last-Modified` (when both it and the pin have one) and the object's total size
+/// (from `Content-Range`, or the whole body's length when the server ignored the range) must be
+/// the pinned ones. A mismatch is `PreconditionFailed`, as the server's own 412 would be.
+fn check_version(
+    what: &(dyn Fn() -> String + Sync),
+    pin: Option<Version<'_>>,
+    etag: Option<&str>,
+    last_modified: Option<SystemTime>,
+    content_range: Option<&str>,
+    declared: Option<u64>,
+) -> Result<(), GetFailure> {
+    let changed = |detail: String| {
+        Err(GetFailure::Request(StoreError::PreconditionFailed(
+            format!(
+                "{}: the object changed since it was opened ({detail})",
+                what()
+            ),
+        )))
+    };
+    let bare = |e: &str| {
+        e.trim()
+            .trim_start_matches("W/")
+            .trim_matches('"')
+            .to_owned()
+    };
+    match pin {
+        None => Ok(()),
+        Some(Version::ETag(pinned)) => match etag {
+            Some(now) if bare(now) != bare(pinned) => {
+                changed(format!("pinned ETag {pinned}, the server sent {now}"))
+            }
+            _ => Ok(()),
+        },
+        Some(Version::Unmodified {
+            last_modified: pinned,
+            size,
+        }) => {
+            let secs = |t: SystemTime| {
+                t.duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs())
+            };
+            let total = match content_range {
+                Some(cr) => parse_content_range(cr).and_then(|(_, _, total)| total),
+                None => declared,
+            };
+            let moved = matches!((pinned, last_modified), (Some(a), Some(b)) if secs(a) != secs(b));
+            if moved || total.is_some_and(|t| t != size) {
+                return changed(format!(
+                    "no ETag; pinned Last-Modified {:?} and {size} bytes, now {:?} and {total:?} bytes",
+                    pinned.map(secs),
+                    last_modified.map(secs),
+                ));
+            }
+            Ok(())
+        }
     }
 }
 
@@ -641,6 +790,16 @@ fn timeouts(opts: &S3Options, attempt: Duration) -> TimeoutConfig {
 }
 
 /// `bytes 0-9/10` → (0, 9, Some(10)); `bytes 0-9/*` → (0, 9, None).
+/// A key or prefix from a LIST asked for with `EncodingType=url`, decoded as S3 encodes it
+/// (form-style: `+` is a space, `%XX` a byte); `None` if the bytes are not UTF-8.
+fn url_decode(raw: &str) -> Option<String> {
+    let spaced = raw.replace('+', " ");
+    percent_encoding::percent_decode_str(&spaced)
+        .decode_utf8()
+        .ok()
+        .map(|s| s.into_owned())
+}
+
 fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
     let rest = v.trim().strip_prefix("bytes")?.trim_start();
     let (span, total) = rest.split_once('/')?;
@@ -901,31 +1060,23 @@ impl ObjectStore for S3Store {
         range: Range<u64>,
         if_match: Option<&str>,
     ) -> Result<Bytes> {
-        if range.start >= range.end {
-            return Err(StoreError::InvalidRequest(format!(
-                "empty range {range:?} of {bucket}/{key}"
-            )));
-        }
-        let mut attempt = 1;
-        loop {
-            let raw = match &self.raw_get {
-                Some(raw) => raw.get(bucket, key, &range, if_match).await,
-                None => None,
-            };
-            let once = match raw {
-                Some(result) => result,
-                None => self.get_once(bucket, key, &range, if_match).await,
-            };
-            match once {
-                Ok(body) => return Ok(body),
-                // The SDK already retried the request itself; only a broken body is ours to retry.
-                Err(GetFailure::Body(e)) if attempt < self.opts.body_attempts => {
-                    tracing::warn!(error = %e, attempt, "re-reading a broken GET body");
-                    attempt += 1;
-                }
-                Err(GetFailure::Body(e) | GetFailure::Request(e)) => return Err(e),
-            }
-        }
+        self.get_pinned(bucket, key, range, if_match.map(Version::ETag))
+            .await
+    }
+
+    async fn get_range_unmodified(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        last_modified: Option<SystemTime>,
+        size: u64,
+    ) -> Result<Bytes> {
+        let pin = Version::Unmodified {
+            last_modified,
+            size,
+        };
+        self.get_pinned(bucket, key, range, Some(pin)).await
     }
 
     async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult> {
@@ -1066,8 +1217,18 @@ impl ObjectStore for S3Store {
                 keys.len()
             )));
         }
-        let objects = keys
-            .iter()
+        // DeleteObjects names its keys in an XML body, which cannot carry control characters
+        // (XML 1.0 forbids most; parsers rewrite `\r`): such keys are deleted one by one.
+        let (plain, unsafe_in_xml): (Vec<&String>, Vec<&String>) =
+            keys.iter().partition(|k| !k.chars().any(char::is_control));
+        for key in unsafe_in_xml {
+            self.delete(bucket, key).await?;
+        }
+        if plain.is_empty() {
+            return Ok(());
+        }
+        let objects = plain
+            .into_iter()
             .map(|k| ObjectIdentifier::builder().key(k).build())
             .collect::<std::result::Result<Vec<_>, _>>()
             .map_err(|e| StoreError::InvalidRequest(format!("DeleteObjects {bucket}: {e}")))?;

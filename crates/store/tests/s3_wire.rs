@@ -469,3 +469,107 @@ async fn slow_body_within_the_body_timeout_is_read() {
         );
     }
 }
+
+/// A server that ignores `If-Match` or `If-Unmodified-Since` and answers with another version is
+/// caught by the response's own headers, on both GET paths: `PreconditionFailed`, never the bytes.
+#[tokio::test]
+async fn a_response_from_another_version_is_refused_whatever_the_server_did() {
+    let at = |t: &str, total: u64| {
+        response(
+            "206 Partial Content",
+            &[
+                ("Content-Range", format!("bytes 0-3/{total}")),
+                ("Content-Length", "4".into()),
+                ("Last-Modified", t.into()),
+            ],
+            b"0123",
+        )
+    };
+    let ten = "Tue, 01 Dec 2026 10:00:00 GMT";
+    let since = std::time::UNIX_EPOCH + Duration::from_secs(1_796_119_200);
+    for raw in [true, false] {
+        // By ETag: the response names another one.
+        let (s, _) = scripted_on(raw, vec![partial(0, 3, 10, 4, b"0123")]).await;
+        let e = s
+            .get_range("b", "k", 0..4, Some("\"other\""))
+            .await
+            .unwrap_err();
+        assert!(matches!(e, StoreError::PreconditionFailed(_)), "{e:?}");
+        let (s, _) = scripted_on(raw, vec![partial(0, 3, 10, 4, b"0123")]).await;
+        assert_eq!(
+            s.get_range("b", "k", 0..4, Some("\"abc\"")).await.unwrap(),
+            "0123"
+        );
+        // Without an ETag: same Last-Modified and size read; another time or size is refused.
+        let (s, _) = scripted_on(raw, vec![at(ten, 10)]).await;
+        assert_eq!(
+            s.get_range_unmodified("b", "k", 0..4, Some(since), 10)
+                .await
+                .unwrap(),
+            "0123"
+        );
+        for (changed, what) in [
+            (at("Tue, 01 Dec 2026 10:00:01 GMT", 10), "a second later"),
+            (at(ten, 11), "another size"),
+        ] {
+            let (s, _) = scripted_on(raw, vec![changed]).await;
+            let e = s
+                .get_range_unmodified("b", "k", 0..4, Some(since), 10)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(e, StoreError::PreconditionFailed(_)),
+                "raw {raw}, {what}: {e:?}"
+            );
+        }
+    }
+}
+
+/// LISTs ask for URL-encoded keys: an encoded page is decoded (control characters, `+` for a
+/// space, `%2B` for a plus, empty segments), and a server that did not encode (no `EncodingType`
+/// in its answer) has its keys taken as they are.
+#[tokio::test]
+async fn listings_are_url_encoded_and_decoded() {
+    let page = |encoding: &str, keys: &[&str], prefixes: &[&str]| {
+        let contents: String = keys
+            .iter()
+            .map(|k| {
+                format!(
+                    "<Contents><Key>{k}</Key><Size>1</Size><ETag>&quot;e&quot;</ETag></Contents>"
+                )
+            })
+            .collect();
+        let common: String = prefixes
+            .iter()
+            .map(|p| format!("<CommonPrefixes><Prefix>{p}</Prefix></CommonPrefixes>"))
+            .collect();
+        let body = format!(
+            "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListBucketResult><Name>b</Name><Prefix>d%2F</Prefix><Delimiter>%2F</Delimiter>{encoding}<KeyCount>{}</KeyCount><MaxKeys>1000</MaxKeys><IsTruncated>false</IsTruncated>{contents}{common}</ListBucketResult>",
+            keys.len() + prefixes.len()
+        );
+        response(
+            "200 OK",
+            &[("Content-Length", body.len().to_string())],
+            body.as_bytes(),
+        )
+    };
+    let req = || ListRequest {
+        prefix: "d/",
+        delimiter: Some("/"),
+        ..ListRequest::default()
+    };
+    let encoded = page(
+        "<EncodingType>url</EncodingType>",
+        &["d%2Fctl%01x", "d%2Fa+b%2Bc", "d%2Fpct%2525"],
+        &["d%2F%2F", "d%2Fsub%2F"],
+    );
+    let (s, _) = scripted(vec![encoded]).await;
+    let got = s.list("b", req()).await.unwrap();
+    let keys: Vec<&str> = got.objects.iter().map(|o| o.key.as_str()).collect();
+    assert_eq!(keys, ["d/ctl\x01x", "d/a b+c", "d/pct%25"]);
+    assert_eq!(got.common_prefixes, ["d//", "d/sub/"]);
+    let plain = page("", &["d/100%+"], &[]);
+    let (s, _) = scripted(vec![plain]).await;
+    let got = s.list("b", req()).await.unwrap();
+    assert_eq!(got.objects[0].key, "d/100%+", "not encoded: taken as it is");
+}

@@ -41,8 +41,13 @@ use aws_smithy_types::Document;
 use bytes::Bytes;
 use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 
-use super::{classify, error_chain, read_checked, GetFailure, Kind, S3Options, Target};
-use crate::StoreError;
+use aws_smithy_types::date_time::{DateTime, Format as DateTimeFormat};
+
+use super::{
+    check_version, classify, conditions, error_chain, read_checked, GetFailure, Kind, S3Options,
+    Target,
+};
+use crate::{StoreError, Version};
 
 /// Credentials are fetched again this long before they expire.
 const REFRESH_BEFORE_EXPIRY: Duration = Duration::from_secs(300);
@@ -136,7 +141,7 @@ impl RawGet {
         bucket: &str,
         key: &str,
         range: &Range<u64>,
-        if_match: Option<&str>,
+        pin: Option<Version<'_>>,
     ) -> Option<Result<Bytes, GetFailure>> {
         let endpoint = match self.bucket_endpoint(bucket).await {
             Ok(Some(e)) => e,
@@ -146,7 +151,7 @@ impl RawGet {
         let target = Target::Object(bucket, key);
         let mut attempt = 1;
         loop {
-            match self.attempt(&endpoint, target, key, range, if_match).await {
+            match self.attempt(&endpoint, target, key, range, pin).await {
                 Err(GetFailure::Request(e)) if e.is_retryable() => {
                     if attempt >= self.opts.max_attempts {
                         return Some(Err(GetFailure::Request(e)));
@@ -169,10 +174,10 @@ impl RawGet {
         target: Target<'_>,
         key: &str,
         range: &Range<u64>,
-        if_match: Option<&str>,
+        pin: Option<Version<'_>>,
     ) -> Result<Bytes, GetFailure> {
         let what = || format!("GET {target} bytes {}..{}", range.start, range.end);
-        let head = self.send(endpoint, key, range, if_match, &what);
+        let head = self.send(endpoint, key, range, pin, &what);
         let resp = tokio::time::timeout(self.opts.attempt_timeout, head)
             .await
             .unwrap_or_else(|_| {
@@ -187,8 +192,20 @@ impl RawGet {
         let content_range = header("content-range");
         let content_length = header("content-length").and_then(|v| v.parse::<u64>().ok());
         let request_id = header("x-amz-request-id");
+        let last_modified = header("last-modified")
+            .and_then(|v| DateTime::from_str(&v, DateTimeFormat::HttpDate).ok())
+            .and_then(|t| SystemTime::try_from(t).ok());
+        let etag = header("etag");
         let body = ByteStream::new(resp.into_body());
         if (200..300).contains(&status) {
+            check_version(
+                &what,
+                pin,
+                etag.as_deref(),
+                last_modified,
+                content_range.as_deref(),
+                content_length,
+            )?;
             return read_checked(
                 &what,
                 range,
@@ -229,7 +246,7 @@ impl RawGet {
         endpoint: &BucketEndpoint,
         key: &str,
         range: &Range<u64>,
-        if_match: Option<&str>,
+        pin: Option<Version<'_>>,
         what: &(dyn Fn() -> String + Sync),
     ) -> Result<HttpResponse, GetFailure> {
         let creds = self.credentials().await.map_err(GetFailure::Request)?;
@@ -239,8 +256,15 @@ impl RawGet {
             .method("GET")
             .uri(&uri)
             .header("range", &range_header);
+        let (if_match, since) = conditions(pin);
         if let Some(etag) = if_match {
             req = req.header("if-match", etag);
+        }
+        if let Some(since) = since {
+            let date = DateTime::from(since)
+                .fmt(DateTimeFormat::HttpDate)
+                .map_err(|e| GetFailure::Request(StoreError::Other(format!("{}: {e}", what()))))?;
+            req = req.header("if-unmodified-since", date);
         }
         let mut req = req.body(SdkBody::empty()).map_err(|e| {
             GetFailure::Request(StoreError::InvalidRequest(format!("{}: {e}", what())))
