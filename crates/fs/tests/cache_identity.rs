@@ -34,8 +34,10 @@ fn mount_as(
 
 #[test]
 fn a_pod_denied_the_objects_gets_eacces_while_the_allowed_pod_reads_from_the_cache() {
-    if !Path::new("/dev/fuse").exists() {
-        eprintln!("/dev/fuse is missing: skipping the real-FUSE test");
+    if !ferry_testkit::prerequisite(
+        Path::new("/dev/fuse").exists(),
+        "/dev/fuse (real FUSE mounts)",
+    ) {
         return;
     }
     let rt = tokio::runtime::Builder::new_multi_thread()

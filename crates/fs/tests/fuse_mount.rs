@@ -23,12 +23,12 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
+/// Whether `/dev/fuse` is there; in CI its absence fails the test ([`ferry_testkit::prerequisite`]).
 fn fuse_available() -> bool {
-    let ok = Path::new("/dev/fuse").exists();
-    if !ok {
-        eprintln!("/dev/fuse is missing: skipping the real-FUSE test");
-    }
-    ok
+    ferry_testkit::prerequisite(
+        Path::new("/dev/fuse").exists(),
+        "/dev/fuse (real FUSE mounts)",
+    )
 }
 
 fn body(len: usize, seed: u32) -> Vec<u8> {

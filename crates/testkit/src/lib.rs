@@ -52,6 +52,22 @@ pub fn init_tracing() {
         .try_init();
 }
 
+/// Whether a test may run, given whether its prerequisite (`/dev/fuse`, root, a tool) is there:
+/// `true` if it is; otherwise, in CI (`CI=true`), a panic naming it, so a missing prerequisite
+/// fails the run instead of counting as a pass; elsewhere `false` with a loud line on stderr (the
+/// caller returns: a developer without FUSE can still run the rest).
+pub fn prerequisite(present: bool, what: &str) -> bool {
+    if present {
+        return true;
+    }
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "missing prerequisite in CI: {what}"
+    );
+    eprintln!("SKIPPED (not in CI): missing prerequisite: {what}");
+    false
+}
+
 /// Where the versitygw binary is, if anywhere.
 pub fn versitygw_path() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("FERRY_VERSITYGW") {
