@@ -214,11 +214,15 @@ struct OpTimer {
 }
 
 impl OpTimer {
+    /// Counts the operation now (before its reply, so a caller that saw the reply sees the
+    /// count) and times it until dropped.
     fn start(op: &'static str) -> Self {
+        let series = OP_METRICS
+            .get(op)
+            .unwrap_or_else(|| panic!("FUSE operation {op} missing from OPS"));
+        series.0.inc();
         OpTimer {
-            series: OP_METRICS
-                .get(op)
-                .unwrap_or_else(|| panic!("FUSE operation {op} missing from OPS")),
+            series,
             start: std::time::Instant::now(),
         }
     }
@@ -226,7 +230,6 @@ impl OpTimer {
 
 impl Drop for OpTimer {
     fn drop(&mut self) {
-        self.series.0.inc();
         self.series.1.observe(self.start.elapsed());
     }
 }
