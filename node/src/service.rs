@@ -456,7 +456,7 @@ impl Inner {
             Err(e) => {
                 return Err(CsiError::from_store(
                     &format!(
-                        "{} may not list bucket {:?} prefix {}",
+                        "{} may not list bucket {:?} prefix {} (s3:ListBucket)",
                         published.credentials,
                         published.spec.bucket,
                         quote(&published.spec.prefix)
