@@ -97,13 +97,16 @@ pub enum Found {
     Other,
 }
 
-/// `lstat`s `target`.
+/// `lstat`s `target`. A dead FUSE mount there (`ENOTCONN`) counts as a directory.
 pub fn inspect(target: &Path) -> Result<Found, CsiError> {
     match std::fs::symlink_metadata(target) {
         Ok(m) if m.file_type().is_symlink() => Ok(Found::Symlink),
         Ok(m) if m.is_dir() => Ok(Found::Directory),
         Ok(_) => Ok(Found::Other),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Found::Nothing),
+        // The root of a dead FUSE mount (its server exited): a mount point, so a directory;
+        // mountinfo tells whose.
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => Ok(Found::Directory),
         Err(e) => Err(CsiError::Internal(format!(
             "looking at target_path {}: {e}",
             quote(&target.to_string_lossy())
