@@ -754,6 +754,19 @@ mod tests {
     }
 
     #[test]
+    fn a_target_publish_created_is_removed_unless_the_publish_succeeds() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path().join("mount");
+        drop(CreatedDir::make(&t).unwrap());
+        assert!(!t.exists(), "a failed publish leaves nothing behind");
+        CreatedDir::make(&t).unwrap().keep();
+        assert!(t.is_dir());
+        // One that was there before is never removed.
+        drop(CreatedDir::make(&t).unwrap());
+        assert!(t.is_dir());
+    }
+
+    #[test]
     fn prefixes_that_broke_the_mount_option_string_now_mount() {
         for prefix in [
             "my data/",
