@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use ferry_creds::StaticKeys;
 use ferry_csi::capability;
-use ferry_csi::error::{require, unimplemented, Result};
+use ferry_csi::error::{quote, require, unimplemented, Result};
 use ferry_csi::inflight::{InFlight, InFlightSet};
 use ferry_csi::pb;
 use ferry_csi::pb::controller_server::Controller;
@@ -216,8 +216,12 @@ impl Inner {
         if let Some(prev) = self.created.lock().unwrap().get(name) {
             if *prev != want {
                 return Err(CsiError::AlreadyExists(format!(
-                    "volume {name:?} already exists as {:?} with capacity {}, not {:?} with capacity {}",
-                    prev.volume_id, prev.capacity, want.volume_id, want.capacity
+                    "volume {} already exists as {} with capacity {}, not {} with capacity {}",
+                    quote(name),
+                    quote(&prev.volume_id),
+                    prev.capacity,
+                    quote(&want.volume_id),
+                    want.capacity
                 )));
             }
         }
@@ -287,8 +291,9 @@ impl Inner {
                 "volume_capabilities are required".to_string(),
             ));
         }
-        let id = VolumeId::parse(volume_id)
-            .map_err(|e| CsiError::NotFound(format!("volume {volume_id:?} does not exist: {e}")))?;
+        let id = VolumeId::parse(volume_id).map_err(|e| {
+            CsiError::NotFound(format!("volume {} does not exist: {e}", quote(volume_id)))
+        })?;
         match self.check_bucket(&id, &req.secrets).await {
             Err(CsiError::FailedPrecondition(m)) => return Err(CsiError::NotFound(m)),
             other => other?,

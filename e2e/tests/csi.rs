@@ -670,3 +670,389 @@ async fn unsafe_prefixes_are_refused() {
         assert!(e.message().contains(needle), "{needle}: {}", e.message());
     }
 }
+
+/// Fails the test if `fut` has not finished within `limit`: a safety net against a hang (an RPC
+/// that never returns), not a timing assertion.
+async fn within<T>(
+    limit: std::time::Duration,
+    what: &str,
+    fut: impl std::future::Future<Output = T>,
+) -> T {
+    match tokio::time::timeout(limit, fut).await {
+        Ok(v) => v,
+        Err(_) => panic!("{what} did not return within {limit:?}"),
+    }
+}
+
+/// The mountinfo entry on top at `path`.
+fn mounted_at(path: &std::path::Path) -> Option<ferry_node::mountinfo::MountEntry> {
+    ferry_node::mountinfo::mounted_at(path).unwrap()
+}
+
+/// Every Ferry mount below `dir`.
+fn ferry_mounts_below(dir: &std::path::Path) -> Vec<String> {
+    let dir = dir.to_string_lossy().into_owned();
+    ferry_node::mountinfo::mounts()
+        .unwrap()
+        .into_iter()
+        .filter(|m| m.is_ferry() && m.mount_point.starts_with(&dir))
+        .map(|m| m.mount_point)
+        .collect()
+}
+
+/// Issue 14 item 1: a target whose last component is a symlink is refused (publish and republish
+/// mount nothing, anywhere), and unpublish neither follows nor removes it, nor anything it points
+/// to.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_symlinked_target_is_never_mounted_through_or_removed() {
+    let mut env = Env::start().await;
+    env.s3.create_bucket("sym").await;
+    let cap = mount_capability(Mode::SingleNodeWriter, &[]);
+    let ctx = map(&[("bucketName", "sym")]);
+    // One link leaves the kubelet root, one stays inside it: both are refused.
+    let outside = env.dir.path().join("host-dir");
+    std::fs::create_dir(&outside).unwrap();
+    std::fs::write(outside.join("keep"), b"host data").unwrap();
+    let inside = env.dir.path().join("kubelet/pods/other-dir");
+    std::fs::create_dir_all(&inside).unwrap();
+    for (pod, dest) in [("pod-out", &outside), ("pod-in", &inside)] {
+        let target = env.target(pod, "pv");
+        std::os::unix::fs::symlink(dest, &target).unwrap();
+        // Publish, then kubelet's periodic republish: refused each time, nothing mounted.
+        for _ in 0..2 {
+            let e = env
+                .publish("vol", &target, cap.clone(), ctx.clone(), false)
+                .await
+                .unwrap_err();
+            assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+            assert!(e.message().contains("symbolic link"), "{}", e.message());
+        }
+        assert!(mounted_at(dest).is_none(), "nothing mounted at {dest:?}");
+        assert!(ferry_mounts_below(env.dir.path()).is_empty());
+        assert!(env.mounts.is_empty());
+        // Unpublish succeeds and leaves the link and what it points to as they were.
+        env.unpublish("vol", &target).await.unwrap();
+        assert!(std::fs::symlink_metadata(&target)
+            .unwrap()
+            .file_type()
+            .is_symlink());
+        assert!(dest.is_dir());
+    }
+    assert_eq!(std::fs::read(outside.join("keep")).unwrap(), b"host data");
+}
+
+/// Issue 14 item 2: a process that unshared its mount namespace while the volume was mounted
+/// holds a copy of the mount. NodeUnpublish still returns, with the target detached and removed;
+/// the copy left in the other namespace is cut off (`ENOTCONN`), so its FUSE session ends too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn unpublish_returns_while_another_mount_namespace_holds_a_copy() {
+    use std::os::unix::process::CommandExt;
+    let mut env = Env::start().await;
+    env.s3.create_bucket("ns-copy").await;
+    env.store
+        .put("ns-copy", "v/a.txt", Bytes::from_static(b"a"))
+        .await
+        .unwrap();
+    let cap = mount_capability(Mode::SingleNodeWriter, &[]);
+    let ctx = map(&[("bucketName", "ns-copy"), ("prefix", "v/")]);
+    let target = env.target("pod-ns", "pv");
+    env.publish("v", &target, cap.clone(), ctx.clone(), false)
+        .await
+        .unwrap();
+    // A process in a private mount namespace of its own whose working directory is in its copy
+    // of the mount (which keeps that copy alive even once its mount point is removed).
+    let mut cmd = std::process::Command::new("sleep");
+    cmd.arg("600").current_dir(&target);
+    // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe
+    // syscalls (unshare, mount) on NUL-terminated literals.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::unshare(libc::CLONE_NEWNS) != 0
+                || libc::mount(
+                    std::ptr::null(),
+                    c"/".as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_REC | libc::MS_PRIVATE,
+                    std::ptr::null(),
+                ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let mut child = cmd.spawn().unwrap();
+    let cwd = PathBuf::from(format!("/proc/{}/cwd", child.id()));
+    let c = cwd.clone();
+    let listed = tokio::task::spawn_blocking(move || std::fs::read_dir(c).map(|d| d.count()))
+        .await
+        .unwrap();
+    assert_eq!(listed.unwrap(), 1, "the copy serves the volume");
+
+    let res = within(
+        std::time::Duration::from_secs(120),
+        "NodeUnpublishVolume",
+        env.unpublish("v", &target),
+    )
+    .await;
+    let after = tokio::task::spawn_blocking(move || std::fs::read_dir(cwd).map(drop))
+        .await
+        .unwrap();
+    child.kill().unwrap();
+    child.wait().unwrap();
+    res.unwrap();
+    assert!(!target.exists(), "the target is removed");
+    assert!(env.mounts.is_empty());
+    assert!(ferry_mounts_below(env.dir.path()).is_empty());
+    assert_eq!(
+        after.unwrap_err().raw_os_error(),
+        Some(libc::ENOTCONN),
+        "the copy in the other namespace is cut off"
+    );
+    // The same volume publishes again at the same place.
+    env.publish("v", &target, cap, ctx, false).await.unwrap();
+    env.unpublish("v", &target).await.unwrap();
+}
+
+/// Issue 14 item 3: a mount Ferry did not make at a target (here a tmpfs) is never unmounted,
+/// covered or removed: unpublish and publish answer FAILED_PRECONDITION naming it, and leave it as
+/// it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_foreign_mount_at_the_target_is_never_touched() {
+    let mut env = Env::start().await;
+    env.s3.create_bucket("foreign").await;
+    let cap = mount_capability(Mode::SingleNodeWriter, &[]);
+    let ctx = map(&[("bucketName", "foreign")]);
+    let target = env.target("pod-f", "pv");
+    std::fs::create_dir(&target).unwrap();
+    let c = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: NUL-terminated strings alive across the call; mount(2) only reads them.
+    let rc = unsafe {
+        libc::mount(
+            c"ferry-test-tmpfs".as_ptr(),
+            c.as_ptr(),
+            c"tmpfs".as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+    std::fs::write(target.join("theirs"), b"not ferry's").unwrap();
+
+    let e = env.unpublish("vol", &target).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("tmpfs"), "{}", e.message());
+    let e = env
+        .publish("vol", &target, cap.clone(), ctx.clone(), false)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("tmpfs"), "{}", e.message());
+    let top = mounted_at(&target).expect("still mounted");
+    assert_eq!(top.fs_type, "tmpfs", "nothing stacked on it");
+    assert_eq!(
+        std::fs::read(target.join("theirs")).unwrap(),
+        b"not ferry's"
+    );
+    assert!(env.mounts.is_empty());
+
+    ferry_node::mountinfo::unmount(&target, false).unwrap();
+    env.publish("vol", &target, cap, ctx, false).await.unwrap();
+    env.unpublish("vol", &target).await.unwrap();
+    assert!(!target.exists());
+}
+
+/// Issue 14 item 8: every prefix CreateVolume hands out mounts, whatever characters it has (a
+/// space, a comma, `=`, a backslash, non-ASCII); one that leaves no room for a key is refused at
+/// CreateVolume and at publish (before anything is created) with INVALID_ARGUMENT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn prefixes_with_any_characters_mount_and_unservable_ones_are_refused_up_front() {
+    let mut env = Env::start().await;
+    env.s3.create_bucket("chars").await;
+    let cap = mount_capability(Mode::SingleNodeWriter, &[]);
+    for (i, (base, name)) in [
+        ("my data", "a,b"),
+        ("x=y", "back\\slash"),
+        ("caf\u{e9}", "sp ace,and=all"),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let vol = env
+            .ctrl
+            .create_volume(pb::CreateVolumeRequest {
+                name: name.into(),
+                parameters: map(&[("bucketName", "chars"), ("basePrefix", base)]),
+                volume_capabilities: vec![cap.clone()],
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .volume
+            .unwrap();
+        let prefix = format!("{base}/{name}/");
+        assert_eq!(vol.volume_context["prefix"], prefix);
+        env.store
+            .put(
+                "chars",
+                &format!("{prefix}f.txt"),
+                Bytes::from_static(b"ok"),
+            )
+            .await
+            .unwrap();
+        let target = env.target(&format!("pod-{i}"), "pv");
+        env.publish(
+            &vol.volume_id,
+            &target,
+            cap.clone(),
+            vol.volume_context.clone(),
+            false,
+        )
+        .await
+        .unwrap();
+        let top = mounted_at(&target).unwrap();
+        assert!(top.is_ferry(), "{top:?}");
+        assert_eq!(
+            ferry_fs::config::decode_fs_name(&top.source).as_deref(),
+            Some(format!("chars/{prefix}").as_str()),
+            "{top:?}"
+        );
+        let t = target.clone();
+        let got = tokio::task::spawn_blocking(move || std::fs::read(t.join("f.txt")))
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(got, b"ok");
+        env.unpublish(&vol.volume_id, &target).await.unwrap();
+    }
+
+    // 1,023 bytes and its '/': no key fits below it.
+    let base = vec!["b".repeat(249); 4].join("/");
+    let name = "n".repeat(23);
+    let e = env
+        .ctrl
+        .create_volume(pb::CreateVolumeRequest {
+            name: name.clone(),
+            parameters: map(&[("bucketName", "chars"), ("basePrefix", &base)]),
+            volume_capabilities: vec![cap.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let target = env.target("pod-long", "pv");
+    let e = env
+        .publish(
+            "long",
+            &target,
+            cap.clone(),
+            map(&[
+                ("bucketName", "chars"),
+                ("prefix", &format!("{base}/{name}/")),
+            ]),
+            false,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(!target.exists(), "a refused publish creates nothing");
+}
+
+/// Issue 14 item 9: targets the kernel cannot take (a 300-byte name, a NUL) are INVALID_ARGUMENT,
+/// and no error quotes a huge input back whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn impossible_targets_are_invalid_and_errors_quote_inputs_short() {
+    let mut env = Env::start().await;
+    env.s3.create_bucket("quote").await;
+    let cap = mount_capability(Mode::SingleNodeWriter, &[]);
+    let ctx = map(&[("bucketName", "quote")]);
+    let parent = env.target("pod-q", "pv").parent().unwrap().to_path_buf();
+    let huge = "h".repeat(1 << 20);
+    for target in [
+        parent.join("m".repeat(300)),
+        parent.join("mo\0unt"),
+        parent.join(&huge),
+    ] {
+        let e = env
+            .publish("vol", &target, cap.clone(), ctx.clone(), false)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{:?}", e.code());
+        assert!(e.message().len() < 1024, "{} bytes", e.message().len());
+        let e = env.unpublish("vol", &target).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{:?}", e.code());
+    }
+    assert_eq!(
+        std::fs::read_dir(&parent).unwrap().count(),
+        0,
+        "nothing created"
+    );
+
+    let short = |e: tonic::Status| {
+        assert!(
+            e.message().len() < 1024,
+            "{:?}: {} bytes: {}",
+            e.code(),
+            e.message().len(),
+            &e.message()[..200]
+        );
+        e.code()
+    };
+    // A volume context value, a mount flag, a parameter key and value, a volume id.
+    let target = parent.join("mount");
+    let e = env
+        .publish(
+            "vol",
+            &target,
+            cap.clone(),
+            map(&[("bucketName", &huge)]),
+            false,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(short(e), Code::InvalidArgument);
+    let e = env
+        .publish(
+            "vol",
+            &target,
+            mount_capability(Mode::SingleNodeWriter, &[&format!("uid={huge}")]),
+            ctx.clone(),
+            false,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(short(e), Code::InvalidArgument);
+    for params in [
+        map(&[("bucketName", "quote"), (&huge, "x")]),
+        map(&[("bucketName", "quote"), ("deletePolicy", &huge)]),
+    ] {
+        let e = env
+            .ctrl
+            .create_volume(pb::CreateVolumeRequest {
+                name: "v".into(),
+                parameters: params,
+                volume_capabilities: vec![cap.clone()],
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(short(e), Code::InvalidArgument);
+    }
+    let e = env
+        .ctrl
+        .validate_volume_capabilities(pb::ValidateVolumeCapabilitiesRequest {
+            volume_id: huge.clone(),
+            volume_capabilities: vec![cap.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(short(e), Code::NotFound);
+    env.publish("vol", &target, cap.clone(), ctx.clone(), false)
+        .await
+        .unwrap();
+    let e = env.unpublish(&huge, &target).await.unwrap_err();
+    assert_eq!(short(e), Code::NotFound);
+    env.unpublish("vol", &target).await.unwrap();
+}

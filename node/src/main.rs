@@ -375,7 +375,10 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
     };
     let mut config = ferry_node::service::mount_config(&published, MetadataTtl::Seconds(1));
     config.allow_other = a.allow_other;
-    let dir = a.directory.clone();
+    // Like mount(8), the directory given is resolved once (a symlink to it is followed here);
+    // from then on the mount, the watch below and the unmount use that one directory.
+    let dir = std::fs::canonicalize(&a.directory)
+        .with_context(|| format!("mount directory {}", a.directory.display()))?;
     let cache = a.cache.as_ref().map(|dir| CacheConfig {
         dir: dir.clone(),
         max_size: a
@@ -389,28 +392,27 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
     let handle = tokio::task::spawn_blocking(move || ferry_fs::mount(store, config, &dir, ctx))
         .await?
         .with_context(|| format!("mounting at {}", a.directory.display()))?;
-    tracing::info!(bucket = %a.bucket, directory = %a.directory.display(), "mounted; unmount with `umount` or Ctrl-C");
-    let dir = a.directory.clone();
-    // Wait for a signal or for an external unmount.
+    tracing::info!(bucket = %a.bucket, directory = %handle.target().display(), "mounted; unmount with `umount` or Ctrl-C");
+    // Wait for a signal or for an external unmount (of this mount: compared by device, so a
+    // relative or symlinked directory argument, or a mount stacked on ours, is no confusion).
     let external = async {
         loop {
             tokio::time::sleep(Duration::from_millis(500)).await;
-            match ferry_node::mountinfo::mounted_at(&dir) {
-                Ok(Some(_)) => {}
-                _ => return,
+            if !handle.is_mounted().unwrap_or(false) {
+                return;
             }
         }
     };
-    tokio::select! {
-        _ = ferry_csi::endpoint::shutdown_signal() => {
-            tokio::task::spawn_blocking(move || handle.unmount()).await??;
-        }
-        _ = external => {
-            tracing::info!("unmounted externally");
-            // The kernel mount is already gone: dropping the handle would try to unmount again.
-            std::mem::forget(handle);
-        }
+    let interrupted = tokio::select! {
+        _ = ferry_csi::endpoint::shutdown_signal() => true,
+        _ = external => false,
+    };
+    if !interrupted {
+        tracing::info!("unmounted externally");
     }
+    // Detaches the mount if it is still ours (busy or not) and ends its FUSE connection, so copies
+    // of it in other mount namespaces never keep this process waiting.
+    tokio::task::spawn_blocking(move || handle.detach()).await??;
     if let Some(cache) = &cache {
         cache.settle().await;
         save_checked(cache).await;

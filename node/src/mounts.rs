@@ -75,6 +75,15 @@ impl MountTable {
             .map(|m| m.published.clone())
     }
 
+    /// Whether the recorded mount at `target` is still the one on top there (`false` when none is
+    /// recorded, or it was unmounted behind our back).
+    pub fn is_live(&self, target: &Path) -> std::io::Result<bool> {
+        match self.mounts.lock().unwrap().get(target) {
+            Some(m) => m.handle.is_mounted(),
+            None => Ok(false),
+        }
+    }
+
     pub fn insert(&self, target: PathBuf, m: Mounted) {
         let mut mounts = self.mounts.lock().unwrap();
         mounts.insert(target, m);

@@ -13,7 +13,7 @@ use ferry_creds::{
     StaticKeys,
 };
 use ferry_csi::capability;
-use ferry_csi::error::{require, unimplemented, Result};
+use ferry_csi::error::{quote, require, unimplemented, Result};
 use ferry_csi::inflight::{InFlight, InFlightSet};
 use ferry_csi::pb;
 use ferry_csi::pb::node_server::Node;
@@ -102,7 +102,7 @@ pub fn mount_config(p: &Published, default_ttl: MetadataTtl) -> MountConfig {
         }),
         allow_other: true,
         metadata_ttl: fs_ttl(o.metadata_ttl.unwrap_or(default_ttl)),
-        fs_name: format!("ferry:{}/{}", p.spec.bucket, p.spec.prefix),
+        fs_name: ferry_fs::config::fs_name(&p.spec.bucket, &p.spec.prefix),
         endpoint: p.spec.endpoint.endpoint_url.clone().unwrap_or_default(),
         node_cache: !o.no_cache,
     }
@@ -273,24 +273,46 @@ impl Inner {
         self.in_flight.begin(target.to_path_buf())
     }
 
-    /// Detaches a mount at `target` that this process does not own: a dead FUSE mount left by an
-    /// earlier node plugin process (its connection ended with that process).
+    /// What is mounted on top at `target`, from mountinfo.
+    fn mounted_at(target: &Path) -> Result<Option<mountinfo::MountEntry>> {
+        mountinfo::mounted_at(target)
+            .map_err(|e| CsiError::Internal(format!("reading mountinfo: {e}")))
+    }
+
+    /// The refusal for a mount at `target` that Ferry did not make: Ferry never unmounts, mounts
+    /// over or removes another filesystem.
+    fn foreign(target: &Path, m: &mountinfo::MountEntry) -> CsiError {
+        CsiError::FailedPrecondition(format!(
+            "target_path {} has a {} mount of {} that Ferry did not make; Ferry neither unmounts nor covers it (unmount it first)",
+            quote(&target.to_string_lossy()),
+            m.fs_type,
+            quote(&m.source)
+        ))
+    }
+
+    /// Detaches a Ferry mount at `target` that this process does not own: a dead FUSE mount left by
+    /// an earlier node plugin process (its connection ended with that process). A mount of any
+    /// other filesystem is left alone and refused.
     fn clear_stale(target: &Path) -> Result<()> {
-        let mounted = mountinfo::mounted_at(target)
-            .map_err(|e| CsiError::Internal(format!("reading mountinfo: {e}")))?;
-        if let Some(m) = mounted {
-            warn!(target = %target.display(), fs_type = %m.fs_type, source = %m.source, "detaching a mount this process does not own");
+        if let Some(m) = Self::mounted_at(target)? {
+            if !m.is_ferry() {
+                return Err(Self::foreign(target, &m));
+            }
+            warn!(target = %target.display(), source = %m.source, "detaching a Ferry mount this process does not own");
             mountinfo::detach(target).map_err(|e| {
                 CsiError::Internal(format!(
                     "detaching stale mount at {}: {e}",
                     target.display()
                 ))
             })?;
+            // Only a dead mount is left by an earlier process; should one still be served, its
+            // pod is gone: end its connection too.
+            let _ = mountinfo::abort_connection(m.dev.1);
         }
         Ok(())
     }
 
-    #[instrument(skip_all, fields(volume_id = %req.volume_id, target_path = %req.target_path))]
+    #[instrument(skip_all, fields(volume_id = %quote(&req.volume_id), target_path = %quote(&req.target_path)))]
     async fn publish(
         &self,
         req: pb::NodePublishVolumeRequest,
@@ -305,7 +327,7 @@ impl Inner {
         let target = targetpath::resolve(&self.canonical_root, &target)?.ok_or_else(|| {
             CsiError::NotFound(format!(
                 "the parent directory of target_path {} does not exist",
-                target.display()
+                quote(&req.target_path)
             ))
         })?;
         let spec = VolumeSpec::from_publish(&req.volume_context, capability::mount_flags(cap))?;
@@ -315,30 +337,45 @@ impl Inner {
             {
                 Some(m.volume_mount_group.parse::<u32>().map_err(|_| {
                     CsiError::InvalidArgument(format!(
-                        "volume_mount_group {:?} is not a numeric group id",
-                        m.volume_mount_group
+                        "volume_mount_group {} is not a numeric group id",
+                        quote(&m.volume_mount_group)
                     ))
                 })?)
             }
             _ => None,
         };
         let _guard = self.begin(&target)?;
+        match targetpath::inspect(&target)? {
+            targetpath::Found::Nothing | targetpath::Found::Directory => {}
+            targetpath::Found::Symlink => {
+                return Err(CsiError::InvalidArgument(format!(
+                    "target_path {} is a symbolic link: Ferry never mounts through one",
+                    quote(&req.target_path)
+                )))
+            }
+            targetpath::Found::Other => {
+                return Err(CsiError::InvalidArgument(format!(
+                    "target_path {} exists and is not a directory",
+                    quote(&req.target_path)
+                )))
+            }
+        }
         let live_credentials = self
             .mounts
             .get(&target)
             .filter(|e| e.volume_id == volume_id)
             .map(|e| e.credentials);
         let (store_credentials, credentials) = self.credentials(&req, &spec).await?;
-        if let Some(live) = live_credentials.filter(|live| *live != credentials) {
-            if mountinfo::mounted_at(&target)
-                .map_err(|e| CsiError::Internal(format!("reading mountinfo: {e}")))?
-                .is_some_and(|m| m.fs_type.starts_with("fuse"))
-            {
-                return Err(CsiError::FailedPrecondition(format!(
-                    "volume {volume_id:?} is mounted at {} as {live}; this publish asks for {credentials}: a live mount never changes identity (unpublish it first)",
-                    target.display()
-                )));
-            }
+        let live = self
+            .mounts
+            .is_live(&target)
+            .map_err(|e| CsiError::Internal(format!("reading mountinfo: {e}")))?;
+        if let Some(was) = live_credentials.filter(|was| live && *was != credentials) {
+            return Err(CsiError::FailedPrecondition(format!(
+                "volume {} is mounted at {} as {was}; this publish asks for {credentials}: a live mount never changes identity (unpublish it first)",
+                quote(volume_id),
+                target.display()
+            )));
         }
         let published = Published {
             volume_id: volume_id.to_string(),
@@ -347,16 +384,23 @@ impl Inner {
             mount_group,
             credentials,
         };
+        // Everything the mount needs is checked before anything is created.
+        let config = mount_config(&published, self.config.default_metadata_ttl);
+        config.validate().map_err(|e| {
+            CsiError::InvalidArgument(format!(
+                "volume {} cannot be mounted: {e}",
+                quote(volume_id)
+            ))
+        })?;
 
         if let Some(existing) = self.mounts.get(&target) {
-            let alive = mountinfo::mounted_at(&target)
-                .map_err(|e| CsiError::Internal(format!("reading mountinfo: {e}")))?
-                .is_some_and(|m| m.fs_type.starts_with("fuse"));
-            if !alive {
+            if !live {
                 // Unmounted behind our back (or its session died): forget it and mount afresh.
                 warn!("the recorded mount is gone; mounting again");
                 if let Some(m) = self.mounts.remove(&target) {
-                    std::mem::forget(m.handle);
+                    // Dropping the handle ends its connection and reaps its session; nothing of
+                    // it is at the target any more, so nothing there is unmounted.
+                    let _ = tokio::task::spawn_blocking(move || drop(m)).await;
                 }
             } else if existing == published {
                 match &published.credentials {
@@ -373,13 +417,14 @@ impl Inner {
             return Err(CsiError::AlreadyExists(
                 if existing.volume_id != published.volume_id {
                     format!(
-                        "target {} already has volume {:?} published",
+                        "target {} already has volume {} published",
                         target.display(),
-                        existing.volume_id
+                        quote(&existing.volume_id)
                     )
                 } else {
                     format!(
-                        "volume {volume_id:?} is already published at {} with other options",
+                        "volume {} is already published at {} with other options",
+                        quote(volume_id),
                         target.display()
                     )
                 },
@@ -411,33 +456,17 @@ impl Inner {
             Err(e) => {
                 return Err(CsiError::from_store(
                     &format!(
-                        "{} may not list bucket {:?} prefix {:?} (s3:ListBucket)",
-                        published.credentials, published.spec.bucket, published.spec.prefix
+                        "{} may not list bucket {:?} prefix {} (s3:ListBucket)",
+                        published.credentials,
+                        published.spec.bucket,
+                        quote(&published.spec.prefix)
                     ),
                     e,
                 ))
             }
         }
 
-        match std::fs::create_dir(&target) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                if !target.is_dir() {
-                    return Err(CsiError::InvalidArgument(format!(
-                        "target_path {} exists and is not a directory",
-                        target.display()
-                    )));
-                }
-            }
-            Err(e) => {
-                return Err(CsiError::Internal(format!(
-                    "creating target directory {}: {e} (its parent must exist)",
-                    target.display()
-                )))
-            }
-        }
-
-        let config = mount_config(&published, self.config.default_metadata_ttl);
+        let created = CreatedDir::make(&target)?;
         let mount_context = self.mount_context.clone();
         let warm_store = store.clone();
         let (mount_target, mount_config) = (target.clone(), config.clone());
@@ -446,7 +475,20 @@ impl Inner {
         })
         .await
         .map_err(|e| CsiError::Internal(format!("mount task failed: {e}")))?
-        .map_err(|e| CsiError::Internal(format!("mounting at {}: {e}", target.display())))?;
+        .map_err(|e| match e {
+            ferry_fs::MountError::Config(e) => CsiError::InvalidArgument(e.to_string()),
+            // Swapped for a symlink or a file since it was looked at.
+            ferry_fs::MountError::Target { source, .. }
+                if source.kind() == std::io::ErrorKind::NotADirectory =>
+            {
+                CsiError::InvalidArgument(format!(
+                    "target_path {} is not a directory: {source}",
+                    quote(&req.target_path)
+                ))
+            }
+            e => CsiError::Internal(format!("mounting at {}: {e}", target.display())),
+        })?;
+        created.keep();
         if let (Some(cache), Some(subs), true) = (
             &self.mount_context.cache,
             &published.spec.options.warm_up,
@@ -472,7 +514,7 @@ impl Inner {
         Ok(pb::NodePublishVolumeResponse {})
     }
 
-    #[instrument(skip_all, fields(volume_id = %req.volume_id, target_path = %req.target_path))]
+    #[instrument(skip_all, fields(volume_id = %quote(&req.volume_id), target_path = %quote(&req.target_path)))]
     async fn unpublish(
         &self,
         req: pb::NodeUnpublishVolumeRequest,
@@ -488,37 +530,86 @@ impl Inner {
         if let Some(existing) = self.mounts.get(&target) {
             if existing.volume_id != volume_id {
                 return Err(CsiError::NotFound(format!(
-                    "volume {volume_id:?} is not published at {} (volume {:?} is)",
+                    "volume {} is not published at {} (volume {} is)",
+                    quote(volume_id),
                     target.display(),
-                    existing.volume_id
+                    quote(&existing.volume_id)
                 )));
             }
         }
+        let found = targetpath::inspect(&target)?;
+        // Only Ferry's own mount on top is unmounted: never a mount stacked on it, nor one of
+        // another filesystem.
+        match Self::mounted_at(&target)? {
+            Some(m) if !m.is_ferry() => return Err(Self::foreign(&target, &m)),
+            _ => {}
+        }
         if let Some(m) = self.mounts.remove(&target) {
-            let t = target.clone();
-            let res = tokio::task::spawn_blocking(move || m.handle.unmount())
+            // Detached in this namespace; copies elsewhere are cut off (ENOTCONN), so this never
+            // waits on another mount namespace.
+            let res = tokio::task::spawn_blocking(move || m.handle.detach())
                 .await
                 .map_err(|e| CsiError::Internal(format!("unmount task failed: {e}")))?;
-            if let Err(e) = res {
-                warn!(error = %e, "clean unmount failed; detaching");
-                mountinfo::detach(&t)
-                    .map_err(|e| CsiError::Internal(format!("unmounting {}: {e}", t.display())))?;
-            }
-        } else {
+            res.map_err(|e| CsiError::Internal(format!("unmounting {}: {e}", target.display())))?;
+        } else if found != targetpath::Found::Symlink {
             Self::clear_stale(&target)?;
         }
-        match std::fs::remove_dir(&target) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => {
-                return Err(CsiError::Internal(format!(
-                    "removing target directory {}: {e}",
-                    target.display()
-                )))
+        match found {
+            // Ferry never mounts through a symlink, so none is its to remove.
+            targetpath::Found::Symlink => {
+                warn!("target_path is a symbolic link; left as it is");
             }
+            // rmdir(2) removes the directory itself, never what a symlink points to.
+            _ => match std::fs::remove_dir(&target) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => {
+                    warn!("target_path is not a directory; left as it is");
+                }
+                Err(e) => {
+                    return Err(CsiError::Internal(format!(
+                        "removing target directory {}: {e}",
+                        target.display()
+                    )))
+                }
+            },
         }
         info!("unpublished");
         Ok(pb::NodeUnpublishVolumeResponse {})
+    }
+}
+
+/// A target directory publish created: removed again unless the publish succeeds ([`keep`]).
+///
+/// [`keep`]: CreatedDir::keep
+struct CreatedDir(Option<PathBuf>);
+
+impl CreatedDir {
+    /// Creates `target` (its parent exists) unless it already is a directory.
+    fn make(target: &Path) -> Result<CreatedDir> {
+        match std::fs::create_dir(target) {
+            Ok(()) => Ok(CreatedDir(Some(target.to_path_buf()))),
+            // Checked not to be a symlink or a file just before, under the in-flight guard.
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(CreatedDir(None)),
+            Err(e) => Err(CsiError::Internal(format!(
+                "creating target directory {}: {e}",
+                target.display()
+            ))),
+        }
+    }
+
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for CreatedDir {
+    fn drop(&mut self) {
+        if let Some(dir) = self.0.take() {
+            if let Err(e) = std::fs::remove_dir(&dir) {
+                warn!(target = %dir.display(), error = %e, "removing the target directory of a failed publish");
+            }
+        }
     }
 }
 
@@ -599,5 +690,94 @@ impl Node for NodeService {
         _r: Request<pb::NodeExpandVolumeRequest>,
     ) -> Result<Response<pb::NodeExpandVolumeResponse>, Status> {
         unimplemented("NodeExpandVolume")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_volume::{validate, Endpoint, MountOptions};
+    use proptest::prelude::*;
+
+    fn published(bucket: &str, prefix: String) -> Published {
+        Published {
+            volume_id: "v".into(),
+            spec: VolumeSpec {
+                bucket: bucket.into(),
+                prefix,
+                endpoint: Endpoint::default(),
+                options: MountOptions::default(),
+                authentication: AuthenticationSource::Driver,
+                sts_region: None,
+            },
+            read_only: false,
+            mount_group: None,
+            credentials: MountCredentials::Driver,
+        }
+    }
+
+    /// Any character, with `/` often enough to make segments.
+    fn raw_prefix(max: usize) -> impl Strategy<Value = String> {
+        prop::collection::vec(
+            prop_oneof![
+                3 => Just('/'),
+                3 => prop::char::range(' ', '~'),
+                1 => any::<char>(),
+            ],
+            0..max,
+        )
+        .prop_map(|v| v.into_iter().collect())
+    }
+
+    proptest! {
+        /// Issue 14 item 8: every prefix the volume validator accepts gives a mount config the
+        /// filesystem accepts, whose fs_name gives the bucket and prefix back.
+        #[test]
+        fn every_prefix_the_validator_accepts_mounts(
+            bucket in "[a-z0-9][a-z0-9-]{1,61}[a-z0-9]",
+            raw in raw_prefix(60),
+            long in 0usize..3,
+        ) {
+            // Some near the 1024-byte limit too.
+            let raw = match long {
+                0 => raw,
+                n => format!("{}/{raw}", "\u{3042}".repeat(330 + n)),
+            };
+            prop_assume!(validate::bucket_name("b", &bucket).is_ok());
+            if let Ok(prefix) = validate::prefix("p", &raw, true) {
+                let cfg = mount_config(&published(&bucket, prefix.clone()), MetadataTtl::Seconds(1));
+                prop_assert!(cfg.validate().is_ok(), "{:?}: {:?}", raw, cfg.validate());
+                let path = if prefix.is_empty() { bucket.clone() } else { format!("{bucket}/{prefix}") };
+                prop_assert_eq!(ferry_fs::config::decode_fs_name(&cfg.fs_name), Some(path));
+            }
+        }
+    }
+
+    #[test]
+    fn a_target_publish_created_is_removed_unless_the_publish_succeeds() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = dir.path().join("mount");
+        drop(CreatedDir::make(&t).unwrap());
+        assert!(!t.exists(), "a failed publish leaves nothing behind");
+        CreatedDir::make(&t).unwrap().keep();
+        assert!(t.is_dir());
+        // One that was there before is never removed.
+        drop(CreatedDir::make(&t).unwrap());
+        assert!(t.is_dir());
+    }
+
+    #[test]
+    fn prefixes_that_broke_the_mount_option_string_now_mount() {
+        for prefix in [
+            "my data/",
+            "a,b/",
+            "x=y/",
+            "back\\slash/",
+            "caf\u{e9}/",
+            "tab\there/",
+        ] {
+            let cfg = mount_config(&published("data", prefix.into()), MetadataTtl::Seconds(1));
+            assert!(cfg.validate().is_ok(), "{prefix:?}: {}", cfg.fs_name);
+        }
     }
 }

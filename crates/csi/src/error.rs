@@ -4,6 +4,13 @@ use ferry_store::StoreError;
 use ferry_volume::VolumeError;
 use tonic::{Code, Status};
 
+/// How every message quotes a value from the request (see [`ferry_volume::quote`]).
+pub use ferry_volume::quote;
+
+/// The longest status message sent back: values are quoted short ([`quote`]), and this bounds
+/// what any message assembled from several of them (or from a server's reply) can grow to.
+pub const MESSAGE_MAX_BYTES: usize = 4096;
+
 /// An RPC failure, by the CSI spec's meaning. Messages never carry secrets.
 #[derive(Debug, thiserror::Error)]
 pub enum CsiError {
@@ -53,7 +60,7 @@ impl From<CsiError> for Status {
             CsiError::Unimplemented(_) => Code::Unimplemented,
             CsiError::Internal(_) => Code::Internal,
         };
-        Status::new(code, e.to_string())
+        Status::new(code, capped(e.to_string()))
     }
 }
 
@@ -93,6 +100,18 @@ impl CsiError {
     }
 }
 
+/// `msg`, cut to [`MESSAGE_MAX_BYTES`] (on a character boundary) with a note of its length.
+fn capped(msg: String) -> String {
+    if msg.len() <= MESSAGE_MAX_BYTES {
+        return msg;
+    }
+    let mut cut = MESSAGE_MAX_BYTES;
+    while !msg.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}… (message cut: {} bytes)", &msg[..cut], msg.len())
+}
+
 /// Shorthand for handlers.
 pub type Result<T, E = CsiError> = std::result::Result<T, E>;
 
@@ -109,4 +128,25 @@ pub fn unimplemented<T>(rpc: &str) -> std::result::Result<tonic::Response<T>, St
     Err(Status::unimplemented(format!(
         "{rpc} is not supported by Ferry"
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_status_message_never_carries_a_whole_huge_input() {
+        let huge = "v".repeat(1 << 20);
+        let s = Status::from(CsiError::InvalidArgument(format!("bad {huge}")));
+        assert_eq!(s.code(), Code::InvalidArgument);
+        assert!(
+            s.message().len() < MESSAGE_MAX_BYTES + 64,
+            "{}",
+            s.message().len()
+        );
+        assert!(s.message().ends_with("(message cut: 1048580 bytes)"));
+        let s = Status::from(CsiError::NotFound(format!("volume {}", quote(&huge))));
+        assert!(s.message().len() < 200, "{}", s.message());
+        assert!(s.message().contains("(1048576 bytes)"), "{}", s.message());
+    }
 }

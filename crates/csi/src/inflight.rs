@@ -2,7 +2,7 @@
 //! request for the same key gets `Aborted`, as the CSI spec asks, and retries later.
 
 use std::collections::HashSet;
-use std::fmt::Debug;
+use std::ffi::OsStr;
 use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 
@@ -29,12 +29,13 @@ pub struct InFlight<K: Eq + Hash> {
     key: K,
 }
 
-impl<K: Eq + Hash + Clone + Debug> InFlightSet<K> {
+impl<K: Eq + Hash + Clone + AsRef<OsStr>> InFlightSet<K> {
     /// Claims `key`, or fails with Aborted when another operation holds it.
     pub fn begin(&self, key: K) -> Result<InFlight<K>, CsiError> {
         if !self.set.lock().unwrap().insert(key.clone()) {
             return Err(CsiError::Aborted(format!(
-                "an operation on {key:?} is already in progress"
+                "an operation on {} is already in progress",
+                crate::error::quote(&key.as_ref().to_string_lossy())
             )));
         }
         Ok(InFlight {

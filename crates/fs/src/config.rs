@@ -4,9 +4,47 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
+use percent_encoding::{percent_decode_str, utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
 use serde::{Deserialize, Serialize};
 
 use crate::names::KEY_MAX;
+
+/// What `fs_name` keeps as it is: letters, digits and `-._~/` (everything S3 bucket names use, and
+/// the common key characters). Everything else — `%` itself, `,` (the mount option separator),
+/// `=`, `\`, whitespace, control and non-ASCII characters — is percent-encoded, so any bucket and
+/// prefix give a source the kernel, `fusermount` and `/proc/mounts` carry unchanged.
+const FS_NAME_KEEP: &AsciiSet = &NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~')
+    .remove(b'/');
+
+/// The longest `fs_name` accepted: the kernel copies a mount source of at most a page (4 KiB), and
+/// the longest encoded name (a 63-byte bucket, a 1023-byte prefix of 3-byte escapes) stays below
+/// this.
+pub const FS_NAME_MAX: usize = 3300;
+
+/// The source shown in `/proc/mounts` for `bucket` and `prefix`: `ferry:bucket/prefix`, with every
+/// character outside letters, digits and `-._~/` percent-encoded (`ferry:data/my%20data/`).
+/// [`decode_fs_name`] gives the bucket and prefix back.
+pub fn fs_name(bucket: &str, prefix: &str) -> String {
+    let path = if prefix.is_empty() {
+        bucket.to_owned()
+    } else {
+        format!("{bucket}/{prefix}")
+    };
+    format!("ferry:{}", utf8_percent_encode(&path, FS_NAME_KEEP))
+}
+
+/// `bucket/prefix` (or `bucket`) back from an [`fs_name`]; `None` if it is not one.
+pub fn decode_fs_name(fs_name: &str) -> Option<String> {
+    let encoded = fs_name.strip_prefix("ferry:")?;
+    percent_decode_str(encoded)
+        .decode_utf8()
+        .ok()
+        .map(|s| s.into_owned())
+}
 
 /// Everything one mount needs to know besides the store and the target directory.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -48,7 +86,7 @@ impl MountConfig {
     pub fn new(bucket: impl Into<String>) -> Self {
         let bucket = bucket.into();
         MountConfig {
-            fs_name: format!("ferry:{bucket}"),
+            fs_name: fs_name(&bucket, ""),
             bucket,
             prefix: String::new(),
             read_only: true,
@@ -95,13 +133,14 @@ impl MountConfig {
             ));
         }
         if self.fs_name.is_empty()
+            || self.fs_name.len() > FS_NAME_MAX
             || self
                 .fs_name
                 .chars()
-                .any(|c| c == ',' || c.is_whitespace() || c.is_control())
+                .any(|c| !c.is_ascii_graphic() || matches!(c, ',' | '=' | '\\'))
         {
             return Err(ConfigError::new(
-                "fs_name must be non-empty without ',', whitespace or control characters",
+                "fs_name must be 1 to 3300 printable ASCII characters without ',', '=' or '\\' (see fs_name())",
             ));
         }
         Ok(())
@@ -225,15 +264,38 @@ mod tests {
         };
         assert!(cfg.validate().is_ok());
         assert!(MountConfig::new("").validate().is_err());
-        let cfg = MountConfig {
-            fs_name: "a,b".into(),
-            ..MountConfig::new("b")
-        };
-        assert!(cfg.validate().is_err());
+        for bad in ["a,b", "a b", "a=b", "a\\b", "é", "a\tb", ""] {
+            let cfg = MountConfig {
+                fs_name: bad.into(),
+                ..MountConfig::new("b")
+            };
+            assert!(cfg.validate().is_err(), "{bad:?}");
+        }
         let cfg = MountConfig {
             file_mode: 0o10000,
             ..MountConfig::new("b")
         };
         assert!(cfg.validate().is_err());
+    }
+
+    #[test]
+    fn fs_names_encode_what_the_mount_option_string_cannot_carry() {
+        assert_eq!(fs_name("data", ""), "ferry:data");
+        assert_eq!(fs_name("data", "a/b/"), "ferry:data/a/b/");
+        assert_eq!(fs_name("data", "my data/"), "ferry:data/my%20data/");
+        assert_eq!(fs_name("data", "a,b=c\\%/"), "ferry:data/a%2Cb%3Dc%5C%25/");
+        assert_eq!(fs_name("data", "é\n/"), "ferry:data/%C3%A9%0A/");
+        assert_eq!(
+            decode_fs_name("ferry:data/a%2Cb%3Dc%5C%25/").unwrap(),
+            "data/a,b=c\\%/"
+        );
+        // The longest prefix a volume may have, all 3-byte escapes, still fits.
+        let longest = format!("{}/", "\u{3042}".repeat(1020 / 3));
+        let cfg = MountConfig {
+            prefix: longest.clone(),
+            fs_name: fs_name(&"b".repeat(63), &longest),
+            ..MountConfig::new("b")
+        };
+        assert!(cfg.validate().is_ok(), "{}", cfg.fs_name.len());
     }
 }

@@ -1,9 +1,23 @@
 //! Mounting: [`mount`] starts a FUSE session for a [`MountConfig`] and returns once the kernel
-//! mount is live; [`MountHandle::unmount`] ends it.
+//! mount is live; [`MountHandle::unmount`] and [`MountHandle::detach`] end it.
+//!
+//! As root (the node plugin) Ferry mounts by itself: it opens the target directory without following
+//! a symlink, checks the descriptor is the directory it meant, and mounts on that descriptor
+//! (`/proc/self/fd/N`), so a path swapped for a symlink meanwhile cannot send the mount elsewhere;
+//! the FUSE session is then built on the `/dev/fuse` descriptor it mounted with. Unprivileged (a
+//! user's `ferry-node mount`), fuser mounts through `fusermount3`.
+//!
+//! Ending a mount never waits on other mount namespaces: a process that unshared its mount
+//! namespace while the volume was mounted holds a copy of it, which keeps the FUSE connection (and
+//! the session thread serving it) alive after our unmount. Once our mount is gone the connection is
+//! aborted (`/sys/fs/fuse/connections/N/abort`): such copies then fail with `ENOTCONN`, as they
+//! would had this process exited, and the session thread ends.
 
 use std::io;
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 
 use ferry_store::ObjectStore;
 use fuser::{BackgroundSession, MountOption, SessionACL};
@@ -12,6 +26,7 @@ use crate::budget::MountContext;
 use crate::config::{ConfigError, MountConfig};
 use crate::fs::Fs;
 use crate::fuse::FuseAdapter;
+use crate::mountinfo;
 
 /// Why a mount did not happen.
 #[derive(Debug, thiserror::Error)]
@@ -26,23 +41,49 @@ pub enum MountError {
     NotVisible(PathBuf),
 }
 
-/// A live mount. Dropping it unmounts too (errors are then only logged).
+/// How the session was mounted, which decides who unmounts it.
+#[derive(Debug)]
+enum Session {
+    /// Mounted by Ferry on the target's descriptor; Ferry unmounts it.
+    Own(BackgroundSession),
+    /// Mounted by fuser (through `fusermount3`); dropping it unmounts.
+    Fuser(BackgroundSession),
+}
+
+/// A live mount. Dropping it unmounts too (not lazily; errors are then only logged).
 #[derive(Debug)]
 pub struct MountHandle {
-    session: Option<BackgroundSession>,
+    session: Option<Session>,
     fs: Arc<Fs>,
     target: PathBuf,
     config: MountConfig,
+    /// The mount's device (`major:minor` in mountinfo); the minor is its FUSE connection.
+    dev: (u32, u32),
 }
 
 impl MountHandle {
     /// Unmounts (not lazily: fails with `EBUSY` while files are open; the mount then stays served
-    /// by its session thread until something unmounts it) and waits for the session to end.
+    /// by its session thread until something unmounts it), then ends the FUSE connection (copies
+    /// in other mount namespaces fail with `ENOTCONN` from then on) and waits for the session.
     pub fn unmount(mut self) -> io::Result<()> {
-        match self.session.take() {
-            Some(session) => session.umount_and_join(),
-            None => Ok(()),
-        }
+        self.end(false)
+    }
+
+    /// Unmounts, detaching the mount (`MNT_DETACH`) if something still uses it, then ends the FUSE
+    /// connection like [`MountHandle::unmount`]. Returns without waiting on anything outside this
+    /// process: the path is free when it returns.
+    pub fn detach(mut self) -> io::Result<()> {
+        self.end(true)
+    }
+
+    /// Whether this mount is still the one on top at its target in this mount namespace.
+    pub fn is_mounted(&self) -> io::Result<bool> {
+        Ok(mountinfo::mounted_at(&self.target)?.is_some_and(|m| m.dev == self.dev))
+    }
+
+    /// The mount's FUSE connection number (`/sys/fs/fuse/connections/<n>`).
+    pub fn connection(&self) -> u32 {
+        self.dev.1
     }
 
     /// The (canonical) mount point.
@@ -57,6 +98,103 @@ impl MountHandle {
     /// The filesystem core (e.g. for [`Fs::snapshot`]).
     pub fn fs(&self) -> &Arc<Fs> {
         &self.fs
+    }
+
+    /// Unmounts our mount if it is still on top at the target (never a mount stacked on it, nor
+    /// what a symlink at the target points to), aborts the connection and reaps the session.
+    fn end(&mut self, lazy: bool) -> io::Result<()> {
+        let Some(session) = self.session.take() else {
+            return Ok(());
+        };
+        let guard = match session {
+            Session::Own(bg) => {
+                match mountinfo::mounted_at(&self.target)? {
+                    Some(m) if m.dev == self.dev => {
+                        let plain = mountinfo::unmount(&self.target, false);
+                        match plain {
+                            Ok(()) => {}
+                            Err(e) if lazy && e.raw_os_error() == Some(libc::EBUSY) => {
+                                tracing::info!(target = %self.target.display(), "mount busy; detaching it");
+                                mountinfo::unmount(&self.target, true)?;
+                            }
+                            Err(e) => {
+                                self.session = Some(Session::Own(bg));
+                                return Err(e);
+                            }
+                        }
+                    }
+                    Some(m) if self.covered(&m)? => {
+                        self.session = Some(Session::Own(bg));
+                        return Err(io::Error::other(format!(
+                            "another filesystem ({} from {}) is mounted over {}",
+                            m.fs_type,
+                            m.source,
+                            self.target.display()
+                        )));
+                    }
+                    // Unmounted behind our back: nothing of ours is left at the path.
+                    _ => {}
+                }
+                bg.guard
+            }
+            Session::Fuser(bg) => {
+                let guard = bg.guard;
+                // The rest of the session (its fuser `Mount`) unmounts as it is dropped here.
+                guard
+            }
+        };
+        self.reap(guard);
+        Ok(())
+    }
+
+    /// Whether our mount is still at the target under `top` (another mount stacked on it).
+    fn covered(&self, top: &mountinfo::MountEntry) -> io::Result<bool> {
+        let p = self.target.to_string_lossy();
+        Ok(top.dev != self.dev
+            && mountinfo::mounts()?
+                .iter()
+                .any(|m| m.mount_point == p && m.dev == self.dev))
+    }
+
+    /// Ends the connection (copies of the mount in other namespaces keep it alive otherwise) and
+    /// joins the session thread, which then ends at once. Without `fusectl` the connection cannot
+    /// be aborted: if it is still alive the thread is left to end with the last copy.
+    fn reap(&self, guard: JoinHandle<io::Result<()>>) {
+        let conn = self.connection();
+        let ended = match mountinfo::abort_connection(conn) {
+            Ok(aborted) => {
+                if aborted {
+                    tracing::info!(target = %self.target.display(), conn, "FUSE connection aborted (copies of the mount in other mount namespaces now fail with ENOTCONN)");
+                }
+                true
+            }
+            Err(e) => {
+                let gone = mountinfo::connection_alive(conn) == Some(false);
+                if !gone {
+                    tracing::warn!(target = %self.target.display(), conn, error = %e, "cannot abort the FUSE connection; its session ends when the last copy of the mount does");
+                }
+                gone
+            }
+        };
+        if ended {
+            match guard.join() {
+                Ok(Ok(())) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "FUSE session ended with an error"),
+                Err(_) => tracing::error!("FUSE session thread panicked"),
+            }
+        }
+    }
+}
+
+impl Drop for MountHandle {
+    fn drop(&mut self) {
+        if let Err(e) = self.end(false) {
+            tracing::warn!(target = %self.target.display(), error = %e, "unmount on drop failed; the mount stays served");
+            // Still served: leave its thread running rather than join it.
+            if let Some(Session::Own(bg) | Session::Fuser(bg)) = self.session.take() {
+                drop(bg.guard);
+            }
+        }
     }
 }
 
@@ -75,24 +213,106 @@ fn mount_options(cfg: &MountConfig) -> fuser::Config {
             MountOption::RW
         },
     ];
-    // As root, fuser calls mount(2) itself with type "fuse" and drops Subtype (a fusermount
-    // option); the kernel takes it as `subtype=` so /proc/mounts says "fuse.ferry" either way.
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    if unsafe { libc::geteuid() } == 0 {
-        options
-            .mount_options
-            .push(MountOption::CUSTOM("subtype=ferry".to_owned()));
-    }
     if cfg.allow_other {
         options.acl = SessionACL::All;
     }
     options
 }
 
-/// Mounts `store`'s `cfg.bucket`/`cfg.prefix` at `target` (an existing directory) and returns
-/// once the kernel mount is live. Request handlers run on `ctx.runtime`; prefetching is charged to
-/// `ctx.budget` (shared by every mount of the node). This call blocks (it mounts and completes the
-/// FUSE handshake); from async code call it in `spawn_blocking`.
+/// Whether this process may mount by itself (root).
+fn privileged() -> bool {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// The target's parent resolved and the target itself opened as a directory without following a
+/// symlink (`O_PATH | O_NOFOLLOW | O_DIRECTORY`), checked to be the directory at that path.
+fn open_target(target: &Path) -> io::Result<(PathBuf, OwnedFd)> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let (Some(parent), Some(name)) = (target.parent(), target.file_name()) else {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "not a directory below another",
+        ));
+    };
+    let path = parent.canonicalize()?.join(name);
+    let dir = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_DIRECTORY | libc::O_CLOEXEC)
+        .open(&path)
+        .map_err(|e| match e.raw_os_error() {
+            Some(libc::ELOOP) | Some(libc::ENOTDIR) => io::Error::new(
+                io::ErrorKind::NotADirectory,
+                "not a directory (a symlink is never followed)",
+            ),
+            _ => e,
+        })?;
+    let fd: OwnedFd = dir.into();
+    // The directory we opened must be the one at `path` (no parent was swapped meanwhile).
+    let at = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))?;
+    if at != path {
+        return Err(io::Error::other(format!(
+            "the directory moved while being opened (now at {})",
+            at.display()
+        )));
+    }
+    Ok((path, fd))
+}
+
+/// Mounts FUSE on the directory `dir` (a descriptor from [`open_target`]) and returns the
+/// `/dev/fuse` descriptor serving it.
+fn mount_on(dir: &OwnedFd, cfg: &MountConfig) -> io::Result<OwnedFd> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let dev = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open("/dev/fuse")?;
+    // SAFETY: getuid/getgid have no preconditions and cannot fail.
+    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let mut data = format!(
+        "fd={},rootmode=40000,user_id={uid},group_id={gid},default_permissions,subtype=ferry",
+        dev.as_raw_fd()
+    );
+    if cfg.allow_other {
+        data.push_str(",allow_other");
+    }
+    let mut flags = libc::MS_NOSUID | libc::MS_NODEV;
+    if cfg.read_only {
+        flags |= libc::MS_RDONLY;
+    }
+    let cstr = |s: &str| {
+        std::ffi::CString::new(s)
+            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in a mount argument"))
+    };
+    let (source, target, fstype, data) = (
+        cstr(&cfg.fs_name)?,
+        cstr(&format!("/proc/self/fd/{}", dir.as_raw_fd()))?,
+        cstr("fuse")?,
+        cstr(&data)?,
+    );
+    // SAFETY: every pointer is a valid NUL-terminated string alive across the call; mount(2)
+    // only reads them.
+    let rc = unsafe {
+        libc::mount(
+            source.as_ptr(),
+            target.as_ptr(),
+            fstype.as_ptr(),
+            flags,
+            data.as_ptr().cast(),
+        )
+    };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(dev.into())
+}
+
+/// Mounts `store`'s `cfg.bucket`/`cfg.prefix` at `target` (an existing directory; a symlink there
+/// is refused, never followed) and returns once the kernel mount is live. Request handlers run on
+/// `ctx.runtime`; prefetching is charged to `ctx.budget` (shared by every mount of the node). This
+/// call blocks (it mounts and completes the FUSE handshake); from async code call it in
+/// `spawn_blocking`.
 pub fn mount(
     store: Arc<dyn ObjectStore>,
     cfg: MountConfig,
@@ -104,13 +324,11 @@ pub fn mount(
         path: target.to_owned(),
         source,
     };
-    let target = target.canonicalize().map_err(target_err)?;
-    if !target.is_dir() {
-        return Err(target_err(io::Error::new(
-            io::ErrorKind::NotADirectory,
-            "not a directory",
-        )));
-    }
+    let (target, dir) = open_target(target).map_err(target_err)?;
+    let fuse_err = |source| MountError::Fuse {
+        path: target.clone(),
+        source,
+    };
     let proofs = ctx.proofs.for_store(&store);
     let fs = Arc::new(
         Fs::with_budget(store, cfg.clone(), ctx.budget, ctx.prefetch)
@@ -118,26 +336,42 @@ pub fn mount(
             .with_proofs(proofs),
     );
     let adapter = FuseAdapter::new(fs.clone(), ctx.runtime, ctx.passthrough);
-    let session = fuser::spawn_mount(adapter, &target, &mount_options(&cfg)).map_err(|source| {
-        MountError::Fuse {
-            path: target.clone(),
-            source,
+    let options = mount_options(&cfg);
+    let session = if privileged() {
+        let dev = mount_on(&dir, &cfg).map_err(fuse_err)?;
+        let started = fuser::Session::from_fd(adapter, dev, options.acl, options.clone())
+            .and_then(|s| s.spawn());
+        match started {
+            Ok(bg) => Session::Own(bg),
+            Err(e) => {
+                let _ = mountinfo::unmount(&target, true);
+                return Err(fuse_err(e));
+            }
         }
-    })?;
+    } else {
+        Session::Fuser(fuser::spawn_mount(adapter, &target, &options).map_err(fuse_err)?)
+    };
+    drop(dir);
+    let entry = mountinfo::mounted_at(&target)
+        .ok()
+        .flatten()
+        .filter(|m| m.fs_type.starts_with("fuse"));
+    let Some(entry) = entry else {
+        // The session cannot be told apart from a foreign mount: leave its thread be.
+        let (Session::Own(bg) | Session::Fuser(bg)) = session;
+        drop(bg.guard);
+        return Err(MountError::NotVisible(target));
+    };
     let handle = MountHandle {
         session: Some(session),
         fs,
         target,
         config: cfg,
+        dev: entry.dev,
     };
-    match is_mounted(&handle.target) {
-        Ok(true) => {
-            tracing::info!(target = %handle.target.display(), fs_name = %handle.config.fs_name, "mounted");
-            raise_read_ahead(&handle.target);
-            Ok(handle)
-        }
-        Ok(false) | Err(_) => Err(MountError::NotVisible(handle.target.clone())),
-    }
+    tracing::info!(target = %handle.target.display(), fs_name = %handle.config.fs_name, conn = handle.connection(), "mounted");
+    raise_read_ahead(handle.dev);
+    Ok(handle)
 }
 
 /// Kernel read-ahead of a mount, in KiB: with it (and 1 MiB FUSE requests, `max_pages`) a
@@ -150,21 +384,9 @@ const READ_AHEAD_KB: u32 = 1024;
 /// Raises the read-ahead of the mount's backing device (`/sys/class/bdi/MAJOR:MINOR`): FUSE
 /// starts every mount at the kernel default (128 KiB) and `init` can only lower it. Needs root;
 /// without it reads still work, in smaller requests.
-fn raise_read_ahead(target: &Path) {
-    use std::os::unix::fs::MetadataExt;
+fn raise_read_ahead((major, minor): (u32, u32)) {
     let kb = READ_AHEAD_KB;
-    let dev = match std::fs::metadata(target) {
-        Ok(m) => m.dev(),
-        Err(e) => {
-            tracing::debug!(error = %e, "read-ahead: stat of the mount failed");
-            return;
-        }
-    };
-    let path = format!(
-        "/sys/class/bdi/{}:{}/read_ahead_kb",
-        libc::major(dev),
-        libc::minor(dev)
-    );
+    let path = format!("/sys/class/bdi/{major}:{minor}/read_ahead_kb");
     match std::fs::write(&path, kb.to_string()) {
         Ok(()) => tracing::debug!(path, kb, "read-ahead raised"),
         Err(e) => {

@@ -1,8 +1,9 @@
-//! Reads `/proc/self/mountinfo` to tell whether (and what) a path is a mount point, and detaches
-//! stale mounts. Used by `mount` and by the node plugin.
+//! Reads `/proc/self/mountinfo` to tell whether (and what) a path is a mount point, unmounts
+//! without following symlinks, and aborts FUSE connections. Used by `mount` and by the node plugin.
 
 use std::io;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 /// Unescapes the octal escapes (`\040` for a space) mountinfo uses in paths.
 fn unescape(field: &str) -> String {
@@ -26,12 +27,25 @@ fn unescape(field: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// One mount: its mount point and filesystem type (e.g. `fuse.ferry`).
+/// The filesystem type of Ferry's own mounts, as mountinfo shows it.
+pub const FERRY_FS_TYPE: &str = "fuse.ferry";
+
+/// One mount: its mount point, filesystem type (e.g. `fuse.ferry`), source and device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MountEntry {
     pub mount_point: String,
     pub fs_type: String,
     pub source: String,
+    /// The superblock's device (`st_dev` of the mount's root): for FUSE, major 0 and the
+    /// connection number (`/sys/fs/fuse/connections/<minor>`) as minor.
+    pub dev: (u32, u32),
+}
+
+impl MountEntry {
+    /// Whether this is a Ferry mount (live, or left dead by an earlier process).
+    pub fn is_ferry(&self) -> bool {
+        self.fs_type == FERRY_FS_TYPE
+    }
 }
 
 /// Parses mountinfo text.
@@ -39,7 +53,10 @@ pub fn parse(text: &str) -> Vec<MountEntry> {
     text.lines()
         .filter_map(|line| {
             let (pre, post) = line.split_once(" - ")?;
-            let mount_point = unescape(pre.split(' ').nth(4)?);
+            let mut fields = pre.split(' ');
+            let (major, minor) = fields.nth(2)?.split_once(':')?;
+            let dev = (major.parse().ok()?, minor.parse().ok()?);
+            let mount_point = unescape(fields.nth(1)?);
             let mut post = post.split(' ');
             let fs_type = post.next()?.to_string();
             let source = unescape(post.next().unwrap_or(""));
@@ -47,6 +64,7 @@ pub fn parse(text: &str) -> Vec<MountEntry> {
                 mount_point,
                 fs_type,
                 source,
+                dev,
             })
         })
         .collect()
@@ -63,18 +81,87 @@ pub fn mounted_at(path: &Path) -> io::Result<Option<MountEntry>> {
     Ok(mounts()?.into_iter().rev().find(|m| m.mount_point == p))
 }
 
-/// Detaches whatever is mounted at `path` (MNT_DETACH: a dead FUSE mount left by a previous node
-/// plugin process cannot be unmounted any other way while something still holds it).
-pub fn detach(path: &Path) -> io::Result<()> {
+/// Unmounts whatever is mounted on top at `path`, never following a symlink there
+/// (`UMOUNT_NOFOLLOW`). `lazy` (`MNT_DETACH`) detaches it even while it is busy (a dead FUSE mount
+/// left by an earlier process cannot be unmounted any other way while something holds it);
+/// otherwise a busy mount fails with `EBUSY`.
+pub fn unmount(path: &Path, lazy: bool) -> io::Result<()> {
     use std::os::unix::ffi::OsStrExt;
     let c = std::ffi::CString::new(path.as_os_str().as_bytes())
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
+    let flags = libc::UMOUNT_NOFOLLOW | if lazy { libc::MNT_DETACH } else { 0 };
     // SAFETY: `c` is a valid NUL-terminated path that lives across the call.
-    let rc = unsafe { libc::umount2(c.as_ptr(), libc::MNT_DETACH) };
+    let rc = unsafe { libc::umount2(c.as_ptr(), flags) };
     if rc == 0 {
         Ok(())
     } else {
         Err(io::Error::last_os_error())
+    }
+}
+
+/// Detaches whatever is mounted at `path` (`MNT_DETACH`, not following a symlink).
+pub fn detach(path: &Path) -> io::Result<()> {
+    unmount(path, true)
+}
+
+/// Where the kernel lists FUSE connections (the `fusectl` filesystem) by convention.
+const FUSE_CONNECTIONS: &str = "/sys/fs/fuse/connections";
+
+/// Where `fusectl` is mounted in this namespace. If it is not (a container's own `/sys` lacks it),
+/// it is mounted at its usual place, once, when this process may (root).
+fn fusectl() -> Option<PathBuf> {
+    static TRIED: OnceLock<()> = OnceLock::new();
+    let find = || {
+        mounts()
+            .ok()?
+            .into_iter()
+            .find(|m| m.fs_type == "fusectl")
+            .map(|m| PathBuf::from(m.mount_point))
+    };
+    if let Some(p) = find() {
+        return Some(p);
+    }
+    TRIED.get_or_init(|| {
+        let (src, dir, ty) = (c"fusectl", c"/sys/fs/fuse/connections", c"fusectl");
+        // SAFETY: NUL-terminated literals; mount(2) only reads them.
+        let rc = unsafe {
+            libc::mount(
+                src.as_ptr(),
+                dir.as_ptr(),
+                ty.as_ptr(),
+                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+                std::ptr::null(),
+            )
+        };
+        if rc == 0 {
+            tracing::info!("mounted fusectl at {FUSE_CONNECTIONS} (to end FUSE connections)");
+        } else {
+            tracing::info!(error = %io::Error::last_os_error(), "cannot mount fusectl: FUSE connections cannot be aborted");
+        }
+    });
+    find()
+}
+
+/// Whether FUSE connection `conn` (a FUSE mount's device minor) still exists: `None` when it
+/// cannot be told (`fusectl` unavailable).
+pub fn connection_alive(conn: u32) -> Option<bool> {
+    Some(fusectl()?.join(conn.to_string()).exists())
+}
+
+/// Aborts FUSE connection `conn`: every request in flight and every later one on any copy of the
+/// mount fails with `ENOTCONN`, and the serving session's reads end (`ENODEV`). `Ok(false)`: the
+/// connection is already gone.
+pub fn abort_connection(conn: u32) -> io::Result<bool> {
+    let dir = fusectl().ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            "fusectl is not mounted (/sys/fs/fuse/connections)",
+        )
+    })?;
+    match std::fs::write(dir.join(conn.to_string()).join("abort"), b"1") {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
     }
 }
 
@@ -91,5 +178,7 @@ mod tests {
         assert_eq!(m[0].mount_point, "/mnt/with space");
         assert_eq!(m[1].fs_type, "fuse.ferry");
         assert_eq!(m[1].source, "ferry:data/p/");
+        assert_eq!((m[0].dev, m[1].dev), ((98, 0), (0, 44)));
+        assert!(m[1].is_ferry() && !m[0].is_ferry());
     }
 }

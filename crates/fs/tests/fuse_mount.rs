@@ -307,3 +307,123 @@ fn a_mount_reads_ahead_1_mib_so_sequential_reads_come_in_1_mib_requests() {
     assert_eq!(fs::read_to_string(&path).unwrap().trim(), "1024", "{path}");
     m.unmount().unwrap();
 }
+
+/// Starts `sleep` in a private mount namespace of its own, with its working directory in its copy
+/// of the mount at `dir` (which keeps that copy alive).
+fn hold_a_copy_in_another_namespace(dir: &Path) -> std::process::Child {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new("sleep");
+    cmd.arg("600").current_dir(dir);
+    // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe
+    // syscalls (unshare, mount) on NUL-terminated literals.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::unshare(libc::CLONE_NEWNS) != 0
+                || libc::mount(
+                    std::ptr::null(),
+                    c"/".as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_REC | libc::MS_PRIVATE,
+                    std::ptr::null(),
+                ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn().unwrap()
+}
+
+/// Issue 14 item 2, at the filesystem's level: `unmount` and `detach` return while another mount
+/// namespace holds a copy of the mount; the copy is cut off (`ENOTCONN`).
+#[test]
+fn unmount_and_detach_never_wait_on_a_copy_in_another_mount_namespace() {
+    if !fuse_available() {
+        return;
+    }
+    let rt = runtime();
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    store.insert(B, "f", body(10, 1));
+    for lazy in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let handle = mount_store(&store, dir.path(), &rt, |_| {});
+        let mut child = hold_a_copy_in_another_namespace(dir.path());
+        let cwd = format!("/proc/{}/cwd", child.id());
+        assert_eq!(fs::read_dir(&cwd).unwrap().count(), 1, "the copy serves");
+        let res = common::within(std::time::Duration::from_secs(120), "unmount", move || {
+            if lazy {
+                handle.detach()
+            } else {
+                handle.unmount()
+            }
+        });
+        let after = fs::read_dir(&cwd).map(drop);
+        child.kill().unwrap();
+        child.wait().unwrap();
+        res.unwrap();
+        assert!(!is_mounted(dir.path()).unwrap());
+        assert_eq!(after.unwrap_err().raw_os_error(), Some(libc::ENOTCONN));
+    }
+}
+
+/// Issue 14 item 1, at the filesystem's level: a symlink at the target is refused, never
+/// followed; and an unmount never touches what was mounted over the mount.
+#[test]
+fn a_symlink_target_is_refused_and_a_mount_stacked_on_ours_is_left_alone() {
+    if !fuse_available() {
+        return;
+    }
+    let rt = runtime();
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    let dir = tempfile::tempdir().unwrap();
+    let elsewhere = dir.path().join("elsewhere");
+    fs::create_dir(&elsewhere).unwrap();
+    let link = dir.path().join("link");
+    std::os::unix::fs::symlink(&elsewhere, &link).unwrap();
+    let err = mount(
+        Arc::new(store.clone()),
+        MountConfig::new(B),
+        &link,
+        MountContext::new(rt.handle().clone()),
+    )
+    .unwrap_err();
+    assert!(
+        matches!(&err, ferry_fs::MountError::Target { source, .. } if source.kind() == std::io::ErrorKind::NotADirectory),
+        "{err}"
+    );
+    assert!(!is_mounted(&elsewhere).unwrap());
+
+    let target = dir.path().join("t");
+    fs::create_dir(&target).unwrap();
+    let handle = mount_store(&store, &target, &rt, |_| {});
+    assert!(handle.is_mounted().unwrap());
+    let c = std::ffi::CString::new(target.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: NUL-terminated strings alive across the call; mount(2) only reads them.
+    let rc = unsafe {
+        libc::mount(
+            c"stacked".as_ptr(),
+            c.as_ptr(),
+            c"tmpfs".as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(rc, 0, "{}", std::io::Error::last_os_error());
+    assert!(!handle.is_mounted().unwrap(), "ours is covered");
+    let err = handle.unmount().unwrap_err();
+    assert!(err.to_string().contains("tmpfs"), "{err}");
+    assert_eq!(
+        ferry_fs::mountinfo::mounted_at(&target)
+            .unwrap()
+            .unwrap()
+            .fs_type,
+        "tmpfs",
+        "the stacked mount is untouched"
+    );
+    ferry_fs::mountinfo::unmount(&target, false).unwrap();
+    // Ours (left served when its handle was dropped) is on top again; clean it up.
+    ferry_fs::mountinfo::detach(&target).unwrap();
+}

@@ -163,6 +163,31 @@ const CLAIMS: &[(&str, &str, How)] = &[
     ),
     (
         "Through CSI",
+        "Prefixes",
+        Elsewhere("e2e/tests/csi.rs", "prefixes_with_any_characters_mount_and_unservable_ones_are_refused_up_front"),
+    ),
+    (
+        "Through CSI",
+        "Target paths",
+        Elsewhere("e2e/tests/csi.rs", "a_symlinked_target_is_never_mounted_through_or_removed"),
+    ),
+    (
+        "Through CSI",
+        "What unpublish touches",
+        Elsewhere("e2e/tests/csi.rs", "a_foreign_mount_at_the_target_is_never_touched"),
+    ),
+    (
+        "Through CSI",
+        "Other mount namespaces",
+        Elsewhere("e2e/tests/csi.rs", "unpublish_returns_while_another_mount_namespace_holds_a_copy"),
+    ),
+    (
+        "Through CSI",
+        "Error messages",
+        Elsewhere("e2e/tests/csi.rs", "impossible_targets_are_invalid_and_errors_quote_inputs_short"),
+    ),
+    (
+        "Through CSI",
         "Node plugin exit",
         Elsewhere("e2e/src/bin/ferry-harness.rs", "restart"),
     ),

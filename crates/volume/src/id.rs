@@ -96,9 +96,9 @@ impl VolumeId {
             delete_policy: DeletePolicy::Retain,
         };
         for kv in query.split('&').filter(|s| !s.is_empty()) {
-            let (k, val) = kv
-                .split_once('=')
-                .ok_or_else(|| VolumeError::invalid(WHAT, id, format!("bad field {kv:?}")))?;
+            let (k, val) = kv.split_once('=').ok_or_else(|| {
+                VolumeError::invalid(WHAT, id, format!("bad field {}", crate::quote(kv)))
+            })?;
             let val = unescape(id, val)?;
             match k {
                 "policy" if val == "delete" => v.delete_policy = DeletePolicy::Delete,
@@ -115,7 +115,7 @@ impl VolumeId {
                     return Err(VolumeError::invalid(
                         WHAT,
                         id,
-                        format!("unknown field {kv:?}"),
+                        format!("unknown field {}", crate::quote(kv)),
                     ))
                 }
             }

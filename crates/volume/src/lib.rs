@@ -9,12 +9,14 @@ pub mod id;
 pub mod keys;
 pub mod options;
 pub mod params;
+pub mod quote;
 pub mod spec;
 pub mod validate;
 
 pub use id::VolumeId;
 pub use options::{MetadataTtl, MountOptions};
 pub use params::{DeletePolicy, StorageClassParams};
+pub use quote::quote;
 pub use spec::{AuthenticationSource, VolumeSpec};
 
 /// The CSI driver name: the `provisioner` of a StorageClass and the `driver` of a PV.
@@ -33,23 +35,23 @@ pub struct Endpoint {
 /// A volume description that cannot be used, naming what is wrong.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum VolumeError {
-    #[error("missing required {what} {key:?}")]
+    #[error("missing required {what} {}", quote(key))]
     Missing { what: &'static str, key: String },
-    #[error("invalid {what} {key:?}: {reason}")]
+    #[error("invalid {what} {}: {reason}", quote(key))]
     Invalid {
         what: &'static str,
         key: String,
         reason: String,
     },
-    #[error("unknown {what} {key:?}")]
+    #[error("unknown {what} {}", quote(key))]
     Unknown { what: &'static str, key: String },
-    #[error("unsupported {what} {key:?}: {reason}")]
+    #[error("unsupported {what} {}: {reason}", quote(key))]
     Unsupported {
         what: &'static str,
         key: String,
         reason: String,
     },
-    #[error("conflicting values for {key:?}: {a:?} and {b:?}")]
+    #[error("conflicting values for {}: {} and {}", quote(key), quote(a), quote(b))]
     Conflict { key: String, a: String, b: String },
 }
 
@@ -71,7 +73,7 @@ pub(crate) fn parse_bool(what: &'static str, key: &str, v: &str) -> Result<bool,
         _ => Err(VolumeError::invalid(
             what,
             key,
-            format!("{v:?} is not a boolean (true or false)"),
+            format!("{} is not a boolean (true or false)", quote(v)),
         )),
     }
 }

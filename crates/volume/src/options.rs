@@ -27,7 +27,10 @@ impl FromStr for MetadataTtl {
             "indefinite" => Ok(MetadataTtl::Indefinite),
             "minimal" => Ok(MetadataTtl::Minimal),
             n => n.parse::<u64>().map(MetadataTtl::Seconds).map_err(|_| {
-                format!("{s:?} is not a number of seconds, \"indefinite\" or \"minimal\"")
+                format!(
+                    "{} is not a number of seconds, \"indefinite\" or \"minimal\"",
+                    crate::quote(s)
+                )
             }),
         }
     }
@@ -74,7 +77,7 @@ pub fn parse_warm_up(what: &'static str, value: &str) -> Result<Option<Vec<Strin
             return Err(VolumeError::invalid(
                 what,
                 crate::keys::PREFETCH_ON_MOUNT,
-                format!("{p:?}: sub-prefixes must be relative to the volume, without empty, '.' or '..' segments"),
+                format!("{}: sub-prefixes must be relative to the volume, without empty, '.' or '..' segments", crate::quote(p)),
             ));
         }
         out.push(p.to_owned());
@@ -91,8 +94,8 @@ pub fn parse_cache(what: &'static str, value: &str) -> Result<bool, VolumeError>
             what,
             "cache",
             format!(
-                "{other:?}: only \"none\" (keep this volume out of the node cache) or \"node\" is accepted; \
-                 the node cache's directory and size are set on the node plugin (--cache-dir)"
+                "{}: only \"none\" (keep this volume out of the node cache) or \"node\" is accepted; \
+                 the node cache's directory and size are set on the node plugin (--cache-dir)", crate::quote(other)
             ),
         )),
     }
@@ -165,8 +168,9 @@ impl MountOptions {
         };
         let num = |v: Option<&str>| -> Result<u32, VolumeError> {
             let v = need(v)?;
-            v.parse::<u32>()
-                .map_err(|_| VolumeError::invalid(WHAT, name, format!("{v:?} is not a number")))
+            v.parse::<u32>().map_err(|_| {
+                VolumeError::invalid(WHAT, name, format!("{} is not a number", crate::quote(&v)))
+            })
         };
         let mode = |v: Option<&str>| -> Result<u16, VolumeError> {
             let v = need(v)?;
@@ -174,7 +178,11 @@ impl MountOptions {
                 .ok()
                 .filter(|m| *m <= 0o7777)
                 .ok_or_else(|| {
-                    VolumeError::invalid(WHAT, name, format!("{v:?} is not an octal mode"))
+                    VolumeError::invalid(
+                        WHAT,
+                        name,
+                        format!("{} is not an octal mode", crate::quote(&v)),
+                    )
                 })
         };
         match name {

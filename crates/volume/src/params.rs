@@ -78,7 +78,7 @@ impl StorageClassParams {
                             return Err(VolumeError::invalid(
                                 WHAT,
                                 k,
-                                format!("{v:?} must be \"retain\" or \"delete\""),
+                                format!("{} must be \"retain\" or \"delete\"", crate::quote(v)),
                             ))
                         }
                     }
@@ -154,7 +154,7 @@ impl StorageClassParams {
             Err(VolumeError::invalid(
                 "PVC annotation",
                 key,
-                format!("{value:?} {reason}"),
+                format!("{} {reason}", crate::quote(value)),
             ))
         };
         if self.delete_policy == DeletePolicy::Delete {
@@ -219,11 +219,12 @@ impl Template {
             }
             let Some(body) = rest.strip_prefix("${") else {
                 return bad(format!(
-                    "{s:?}: '$' must start a ${{variable}} (write $$ for a literal $)"
+                    "{}: '$' must start a ${{variable}} (write $$ for a literal $)",
+                    crate::quote(s)
                 ));
             };
             let Some(end) = body.find('}') else {
-                return bad(format!("{s:?}: unclosed ${{"));
+                return bad(format!("{}: unclosed ${{", crate::quote(s)));
             };
             let piece = match &body[..end] {
                 "volume.name" => Piece::VolumeName,
@@ -232,7 +233,7 @@ impl Template {
                 "pv.name" => Piece::PvName,
                 other => {
                     return bad(format!(
-                        "{s:?}: unknown variable ${{{other}}} (known: volume.name, pvc.namespace, pvc.name, pv.name)"
+                        "{}: unknown variable ${{{other}}} (known: volume.name, pvc.namespace, pvc.name, pv.name)", crate::quote(s)
                     ))
                 }
             };

@@ -60,7 +60,7 @@ pub(crate) fn authentication_source(
         other => Err(VolumeError::invalid(
             what,
             key,
-            format!("{other:?}: must be \"driver\" or \"pod\""),
+            format!("{}: must be \"driver\" or \"pod\"", crate::quote(other)),
         )),
     }
 }

@@ -9,7 +9,7 @@ pub fn bucket_name(key: &str, name: &str) -> Result<(), VolumeError> {
         Err(VolumeError::invalid(
             "bucket name",
             key,
-            format!("{name:?} {reason}"),
+            format!("{} {reason}", crate::quote(name)),
         ))
     };
     if name.len() < 3 || name.len() > 63 {
@@ -47,27 +47,40 @@ pub fn prefix(key: &str, raw: &str, allow_empty: bool) -> Result<String, VolumeE
             return Ok(String::new());
         }
         return bad(format!(
-            "{raw:?} would be the whole bucket; a volume needs a non-empty prefix"
+            "{} would be the whole bucket; a volume needs a non-empty prefix",
+            crate::quote(raw)
         ));
     }
     if raw.starts_with('/') {
-        return bad(format!("{raw:?} must not start with '/'"));
+        return bad(format!("{} must not start with '/'", crate::quote(raw)));
     }
     for seg in trimmed.split('/') {
         match seg {
-            "" => return bad(format!("{raw:?} has an empty path segment ('//')")),
-            "." | ".." => return bad(format!("{raw:?} has a {seg:?} segment")),
+            "" => {
+                return bad(format!(
+                    "{} has an empty path segment ('//')",
+                    crate::quote(raw)
+                ))
+            }
+            "." | ".." => return bad(format!("{} has a {seg:?} segment", crate::quote(raw))),
             _ => {}
         }
         if seg.len() > 255 {
-            return bad(format!("{raw:?} has a segment longer than 255 bytes"));
+            return bad(format!(
+                "{} has a segment longer than 255 bytes",
+                crate::quote(raw)
+            ));
         }
         if seg.contains('\0') {
-            return bad(format!("{raw:?} contains a NUL byte"));
+            return bad(format!("{} contains a NUL byte", crate::quote(raw)));
         }
     }
-    if trimmed.len() + 1 > 1024 {
-        return bad("is longer than S3's 1024-byte key limit".to_string());
+    // A mount serves keys below the prefix: at least one byte must fit after it.
+    if trimmed.len() + 1 >= 1024 {
+        return bad(format!(
+            "{} leaves no room for a key below it (S3 keys are at most 1024 bytes)",
+            crate::quote(raw)
+        ));
     }
     Ok(format!("{trimmed}/"))
 }
@@ -83,7 +96,7 @@ pub fn region(key: &str, r: &str) -> Result<(), VolumeError> {
         return Err(VolumeError::invalid(
             "region",
             key,
-            format!("{r:?} is not a region name (like us-east-1)"),
+            format!("{} is not a region name (like us-east-1)", crate::quote(r)),
         ));
     }
     Ok(())
@@ -119,7 +132,7 @@ pub fn endpoint_url(key: &str, url: &str) -> Result<(), VolumeError> {
         Err(VolumeError::invalid(
             "endpoint URL",
             key,
-            format!("{shown:?} {reason}"),
+            format!("{} {reason}", crate::quote(&shown)),
         ))
     };
     let rest = match url.split_once("://") {
@@ -180,6 +193,14 @@ mod tests {
         }
         assert!(prefix("p", "/", true).is_err());
         assert!(prefix("p", &"x".repeat(256), false).is_err());
+        // Room for at least one key byte below the prefix: 1023 bytes with the '/' at most.
+        let long = vec!["x".repeat(200); 6].join("/");
+        assert_eq!(prefix("p", &long[..1022], false).unwrap().len(), 1023);
+        assert!(prefix("p", &long[..1023], false).is_err());
+        // Any other character is the user's choice: the mount's fs_name encodes it.
+        for ok in ["my data", "a,b", "a=b\\c", "é/ü", "tab\there"] {
+            assert!(prefix("p", ok, false).is_ok(), "{ok:?}");
+        }
     }
 
     #[test]
