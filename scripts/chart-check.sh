@@ -5,8 +5,10 @@
 #   2. helm template with the defaults, with every optional feature on (the ci/ values file), and
 #      with the optional parts off (metrics, cache, tokens), under both; the rendered manifests go to
 #      $CHART_OUT (default: a temporary directory) for a later apply against a real API server;
-#   3. the values schema refuses an unknown key and a node without a memory limit, and the chart a
-#      deletePolicy: delete StorageClass whose prefix template volumes could share;
+#   3. the values schema refuses an unknown key, a node without a memory limit and a malformed
+#      allowed endpoint, and the chart a deletePolicy: delete StorageClass whose prefix template
+#      volumes could share; the allowed endpoints (s3.allowedEndpoints and the StorageClasses' own)
+#      reach both binaries;
 #   4. helm v4 and v3 render the same objects, and the default manifests hold what the driver
 #      relies on (CSIDriver fields, provisioner flags, privileged node with Bidirectional kubelet
 #      dir and /dev/fuse, the memory limit wired to the budget, ...), and no token-creating RBAC.
@@ -72,6 +74,20 @@ for h in helm helm3; do
     >/dev/null 2>&1; then
     fail "$h accepted deletePolicy delete with a prefix template that volumes can share"
   fi
+  if "$h" template "$RELEASE" "$CHART" --set-json 's3.allowedEndpoints=["ftp://x"]' >/dev/null 2>&1; then
+    fail "$h accepted an allowed endpoint pattern the driver refuses (ftp://x)"
+  fi
+
+  step "$h: the allowed endpoints reach both binaries, with the StorageClasses' own"
+  # Only a StorageClass's endpoint: the default (aws) plus it, path and mount-option form alike.
+  "$h" template "$RELEASE" "$CHART" --namespace "$NAMESPACE" --kube-version "$KUBE_VERSION" --set-json \
+    'storageClasses=[{"name":"x","bucketName":"bkt","endpointUrl":"https://minio.lan:9000/base"},{"name":"y","bucketName":"bkt","mountOptions":["endpoint-url http://rgw.lan:7480"]}]' \
+    >"$OUT/$h-sc-endpoint.yaml"
+  [ "$(grep -c 'value: "aws,https://minio.lan:9000,http://rgw.lan:7480"' "$OUT/$h-sc-endpoint.yaml")" = 2 ] ||
+    fail "$h: a StorageClass's endpoint is not added to FERRY_ALLOWED_ENDPOINTS of both binaries"
+  [ "$(grep -c 'value: "aws,https://\*.example.com:9000,https://minio.example.com"' "$OUT/$h-all-features.yaml")" = 2 ] ||
+    fail "$h: s3.allowedEndpoints and the StorageClasses' endpoints do not reach both binaries"
+  ! grep -q FERRY_ALLOWED_ENDPOINTS "$OUT/$h-defaults.yaml" || fail "$h: the defaults must leave the driver's default list"
 done
 
 step "helm v4 and v3 render the same manifests (blank lines aside)"

@@ -213,6 +213,7 @@ impl Node {
             .arg("--kubelet-root")
             .arg(work.join("kubelet"))
             .args(["--endpoint-url", &proxy.url(), "--region", server.region()])
+            .args(["--allowed-endpoints", &proxy.url()])
             .args(["--metrics-addr", &metrics.to_string()])
             .arg("--cache-dir")
             .arg(cache)

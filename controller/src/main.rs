@@ -10,7 +10,7 @@ use ferry_csi::pb::controller_server::ControllerServer;
 use ferry_csi::pb::identity_server::IdentityServer;
 use ferry_csi::pb::plugin_capability::service::Type as PluginCap;
 use ferry_csi::stores::S3Stores;
-use ferry_volume::Endpoint;
+use ferry_volume::{AllowedEndpoints, Endpoint};
 
 /// Ferry CSI controller: provisions prefix-scoped S3 volumes.
 #[derive(Debug, Parser)]
@@ -28,6 +28,12 @@ struct Args {
     /// Use path-style addressing by default.
     #[arg(long, env = "FERRY_FORCE_PATH_STYLE")]
     force_path_style: bool,
+    /// Endpoints a volume (StorageClass parameter, PV attribute or mount option, volume id) may
+    /// name, comma-separated: `aws` (the AWS S3 endpoints of every partition), `scheme://host[:port]`
+    /// patterns with `*` inside a host label (`https://*.example.com:9000`), or `*` for any.
+    /// Default: `aws`. The --endpoint-url is always allowed.
+    #[arg(long, env = "FERRY_ALLOWED_ENDPOINTS", value_parser = parse_allowed_endpoints)]
+    allowed_endpoints: Option<AllowedEndpoints>,
     /// Address of the Prometheus `/metrics` endpoint; `off` disables it.
     #[arg(long, env = "FERRY_METRICS_ADDR", default_value = "0.0.0.0:9810")]
     metrics_addr: String,
@@ -42,6 +48,10 @@ struct Args {
     /// Log filter (tracing EnvFilter syntax).
     #[arg(long, env = "FERRY_LOG", default_value = "info")]
     log: String,
+}
+
+fn parse_allowed_endpoints(s: &str) -> Result<AllowedEndpoints, String> {
+    AllowedEndpoints::parse(s).map_err(|e| e.to_string())
 }
 
 #[tokio::main]
@@ -67,8 +77,10 @@ async fn main() -> anyhow::Result<()> {
         .with_options(ferry_store::S3Options {
             ca_bundle: args.ca_bundle.clone(),
             ..Default::default()
-        }),
+        })
+        .with_allowed_endpoints(args.allowed_endpoints.clone().unwrap_or_default()),
     );
+    tracing::info!(allowed = %stores.allowed_endpoints(), "volumes may name these S3 endpoints");
     let kube = if let Some(path) = &args.kubeconfig {
         Some(ferry_kube::Config::from_kubeconfig(path, None)?)
     } else if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {

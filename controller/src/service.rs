@@ -5,6 +5,10 @@
 //! that carries bucket, prefix, endpoint and delete policy (see [`ferry_volume::id`]), so DeleteVolume
 //! needs no state. Creating writes nothing to S3: the prefix exists once something is written to it.
 //!
+//! A volume's endpoint must be one the operator allows ([`Stores::permit`]), checked before any
+//! request: CreateVolume refuses it with InvalidArgument; DeleteVolume (of a `delete`-policy id)
+//! and ValidateVolumeCapabilities, whose id was made under another policy, with FailedPrecondition.
+//!
 //! With a Kubernetes API ([`ControllerService::with_pvcs`]) and csi-provisioner's PVC metadata in
 //! the parameters, the PVC's `s3.csi.ferry.dev/existing-prefix` annotation binds the volume to an
 //! existing dataset prefix instead of a fresh one (see [`StorageClassParams::existing_prefix`]).
@@ -99,6 +103,16 @@ impl Inner {
         } else {
             r.limit_bytes
         })
+    }
+
+    /// Refuses a volume id whose endpoint the operator does not allow (any more): FailedPrecondition,
+    /// since the id is well-formed and only the driver's configuration stands in the way.
+    /// csi-provisioner retries DeleteVolume with backoff and records the message as an event on
+    /// the PV, which stays Released until the endpoint is allowed or the PV is removed.
+    fn permit_id(&self, id: &VolumeId) -> Result<()> {
+        self.stores
+            .permit(&id.endpoint)
+            .map_err(|e| CsiError::FailedPrecondition(e.to_string()))
     }
 
     /// The store for a volume, signed with the request's Secret keys (the StorageClass's
@@ -198,6 +212,7 @@ impl Inner {
         }
         let capacity = Self::capacity(req.capacity_range.as_ref())?;
         let params = StorageClassParams::parse(&req.parameters)?;
+        self.stores.permit(&params.endpoint)?;
         let prefix = match self.existing_prefix(&params, &req.parameters).await? {
             Some(existing) => existing,
             None => params.volume_prefix(name, &req.parameters)?,
@@ -266,6 +281,7 @@ impl Inner {
             info!(bucket = %id.bucket, prefix = %id.prefix, "deletePolicy retain: data kept");
             return Ok(pb::DeleteVolumeResponse {});
         }
+        self.permit_id(&id)?;
         let (store, _) = self.store(&id, &req.secrets).await?;
         match ferry_store::delete_prefix(store.as_ref(), &id.bucket, &id.prefix).await {
             Ok(n) => {
@@ -294,6 +310,7 @@ impl Inner {
         let id = VolumeId::parse(volume_id).map_err(|e| {
             CsiError::NotFound(format!("volume {} does not exist: {e}", quote(volume_id)))
         })?;
+        self.permit_id(&id)?;
         match self.check_bucket(&id, &req.secrets).await {
             Err(CsiError::FailedPrecondition(m)) => return Err(CsiError::NotFound(m)),
             other => other?,

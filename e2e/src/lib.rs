@@ -60,7 +60,8 @@ pub struct Plugin {
 
 impl Plugin {
     /// Starts versitygw, then `ferry-controller` and `ferry-node` from `bins`, configured to use
-    /// that server by default with its root credentials, and waits until both answer Probe.
+    /// that server by default with its root credentials and to allow no other endpoint, and waits
+    /// until both answer Probe.
     pub async fn start(bins: &Path) -> Result<Self> {
         Self::start_full(bins, &[], Vec::new()).await
     }
@@ -175,6 +176,8 @@ impl Plugin {
             .env("AWS_REGION", "us-east-1")
             .env("AWS_EC2_METADATA_DISABLED", "true")
             .env("FERRY_ENDPOINT_URL", self.s3.endpoint_url())
+            // Only the local server: a volume naming any other endpoint (AWS's too) is refused.
+            .env("FERRY_ALLOWED_ENDPOINTS", self.s3.endpoint_url())
             .env("FERRY_FORCE_PATH_STYLE", "true");
         for (k, v) in &self.env {
             match v {

@@ -3,7 +3,9 @@
 //! pod-level IRSA, pod-level EKS Pod Identity (through a stand-in agent), a token renewed by
 //! republish while a reader keeps reading, a role denied a prefix (EACCES), a role denied the
 //! bucket (PermissionDenied naming role, bucket and action), an identity change on a live mount
-//! (refused) — all with every log line at trace level captured and searched for secrets.
+//! (refused), a pod-level volume naming an endpoint the operator did not allow (refused before its
+//! credentials are fetched) — all with every log line at trace level captured and searched for
+//! secrets.
 //!
 //! The pods' ServiceAccounts live in a real kube-apiserver (testkit's `KubeCluster`), read by the
 //! node through ferry-kube as in production, and their tokens come from its TokenRequest API for
@@ -513,6 +515,28 @@ async fn credentials_end_to_end_at_trace_level() {
     );
     env.unpublish(&t_p).await;
     env.unpublish(&t_irsa).await;
+
+    // --- The allowed-endpoints list holds for pod-level credentials too: a pod-level volume that
+    // names an endpoint the operator did not allow is refused before the pod's credentials are
+    // fetched (the agent sees no request) and before a connection is made to it.
+    let recorder = common::Recorder::start();
+    let asked = env.agent.seen().len();
+    let mut ctx = pod_context("team-a/", "ml", "trainer-4", "pia", &pia_2);
+    ctx.insert(keys::ENDPOINT_URL.into(), recorder.url.clone());
+    let t_f = env.target("pod-fenced", "pv-f");
+    let e = env.publish(&t_f, ctx, HashMap::new()).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains(&recorder.url), "{}", e.message());
+    assert_eq!(
+        env.agent.seen().len(),
+        asked,
+        "the pod's credentials were fetched"
+    );
+    assert_eq!(
+        recorder.connections(),
+        0,
+        "the refused endpoint was connected to"
+    );
 
     // --- Nothing secret in any log line, at trace level.
     let text = String::from_utf8_lossy(&log.lock().unwrap()).to_string();

@@ -15,8 +15,8 @@ use ferry_node::mounts::MountTable;
 use ferry_node::{NodeConfig, NodeService};
 use ferry_proto::csi::v1 as pb;
 use ferry_store::{ListRequest, ObjectStore, S3Credentials, S3Store};
-use ferry_testkit::S3Server;
-use ferry_volume::{Endpoint, MetadataTtl};
+use ferry_testkit::{FaultProxy, S3Server};
+use ferry_volume::{AllowedEndpoints, DeletePolicy, Endpoint, MetadataTtl, VolumeId};
 use pb::volume_capability::access_mode::Mode;
 use tonic::transport::Channel;
 use tonic::Code;
@@ -32,8 +32,15 @@ struct Env {
 
 impl Env {
     async fn start() -> Env {
+        Env::start_allowing(|_| None).await
+    }
+
+    /// An Env whose driver allows what `allowed` returns for its S3 server besides its default
+    /// endpoint (that server); `None`: the default list (the AWS S3 endpoints).
+    async fn start_allowing(allowed: impl FnOnce(&S3Server) -> Option<AllowedEndpoints>) -> Env {
         ferry_testkit::init_tracing();
         let s3 = S3Server::start();
+        let allowed = allowed(&s3);
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("kubelet/pods")).unwrap();
         let defaults = Endpoint {
@@ -46,7 +53,12 @@ impl Env {
             secret_access_key: s3.secret_key().to_string(),
             session_token: None,
         };
-        let stores = Arc::new(S3Stores::with_credentials(defaults, creds));
+        let mut stores =
+            S3Stores::with_credentials(defaults, creds).with_options(S3Server::test_options());
+        if let Some(allowed) = allowed {
+            stores = stores.with_allowed_endpoints(allowed);
+        }
+        let stores = Arc::new(stores);
         let mounts = Arc::new(MountTable::default());
         let node = NodeService::new(
             NodeConfig {
@@ -1055,4 +1067,201 @@ async fn impossible_targets_are_invalid_and_errors_quote_inputs_short() {
     let e = env.unpublish(&huge, &target).await.unwrap_err();
     assert_eq!(short(e), Code::NotFound);
     env.unpublish("vol", &target).await.unwrap();
+}
+
+/// Issue 14 item 6: a volume may name only the endpoints the operator allows. An endpoint outside
+/// the list is refused — CreateVolume and NodePublishVolume with InvalidArgument, DeleteVolume and
+/// ValidateVolumeCapabilities of an id naming it with FailedPrecondition — with a message naming
+/// it and the flag, before any connection is made to it, whoever's credentials would sign (the
+/// driver's, or a node-publish Secret's keys). An allowed endpoint other than the default works
+/// end to end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn endpoints_the_operator_did_not_allow_are_refused_before_any_connection() {
+    // Allowed besides the default: a forwarder to versitygw on a port of its own, named exactly.
+    // Refused: the recorder, on another loopback port.
+    let recorder = common::Recorder::start();
+    let mut forwarder = None;
+    let mut env = Env::start_allowing(|s3| {
+        let f = FaultProxy::start(([127, 0, 0, 1], s3.port()).into()).unwrap();
+        let allowed = AllowedEndpoints::parse(&format!("aws,{}", f.url())).unwrap();
+        forwarder = Some(f);
+        Some(allowed)
+    })
+    .await;
+    let forwarder = forwarder.unwrap();
+    env.s3.create_bucket("fenced").await;
+    env.store
+        .put(
+            "fenced",
+            "static/a.txt",
+            Bytes::from_static(b"via the forwarder"),
+        )
+        .await
+        .unwrap();
+    let cap = mount_capability(Mode::SingleNodeWriter, &[]);
+    let refused = recorder.url.clone();
+    let assert_refused = |e: tonic::Status, code: Code| {
+        assert_eq!(e.code(), code, "{e:?}");
+        let m = e.message();
+        assert!(m.contains(&refused), "names the endpoint: {m}");
+        assert!(m.contains("--allowed-endpoints"), "names the flag: {m}");
+    };
+
+    // CreateVolume naming it: InvalidArgument.
+    let create = |name: &str, endpoint: &str| pb::CreateVolumeRequest {
+        name: name.into(),
+        parameters: map(&[
+            ("bucketName", "fenced"),
+            ("endpointUrl", endpoint),
+            ("forcePathStyle", "true"),
+            ("deletePolicy", "delete"),
+        ]),
+        volume_capabilities: vec![cap.clone()],
+        ..Default::default()
+    };
+    let e = env
+        .ctrl
+        .create_volume(create("pvc-refused", &refused))
+        .await
+        .unwrap_err();
+    assert_refused(e, Code::InvalidArgument);
+
+    // NodePublishVolume naming it as an attribute, as a mount option, or with a Secret's keys.
+    let target = env.target("pod-fenced", "pv-fenced");
+    let ctx = |endpoint: &str| {
+        map(&[
+            ("bucketName", "fenced"),
+            ("prefix", "static/"),
+            ("endpointUrl", endpoint),
+            ("forcePathStyle", "true"),
+        ])
+    };
+    let option = format!("endpoint-url {refused}");
+    let publishes = [
+        (ctx(&refused), cap.clone(), HashMap::new()),
+        (
+            map(&[("bucketName", "fenced"), ("prefix", "static/")]),
+            mount_capability(
+                Mode::SingleNodeWriter,
+                &[option.as_str(), "force-path-style"],
+            ),
+            HashMap::new(),
+        ),
+        (
+            ctx(&refused),
+            cap.clone(),
+            map(&[
+                ("accessKeyId", env.s3.access_key()),
+                ("secretAccessKey", env.s3.secret_key()),
+            ]),
+        ),
+    ];
+    for (context, capability, secrets) in publishes {
+        let e = env
+            .node
+            .node_publish_volume(pb::NodePublishVolumeRequest {
+                volume_id: "pv-fenced".into(),
+                target_path: target.display().to_string(),
+                volume_capability: Some(capability),
+                volume_context: context,
+                secrets,
+                ..Default::default()
+            })
+            .await
+            .unwrap_err();
+        assert_refused(e, Code::InvalidArgument);
+    }
+    assert!(
+        !target.exists(),
+        "a refused publish leaves no target behind"
+    );
+
+    // A volume id naming it (made under a looser list): DeleteVolume and
+    // ValidateVolumeCapabilities answer FailedPrecondition; a retained one is deleted with no
+    // request at all, so it is fine.
+    let id = |delete_policy| {
+        VolumeId {
+            bucket: "fenced".into(),
+            prefix: "vol/".into(),
+            endpoint: Endpoint {
+                endpoint_url: Some(refused.clone()),
+                region: None,
+                force_path_style: true,
+            },
+            delete_policy,
+        }
+        .encode()
+    };
+    let e = env
+        .ctrl
+        .delete_volume(pb::DeleteVolumeRequest {
+            volume_id: id(DeletePolicy::Delete),
+            secrets: Default::default(),
+        })
+        .await
+        .unwrap_err();
+    assert_refused(e, Code::FailedPrecondition);
+    let e = env
+        .ctrl
+        .validate_volume_capabilities(pb::ValidateVolumeCapabilitiesRequest {
+            volume_id: id(DeletePolicy::Retain),
+            volume_capabilities: vec![cap.clone()],
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_refused(e, Code::FailedPrecondition);
+    env.ctrl
+        .delete_volume(pb::DeleteVolumeRequest {
+            volume_id: id(DeletePolicy::Retain),
+            secrets: Default::default(),
+        })
+        .await
+        .unwrap();
+
+    assert_eq!(
+        recorder.connections(),
+        0,
+        "a refused endpoint was connected to"
+    );
+
+    // The allowed endpoint works end to end: create, publish and read, delete.
+    let before = forwarder.requests();
+    let vol = env
+        .ctrl
+        .create_volume(create("pvc-allowed", &forwarder.url()))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    assert!(vol.volume_id.contains("endpoint="), "{}", vol.volume_id);
+    env.publish(
+        "pv-allowed",
+        &target,
+        cap.clone(),
+        ctx(&forwarder.url()),
+        false,
+    )
+    .await
+    .unwrap();
+    let t = target.clone();
+    let got = tokio::task::spawn_blocking(move || std::fs::read(t.join("a.txt")))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(got, b"via the forwarder");
+    env.unpublish("pv-allowed", &target).await.unwrap();
+    env.ctrl
+        .delete_volume(pb::DeleteVolumeRequest {
+            volume_id: vol.volume_id,
+            secrets: Default::default(),
+        })
+        .await
+        .unwrap();
+    assert!(
+        forwarder.requests() > before,
+        "the allowed endpoint's requests went through it"
+    );
+    assert_eq!(recorder.connections(), 0);
 }

@@ -15,7 +15,9 @@ use ferry_csi::stores::{S3Stores, Stores};
 use ferry_node::mounts::{MountCredentials, MountTable, Published};
 use ferry_node::size::{parse_budget, parse_size, BudgetSpec};
 use ferry_node::{NodeConfig, NodeService, PodAuth};
-use ferry_volume::{AuthenticationSource, Endpoint, MetadataTtl, MountOptions, VolumeSpec};
+use ferry_volume::{
+    AllowedEndpoints, AuthenticationSource, Endpoint, MetadataTtl, MountOptions, VolumeSpec,
+};
 
 #[derive(Debug, Parser)]
 #[command(version, about = "Ferry CSI node plugin and S3 mounter")]
@@ -55,6 +57,12 @@ struct ServeArgs {
     /// Use path-style addressing by default.
     #[arg(long, env = "FERRY_FORCE_PATH_STYLE")]
     force_path_style: bool,
+    /// Endpoints a volume (StorageClass parameter, PV attribute or mount option, volume id) may
+    /// name, comma-separated: `aws` (the AWS S3 endpoints of every partition), `scheme://host[:port]`
+    /// patterns with `*` inside a host label (`https://*.example.com:9000`), or `*` for any.
+    /// Default: `aws`. The --endpoint-url is always allowed.
+    #[arg(long, env = "FERRY_ALLOWED_ENDPOINTS", value_parser = parse_allowed_endpoints)]
+    allowed_endpoints: Option<AllowedEndpoints>,
     /// Metadata TTL for volumes without a `metadata-ttl` option: seconds, `indefinite` or `minimal`.
     #[arg(long, env = "FERRY_METADATA_TTL", default_value = "1", value_parser = parse_ttl)]
     metadata_ttl: MetadataTtl,
@@ -217,6 +225,10 @@ fn mount_context(
     Ok(ctx)
 }
 
+fn parse_allowed_endpoints(s: &str) -> Result<AllowedEndpoints, String> {
+    AllowedEndpoints::parse(s).map_err(|e| e.to_string())
+}
+
 fn parse_ttl(s: &str) -> Result<MetadataTtl, String> {
     s.parse()
 }
@@ -340,6 +352,8 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
         Some(p) => ferry_volume::validate::prefix("--prefix", p, true)?,
         None => String::new(),
     };
+    // Whoever runs this command chooses the endpoint: it is the operator, so no allowlist applies
+    // (the store is the default endpoint's, which is always allowed).
     let stores = S3Stores::new(endpoint(&a.endpoint_url, &a.region, a.force_path_style)?);
     let store = stores.get(&Endpoint::default()).await?;
     store
@@ -428,14 +442,14 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     ferry_metrics::start(&a.metrics_addr)
         .await
         .map_err(anyhow::Error::msg)?;
-    let stores: Arc<dyn Stores> = Arc::new(
-        S3Stores::new(endpoint(&a.endpoint_url, &a.region, a.force_path_style)?).with_options(
-            ferry_store::S3Options {
-                ca_bundle: a.ca_bundle.clone(),
-                ..Default::default()
-            },
-        ),
-    );
+    let s3 = S3Stores::new(endpoint(&a.endpoint_url, &a.region, a.force_path_style)?)
+        .with_options(ferry_store::S3Options {
+            ca_bundle: a.ca_bundle.clone(),
+            ..Default::default()
+        })
+        .with_allowed_endpoints(a.allowed_endpoints.clone().unwrap_or_default());
+    tracing::info!(allowed = %s3.allowed_endpoints(), "volumes may name these S3 endpoints");
+    let stores: Arc<dyn Stores> = Arc::new(s3);
     let mounts = Arc::new(MountTable::default());
     let pod_auth = pod_auth(&a).await?;
     let cache = a.cache_dir.as_ref().map(|dir| CacheConfig {

@@ -3,6 +3,10 @@
 //!
 //! Staging, expansion and volume stats are not offered (the capabilities list is empty), so kubelet
 //! calls only publish and unpublish.
+//!
+//! NodePublishVolume refuses (InvalidArgument) a volume whose endpoint — from its attributes or its
+//! `endpoint-url` mount option — the operator does not allow ([`Stores::permit`]), before its
+//! credentials are decided and before any request, whoever's credentials would sign.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -331,6 +335,9 @@ impl Inner {
             ))
         })?;
         let spec = VolumeSpec::from_publish(&req.volume_context, capability::mount_flags(cap))?;
+        // Before the credentials are decided (a pod's are fetched for this endpoint's requests)
+        // and before any client exists.
+        self.stores.permit(&spec.endpoint)?;
         let mount_group = match &cap.access_type {
             Some(pb::volume_capability::AccessType::Mount(m))
                 if !m.volume_mount_group.is_empty() =>

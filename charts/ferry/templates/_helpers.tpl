@@ -74,8 +74,25 @@ app.kubernetes.io/component: {{ .component }}
 {{- end -}}
 
 {{/* The S3 defaults both binaries read from the environment. FERRY_FORCE_PATH_STYLE is a flag: it is
-set only when true. */}}
+set only when true. FERRY_ALLOWED_ENDPOINTS is s3.allowedEndpoints (empty: aws, the binaries'
+default) plus every endpoint the chart's own StorageClasses name (endpointUrl or an endpoint-url
+mount option, as scheme://host[:port]); it is set only when that adds to the default. */}}
 {{- define "ferry.s3Env" -}}
+{{- $named := list }}
+{{- range .Values.storageClasses }}
+{{- with .endpointUrl }}
+{{- $named = append $named (regexReplaceAll "^(https?://[^/]+).*$" . "${1}") }}
+{{- end }}
+{{- range .mountOptions }}
+{{- if regexMatch "^(--)?endpoint-url[ =]" (toString .) }}
+{{- $named = append $named (regexReplaceAll "^(--)?endpoint-url[ =]+(https?://[^/ ]+).*$" (toString .) "${2}") }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if or .Values.s3.allowedEndpoints $named }}
+- name: FERRY_ALLOWED_ENDPOINTS
+  value: {{ concat (.Values.s3.allowedEndpoints | default (list "aws")) $named | uniq | join "," | quote }}
+{{- end }}
 {{- with .Values.s3.endpointUrl }}
 - name: FERRY_ENDPOINT_URL
   value: {{ . | quote }}

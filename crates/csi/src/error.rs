@@ -75,6 +75,15 @@ impl From<ferry_creds::CredsError> for CsiError {
     }
 }
 
+/// A volume that names an endpoint the operator did not allow is a bad argument of the request
+/// that names it (CreateVolume's parameters, NodePublishVolume's context); DeleteVolume and
+/// ValidateVolumeCapabilities, which get it from a volume id, answer FailedPrecondition instead.
+impl From<ferry_volume::EndpointRefused> for CsiError {
+    fn from(e: ferry_volume::EndpointRefused) -> Self {
+        CsiError::InvalidArgument(e.to_string())
+    }
+}
+
 impl From<VolumeError> for CsiError {
     fn from(e: VolumeError) -> Self {
         CsiError::InvalidArgument(e.to_string())

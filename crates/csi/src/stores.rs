@@ -1,6 +1,10 @@
 //! Where each volume's S3 client comes from: one client per distinct (endpoint, credentials), made
 //! on first use. Credentials are the driver's, static keys from the volume's Secret, or a pod-level
 //! identity's refreshing provider (shared by every mount of that identity).
+//!
+//! [`Stores::permit`] is the one check of a volume's endpoint against the operator's
+//! [`AllowedEndpoints`]: the controller and the node call it before anything else that could reach
+//! the endpoint, and [`S3Stores`] refuses to make a client for a refused endpoint in any case.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -8,7 +12,7 @@ use std::sync::Arc;
 use aws_credential_types::provider::SharedCredentialsProvider;
 use ferry_creds::{Identity, PodCredentials, StaticKeys};
 use ferry_store::{ObjectStore, S3Config, S3Credentials, S3Options, S3Store, StoreError};
-use ferry_volume::Endpoint;
+use ferry_volume::{AllowedEndpoints, Endpoint, EndpointRefused};
 use tokio::sync::Mutex;
 
 /// Whose credentials a volume's client signs with.
@@ -25,6 +29,10 @@ pub enum StoreCredentials {
 /// Hands out the store that serves an endpoint.
 #[tonic::async_trait]
 pub trait Stores: Send + Sync + 'static {
+    /// Whether requests for a volume at `endpoint` may be sent at all (whoever signs them): the
+    /// operator's allowlist. Sends nothing and makes no client.
+    fn permit(&self, endpoint: &Endpoint) -> Result<(), EndpointRefused>;
+
     /// The store for an endpoint with the driver's credentials.
     async fn get(&self, endpoint: &Endpoint) -> Result<Arc<dyn ObjectStore>, StoreError>;
 
@@ -59,6 +67,8 @@ type Client = (Arc<S3Store>, Arc<dyn ObjectStore>);
 /// volume's endpoint fields override the driver-level defaults field by field.
 pub struct S3Stores {
     defaults: Endpoint,
+    /// The endpoints volumes may name (the driver's default endpoint among them).
+    allowed: AllowedEndpoints,
     credentials: S3Credentials,
     options: S3Options,
     /// One client per (endpoint, identity), with its metrics wrapper: every caller of one
@@ -73,14 +83,28 @@ impl S3Stores {
         Self::with_credentials(defaults, S3Credentials::DefaultChain)
     }
 
-    /// Clients with the given credentials.
+    /// Clients with the given credentials. Volumes may name the AWS S3 endpoints and the default
+    /// endpoint (see [`S3Stores::with_allowed_endpoints`]).
     pub fn with_credentials(defaults: Endpoint, credentials: S3Credentials) -> Self {
         S3Stores {
+            allowed: AllowedEndpoints::default()
+                .with_default_endpoint(defaults.endpoint_url.as_deref()),
             defaults,
             credentials,
             options: S3Options::default(),
             clients: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Volumes may name these endpoints (and the default endpoint, always).
+    pub fn with_allowed_endpoints(mut self, allowed: AllowedEndpoints) -> Self {
+        self.allowed = allowed.with_default_endpoint(self.defaults.endpoint_url.as_deref());
+        self
+    }
+
+    /// What volumes may name, in words (for the start-up log).
+    pub fn allowed_endpoints(&self) -> &AllowedEndpoints {
+        &self.allowed
     }
 
     /// Clients with these retry, timeout and TLS settings (a private CA bundle).
@@ -121,6 +145,10 @@ impl S3Stores {
         endpoint: &Endpoint,
         credentials: &StoreCredentials,
     ) -> Result<Client, StoreError> {
+        // The services ask `permit` first; this keeps any other caller from making a client for
+        // an endpoint the operator did not allow.
+        self.permit(endpoint)
+            .map_err(|e| StoreError::InvalidRequest(e.to_string()))?;
         let e = self.resolve(endpoint);
         let key = match credentials {
             StoreCredentials::Driver => CredentialsKey::Driver,
@@ -172,6 +200,10 @@ impl S3Stores {
 
 #[tonic::async_trait]
 impl Stores for S3Stores {
+    fn permit(&self, endpoint: &Endpoint) -> Result<(), EndpointRefused> {
+        self.allowed.check(endpoint)
+    }
+
     async fn get(&self, endpoint: &Endpoint) -> Result<Arc<dyn ObjectStore>, StoreError> {
         self.get_as(endpoint, &StoreCredentials::Driver).await
     }
@@ -190,6 +222,11 @@ pub struct FixedStore(pub Arc<dyn ObjectStore>);
 
 #[tonic::async_trait]
 impl Stores for FixedStore {
+    /// The in-memory double serves every endpoint and sends nothing anywhere.
+    fn permit(&self, _endpoint: &Endpoint) -> Result<(), EndpointRefused> {
+        Ok(())
+    }
+
     async fn get(&self, _endpoint: &Endpoint) -> Result<Arc<dyn ObjectStore>, StoreError> {
         Ok(self.0.clone())
     }
@@ -235,7 +272,30 @@ mod tests {
         let k2 = stores.get_as(&e, &keys("AKIA2")).await.unwrap();
         assert!(Arc::ptr_eq(&k1, &k1_again), "one static key, one store");
         assert!(!Arc::ptr_eq(&k1, &k2) && !Arc::ptr_eq(&k1, &a));
+        let stores =
+            stores.with_allowed_endpoints(AllowedEndpoints::parse("http://127.0.0.1:10").unwrap());
+        let a = stores.get(&e).await.unwrap();
         let other = stores.get(&endpoint("http://127.0.0.1:10")).await.unwrap();
         assert!(!Arc::ptr_eq(&a, &other), "another endpoint, another store");
+    }
+
+    #[tokio::test]
+    async fn a_refused_endpoint_gets_no_client_whoever_signs() {
+        let stores = S3Stores::new(endpoint("http://127.0.0.1:9/"))
+            .with_allowed_endpoints(AllowedEndpoints::parse("https://*.example.com").unwrap());
+        // No endpoint, or the driver's own default named explicitly: allowed.
+        stores.permit(&Endpoint::default()).unwrap();
+        stores.permit(&endpoint("http://127.0.0.1:9")).unwrap();
+        stores
+            .permit(&endpoint("https://minio.example.com"))
+            .unwrap();
+        let refused = endpoint("http://127.0.0.1:10");
+        let e = stores.permit(&refused).unwrap_err();
+        assert!(e.to_string().contains("http://127.0.0.1:10"), "{e}");
+        for creds in [StoreCredentials::Driver, keys("AKIA1")] {
+            let e = stores.get_as(&refused, &creds).await.err().unwrap();
+            assert!(matches!(e, StoreError::InvalidRequest(_)), "{e:?}");
+        }
+        assert!(stores.clients.lock().await.is_empty(), "no client was made");
     }
 }

@@ -191,6 +191,11 @@ const CLAIMS: &[(&str, &str, How)] = &[
         "Node plugin exit",
         Elsewhere("e2e/src/bin/ferry-harness.rs", "restart"),
     ),
+    (
+        "Through CSI",
+        "Endpoints",
+        Elsewhere("e2e/tests/csi.rs", "endpoints_the_operator_did_not_allow_are_refused_before_any_connection"),
+    ),
 ];
 
 /// (section, first cell) of every table row of the doc, header rows excluded.

@@ -3,8 +3,10 @@
 //! Everything the controller and the node read from Kubernetes — StorageClass parameters, the
 //! volume id, the volume context, PV mount options in Mountpoint's syntax — is turned into typed,
 //! validated values here, so the gRPC services only deal with well-formed volumes. Every key is a
-//! constant in [`keys`]. Errors name the offending key or option.
+//! constant in [`keys`]. Errors name the offending key or option. [`allowed`] is the operator's
+//! list of the endpoints a volume may name.
 
+pub mod allowed;
 pub mod id;
 pub mod keys;
 pub mod options;
@@ -13,6 +15,7 @@ pub mod quote;
 pub mod spec;
 pub mod validate;
 
+pub use allowed::{AllowedEndpoints, EndpointRefused};
 pub use id::VolumeId;
 pub use options::{MetadataTtl, MountOptions};
 pub use params::{DeletePolicy, StorageClassParams};

@@ -293,6 +293,10 @@ async fn driver_irsa() -> Result<()> {
             Some(moto.endpoint_url()),
         ),
         ("FERRY_ENDPOINT_URL".to_string(), Some(moto.endpoint_url())),
+        (
+            "FERRY_ALLOWED_ENDPOINTS".to_string(),
+            Some(moto.endpoint_url()),
+        ),
         ("FERRY_LOG".to_string(), Some("trace".into())),
         (
             "KUBECONFIG".to_string(),
@@ -568,9 +572,14 @@ async fn sanity(bin: Option<PathBuf>, extra: Vec<String>) -> Result<()> {
     let plugin = Plugin::start(&bin_dir()?).await?;
     plugin.s3.create_bucket("sanity").await;
     let params = plugin.dir.path().join("params.yaml");
+    // The endpoint named explicitly (the binaries allow only it): every volume id carries it, and
+    // every DeleteVolume and NodePublishVolume checks it against the allowed list.
     std::fs::write(
         &params,
-        "bucketName: sanity\nbasePrefix: csi-sanity\ndeletePolicy: delete\n",
+        format!(
+            "bucketName: sanity\nbasePrefix: csi-sanity\ndeletePolicy: delete\nendpointUrl: {}\nforcePathStyle: \"true\"\n",
+            plugin.s3.endpoint_url()
+        ),
     )?;
     let pods = plugin.kubelet_root().join("pods");
     // csi-test's Connect waits for a state change after reading the state; when the connection

@@ -39,3 +39,31 @@ pub async fn serve(
         NodeClient::new(unix_channel(&node_sock).await.unwrap()),
     )
 }
+
+/// A TCP listener on loopback that counts the connections made to it (and closes each at once):
+/// the endpoint a volume names that the operator did not allow.
+pub struct Recorder {
+    pub url: String,
+    connections: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Recorder {
+    pub fn start() -> Recorder {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        let connections = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let seen = connections.clone();
+        std::thread::spawn(move || {
+            for conn in listener.incoming() {
+                // Counted before it is closed: a client that saw the close was counted.
+                seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                drop(conn);
+            }
+        });
+        Recorder { url, connections }
+    }
+
+    pub fn connections(&self) -> usize {
+        self.connections.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
