@@ -103,11 +103,30 @@ impl Scheme {
     }
 }
 
-/// A host: DNS labels (or an IPv4 address's octets), or a bracketed IPv6 address. Lowercase.
+/// A host: DNS labels, an IPv4 address's four octets (canonical decimal; in a pattern, octets
+/// with `*`), or a bracketed IPv6 address. Lowercase. An IPv4 pattern matches only IPv4 hosts, and
+/// a name pattern only names: `10.*.*.*` never allows `10.x.attacker.com`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 enum Host {
     Labels(Vec<String>),
+    Ipv4(Vec<String>),
     Ipv6(String),
+}
+
+/// Whether a host's last label makes it an IPv4 address to resolvers (`inet_aton`, the URL
+/// standard): digits, or a hex number (`0x0a`).
+fn numeric_label(l: &str) -> bool {
+    !l.is_empty() && (l.chars().all(|c| c.is_ascii_digit()) || l.starts_with("0x"))
+}
+
+/// The octets of a canonical dotted-quad IPv4 address (`10.0.0.1`); `None` for any other form
+/// (`010.0.0.1`, `0x0a.0.0.1`, `167772161`, `10.1`), which resolvers read as other addresses.
+fn ipv4(labels: &[String]) -> Option<Vec<String>> {
+    (labels.len() == 4
+        && labels
+            .iter()
+            .all(|l| l.parse::<u8>().is_ok() && (l == "0" || !l.starts_with('0')) && l.len() <= 3))
+    .then(|| labels.to_vec())
 }
 
 /// Where a URL's requests go.
@@ -182,7 +201,11 @@ impl Target {
             {
                 return None;
             }
-            Host::Labels(labels)
+            if labels.last().is_some_and(|l| numeric_label(l)) {
+                Host::Ipv4(ipv4(&labels)?)
+            } else {
+                Host::Labels(labels)
+            }
         };
         Some(Target { scheme, host, port })
     }
@@ -268,7 +291,22 @@ impl EndpointPattern {
                     "host label {l:?} is not letters, digits, '-', '_' and '*'"
                 )));
             }
-            Host::Labels(labels)
+            let octet = |l: &String| l.chars().all(|c| c.is_ascii_digit() || c == '*');
+            if labels.iter().all(octet) {
+                let fixed = |l: &String| !l.contains('*');
+                if labels.len() != 4 || (labels.iter().all(fixed) && ipv4(&labels).is_none()) {
+                    return Err(bad(
+                        "has an invalid IPv4 address (four decimal octets, each a number or *)",
+                    ));
+                }
+                Host::Ipv4(labels)
+            } else if labels.last().is_some_and(|l| numeric_label(l)) {
+                return Err(bad(
+                    "ends in a numeric label: name an IPv4 address as four decimal octets",
+                ));
+            } else {
+                Host::Labels(labels)
+            }
         };
         Ok(EndpointPattern {
             text: pattern.to_string(),
@@ -294,7 +332,7 @@ impl EndpointPattern {
             return false;
         }
         match (&self.host, &t.host) {
-            (Host::Labels(p), Host::Labels(h)) => {
+            (Host::Labels(p), Host::Labels(h)) | (Host::Ipv4(p), Host::Ipv4(h)) => {
                 p.len() == h.len() && p.iter().zip(h).all(|(p, h)| glob(p, h))
             }
             (Host::Ipv6(p), Host::Ipv6(h)) => p == h,
@@ -494,6 +532,44 @@ mod tests {
         }
     }
 
+    /// An IPv4 pattern matches only canonical IPv4 addresses, never a name with numeric-looking
+    /// labels, and an address in a form resolvers read otherwise (octal, hex, fewer parts) is
+    /// refused whatever the list says.
+    #[test]
+    fn ipv4_patterns_match_addresses_only() {
+        let l = list("http://10.*.*.*:9000, http://192.168.1.5:9000");
+        for ok in [
+            "http://10.0.0.1:9000",
+            "http://10.255.3.4:9000",
+            "http://192.168.1.5:9000",
+        ] {
+            assert!(l.permits(ok), "{ok}");
+        }
+        for refused in [
+            "http://10.x.attacker.com:9000",
+            "http://10.1.attacker.com:9000",
+            "http://10.0.0.attacker:9000",
+            "http://010.0.0.1:9000",
+            "http://0x0a.0.0.1:9000",
+            "http://10.0.1:9000",
+            "http://167772161:9000",
+            "http://192.168.001.5:9000",
+            "http://10.0.0.256:9000",
+        ] {
+            assert!(!l.permits(refused), "{refused}");
+        }
+        let any = list("*");
+        assert!(any.permits("http://10.x.attacker.com:9000"), "* allows any");
+        for bad in [
+            "http://10.0.0:9000",
+            "http://010.0.0.1",
+            "http://host.123",
+            "http://1.2.3.4.5",
+        ] {
+            assert!(AllowedEndpoints::parse(bad).is_err(), "{bad}");
+        }
+    }
+
     #[test]
     fn patterns_match_by_scheme_label_and_port() {
         let l = list("https://*.example.com:9000, http://minio-*.lan:*, https://[::1]:9000,aws");
@@ -606,8 +682,9 @@ mod tests {
         assert!(glob("abc", "abc") && !glob("abc", "abd"));
     }
 
+    /// A DNS label starting with a letter (a host whose last label is numeric is an IPv4 form).
     fn label() -> impl Strategy<Value = String> {
-        "[a-z0-9][a-z0-9-]{0,10}"
+        "[a-z][a-z0-9-]{0,10}"
     }
 
     proptest! {
