@@ -92,6 +92,8 @@ async fn a_miss_fetches_and_stores_then_hits_are_served_from_disk() {
         data(9, 10)
     );
     assert_eq!(fetches.load(Ordering::SeqCst), 2);
+    // Stores are written behind the reader: wait for them before looking at the disk.
+    cache.settle().await;
     assert!(
         std::fs::read_dir(&cache.tmp_dir).unwrap().next().is_none(),
         "no temp files left"
