@@ -71,6 +71,11 @@ struct Inner {
     pod_auth: Option<PodAuth>,
 }
 
+/// A target path as an error quotes it (cut short, see [`quote`]).
+fn shown(target: &Path) -> String {
+    quote(&target.display().to_string()).to_string()
+}
+
 /// Converts a volume's TTL setting into the filesystem's.
 pub fn fs_ttl(ttl: MetadataTtl) -> FsTtl {
     match ttl {
@@ -302,16 +307,27 @@ impl Inner {
             if !m.is_ferry() {
                 return Err(Self::foreign(target, &m));
             }
-            warn!(target = %target.display(), source = %m.source, "detaching a Ferry mount this process does not own");
+            // A dead mount (its process gone) answers ENOTCONN; a live one is another process's
+            // (a user's `ferry-node mount`, another node plugin): not ours to end.
+            let dead =
+                std::fs::metadata(target).is_err_and(|e| e.raw_os_error() == Some(libc::ENOTCONN));
+            if !dead {
+                return Err(CsiError::FailedPrecondition(format!(
+                    "target {} has a live Ferry mount ({}) that this node plugin did not make; not touched: unmount it",
+                    shown(target),
+                    quote(&m.source)
+                )));
+            }
+            warn!(target = %target.display(), source = %m.source, "detaching a dead Ferry mount an earlier process left");
+            // Opened while the dead mount still holds its connection number.
+            let abort = mountinfo::ConnectionAbort::open(m.dev.1).ok();
             mountinfo::detach(target).map_err(|e| {
-                CsiError::Internal(format!(
-                    "detaching stale mount at {}: {e}",
-                    target.display()
-                ))
+                CsiError::Internal(format!("detaching stale mount at {}: {e}", shown(target)))
             })?;
-            // Only a dead mount is left by an earlier process; should one still be served, its
-            // pod is gone: end its connection too.
-            let _ = mountinfo::abort_connection(m.dev.1);
+            // Copies in other mount namespaces keep a dead connection; end it for them too.
+            if let Some(abort) = abort {
+                let _ = abort.abort();
+            }
         }
         Ok(())
     }
@@ -381,7 +397,7 @@ impl Inner {
             return Err(CsiError::FailedPrecondition(format!(
                 "volume {} is mounted at {} as {was}; this publish asks for {credentials}: a live mount never changes identity (unpublish it first)",
                 quote(volume_id),
-                target.display()
+                shown(&target)
             )));
         }
         let published = Published {
@@ -425,14 +441,14 @@ impl Inner {
                 if existing.volume_id != published.volume_id {
                     format!(
                         "target {} already has volume {} published",
-                        target.display(),
+                        shown(&target),
                         quote(&existing.volume_id)
                     )
                 } else {
                     format!(
                         "volume {} is already published at {} with other options",
                         quote(volume_id),
-                        target.display()
+                        shown(&target)
                     )
                 },
             ));
@@ -493,7 +509,7 @@ impl Inner {
                     quote(&req.target_path)
                 ))
             }
-            e => CsiError::Internal(format!("mounting at {}: {e}", target.display())),
+            e => CsiError::Internal(format!("mounting at {}: {e}", shown(&target))),
         })?;
         created.keep();
         if let (Some(cache), Some(subs), true) = (
@@ -539,7 +555,7 @@ impl Inner {
                 return Err(CsiError::NotFound(format!(
                     "volume {} is not published at {} (volume {} is)",
                     quote(volume_id),
-                    target.display(),
+                    shown(&target),
                     quote(&existing.volume_id)
                 )));
             }
@@ -557,7 +573,7 @@ impl Inner {
             let res = tokio::task::spawn_blocking(move || m.handle.detach())
                 .await
                 .map_err(|e| CsiError::Internal(format!("unmount task failed: {e}")))?;
-            res.map_err(|e| CsiError::Internal(format!("unmounting {}: {e}", target.display())))?;
+            res.map_err(|e| CsiError::Internal(format!("unmounting {}: {e}", shown(&target))))?;
         } else if found != targetpath::Found::Symlink {
             Self::clear_stale(&target)?;
         }
@@ -576,7 +592,7 @@ impl Inner {
                 Err(e) => {
                     return Err(CsiError::Internal(format!(
                         "removing target directory {}: {e}",
-                        target.display()
+                        shown(&target)
                     )))
                 }
             },
@@ -600,7 +616,7 @@ impl CreatedDir {
             Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Ok(CreatedDir(None)),
             Err(e) => Err(CsiError::Internal(format!(
                 "creating target directory {}: {e}",
-                target.display()
+                shown(target)
             ))),
         }
     }

@@ -1268,6 +1268,7 @@ impl Fs {
                     pending: Vec::new(),
                     upload: None,
                     status: WriteStatus::Open,
+                    replaces: true,
                 }));
                 debug_assert_eq!(got, fh);
                 return Ok(Opened {
@@ -1449,10 +1450,7 @@ impl Fs {
     /// Exactly `range` of the handle's version: from the node cache when the handle may use it,
     /// else one ranged GET pinned to the handle's ETag (a short body is retried once, then `EIO`).
     async fn get(&self, r: &ReadHandle, range: std::ops::Range<u64>) -> Result<Bytes, FsError> {
-        let src = Source {
-            last_modified: r.last_modified,
-            ..self.source(&r.key, r.etag.as_deref(), r.size, r.cached)
-        };
+        let src = self.handle_source(r);
         fetch(&src, range)
             .await
             .map_err(|e| self.read_error(r.ino, e))
@@ -1461,12 +1459,28 @@ impl Fs {
     /// Where to read `key` at `etag` from; `proven`: this mount's credentials showed access to
     /// that version (otherwise a cached read HEADs first).
     fn source(&self, key: &str, etag: Option<&str>, size: u64, proven: bool) -> Source {
+        self.source_at(key, etag, None, size, proven)
+    }
+
+    /// [`Self::source`] of a read handle: its version as pinned at open.
+    fn handle_source(&self, r: &ReadHandle) -> Source {
+        self.source_at(&r.key, r.etag.as_deref(), r.last_modified, r.size, r.cached)
+    }
+
+    fn source_at(
+        &self,
+        key: &str,
+        etag: Option<&str>,
+        last_modified: Option<std::time::SystemTime>,
+        size: u64,
+        proven: bool,
+    ) -> Source {
         Source {
             store: self.store.clone(),
             bucket: self.cfg.bucket.clone(),
             key: key.to_owned(),
             etag: etag.map(str::to_owned),
-            last_modified: None,
+            last_modified,
             size,
             cache: self.cache.as_ref().map(|cache| CacheUse {
                 cache: cache.clone(),
@@ -1525,10 +1539,7 @@ impl Fs {
         // Parts are kept a little past the reader, for reads the kernel reorders.
         r.prefetch
             .consume_before(offset.saturating_sub(REORDER_KEEP));
-        let src = Source {
-            last_modified: r.last_modified,
-            ..self.source(&r.key, r.etag.as_deref(), r.size, r.cached)
-        };
+        let src = self.handle_source(r);
         r.prefetch.fill(&src, r.size, offset, cfg, &self.budget);
 
         let mut pieces: Vec<Bytes> = Vec::with_capacity(2);
@@ -1715,6 +1726,7 @@ impl Fs {
             pending: Vec::new(),
             upload: None,
             status: WriteStatus::Open,
+            replaces: false,
         }));
         debug_assert_eq!(got, fh);
         Ok((
@@ -1943,6 +1955,34 @@ impl Fs {
         match &mut *g {
             Handle::Write(w) => self.complete(w).await,
             Handle::Read(_) | Handle::Dir(_) => Ok(()),
+        }
+    }
+
+    /// The session ended (unmounted, or its connection aborted) with handles the kernel never
+    /// released: their `release` was cut off by the unmount, or a process in another mount
+    /// namespace still held them. A new file with nothing written (`touch` just before the
+    /// unmount) is completed, as its `release` would have; one with data that no close completed
+    /// is abandoned (its multipart upload aborted), never a truncated object; a replacement with
+    /// nothing written leaves the old object as it is. Read handles stop prefetching.
+    pub async fn teardown(&self) {
+        let handles = self.lock().handles.entries();
+        for (fh, h) in handles {
+            self.lock().handles.remove(fh);
+            let mut g = h.lock().await;
+            match &mut *g {
+                Handle::Write(w) if w.status == WriteStatus::Open => {
+                    if w.written == 0 && !w.replaces {
+                        if let Err(e) = self.complete(w).await {
+                            tracing::warn!(key = %w.key, error = %e, "completing an empty file at unmount failed");
+                        }
+                    } else {
+                        tracing::warn!(key = %w.key, bytes = w.written, "a file still being written at unmount is abandoned (never a truncated object)");
+                        self.fail_write(w).await;
+                    }
+                }
+                Handle::Read(r) => r.prefetch.reset(),
+                Handle::Write(_) | Handle::Dir(_) => {}
+            }
         }
     }
 

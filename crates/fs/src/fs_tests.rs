@@ -613,6 +613,34 @@ async fn a_flush_before_the_first_write_completes_nothing() {
     assert_eq!(store.stats().put, 1, "one PUT, of the data");
 }
 
+/// Handles the kernel never released when the session ends (the unmount cut their `release`
+/// off): an empty new file is completed, a file with data no close completed is abandoned (no
+/// truncated object, no multipart upload left), a replacement with nothing written leaves the old
+/// object.
+#[tokio::test]
+async fn teardown_settles_unreleased_write_handles() {
+    let (store, fs) = setup(|_| {});
+    store.insert(B, "kept", &b"old content"[..]);
+    let (_, empty) = fs.create(ROOT_INO, n("touched"), PID).await.unwrap();
+    fs.flush(empty.fh, || PID).await.unwrap();
+    let (_, big) = fs.create(ROOT_INO, n("unfinished"), PID).await.unwrap();
+    let body = data(9 << 20, 3);
+    assert_eq!(
+        fs.write(big.fh, 0, &body).await.unwrap() as usize,
+        body.len()
+    );
+    let kept = fs.lookup(ROOT_INO, n("kept")).await.unwrap().attr.ino;
+    fs.open(kept, libc::O_WRONLY | libc::O_TRUNC, PID)
+        .await
+        .unwrap();
+    assert_eq!(store.pending_uploads(B), 1, "a part of the big file is up");
+    fs.teardown().await;
+    assert_eq!(store.get_object(B, "touched").unwrap().len(), 0);
+    assert!(store.get_object(B, "unfinished").is_none());
+    assert_eq!(store.pending_uploads(B), 0, "its multipart upload aborted");
+    assert_eq!(store.get_object(B, "kept").unwrap(), &b"old content"[..]);
+}
+
 #[tokio::test]
 async fn large_write_is_multipart() {
     let (store, fs) = setup(|_| {});

@@ -322,7 +322,26 @@ impl DirSink for PlusSink<'_> {
     }
 }
 
+/// How long the end of a session waits for [`Fs::teardown`] (its S3 requests) before going on.
+const TEARDOWN_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
+
 impl Filesystem for FuseAdapter {
+    /// The session ended: settles the handles the kernel never released ([`Fs::teardown`]), on the
+    /// runtime, waiting for it a bounded time (in a node plugin the task finishes anyway).
+    fn destroy(&mut self) {
+        let (tx, rx) = std::sync::mpsc::channel();
+        let fs = self.fs.clone();
+        self.rt.spawn(async move {
+            fs.teardown().await;
+            let _ = tx.send(());
+        });
+        if rx.recv_timeout(TEARDOWN_WAIT).is_err() {
+            tracing::warn!(
+                "the handles left at unmount are still being settled; not waiting longer"
+            );
+        }
+    }
+
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
         for cap in [
             // Attributes come with the listing: `ls -l` needs no lookup per entry.

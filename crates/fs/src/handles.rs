@@ -130,6 +130,9 @@ pub struct WriteHandle {
     pub pending: Vec<u8>,
     pub upload: Option<MultipartState>,
     pub status: WriteStatus,
+    /// It replaces an existing object (opened with `O_TRUNC`), rather than creating a new one.
+    #[serde(default)]
+    pub replaces: bool,
 }
 
 /// An open directory: the listing snapshot taken at the first `readdir` (again after a rewind).

@@ -59,6 +59,8 @@ pub struct MountHandle {
     config: MountConfig,
     /// The mount's device (`major:minor` in mountinfo); the minor is its FUSE connection.
     dev: (u32, u32),
+    /// Its connection's abort file, opened at mount time (`None` without `fusectl`).
+    abort: Option<mountinfo::ConnectionAbort>,
 }
 
 impl MountHandle {
@@ -161,17 +163,24 @@ impl MountHandle {
     /// be aborted: if it is still alive the thread is left to end with the last copy.
     fn reap(&self, guard: JoinHandle<io::Result<()>>) {
         let conn = self.connection();
-        let ended = match mountinfo::abort_connection(conn) {
-            Ok(aborted) => {
-                if aborted {
-                    tracing::info!(target = %self.target.display(), conn, "FUSE connection aborted (copies of the mount in other mount namespaces now fail with ENOTCONN)");
+        let ended = match &self.abort {
+            Some(abort) => match abort.abort() {
+                Ok(()) => {
+                    tracing::info!(target = %self.target.display(), conn, "FUSE connection ended (copies of the mount in other mount namespaces now fail with ENOTCONN)");
+                    true
                 }
-                true
-            }
-            Err(e) => {
+                Err(e) => {
+                    tracing::warn!(target = %self.target.display(), conn, error = %e, "cannot abort the FUSE connection; its session ends when the last copy of the mount does");
+                    false
+                }
+            },
+            // Without the abort file the connection may only be waited for if it is gone already
+            // (the number is checked, not used: another mount may have it now, and then the
+            // session thread is left to end by itself).
+            None => {
                 let gone = mountinfo::connection_alive(conn) == Some(false);
                 if !gone {
-                    tracing::warn!(target = %self.target.display(), conn, error = %e, "cannot abort the FUSE connection; its session ends when the last copy of the mount does");
+                    tracing::warn!(target = %self.target.display(), conn, "fusectl is unavailable: the FUSE session ends when the last copy of the mount does");
                 }
                 gone
             }
@@ -362,12 +371,17 @@ pub fn mount(
         drop(bg.guard);
         return Err(MountError::NotVisible(target));
     };
+    // Opened now, while the mount holds its connection number (see `ConnectionAbort`).
+    let abort = mountinfo::ConnectionAbort::open(entry.dev.1)
+        .inspect_err(|e| tracing::info!(conn = entry.dev.1, error = %e, "the FUSE connection's abort file cannot be opened"))
+        .ok();
     let handle = MountHandle {
         session: Some(session),
         fs,
         target,
         config: cfg,
         dev: entry.dev,
+        abort,
     };
     tracing::info!(target = %handle.target.display(), fs_name = %handle.config.fs_name, conn = handle.connection(), "mounted");
     raise_read_ahead(handle.dev);

@@ -148,20 +148,34 @@ pub fn connection_alive(conn: u32) -> Option<bool> {
     Some(fusectl()?.join(conn.to_string()).exists())
 }
 
-/// Aborts FUSE connection `conn`: every request in flight and every later one on any copy of the
-/// mount fails with `ENOTCONN`, and the serving session's reads end (`ENODEV`). `Ok(false)`: the
-/// connection is already gone.
-pub fn abort_connection(conn: u32) -> io::Result<bool> {
-    let dir = fusectl().ok_or_else(|| {
-        io::Error::new(
-            io::ErrorKind::NotFound,
-            "fusectl is not mounted (/sys/fs/fuse/connections)",
-        )
-    })?;
-    match std::fs::write(dir.join(conn.to_string()).join("abort"), b"1") {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(e),
+/// FUSE connection `conn`'s `abort` file, opened while the connection exists (take `conn` from a
+/// mount that is still there). Connection numbers are device minors, which the kernel hands out
+/// again once a connection is gone; a file opened before then stays bound to its own connection:
+/// when that connection is removed, `fusectl` detaches the file from it, and writing to it then
+/// does nothing. So [`ConnectionAbort::abort`] never ends another mount's connection.
+#[derive(Debug)]
+pub struct ConnectionAbort(std::fs::File);
+
+impl ConnectionAbort {
+    /// Opens `conn`'s abort file (`NotFound` when `fusectl` is unavailable or `conn` is gone).
+    pub fn open(conn: u32) -> io::Result<ConnectionAbort> {
+        let dir = fusectl().ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::NotFound,
+                "fusectl is not mounted (/sys/fs/fuse/connections)",
+            )
+        })?;
+        let file = std::fs::OpenOptions::new()
+            .write(true)
+            .open(dir.join(conn.to_string()).join("abort"))?;
+        Ok(ConnectionAbort(file))
+    }
+
+    /// Aborts the connection, if it still exists: every request in flight and every later one on
+    /// any copy of the mount fails with `ENOTCONN`, and the serving session's reads end (`ENODEV`).
+    pub fn abort(&self) -> io::Result<()> {
+        use std::io::Write;
+        (&self.0).write_all(b"1")
     }
 }
 

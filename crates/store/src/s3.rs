@@ -789,9 +789,9 @@ fn timeouts(opts: &S3Options, attempt: Duration) -> TimeoutConfig {
         .build()
 }
 
-/// `bytes 0-9/10` → (0, 9, Some(10)); `bytes 0-9/*` → (0, 9, None).
 /// A key or prefix from a LIST asked for with `EncodingType=url`, decoded as S3 encodes it
-/// (form-style: `+` is a space, `%XX` a byte); `None` if the bytes are not UTF-8.
+/// (form-style: `+` is a space, `%XX` a byte; AWS, moto and botocore agree); `None` if the bytes
+/// are not UTF-8.
 fn url_decode(raw: &str) -> Option<String> {
     let spaced = raw.replace('+', " ");
     percent_encoding::percent_decode_str(&spaced)
@@ -800,6 +800,7 @@ fn url_decode(raw: &str) -> Option<String> {
         .map(|s| s.into_owned())
 }
 
+/// `bytes 0-9/10` → (0, 9, Some(10)); `bytes 0-9/*` → (0, 9, None).
 fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
     let rest = v.trim().strip_prefix("bytes")?.trim_start();
     let (span, total) = rest.split_once('/')?;
