@@ -206,33 +206,20 @@ impl<S: ObjectStore> FaultyStore<S> {
         });
     }
 
-    /// A GET (`call`) with this store's plan for [`Op::Get`] applied: delays, failures and
-    /// truncated bodies.
+    /// A GET (`call`) through the rules for [`Op::Get`]: delays, failures and truncated bodies.
     async fn get_faulty(
         &self,
         call: impl std::future::Future<Output = Result<Bytes>>,
     ) -> Result<Bytes> {
-        let plan = self.plan(Op::Get);
-        if !plan.delay.is_zero() {
-            tokio::time::sleep(plan.delay).await;
-        }
-        match plan.effect {
-            Some((Effect::FailBefore, error)) => Err(error),
-            Some((Effect::FailAfter, error)) => {
-                let _ = call.await;
-                Err(error)
-            }
-            Some((Effect::Truncate, _)) => {
-                let body = call.await?;
-                if body.is_empty() {
-                    return Ok(body);
-                }
+        let (body, truncate) = self.run_planned(Op::Get, call).await?;
+        match truncate {
+            Some(fraction) if !body.is_empty() => {
                 // Strictly shorter: somewhere in [0, len).
-                let keep = ((body.len() as f64) * plan.truncate_fraction) as usize;
+                let keep = ((body.len() as f64) * fraction) as usize;
                 self.lock().stats.truncated += 1;
                 Ok(body.slice(..keep.min(body.len() - 1)))
             }
-            None => call.await,
+            _ => Ok(body),
         }
     }
 
@@ -287,6 +274,14 @@ impl<S: ObjectStore> FaultyStore<S> {
     where
         F: std::future::Future<Output = Result<T>>,
     {
+        Ok(self.run_planned(op, call).await?.0)
+    }
+
+    /// [`Self::run`], also saying what fraction of a body to keep when the rule is a truncation.
+    async fn run_planned<T, F>(&self, op: Op, call: F) -> Result<(T, Option<f64>)>
+    where
+        F: std::future::Future<Output = Result<T>>,
+    {
         let plan = self.plan(op);
         if !plan.delay.is_zero() {
             tokio::time::sleep(plan.delay).await;
@@ -298,7 +293,8 @@ impl<S: ObjectStore> FaultyStore<S> {
                 let _ = call.await;
                 Err(error)
             }
-            Some((Effect::Truncate, _)) | None => call.await,
+            Some((Effect::Truncate, _)) => Ok((call.await?, Some(plan.truncate_fraction))),
+            None => Ok((call.await?, None)),
         }
     }
 }
