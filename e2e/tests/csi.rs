@@ -758,7 +758,6 @@ async fn a_symlinked_target_is_never_mounted_through_or_removed() {
 /// the copy left in the other namespace is cut off (`ENOTCONN`), so its FUSE session ends too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn unpublish_returns_while_another_mount_namespace_holds_a_copy() {
-    use std::os::unix::process::CommandExt;
     let mut env = Env::start().await;
     env.s3.create_bucket("ns-copy").await;
     env.store
@@ -773,27 +772,7 @@ async fn unpublish_returns_while_another_mount_namespace_holds_a_copy() {
         .unwrap();
     // A process in a private mount namespace of its own whose working directory is in its copy
     // of the mount (which keeps that copy alive even once its mount point is removed).
-    let mut cmd = std::process::Command::new("sleep");
-    cmd.arg("600").current_dir(&target);
-    // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe
-    // syscalls (unshare, mount) on NUL-terminated literals.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::unshare(libc::CLONE_NEWNS) != 0
-                || libc::mount(
-                    std::ptr::null(),
-                    c"/".as_ptr(),
-                    std::ptr::null(),
-                    libc::MS_REC | libc::MS_PRIVATE,
-                    std::ptr::null(),
-                ) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    let mut child = cmd.spawn().unwrap();
+    let mut child = ferry_testkit::hold_a_copy_in_another_namespace(&target);
     let cwd = PathBuf::from(format!("/proc/{}/cwd", child.id()));
     let c = cwd.clone();
     let listed = tokio::task::spawn_blocking(move || std::fs::read_dir(c).map(|d| d.count()))

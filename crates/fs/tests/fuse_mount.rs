@@ -308,33 +308,6 @@ fn a_mount_reads_ahead_1_mib_so_sequential_reads_come_in_1_mib_requests() {
     m.unmount().unwrap();
 }
 
-/// Starts `sleep` in a private mount namespace of its own, with its working directory in its copy
-/// of the mount at `dir` (which keeps that copy alive).
-fn hold_a_copy_in_another_namespace(dir: &Path) -> std::process::Child {
-    use std::os::unix::process::CommandExt;
-    let mut cmd = std::process::Command::new("sleep");
-    cmd.arg("600").current_dir(dir);
-    // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe
-    // syscalls (unshare, mount) on NUL-terminated literals.
-    unsafe {
-        cmd.pre_exec(|| {
-            if libc::unshare(libc::CLONE_NEWNS) != 0
-                || libc::mount(
-                    std::ptr::null(),
-                    c"/".as_ptr(),
-                    std::ptr::null(),
-                    libc::MS_REC | libc::MS_PRIVATE,
-                    std::ptr::null(),
-                ) != 0
-            {
-                return Err(std::io::Error::last_os_error());
-            }
-            Ok(())
-        });
-    }
-    cmd.spawn().unwrap()
-}
-
 /// Issue 14 item 2, at the filesystem's level: `unmount` and `detach` return while another mount
 /// namespace holds a copy of the mount; the copy is cut off (`ENOTCONN`).
 #[test]
@@ -349,7 +322,7 @@ fn unmount_and_detach_never_wait_on_a_copy_in_another_mount_namespace() {
     for lazy in [false, true] {
         let dir = tempfile::tempdir().unwrap();
         let handle = mount_store(&store, dir.path(), &rt, |_| {});
-        let mut child = hold_a_copy_in_another_namespace(dir.path());
+        let mut child = ferry_testkit::hold_a_copy_in_another_namespace(dir.path());
         let cwd = format!("/proc/{}/cwd", child.id());
         assert_eq!(fs::read_dir(&cwd).unwrap().count(), 1, "the copy serves");
         let res = common::within(std::time::Duration::from_secs(120), "unmount", move || {

@@ -68,6 +68,36 @@ pub fn prerequisite(present: bool, what: &str) -> bool {
     false
 }
 
+/// Starts `sleep 600` in a private mount namespace of its own, with its working directory in its
+/// copy of the mount at `dir`, which keeps that copy (and the mount's FUSE connection) alive after
+/// the mount is gone from this namespace: what a pod's process that unshared its mount namespace
+/// does. Kill and reap the child when done.
+pub fn hold_a_copy_in_another_namespace(dir: &Path) -> std::process::Child {
+    use std::os::unix::process::CommandExt;
+    let mut cmd = std::process::Command::new("sleep");
+    cmd.arg("600").current_dir(dir);
+    // SAFETY: the closure runs in the forked child before exec and calls only async-signal-safe
+    // syscalls (unshare, mount) on NUL-terminated literals.
+    unsafe {
+        cmd.pre_exec(|| {
+            if libc::unshare(libc::CLONE_NEWNS) != 0
+                || libc::mount(
+                    std::ptr::null(),
+                    c"/".as_ptr(),
+                    std::ptr::null(),
+                    libc::MS_REC | libc::MS_PRIVATE,
+                    std::ptr::null(),
+                ) != 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd.spawn()
+        .expect("starting sleep in a mount namespace of its own")
+}
+
 /// Where the versitygw binary is, if anywhere.
 pub fn versitygw_path() -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("FERRY_VERSITYGW") {
