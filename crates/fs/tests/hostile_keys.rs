@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use common::{errno, my_uid};
-use ferry_fs::{mount, MemoryBudget, MetadataTtl, MountConfig, MountContext, PrefetchConfig};
+use common::errno;
+use ferry_fs::{MemoryBudget, MetadataTtl};
 use ferry_store::{delete_prefix, ListRequest, ObjectStore, S3Config, S3Credentials, S3Store};
 use ferry_testkit::{MotoServer, S3Server};
 
@@ -30,17 +30,8 @@ fn names(dir: &Path) -> BTreeSet<String> {
 
 #[test]
 fn hostile_keys_never_take_a_directory_down() {
-    assert!(
-        Path::new("/dev/fuse").exists(),
-        "/dev/fuse is missing: this test needs FUSE (run as root with fuse3 installed)"
-    );
-    ferry_testkit::init_tracing();
+    let rt = common::fuse_runtime();
     let moto = MotoServer::start();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
     let cfg = S3Config {
         endpoint_url: Some(moto.endpoint_url()),
         region: Some("us-east-1".into()),
@@ -77,23 +68,16 @@ fn hostile_keys_never_take_a_directory_down() {
         }
     });
 
-    let dir = tempfile::tempdir().unwrap();
-    let mut mcfg = MountConfig::new(BUCKET);
-    mcfg.prefix = "ds/".into();
-    mcfg.fs_name = format!("ferry:{BUCKET}/ds/");
-    mcfg.uid = my_uid();
     // Every lookup asks S3 (no listing kept): the names are found through LISTs every time.
-    mcfg.metadata_ttl = MetadataTtl::Duration(Duration::ZERO);
-    let ctx = MountContext {
-        runtime: rt.handle().clone(),
-        budget: MemoryBudget::default(),
-        prefetch: PrefetchConfig::default(),
-        cache: None,
-        passthrough: true,
-        proofs: Default::default(),
-    };
-    let handle = mount(store.clone(), mcfg, dir.path(), ctx).expect("mount");
-    let root = handle.target().to_owned();
+    let m = common::mount_bucket(
+        &rt,
+        &MemoryBudget::default(),
+        store.clone(),
+        BUCKET,
+        "ds/",
+        |c| c.metadata_ttl = MetadataTtl::Duration(Duration::ZERO),
+    );
+    let root = m.root.clone();
 
     let want: BTreeSet<String> = [
         "a",
@@ -133,7 +117,7 @@ fn hostile_keys_never_take_a_directory_down() {
         );
     }
     assert_eq!(errno(fs::metadata(root.join("leading"))), libc::ENOENT);
-    handle.unmount().unwrap();
+    m.unmount();
 
     // DeleteVolume's deletion: every key under the prefix goes, the hostile ones included (keys
     // XML cannot carry are deleted one by one), and nothing outside it.

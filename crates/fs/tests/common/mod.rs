@@ -30,17 +30,8 @@ impl Env {
     /// Starts versitygw and creates the bucket. Panics if versitygw or `/dev/fuse` is missing:
     /// these tests fail rather than skip silently.
     pub fn start() -> Env {
-        assert!(
-            Path::new("/dev/fuse").exists(),
-            "/dev/fuse is missing: these tests need FUSE (run as root with fuse3 installed)"
-        );
-        ferry_testkit::init_tracing();
+        let rt = fuse_runtime();
         let server = S3Server::start();
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .enable_all()
-            .build()
-            .unwrap();
         let store = rt.block_on(async {
             server.create_bucket(BUCKET).await;
             Arc::new(server.store().await)
@@ -67,28 +58,7 @@ impl Env {
         prefix: &str,
         tweak: impl FnOnce(&mut MountConfig),
     ) -> Mount {
-        let dir = tempfile::tempdir().unwrap();
-        let mut cfg = MountConfig::new(BUCKET);
-        cfg.prefix = prefix.to_owned();
-        cfg.fs_name = format!("ferry:{BUCKET}/{prefix}");
-        cfg.read_only = false;
-        cfg.uid = my_uid();
-        cfg.gid = 0;
-        tweak(&mut cfg);
-        let ctx = MountContext {
-            runtime: self.rt.handle().clone(),
-            budget: self.budget.clone(),
-            prefetch: PrefetchConfig::default(),
-            cache: None,
-            passthrough: true,
-            proofs: Default::default(),
-        };
-        let handle = mount(store, cfg, dir.path(), ctx).expect("mount");
-        Mount {
-            root: handle.target().to_owned(),
-            handle: Some(handle),
-            _dir: dir,
-        }
+        mount_bucket(&self.rt, &self.budget, store, BUCKET, prefix, tweak)
     }
 
     /// Waits (up to a generous minute) until no prefetch memory is charged to the budget any more:
@@ -159,6 +129,55 @@ impl Env {
                     .to_vec(),
             )
         })
+    }
+}
+
+/// The runtime mounts serve on, once FUSE is known to be there (these tests fail rather than skip
+/// silently without `/dev/fuse`), with tracing installed.
+pub fn fuse_runtime() -> tokio::runtime::Runtime {
+    assert!(
+        Path::new("/dev/fuse").exists(),
+        "/dev/fuse is missing: these tests need FUSE (run as root with fuse3 installed)"
+    );
+    ferry_testkit::init_tracing();
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
+/// Mounts `prefix` of `bucket` from `store`, serving on `rt` and charging `budget`, with `tweak`
+/// applied to a writable config (uid = ours, so `default_permissions` lets us write).
+pub fn mount_bucket(
+    rt: &tokio::runtime::Runtime,
+    budget: &MemoryBudget,
+    store: Arc<dyn ObjectStore>,
+    bucket: &str,
+    prefix: &str,
+    tweak: impl FnOnce(&mut MountConfig),
+) -> Mount {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = MountConfig::new(bucket);
+    cfg.prefix = prefix.to_owned();
+    cfg.fs_name = format!("ferry:{bucket}/{prefix}");
+    cfg.read_only = false;
+    cfg.uid = my_uid();
+    cfg.gid = 0;
+    tweak(&mut cfg);
+    let ctx = MountContext {
+        runtime: rt.handle().clone(),
+        budget: budget.clone(),
+        prefetch: PrefetchConfig::default(),
+        cache: None,
+        passthrough: true,
+        proofs: Default::default(),
+    };
+    let handle = mount(store, cfg, dir.path(), ctx).expect("mount");
+    Mount {
+        root: handle.target().to_owned(),
+        handle: Some(handle),
+        _dir: dir,
     }
 }
 
