@@ -619,12 +619,10 @@ fn check_version(
             ),
         )))
     };
-    let bare = |e: &str| {
-        e.trim()
-            .trim_start_matches("W/")
-            .trim_matches('"')
-            .to_owned()
-    };
+    // Compared without quotes or a weak marker, and without allocating (every GET passes here).
+    fn bare(e: &str) -> &str {
+        e.trim().trim_start_matches("W/").trim_matches('"')
+    }
     match pin {
         None => Ok(()),
         Some(Version::ETag(pinned)) => match etag {
