@@ -73,6 +73,10 @@ pub struct Opened {
     pub fh: u64,
     /// The kernel may keep the page cache (same ETag as the previous open of this inode).
     pub keep_cache: bool,
+    /// Reads must bypass the page cache (`FOPEN_DIRECT_IO`): the inode is still read through a
+    /// previous process's passthrough registration, next to which the kernel admits neither a
+    /// cached-mode open nor one with another backing file.
+    pub direct_io: bool,
 }
 
 /// What a `setattr` asks to change.
@@ -143,6 +147,8 @@ struct FsState {
     /// kernel refuses to mix the two on one inode, so passthrough is offered only when no other
     /// cached-mode handle is open (derived from the handles: rebuilt on a handover).
     io: HashMap<Ino, IoModes>,
+    /// Passthrough read handles a previous process opened ([`IoModes::inherited`]).
+    inherited: HashSet<u64>,
     /// One-page listings started by the first lookup miss in a directory without a cached
     /// listing, with [`FsState::changes`] at their start (see [`Fs::probe_dir`]).
     probes: HashMap<Ino, (u64, tokio::task::JoinHandle<Option<Listing>>)>,
@@ -161,6 +167,8 @@ const PROBED_MAX: usize = 4096;
 struct IoModes {
     cached: u32,
     passthrough: u32,
+    /// Of `passthrough`: handles a previous process opened (their backing file is its).
+    inherited: u32,
 }
 
 impl FsState {
@@ -169,13 +177,22 @@ impl FsState {
     fn passthrough_allowed(&self, ino: Ino) -> bool {
         self.io
             .get(&ino)
-            .is_some_and(|m| m.passthrough > 0 || m.cached == 1)
+            .is_some_and(|m| m.inherited == 0 && (m.passthrough > 0 || m.cached == 1))
     }
 
-    fn io_closed(&mut self, ino: Ino, passthrough: bool) {
+    /// Whether a new open of `ino` must bypass the page cache (see [`Opened::direct_io`]).
+    fn direct_io_required(&self, ino: Ino) -> bool {
+        self.io.get(&ino).is_some_and(|m| m.inherited > 0)
+    }
+
+    fn io_closed(&mut self, ino: Ino, fh: u64, passthrough: bool) {
+        let inherited = self.inherited.remove(&fh);
         if let Some(m) = self.io.get_mut(&ino) {
             if passthrough {
                 m.passthrough = m.passthrough.saturating_sub(1);
+                if inherited {
+                    m.inherited = m.inherited.saturating_sub(1);
+                }
             } else {
                 m.cached = m.cached.saturating_sub(1);
             }
@@ -266,6 +283,7 @@ impl Fs {
                 small: SmallObjects::default(),
                 order: HashMap::new(),
                 io: HashMap::new(),
+                inherited: HashSet::new(),
                 probes: HashMap::new(),
                 probed: HashSet::new(),
                 changes: 0,
@@ -285,11 +303,16 @@ impl Fs {
         prefetch: PrefetchConfig,
     ) -> Self {
         let mut io: HashMap<Ino, IoModes> = HashMap::new();
-        for (_, h) in &snap.handles {
+        let mut inherited = HashSet::new();
+        for (fh, h) in &snap.handles {
             if let Handle::Read(r) = h {
                 let m = io.entry(r.ino).or_default();
                 match r.passthrough {
-                    true => m.passthrough += 1,
+                    true => {
+                        m.passthrough += 1;
+                        m.inherited += 1;
+                        inherited.insert(*fh);
+                    }
                     false => m.cached += 1,
                 }
             }
@@ -305,6 +328,7 @@ impl Fs {
                 small: SmallObjects::default(),
                 order: HashMap::new(),
                 io,
+                inherited,
                 probes: HashMap::new(),
                 probed: HashSet::new(),
                 changes: 0,
@@ -1274,6 +1298,7 @@ impl Fs {
                 return Ok(Opened {
                     fh,
                     keep_cache: false,
+                    direct_io: false,
                 });
             }
             let key = file_key(&self.cfg.prefix, &inode.path);
@@ -1343,9 +1368,14 @@ impl Fs {
             );
         }
         self.prefetch_following(&mut st, parent, &name);
+        let direct_io = st.direct_io_required(ino);
         st.io.entry(ino).or_default().cached += 1;
         let fh = st.handles.insert(Handle::Read(handle));
-        Ok(Opened { fh, keep_cache })
+        Ok(Opened {
+            fh,
+            keep_cache: keep_cache && !direct_io,
+            direct_io,
+        })
     }
 
     /// While an open proves access with a HEAD: gets the node cache's whole file of the version
@@ -1734,6 +1764,7 @@ impl Fs {
             Opened {
                 fh,
                 keep_cache: false,
+                direct_io: false,
             },
         ))
     }
@@ -1995,7 +2026,7 @@ impl Fs {
             Handle::Read(r) => {
                 // Aborts GETs in flight and gives their memory back.
                 r.prefetch.reset();
-                self.lock().io_closed(r.ino, r.passthrough);
+                self.lock().io_closed(r.ino, fh, r.passthrough);
                 Ok(())
             }
             Handle::Dir(_) => Ok(()),

@@ -23,6 +23,7 @@ use tokio::runtime::Handle;
 
 use crate::error::FsError;
 use crate::fs::{Attr, DirEntry, DirSink, Fs, Opened, SetAttr};
+use crate::handover::{Gate, KernelInit};
 use crate::names::Kind;
 
 /// Kernel read-ahead asked for (the kernel caps it at what it offered).
@@ -36,6 +37,10 @@ pub struct FuseAdapter {
     fs: Arc<Fs>,
     rt: Handle,
     pt: Arc<Passthrough>,
+    /// Admits requests; closed while the mount is handed to another process.
+    gate: Arc<Gate>,
+    /// What the kernel's `INIT` offered (kept for a successor's session).
+    kernel: Arc<Mutex<Option<KernelInit>>>,
 }
 
 /// FUSE passthrough: the kernel reads an open file straight from a backing file (the node
@@ -95,7 +100,19 @@ impl FuseAdapter {
             fs,
             rt,
             pt: Arc::new(pt),
+            gate: Arc::default(),
+            kernel: Arc::default(),
         }
+    }
+
+    /// The gate requests pass (for a handover).
+    pub fn gate(&self) -> Arc<Gate> {
+        self.gate.clone()
+    }
+
+    /// Where `init` records what the kernel offered.
+    pub fn kernel_init(&self) -> Arc<Mutex<Option<KernelInit>>> {
+        self.kernel.clone()
     }
 
     /// Runs operation `op` on the runtime; it is counted and timed (until its reply) in
@@ -127,6 +144,8 @@ impl FuseAdapter {
         F: FnOnce(Arc<Fs>) -> Fut,
         Fut: Future<Output = ()> + Send + 'static,
     {
+        // Parks here while the mount is being handed over (the request is then the successor's).
+        let pass = self.gate.enter();
         let timer = OpTimer::start(op);
         let mut fut = Box::pin(f(self.fs.clone()));
         if poll_here {
@@ -134,12 +153,14 @@ impl FuseAdapter {
             let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
             if fut.as_mut().poll(&mut cx).is_ready() {
                 drop(timer);
+                drop(pass);
                 return;
             }
         }
         self.rt.spawn(async move {
             fut.await;
             drop(timer);
+            drop(pass);
         });
     }
 }
@@ -279,6 +300,9 @@ fn fopen_flags(o: Opened, read_only: bool) -> FopenFlags {
     if o.keep_cache {
         flags |= FopenFlags::FOPEN_KEEP_CACHE;
     }
+    if o.direct_io {
+        flags |= FopenFlags::FOPEN_DIRECT_IO;
+    }
     if read_only {
         flags |= FopenFlags::FOPEN_NOFLUSH;
     }
@@ -329,6 +353,10 @@ impl Filesystem for FuseAdapter {
     /// The session ended: settles the handles the kernel never released ([`Fs::teardown`]), on the
     /// runtime, waiting for it a bounded time (in a node plugin the task finishes anyway).
     fn destroy(&mut self) {
+        if self.gate.is_handed_over() {
+            // Another process serves the connection now; its handles are its own.
+            return;
+        }
         let (tx, rx) = std::sync::mpsc::channel();
         let fs = self.fs.clone();
         self.rt.spawn(async move {
@@ -343,6 +371,13 @@ impl Filesystem for FuseAdapter {
     }
 
     fn init(&mut self, _req: &Request, config: &mut KernelConfig) -> std::io::Result<()> {
+        let abi = config.kernel_abi();
+        let offered = KernelInit {
+            major: abi.0,
+            minor: abi.1,
+            max_readahead: READAHEAD,
+            flags: config.capabilities().bits(),
+        };
         for cap in [
             // Attributes come with the listing: `ls -l` needs no lookup per entry.
             InitFlags::FUSE_DO_READDIRPLUS,
@@ -358,9 +393,12 @@ impl Filesystem for FuseAdapter {
         // Let the kernel read ahead as far as it allows (Ferry prefetches further itself) and keep
         // many reads of many files in flight at once. max_write stays fuser's 16 MiB, from which
         // it derives max_pages (the kernel caps it: 1 MiB reads and writes on most kernels).
+        let mut offered = offered;
         if let Err(max) = config.set_max_readahead(READAHEAD) {
             let _ = config.set_max_readahead(max);
+            offered.max_readahead = max;
         }
+        *self.kernel.lock().expect("kernel init lock") = Some(offered);
         let _ = config.set_max_background(MAX_BACKGROUND);
         let _ = config.set_congestion_threshold(MAX_BACKGROUND / 4 * 3);
         if self.pt.enabled.load(Ordering::Relaxed) {
@@ -388,6 +426,7 @@ impl Filesystem for FuseAdapter {
     }
 
     fn forget(&self, _req: &Request, ino: INodeNo, nlookup: u64) {
+        let _pass = self.gate.enter();
         let _timer = OpTimer::start("forget");
         self.fs.forget(ino.0, nlookup);
     }

@@ -14,18 +14,20 @@
 //! would had this process exited, and the session thread ends.
 
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
+use std::time::Duration;
 
 use ferry_store::ObjectStore;
 use fuser::{BackgroundSession, MountOption, SessionACL};
 
 use crate::budget::MountContext;
 use crate::config::{ConfigError, MountConfig};
-use crate::fs::Fs;
+use crate::fs::{Fs, FsSnapshot};
 use crate::fuse::FuseAdapter;
+use crate::handover::{self, Gate, KernelInit};
 use crate::mountinfo;
 
 /// Why a mount did not happen.
@@ -61,6 +63,21 @@ pub struct MountHandle {
     dev: (u32, u32),
     /// Its connection's abort file, opened at mount time (`None` without `fusectl`).
     abort: Option<mountinfo::ConnectionAbort>,
+    /// A duplicate of the `/dev/fuse` descriptor serving the mount (mounted by Ferry itself): what
+    /// a successor process or the descriptor holder is given.
+    device: Option<OwnedFd>,
+    /// Admits the session's requests to the filesystem ([`MountHandle::freeze`]).
+    gate: Arc<Gate>,
+    /// What the kernel offered at `INIT`.
+    kernel: Arc<Mutex<Option<KernelInit>>>,
+}
+
+/// A mount stopped for a handover: its session admits no request, none is running, and `snapshot`
+/// is its whole state. [`MountHandle::hand_over`] completes it, [`MountHandle::thaw`] calls it off.
+#[derive(Debug)]
+pub struct Frozen {
+    pub snapshot: FsSnapshot,
+    pub kernel: KernelInit,
 }
 
 impl MountHandle {
@@ -102,6 +119,54 @@ impl MountHandle {
         &self.fs
     }
 
+    /// The mount's device numbers (`major`, `minor`) as mountinfo shows them.
+    pub fn device_numbers(&self) -> (u32, u32) {
+        self.dev
+    }
+
+    /// The `/dev/fuse` descriptor serving the mount, when Ferry mounted it itself (root).
+    pub fn device(&self) -> Option<BorrowedFd<'_>> {
+        self.device.as_ref().map(|d| d.as_fd())
+    }
+
+    /// What the kernel offered at `INIT` (known once the session started).
+    pub fn kernel_init(&self) -> Option<KernelInit> {
+        *self.kernel.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Stops admitting requests (new ones park unanswered on the session thread, for a successor
+    /// to answer after `FUSE_NOTIFY_RESEND`), waits up to `timeout` for those running to be
+    /// answered, and takes the state. On error the mount is served on as before.
+    pub async fn freeze(&self, timeout: Duration) -> io::Result<Frozen> {
+        let (Some(_), Some(kernel)) = (&self.device, self.kernel_init()) else {
+            return Err(io::Error::other(
+                "this mount was made through fusermount3: its connection cannot be handed over",
+            ));
+        };
+        let gate = self.gate.clone();
+        tokio::task::spawn_blocking(move || gate.close(timeout))
+            .await
+            .map_err(io::Error::other)??;
+        let snapshot = self.fs.snapshot().await;
+        Ok(Frozen { snapshot, kernel })
+    }
+
+    /// Serves the mount again after a [`MountHandle::freeze`] whose handover did not happen.
+    pub fn thaw(&self) {
+        self.gate.open();
+    }
+
+    /// The successor serves the mount now: this process forgets it without unmounting, aborting
+    /// or settling anything. The session thread stays parked at the gate until the process exits;
+    /// requests it took meanwhile are re-sent to the successor.
+    pub fn hand_over(mut self) {
+        self.gate.hand_over();
+        if let Some(Session::Own(bg) | Session::Fuser(bg)) = self.session.take() {
+            // Dropping it would unmount (fuser) or join a thread that never returns.
+            std::mem::forget(bg);
+        }
+        tracing::info!(target = %self.target.display(), conn = self.connection(), "mount handed over");
+    }
     /// Unmounts our mount if it is still on top at the target (never a mount stacked on it, nor
     /// what a symlink at the target points to), aborts the connection and reaps the session.
     fn end(&mut self, lazy: bool) -> io::Result<()> {
@@ -345,9 +410,12 @@ pub fn mount(
             .with_proofs(proofs),
     );
     let adapter = FuseAdapter::new(fs.clone(), ctx.runtime, ctx.passthrough);
+    let (gate, kernel) = (adapter.gate(), adapter.kernel_init());
     let options = mount_options(&cfg);
+    let mut device = None;
     let session = if privileged() {
         let dev = mount_on(&dir, &cfg).map_err(fuse_err)?;
+        device = Some(dev.try_clone().map_err(fuse_err)?);
         let started = fuser::Session::from_fd(adapter, dev, options.acl, options.clone())
             .and_then(|s| s.spawn());
         match started {
@@ -382,11 +450,107 @@ pub fn mount(
         config: cfg,
         dev: entry.dev,
         abort,
+        device,
+        gate,
+        kernel,
     };
     tracing::info!(target = %handle.target.display(), fs_name = %handle.config.fs_name, conn = handle.connection(), "mounted");
     raise_read_ahead(handle.dev);
     Ok(handle)
 }
+
+/// Serves a live mount another process handed over (or left behind when it died): `dev` is the
+/// `/dev/fuse` descriptor of its connection, `dev_numbers` the mount's device as that process
+/// recorded it, `snapshot` its state and `kernel` the `INIT` the kernel sent it. The session is
+/// built without a handshake (see [`crate::handover`]); with `resend` the kernel first queues again
+/// every request that process read and did not answer. Blocks briefly: call it in
+/// `spawn_blocking`.
+#[allow(clippy::too_many_arguments)]
+pub fn resume(
+    store: Arc<dyn ObjectStore>,
+    snapshot: FsSnapshot,
+    dev: OwnedFd,
+    dev_numbers: (u32, u32),
+    kernel: KernelInit,
+    target: &Path,
+    ctx: MountContext,
+    resend: bool,
+) -> Result<MountHandle, MountError> {
+    let cfg = snapshot.config.clone();
+    cfg.validate()?;
+    let target = target.to_path_buf();
+    let fuse_err = |source| MountError::Fuse {
+        path: target.clone(),
+        source,
+    };
+    // The mount must still be there, on this connection.
+    let entry = mountinfo::mounted_at(&target)
+        .map_err(fuse_err)?
+        .filter(|m| m.dev == dev_numbers && m.fs_type.starts_with("fuse"))
+        .ok_or_else(|| MountError::NotVisible(target.clone()))?;
+    let proofs = ctx.proofs.for_store(&store);
+    let fs = Arc::new(
+        Fs::from_snapshot(store, snapshot, ctx.budget, ctx.prefetch)
+            .with_cache(ctx.cache)
+            .with_proofs(proofs),
+    );
+    let adapter = FuseAdapter::new(fs.clone(), ctx.runtime, ctx.passthrough);
+    let (gate, kernel_rec) = (adapter.gate(), adapter.kernel_init());
+    let options = mount_options(&cfg);
+    let (ours, theirs) = std::os::unix::net::UnixDatagram::pair().map_err(fuse_err)?;
+    ours.send(&kernel.request()).map_err(fuse_err)?;
+    let session = fuser::Session::from_fd(adapter, OwnedFd::from(theirs), options.acl, options)
+        .map_err(fuse_err)?;
+    let mut reply = [0u8; 512];
+    let n = ours.recv(&mut reply).map_err(fuse_err)?;
+    if n < 16 || i32::from_ne_bytes(reply[4..8].try_into().expect("4 bytes")) != 0 {
+        return Err(fuse_err(io::Error::other("the replayed INIT was refused")));
+    }
+    // From here the session reads and answers the real connection.
+    // SAFETY: both descriptors are open; dup3 atomically replaces the session's socket end with
+    // the connection, under the same number, before the session reads anything.
+    let rc = unsafe {
+        libc::dup3(
+            dev.as_raw_fd(),
+            session.as_fd().as_raw_fd(),
+            libc::O_CLOEXEC,
+        )
+    };
+    if rc < 0 {
+        return Err(fuse_err(io::Error::last_os_error()));
+    }
+    // Passthrough registrations are the old process's: open files keep their backing files, new
+    // opens register their own.
+    const FUSE_PASSTHROUGH: u64 = 1 << 37;
+    if kernel.flags & FUSE_PASSTHROUGH != 0 {
+        let closed = handover::close_backing_ids(dev.as_fd(), BACKING_IDS_CLOSED);
+        tracing::debug!(closed, "previous passthrough registrations dropped");
+    }
+    if resend {
+        if let Err(e) = handover::notify_resend(dev.as_fd()) {
+            tracing::warn!(target = %target.display(), error = %e, "the kernel did not re-send the unanswered requests");
+        }
+    }
+    let bg = session.spawn().map_err(fuse_err)?;
+    let abort = mountinfo::ConnectionAbort::open(entry.dev.1).ok();
+    let handle = MountHandle {
+        session: Some(Session::Own(bg)),
+        fs,
+        target,
+        config: cfg,
+        dev: entry.dev,
+        abort,
+        device: Some(dev),
+        gate,
+        kernel: kernel_rec,
+    };
+    tracing::info!(target = %handle.target.display(), conn = handle.connection(), "mount taken over");
+    Ok(handle)
+}
+
+/// Passthrough backing ids a successor unregisters (the kernel hands out the lowest free id, so
+/// a previous process's ids stay below the most files it had registered at once).
+const BACKING_IDS_CLOSED: u32 = 4096;
 
 /// Kernel read-ahead of a mount, in KiB: with it (and 1 MiB FUSE requests, `max_pages`) a
 /// sequential reader's data comes in 1 MiB `read` requests instead of 128 KiB ones (P1 at 10 ms:

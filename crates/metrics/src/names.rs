@@ -52,3 +52,9 @@ pub const CACHE_DENIED: &str = "ferry_cache_access_denied_total";
 pub const CACHE_WARMUP_BYTES: &str = "ferry_cache_warmup_bytes_total";
 /// Warm-up: warm-ups finished, by outcome (`result`).
 pub const CACHE_WARMUPS: &str = "ferry_cache_warmups_total";
+/// Mounts this process took over from a previous one, by how (`how`: `handover` from a live
+/// process, `recovery` after one died), and those it could not (`how="failed"`).
+pub const MOUNTS_TAKEN_OVER: &str = "ferry_mounts_taken_over_total";
+/// How long the last takeover stopped the mounts, in milliseconds: from the moment the previous
+/// process stopped serving (handover) or this one started (recovery) to serving again.
+pub const TAKEOVER_PAUSE: &str = "ferry_takeover_pause_milliseconds";
