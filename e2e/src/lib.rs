@@ -3,6 +3,7 @@
 //! csi-provisioner would. [`kube`] is the Kubernetes-level e2e on a real API server.
 
 pub mod kube;
+pub mod takeover;
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -133,6 +134,45 @@ impl Plugin {
     pub async fn wait_node(&mut self) -> Result<()> {
         let socket = self.node_socket.clone();
         self.wait_ready(&socket).await
+    }
+
+    /// Waits (at most `timeout`) for the oldest running `name` process to exit by itself, and
+    /// forgets it.
+    pub fn wait_exit(&mut self, name: &str, timeout: Duration) -> Result<std::process::ExitStatus> {
+        let i = self
+            .children
+            .iter()
+            .position(|(n, _)| n == name)
+            .with_context(|| format!("{name} is not running"))?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.children[i].1.try_wait()? {
+                self.children.remove(i);
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                bail!(
+                    "{name} (pid {}) did not exit within {timeout:?}",
+                    self.children[i].1.id()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Sends `signal` to the oldest running `name` process and waits for it to exit.
+    pub fn signal_process(&mut self, name: &str, signal: i32) -> Result<std::process::ExitStatus> {
+        let i = self
+            .children
+            .iter()
+            .position(|(n, _)| n == name)
+            .with_context(|| format!("{name} is not running"))?;
+        let (_, mut child) = self.children.remove(i);
+        // SAFETY: kill(2) on a child pid we own; at worst it fails with ESRCH.
+        unsafe {
+            libc::kill(child.id() as libc::pid_t, signal);
+        }
+        Ok(child.wait()?)
     }
 
     /// Sends SIGTERM to one process and waits for it to exit.

@@ -137,17 +137,29 @@ fn big_reader(mnt: PathBuf, want: Bytes, stats: Arc<Stats>, stop: Arc<AtomicBool
     }
 }
 
-fn small_reader(mnt: PathBuf, k: usize, of: usize, n: usize, stats: Arc<Stats>, stop: Arc<AtomicBool>) {
+fn small_reader(
+    mnt: PathBuf,
+    k: usize,
+    of: usize,
+    n: usize,
+    stats: Arc<Stats>,
+    stop: Arc<AtomicBool>,
+) {
     let dir = mnt.join("small");
     let mut i = k;
     while !stop.load(Ordering::Relaxed) {
         let name = small_name(i % n);
         let want = payload(small_seed(i % n), SMALL_LEN);
-        if let Some(got) = stats.timed(&format!("read small/{name}"), || std::fs::read(dir.join(&name))) {
+        if let Some(got) = stats.timed(&format!("read small/{name}"), || {
+            std::fs::read(dir.join(&name))
+        }) {
             if got == want {
                 stats.ok.fetch_add(1, Ordering::Relaxed);
             } else {
-                stats.wrong(format!("small/{name}: {} bytes, not the expected ones", got.len()));
+                stats.wrong(format!(
+                    "small/{name}: {} bytes, not the expected ones",
+                    got.len()
+                ));
             }
         }
         i += of;
@@ -196,7 +208,8 @@ fn writer(mnt: PathBuf, stop: Arc<AtomicBool>) -> Vec<Written> {
         let seed = 50_000 + n;
         let data = payload(seed, WRITE_LEN);
         let res = (|| -> std::result::Result<(), String> {
-            let mut f = std::fs::File::create(dir.join(&name)).map_err(|e| format!("create: {e}"))?;
+            let mut f =
+                std::fs::File::create(dir.join(&name)).map_err(|e| format!("create: {e}"))?;
             for chunk in data.chunks(WRITE_CHUNK) {
                 f.write_all(chunk).map_err(|e| format!("write: {e}"))?;
                 std::thread::sleep(Duration::from_millis(15));
@@ -247,7 +260,10 @@ pub async fn run(o: Options) -> Result<()> {
     plugin.s3.create_bucket("takeover").await;
     let s3 = S3Store::new(plugin.s3.s3_config()).await?;
     let big = payload(7, o.big_mib << 20);
-    println!("    uploading a {} MiB object and {} small files", o.big_mib, o.small);
+    println!(
+        "    uploading a {} MiB object and {} small files",
+        o.big_mib, o.small
+    );
     s3.put("takeover", "vol/big.bin", big.clone()).await?;
     {
         use futures::StreamExt;
@@ -310,7 +326,11 @@ pub async fn run(o: Options) -> Result<()> {
         let t = upgrade(&mut plugin)
             .await
             .with_context(|| format!("upgrade {}", i + 1))?;
-        println!("    upgrade {:>2}: handed over in {:>5} ms", i + 1, t.as_millis());
+        println!(
+            "    upgrade {:>2}: handed over in {:>5} ms",
+            i + 1,
+            t.as_millis()
+        );
         took.push(t);
         tokio::time::sleep(settle).await;
     }
@@ -318,7 +338,11 @@ pub async fn run(o: Options) -> Result<()> {
         let t = crash(&mut plugin)
             .await
             .with_context(|| format!("kill -9 {}", i + 1))?;
-        println!("    kill -9 {:>2}: serving again in {:>5} ms", i + 1, t.as_millis());
+        println!(
+            "    kill -9 {:>2}: serving again in {:>5} ms",
+            i + 1,
+            t.as_millis()
+        );
         took.push(t);
         tokio::time::sleep(settle).await;
     }
@@ -326,7 +350,9 @@ pub async fn run(o: Options) -> Result<()> {
     for r in readers {
         r.join().map_err(|_| anyhow::anyhow!("a reader panicked"))?;
     }
-    let written = w.join().map_err(|_| anyhow::anyhow!("the writer panicked"))?;
+    let written = w
+        .join()
+        .map_err(|_| anyhow::anyhow!("the writer panicked"))?;
 
     // Every object whose close succeeded is complete and correct.
     let (mut complete, mut reported) = (0, 0);
@@ -335,9 +361,16 @@ pub async fn run(o: Options) -> Result<()> {
         match &f.closed {
             Ok(()) => {
                 let key = format!("vol/written/{}", f.name);
-                match s3.get_range("takeover", &key, 0..f.len as u64 + 1, None).await {
+                match s3
+                    .get_range("takeover", &key, 0..f.len as u64 + 1, None)
+                    .await
+                {
                     Ok(got) if got[..] == payload(f.seed, f.len)[..] => complete += 1,
-                    Ok(got) => bad.push(format!("{key}: {} bytes, not the {} written", got.len(), f.len)),
+                    Ok(got) => bad.push(format!(
+                        "{key}: {} bytes, not the {} written",
+                        got.len(),
+                        f.len
+                    )),
                     Err(e) => bad.push(format!("{key}: close succeeded but GET failed: {e}")),
                 }
             }
@@ -379,6 +412,11 @@ pub async fn run(o: Options) -> Result<()> {
     }
     for b in &bad {
         println!("    wrong object: {b}");
+    }
+    if let Some(dir) = std::env::var_os("FERRY_HARNESS_KEEP_LOGS") {
+        let dir = PathBuf::from(dir);
+        std::fs::create_dir_all(&dir)?;
+        std::fs::copy(plugin.log_path("ferry-node"), dir.join("ferry-node.log"))?;
     }
     let failed = stats.failed.load(Ordering::Relaxed) + stats.wrong.load(Ordering::Relaxed);
     if failed > 0 || !bad.is_empty() || max_stall > STALL_BOUND {

@@ -34,6 +34,23 @@ enum Cmd {
     /// Check what a node plugin restart does to live mounts: SIGTERM leaves them in place (dead,
     /// ENOTCONN), and a new process's NodeUnpublish detaches them and removes the target.
     Restart,
+    /// Live mounts under load across graceful upgrades and `kill -9` restarts of ferry-node:
+    /// no failed read, no wrong byte, no ENOTCONN (see ferry_e2e::takeover).
+    Takeover {
+        #[arg(long, default_value = "20")]
+        upgrades: u32,
+        #[arg(long, default_value = "20")]
+        kills: u32,
+        /// Size of the large object, MiB.
+        #[arg(long, default_value = "1024")]
+        big_mib: usize,
+        /// Small files in the listed directory.
+        #[arg(long, default_value = "2000")]
+        small: usize,
+        /// Seconds of load between two replacements.
+        #[arg(long, default_value = "1.0")]
+        settle: f64,
+    },
     /// Driver-level IRSA through the real binaries: both run with `AWS_ROLE_ARN` and
     /// `AWS_WEB_IDENTITY_TOKEN_FILE` only (STS and S3 on moto, IAM enforced, logs at trace level),
     /// provision, mount, write, read and delete; then a pod-level IRSA volume through the node
@@ -75,6 +92,22 @@ fn main() -> Result<()> {
             Cmd::Demo { keep } => demo(keep).await,
             Cmd::Sanity { csi_sanity, extra } => sanity(csi_sanity, extra).await,
             Cmd::Restart => restart().await,
+            Cmd::Takeover {
+                upgrades,
+                kills,
+                big_mib,
+                small,
+                settle,
+            } => {
+                ferry_e2e::takeover::run(ferry_e2e::takeover::Options {
+                    upgrades,
+                    kills,
+                    big_mib,
+                    small,
+                    settle,
+                })
+                .await
+            }
             Cmd::DriverIrsa => driver_irsa().await,
             Cmd::Kube {
                 kubeconfig,
