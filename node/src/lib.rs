@@ -8,6 +8,7 @@
 //! - [`mountinfo`] (from `ferry-fs`): what the kernel says is mounted where.
 
 pub mod accounts;
+pub mod handover;
 pub mod mounts;
 pub mod service;
 pub mod size;

@@ -12,6 +12,7 @@ use ferry_csi::pb::identity_server::IdentityServer;
 use ferry_csi::pb::node_server::NodeServer;
 use ferry_csi::pb::plugin_capability::service::Type as PluginCap;
 use ferry_csi::stores::{S3Stores, Stores};
+use ferry_node::handover::{self, MountRecord, StateDir};
 use ferry_node::mounts::{MountCredentials, MountTable, Published};
 use ferry_node::size::{parse_budget, parse_size, BudgetSpec};
 use ferry_node::{NodeConfig, NodeService, PodAuth};
@@ -105,6 +106,18 @@ struct ServeArgs {
     /// container's memory limit (75%, with FERRY_MEMORY_LIMIT in bytes). Default 1GiB.
     #[arg(long, env = "FERRY_MEMORY_BUDGET", value_parser = parse_budget)]
     memory_budget: Option<BudgetSpec>,
+    /// Directory for handing mounts to a successor process (a hostPath shared by the old and
+    /// the new node plugin pod): its lock and handover socket. Default: `state/` beside the CSI
+    /// socket.
+    #[arg(long, env = "FERRY_STATE_DIR")]
+    state_dir: Option<PathBuf>,
+    /// On SIGTERM with live mounts, wait this many seconds for a successor to take them over
+    /// before exiting without one (the mounts then fail with ENOTCONN).
+    #[arg(long, env = "FERRY_HANDOVER_WAIT", default_value = "30")]
+    handover_wait: u64,
+    /// State formats this process accepts from a predecessor (tests of a format change).
+    #[arg(long, hide = true, value_delimiter = ',', default_value = "1")]
+    handover_readable: Vec<u32>,
 }
 
 #[derive(Debug, Args)]
@@ -434,11 +447,138 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// How long a mount may take to finish its running requests when frozen for a handover.
+const FREEZE_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// Takes the node's mounts: the lock in the state directory if no process holds it, else every
+/// mount of the process that does (a handover; see `ferry_node::handover`). Returns the lock
+/// (held for this process's life) and the mounts handed over.
+async fn take_ownership(
+    state: &StateDir,
+    readable: &[u32],
+) -> anyhow::Result<(
+    std::fs::File,
+    Vec<(MountRecord, std::os::fd::OwnedFd)>,
+    Option<std::time::Instant>,
+)> {
+    std::fs::create_dir_all(&state.0)
+        .with_context(|| format!("creating the state directory {}", state.0.display()))?;
+    if let Some(lock) = handover::try_lock(&state.lock())? {
+        return Ok((lock, Vec::new(), None));
+    }
+    let (sock, readable) = (state.socket(), readable.to_vec());
+    let started = std::time::Instant::now();
+    let received = tokio::task::spawn_blocking(move || handover::request(&sock, &readable))
+        .await?
+        .context("another ferry-node owns this node's mounts and did not hand them over")?;
+    let owner = received.owner_pid;
+    received.adopt()?;
+    let mounts = received.mounts;
+    // The owner exits as soon as it reads the answer; its lock goes with it.
+    let path = state.lock();
+    let lock =
+        tokio::task::spawn_blocking(move || handover::wait_lock(&path, handover::STEP_TIMEOUT))
+            .await?
+            .with_context(|| format!("process {owner} handed its mounts over but did not exit"))?;
+    tracing::info!(
+        mounts = mounts.len(),
+        from_pid = owner,
+        elapsed_ms = started.elapsed().as_millis() as u64,
+        "mounts handed over"
+    );
+    Ok((lock, mounts, Some(started)))
+}
+
+/// Serves successors on the handover socket: the first one that takes the mounts ends this
+/// process (exit status 0) — nothing is unmounted.
+fn serve_handovers(
+    listener: std::os::unix::net::UnixListener,
+    node: NodeService,
+    rt: tokio::runtime::Handle,
+    state: StateDir,
+) {
+    for stream in listener.incoming() {
+        let stream = match stream {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "handover socket accept failed");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        let hello = match handover::read_hello(&stream) {
+            Ok(Some(h)) => h,
+            Ok(None) => {
+                tracing::warn!("a successor that cannot read this process's state format asked for the mounts; serving on");
+                continue;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "handover request failed");
+                continue;
+            }
+        };
+        let started = std::time::Instant::now();
+        tracing::info!(successor_pid = hello.pid, "handing the mounts over");
+        let export = match rt.block_on(node.export(FREEZE_TIMEOUT)) {
+            Ok(e) => e,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot hand over; serving on");
+                let _ = handover::decline(&stream, &e.to_string());
+                continue;
+            }
+        };
+        let answer = {
+            let devices = export.devices();
+            let recs: Vec<_> = export.records.iter().collect();
+            handover::send_state_refs(&stream, &recs, &devices)
+        };
+        match answer {
+            Ok(handover::Answer::Adopted) => {
+                let n = export.records.len();
+                export.commit();
+                if let Ok(uid) = std::env::var("POD_UID") {
+                    let _ = std::fs::write(state.retired(&uid), b"");
+                }
+                tracing::info!(
+                    mounts = n,
+                    elapsed_ms = started.elapsed().as_millis() as u64,
+                    "mounts handed over; exiting"
+                );
+                // Now, and without running destructors: parked requests are re-sent to the
+                // successor only once this process is gone.
+                std::process::exit(0);
+            }
+            Ok(handover::Answer::Refused { reason }) => {
+                tracing::warn!(reason, "the successor refused the mounts; serving on");
+                export.abort();
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "handover failed; serving on");
+                export.abort();
+            }
+        }
+    }
+}
+
 async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let socket = ferry_csi::endpoint::parse(&a.csi_endpoint).map_err(anyhow::Error::msg)?;
     if a.node_id.is_empty() {
         bail!("--node-id (NODE_ID) must not be empty");
     }
+    let state = StateDir(a.state_dir.clone().unwrap_or_else(|| {
+        socket
+            .parent()
+            .unwrap_or(std::path::Path::new("/"))
+            .join("state")
+    }));
+    if let Ok(uid) = std::env::var("POD_UID") {
+        if state.retired(&uid).exists() {
+            tracing::info!(pod_uid = %uid, "this pod handed its mounts to a newer one; idle until stopped");
+            ferry_csi::endpoint::shutdown_signal().await;
+            return Ok(());
+        }
+    }
+    let (_lock, inherited, handed_at) = take_ownership(&state, &a.handover_readable).await?;
     ferry_metrics::start(&a.metrics_addr)
         .await
         .map_err(anyhow::Error::msg)?;
@@ -476,6 +616,53 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         vec![PluginCap::ControllerService],
         Box::new(|| Box::pin(async { fuse_device_usable() })),
     );
+    let n = inherited.len();
+    let mut failed = 0;
+    for (record, device) in inherited {
+        failed += u64::from(node.adopt(record, device, true).await.is_err());
+    }
+    if n > 0 {
+        let pause = handed_at.map_or(Duration::ZERO, |t| t.elapsed());
+        let reg = ferry_metrics::global();
+        let help = "Mounts taken over from a previous process, by how.";
+        reg.counter(
+            ferry_metrics::names::MOUNTS_TAKEN_OVER,
+            help,
+            &[("how", "handover")],
+        )
+        .add(n as u64 - failed);
+        reg.counter(
+            ferry_metrics::names::MOUNTS_TAKEN_OVER,
+            help,
+            &[("how", "failed")],
+        )
+        .add(failed);
+        reg.gauge(
+            ferry_metrics::names::TAKEOVER_PAUSE,
+            "Milliseconds the last takeover stopped the mounts.",
+            &[],
+        )
+        .set(pause.as_millis() as i64);
+        tracing::info!(
+            mounts = n,
+            failed,
+            pause_ms = pause.as_millis() as u64,
+            "handed-over mounts serving"
+        );
+    }
+    let _ = std::fs::remove_file(state.socket());
+    let listener = std::os::unix::net::UnixListener::bind(state.socket())
+        .with_context(|| format!("binding the handover socket {}", state.socket().display()))?;
+    {
+        let (node, rt, state) = (
+            node.clone(),
+            tokio::runtime::Handle::current(),
+            state.clone(),
+        );
+        std::thread::Builder::new()
+            .name("handover".into())
+            .spawn(move || serve_handovers(listener, node, rt, state))?;
+    }
     let incoming = ferry_csi::endpoint::bind(&socket)
         .with_context(|| format!("binding CSI socket {}", socket.display()))?;
     tracing::info!(endpoint = %socket.display(), node_id = %a.node_id, version = ferry_csi::VERSION, "ferry-node serving");
@@ -486,6 +673,15 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         .serve_with_incoming_shutdown(incoming, ferry_csi::endpoint::shutdown_signal())
         .await
         .context("serving gRPC")?;
+    if !mounts.is_empty() && a.handover_wait > 0 {
+        // A successor that connects meanwhile takes the mounts and this process exits there.
+        tracing::info!(
+            mounts = mounts.len(),
+            wait_s = a.handover_wait,
+            "stopping: waiting for a successor to take the mounts over"
+        );
+        tokio::time::sleep(Duration::from_secs(a.handover_wait)).await;
+    }
     let _ = std::fs::remove_file(&socket);
     if let Some(cache) = &cache {
         // Blocks fetched just before the signal are still being written: finish them.

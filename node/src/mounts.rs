@@ -50,6 +50,9 @@ pub struct Mounted {
     pub published: Published,
     pub config: MountConfig,
     pub handle: MountHandle,
+    /// The NodePublishVolume request (protobuf, secrets included) it was made or last
+    /// republished with: what a successor process rebuilds its credentials from. Memory only.
+    pub request: Vec<u8>,
 }
 
 fn mounts_gauge() -> std::sync::Arc<ferry_metrics::Gauge> {
@@ -113,6 +116,18 @@ impl MountTable {
             .iter()
             .map(|(t, m)| (t.clone(), m.published.volume_id.clone()))
             .collect()
+    }
+
+    /// Records the newest request a live mount was republished with (a pod's renewed token).
+    pub fn set_request(&self, target: &Path, request: Vec<u8>) {
+        if let Some(m) = self.mounts.lock().unwrap().get_mut(target) {
+            m.request = request;
+        }
+    }
+
+    /// Runs `f` on every mount (for a handover).
+    pub fn with_all<R>(&self, f: impl FnOnce(&HashMap<PathBuf, Mounted>) -> R) -> R {
+        f(&self.mounts.lock().unwrap())
     }
 
     /// Takes every mount out of the table (for shutdown).

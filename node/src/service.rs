@@ -29,6 +29,7 @@ use ferry_volume::{keys, AuthenticationSource, MetadataTtl, VolumeSpec};
 use tonic::{Request, Response, Status};
 use tracing::{info, instrument, warn};
 
+use crate::handover::MountRecord;
 use crate::mountinfo;
 use crate::mounts::{MountCredentials, MountTable, Mounted, Published};
 use crate::targetpath;
@@ -69,6 +70,9 @@ struct Inner {
     mount_context: ferry_fs::MountContext,
     /// `None`: `authenticationSource: pod` volumes are refused (no Kubernetes access).
     pod_auth: Option<PodAuth>,
+    /// Publish and unpublish hold it shared; a handover holds it exclusively, so the mount table
+    /// it hands over is not changing underneath it.
+    ops: Arc<tokio::sync::RwLock<()>>,
 }
 
 /// A target path as an error quotes it (cut short, see [`quote`]).
@@ -197,8 +201,25 @@ impl NodeService {
                 in_flight: InFlightSet::default(),
                 mount_context: ctx,
                 pod_auth,
+                ops: Arc::default(),
             }),
         }
+    }
+}
+
+/// The group a publish asks files to belong to (`volume_mount_group`).
+fn mount_group(cap: &pb::VolumeCapability) -> Result<Option<u32>> {
+    match &cap.access_type {
+        Some(pb::volume_capability::AccessType::Mount(m)) if !m.volume_mount_group.is_empty() => {
+            Some(m.volume_mount_group.parse::<u32>().map_err(|_| {
+                CsiError::InvalidArgument(format!(
+                    "volume_mount_group {} is not a numeric group id",
+                    quote(&m.volume_mount_group)
+                ))
+            }))
+            .transpose()
+        }
+        _ => Ok(None),
     }
 }
 
@@ -337,6 +358,7 @@ impl Inner {
         &self,
         req: pb::NodePublishVolumeRequest,
     ) -> Result<pb::NodePublishVolumeResponse> {
+        let _ops = self.ops.clone().read_owned().await;
         let volume_id = require("volume_id", &req.volume_id)?;
         require("target_path", &req.target_path)?;
         let cap = req.volume_capability.as_ref().ok_or_else(|| {
@@ -354,19 +376,7 @@ impl Inner {
         // Before the credentials are decided (a pod's are fetched for this endpoint's requests)
         // and before any client exists.
         self.stores.permit(&spec.endpoint)?;
-        let mount_group = match &cap.access_type {
-            Some(pb::volume_capability::AccessType::Mount(m))
-                if !m.volume_mount_group.is_empty() =>
-            {
-                Some(m.volume_mount_group.parse::<u32>().map_err(|_| {
-                    CsiError::InvalidArgument(format!(
-                        "volume_mount_group {} is not a numeric group id",
-                        quote(&m.volume_mount_group)
-                    ))
-                })?)
-            }
-            _ => None,
-        };
+        let mount_group = mount_group(cap)?;
         let _guard = self.begin(&target)?;
         match targetpath::inspect(&target)? {
             targetpath::Found::Nothing | targetpath::Found::Directory => {}
@@ -426,6 +436,8 @@ impl Inner {
                     let _ = tokio::task::spawn_blocking(move || drop(m)).await;
                 }
             } else if existing == published {
+                self.mounts
+                    .set_request(&target, prost::Message::encode_to_vec(&req));
                 match &published.credentials {
                     // The pod's provider already has the new token (Inner::credentials).
                     MountCredentials::Pod(id) => {
@@ -532,6 +544,7 @@ impl Inner {
                 published,
                 config,
                 handle,
+                request: prost::Message::encode_to_vec(&req),
             },
         );
         Ok(pb::NodePublishVolumeResponse {})
@@ -542,6 +555,7 @@ impl Inner {
         &self,
         req: pb::NodeUnpublishVolumeRequest,
     ) -> Result<pb::NodeUnpublishVolumeResponse> {
+        let _ops = self.ops.clone().read_owned().await;
         let volume_id = require("volume_id", &req.volume_id)?;
         require("target_path", &req.target_path)?;
         let target = targetpath::check(&self.config.kubelet_root, &req.target_path)?;
@@ -633,6 +647,172 @@ impl Drop for CreatedDir {
                 warn!(target = %dir.display(), error = %e, "removing the target directory of a failed publish");
             }
         }
+    }
+}
+
+/// This process's side of a handover in progress: CSI operations are held and every mount is
+/// frozen (see [`ferry_fs::MountHandle::freeze`]); [`Export::commit`] gives them up,
+/// [`Export::abort`] serves them on.
+pub struct Export {
+    mounts: Vec<(PathBuf, Mounted)>,
+    /// Each mount's state, in the order of `mounts`.
+    pub records: Vec<MountRecord>,
+    table: Arc<MountTable>,
+    _ops: tokio::sync::OwnedRwLockWriteGuard<()>,
+}
+
+impl Export {
+    /// The `/dev/fuse` descriptors, in the order of [`Export::records`].
+    pub fn devices(&self) -> Vec<std::os::fd::BorrowedFd<'_>> {
+        self.mounts
+            .iter()
+            .filter_map(|(_, m)| m.handle.device())
+            .collect()
+    }
+
+    /// The successor has the mounts: forget them without unmounting anything.
+    pub fn commit(self) {
+        for (_, m) in self.mounts {
+            m.handle.hand_over();
+        }
+    }
+
+    /// No handover after all: the mounts serve on here.
+    pub fn abort(self) {
+        for (target, m) in self.mounts {
+            m.handle.thaw();
+            self.table.insert(target, m);
+        }
+    }
+}
+
+impl NodeService {
+    /// Freezes every mount for a successor (each may take up to `timeout` to finish the requests
+    /// it is running; one that does not makes the whole handover fail, and every mount serves on).
+    pub async fn export(&self, timeout: Duration) -> anyhow::Result<Export> {
+        let inner = &self.inner;
+        let ops = tokio::time::timeout(timeout, inner.ops.clone().write_owned())
+            .await
+            .map_err(|_| anyhow::anyhow!("CSI operations still running after {timeout:?}"))?;
+        let mut export = Export {
+            mounts: Vec::new(),
+            records: Vec::new(),
+            table: inner.mounts.clone(),
+            _ops: ops,
+        };
+        for (target, m) in inner.mounts.drain() {
+            let frozen = if m.handle.device().is_none() {
+                Err(std::io::Error::other("mounted through fusermount3"))
+            } else {
+                m.handle.freeze(timeout).await
+            };
+            let record = frozen.map(|f| MountRecord {
+                target: target.clone(),
+                dev: m.handle.device_numbers(),
+                kernel: f.kernel,
+                request: m.request.clone(),
+                snapshot: f.snapshot,
+            });
+            export.mounts.push((target.clone(), m));
+            match record {
+                Ok(r) => export.records.push(r),
+                Err(e) => {
+                    export.abort();
+                    anyhow::bail!("freezing the mount at {}: {e}", target.display());
+                }
+            }
+        }
+        Ok(export)
+    }
+
+    /// Serves a mount a previous process handed over (or left behind): its credentials are
+    /// rebuilt from its publish request as a publish would, then its FUSE session resumes on
+    /// `device`. If that fails the mount is cut off (its connection aborted, the target detached)
+    /// rather than left hanging, and the error says why.
+    pub async fn adopt(
+        &self,
+        record: MountRecord,
+        device: std::os::fd::OwnedFd,
+        resend: bool,
+    ) -> anyhow::Result<()> {
+        let (target, dev) = (record.target.clone(), record.dev);
+        let res = self.inner.adopt(record, device, resend).await;
+        if let Err(e) = &res {
+            warn!(target = %target.display(), error = %e, "cannot serve the mount a previous process left; cutting it off (it fails with ENOTCONN until unpublished)");
+            abandon(&target, dev);
+        }
+        res
+    }
+}
+
+/// Cuts off a mount no process will serve: aborts its connection and detaches it (if it is still
+/// the one at `target`).
+pub fn abandon(target: &Path, dev: (u32, u32)) {
+    if let Ok(abort) = mountinfo::ConnectionAbort::open(dev.1) {
+        let _ = abort.abort();
+    }
+    if let Ok(Some(m)) = mountinfo::mounted_at(target) {
+        if m.dev == dev {
+            let _ = mountinfo::detach(target);
+        }
+    }
+}
+
+impl Inner {
+    async fn adopt(
+        &self,
+        record: MountRecord,
+        device: std::os::fd::OwnedFd,
+        resend: bool,
+    ) -> anyhow::Result<()> {
+        use anyhow::Context;
+        let req = <pb::NodePublishVolumeRequest as prost::Message>::decode(&record.request[..])
+            .context("decoding the mount's publish request")?;
+        let cap = req
+            .volume_capability
+            .as_ref()
+            .context("the publish request has no volume_capability")?;
+        let mode = capability::check(cap).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let spec = VolumeSpec::from_publish(&req.volume_context, capability::mount_flags(cap))?;
+        self.stores
+            .permit(&spec.endpoint)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let mount_group = mount_group(cap).map_err(|e| anyhow::anyhow!("{e}"))?;
+        let (store_credentials, credentials) = self
+            .credentials(&req, &spec)
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let published = Published {
+            volume_id: req.volume_id.clone(),
+            read_only: req.readonly || capability::mode_read_only(mode) || spec.options.read_only,
+            spec,
+            mount_group,
+            credentials,
+        };
+        let store = self
+            .stores
+            .get_as(&published.spec.endpoint, &store_credentials)
+            .await
+            .map_err(|e| anyhow::anyhow!("creating the S3 client: {e}"))?;
+        let config = record.snapshot.config.clone();
+        let ctx = self.mount_context.clone();
+        let target = record.target.clone();
+        let (snapshot, dev, kernel) = (record.snapshot, record.dev, record.kernel);
+        let handle = tokio::task::spawn_blocking(move || {
+            ferry_fs::resume(store, snapshot, device, dev, kernel, &target, ctx, resend)
+        })
+        .await??;
+        info!(target = %record.target.display(), volume_id = %quote(&published.volume_id), "mount taken over");
+        self.mounts.insert(
+            record.target,
+            Mounted {
+                published,
+                config,
+                handle,
+                request: record.request,
+            },
+        );
+        Ok(())
     }
 }
 
