@@ -1,6 +1,7 @@
 //! Ferry's CSI node plugin as a library, so tests can serve it in-process.
 //!
 //! - [`service`]: the Node service (NodePublishVolume mounts, NodeUnpublishVolume unmounts);
+//! - [`fdpass`]: framed messages with file descriptors over a unix socket;
 //! - [`accounts`]: ServiceAccount reads through the Kubernetes API (pod-level credentials);
 //! - [`mounts`]: the table of live mounts, one FUSE session each, all in this process;
 //! - [`targetpath`]: kubelet target-path checks;
@@ -8,6 +9,7 @@
 //! - [`mountinfo`] (from `ferry-fs`): what the kernel says is mounted where.
 
 pub mod accounts;
+pub mod fdpass;
 pub mod mounts;
 pub mod service;
 pub mod size;
