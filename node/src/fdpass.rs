@@ -284,7 +284,7 @@ mod tests {
     use std::os::fd::AsFd;
 
     use nix::fcntl::{fcntl, FcntlArg, FdFlag, OFlag};
-    use nix::unistd::pipe;
+    use nix::unistd::pipe2;
 
     use super::*;
 
@@ -292,7 +292,9 @@ mod tests {
     /// pipe by writing through it.
     fn round_trip(count: usize, payload: &[u8]) {
         let (a, b) = UnixStream::pair().unwrap();
-        let pipes: Vec<(OwnedFd, OwnedFd)> = (0..count).map(|_| pipe().unwrap()).collect();
+        let pipes: Vec<(OwnedFd, OwnedFd)> = (0..count)
+            .map(|_| pipe2(OFlag::O_CLOEXEC).unwrap())
+            .collect();
         let writers: Vec<BorrowedFd<'_>> = pipes.iter().map(|(_, w)| w.as_fd()).collect();
         // A thread of its own: a payload larger than the socket buffer blocks until it is read.
         let (got, fds) = std::thread::scope(|s| {
@@ -340,8 +342,8 @@ mod tests {
     #[test]
     fn messages_follow_each_other_without_mixing_fds() {
         let (a, b) = UnixStream::pair().unwrap();
-        let (r1, w1) = pipe().unwrap();
-        let (_r2, w2) = pipe().unwrap();
+        let (r1, w1) = pipe2(OFlag::O_CLOEXEC).unwrap();
+        let (_r2, w2) = pipe2(OFlag::O_CLOEXEC).unwrap();
         send(&a, b"first", &[w1.as_fd()]).unwrap();
         send(&a, b"second", &[w2.as_fd(), w2.as_fd()]).unwrap();
         send(&a, b"third", &[]).unwrap();
@@ -401,7 +403,7 @@ mod tests {
 
         // More fds than announced.
         let (a, b) = UnixStream::pair().unwrap();
-        let (_r, w) = pipe().unwrap();
+        let (_r, w) = pipe2(OFlag::O_CLOEXEC).unwrap();
         send_all(&a, &[&header(1, 0), b"x"], &[w.as_raw_fd()]).unwrap();
         assert_eq!(recv(&b).unwrap_err().kind(), io::ErrorKind::InvalidData);
 
@@ -416,7 +418,7 @@ mod tests {
     #[test]
     fn a_truncated_control_message_is_an_error_and_closes_what_arrived() {
         let (a, b) = UnixStream::pair().unwrap();
-        let (reader, writer) = pipe().unwrap();
+        let (reader, writer) = pipe2(OFlag::O_CLOEXEC).unwrap();
         let copies = vec![writer.as_fd(); 20];
         send(&a, b"many", &copies).unwrap();
         let err = recv_with_room(&b, 5).unwrap_err();
