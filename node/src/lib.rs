@@ -2,6 +2,7 @@
 //!
 //! - [`service`]: the Node service (NodePublishVolume mounts, NodeUnpublishVolume unmounts);
 //! - [`fdpass`]: framed messages with file descriptors over a unix socket;
+//! - [`holder`]: the fd holder's protocol and client (fds of live mounts kept across a restart);
 //! - [`accounts`]: ServiceAccount reads through the Kubernetes API (pod-level credentials);
 //! - [`mounts`]: the table of live mounts, one FUSE session each, all in this process;
 //! - [`targetpath`]: kubelet target-path checks;
@@ -10,6 +11,7 @@
 
 pub mod accounts;
 pub mod fdpass;
+pub mod holder;
 pub mod mounts;
 pub mod service;
 pub mod size;
