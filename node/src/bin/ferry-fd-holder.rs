@@ -98,10 +98,11 @@ fn run(socket: &Path) -> anyhow::Result<()> {
         std::thread::Builder::new()
             .name("signals".into())
             .spawn(move || {
-                let signal = signals.wait();
+                // sigwait fails only on an invalid set; exit then too rather than hold on unkillable.
+                let signal = signals.wait().map_or("?", |s| s.as_str());
                 let table = table.lock().unwrap_or_else(PoisonError::into_inner);
                 info!(
-                    ?signal,
+                    signal,
                     entries = table.entries.len(),
                     fds = table.fd_count(),
                     "exiting; the held fds close"
