@@ -1,6 +1,7 @@
 # syntax=docker/dockerfile:1
-# One image with both Ferry binaries, ferry-controller and ferry-node, for the Helm chart in
-# charts/ferry (the controller Deployment runs ferry-controller, the node DaemonSet ferry-node).
+# One image with Ferry's binaries, ferry-controller, ferry-node and ferry-fd-holder, for the Helm chart
+# in charts/ferry (the controller Deployment runs ferry-controller, the node DaemonSet ferry-node;
+# ferry-fd-holder, which keeps the fds of live mounts across restarts of ferry-node, is its sidecar).
 #
 #   docker build -t ghcr.io/ferry-csi/ferry:0.1.0 .
 #   docker buildx build --platform linux/amd64,linux/arm64 -t ghcr.io/ferry-csi/ferry:0.1.0 --push .
@@ -11,7 +12,7 @@
 ARG RUST_VERSION=1.95.0
 ARG DEBIAN_RELEASE=trixie
 
-# ---- builder: the workspace, release profile, the two binaries only ----
+# ---- builder: the workspace, release profile, the binaries only ----
 FROM rust:${RUST_VERSION}-slim-${DEBIAN_RELEASE} AS builder
 ARG RUST_VERSION
 # rust-toolchain.toml pins the same version but also asks for rustfmt and clippy; naming the
@@ -32,19 +33,19 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
     cargo build --release --locked -p ferry-controller -p ferry-node \
  && mkdir -p /out \
- && cp target/release/ferry-controller target/release/ferry-node /out/
+ && cp target/release/ferry-controller target/release/ferry-node target/release/ferry-fd-holder /out/
 
 # ---- runtime: Debian slim with FUSE userspace and CA certificates ----
 FROM debian:${DEBIAN_RELEASE}-slim
 # fuse3: fusermount3 and /etc/fuse.conf, for mounts made without root (`ferry-node mount` run by a
-# user); ca-certificates: TLS to S3 and STS; tini is not needed (both binaries handle SIGTERM).
+# user); ca-certificates: TLS to S3 and STS; tini is not needed (every binary handles SIGTERM).
 RUN apt-get update \
  && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends \
       fuse3 ca-certificates \
  && rm -rf /var/lib/apt/lists/*
-COPY --from=builder /out/ferry-controller /out/ferry-node /usr/local/bin/
+COPY --from=builder /out/ferry-controller /out/ferry-node /out/ferry-fd-holder /usr/local/bin/
 LABEL org.opencontainers.image.title="ferry" \
-      org.opencontainers.image.description="Ferry CSI driver: S3 prefixes as Kubernetes volumes (ferry-controller, ferry-node)" \
+      org.opencontainers.image.description="Ferry CSI driver: S3 prefixes as Kubernetes volumes (ferry-controller, ferry-node, ferry-fd-holder)" \
       org.opencontainers.image.source="https://github.com/ferry-csi/ferry" \
       org.opencontainers.image.licenses="Apache-2.0"
 # The chart picks the binary with `command`. The node plugin runs as root (privileged, for FUSE);

@@ -1,6 +1,8 @@
 //! Ferry's CSI node plugin as a library, so tests can serve it in-process.
 //!
 //! - [`service`]: the Node service (NodePublishVolume mounts, NodeUnpublishVolume unmounts);
+//! - [`fdpass`]: framed messages with file descriptors over a unix socket;
+//! - [`holder`]: the fd holder's protocol and client (fds of live mounts kept across a restart);
 //! - [`accounts`]: ServiceAccount reads through the Kubernetes API (pod-level credentials);
 //! - [`mounts`]: the table of live mounts, one FUSE session each, all in this process;
 //! - [`targetpath`]: kubelet target-path checks;
@@ -8,7 +10,9 @@
 //! - [`mountinfo`] (from `ferry-fs`): what the kernel says is mounted where.
 
 pub mod accounts;
+pub mod fdpass;
 pub mod handover;
+pub mod holder;
 pub mod mounts;
 pub mod service;
 pub mod size;
