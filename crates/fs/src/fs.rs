@@ -2026,6 +2026,11 @@ impl Fs {
         self
     }
 
+    /// The attached journal.
+    pub fn journal(&self) -> Option<Arc<Journal>> {
+        self.lock().inodes.journal().cloned()
+    }
+
     /// Rewrites the attached journal into `new_file` (just the live set) and appends there from
     /// now on (see [`Journal::compact_into`]). The caller decides when, from
     /// [`Journal::records_since_compaction`] and [`Fs::table_sizes`].

@@ -254,8 +254,8 @@ impl InodeTable {
     }
 
     /// The attached journal.
-    pub(crate) fn journal(&self) -> Option<&Journal> {
-        self.journal.get()
+    pub(crate) fn journal(&self) -> Option<&Arc<Journal>> {
+        self.journal.0.as_ref()
     }
 
     /// Whether `inode` is the child its parent's directory shows under its name.
@@ -273,8 +273,8 @@ impl InodeTable {
         let was_local_dir = inode.state == InodeState::LocalDir;
         inode.state = state;
         if was_local_dir != (state == InodeState::LocalDir) {
-            if let Some(j) = self.journal.get() {
-                j.inode(inode);
+            if let (Some(j), Some(inode)) = (self.journal.get(), self.inodes.get(&ino)) {
+                j.inode(inode, self.is_attached(inode));
             }
         }
     }
@@ -349,7 +349,7 @@ impl InodeTable {
         // New, or a live inode (detached by one of the other kind) attached again.
         if created || previous != Some(ino) {
             if let Some(j) = self.journal.get() {
-                j.inode(inode);
+                j.inode(inode, true);
             }
         }
         Some(ino)

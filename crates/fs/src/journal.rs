@@ -197,9 +197,13 @@ enum Record {
     },
     /// The live set written after `Start` is complete.
     Ready,
-    /// An inode was installed, re-attached to its parent, or its identity changed (upsert). The
-    /// last record of a `(parent, name)` is the child the parent's directory shows.
-    Inode(InodeRecord),
+    /// An inode was installed, re-attached to its parent, or its identity changed (upsert).
+    /// `attached`: its parent's directory shows it under its name (else a child of the other
+    /// kind replaced it there, and it lives on only for the kernel's references).
+    Inode {
+        inode: InodeRecord,
+        attached: bool,
+    },
     Removed {
         ino: Ino,
     },
@@ -367,14 +371,16 @@ pub fn replay(file: &mut File) -> Result<Recovered, JournalError> {
 impl Live {
     fn apply(&mut self, record: Record) {
         match record {
-            Record::Inode(r) => {
+            Record::Inode { inode: r, attached } => {
                 if let Some(old) = self.inodes.get(&r.ino) {
                     let key = (old.parent, old.name.clone());
                     if self.slots.get(&key) == Some(&r.ino) {
                         self.slots.remove(&key);
                     }
                 }
-                self.slots.insert((r.parent, r.name.clone()), r.ino);
+                if attached {
+                    self.slots.insert((r.parent, r.name.clone()), r.ino);
+                }
                 self.inodes.insert(r.ino, r);
             }
             Record::Removed { ino } => {
@@ -574,8 +580,11 @@ impl Journal {
         }
     }
 
-    pub(crate) fn inode(&self, inode: &Inode) {
-        self.append(&Record::Inode(InodeRecord::of(inode)));
+    pub(crate) fn inode(&self, inode: &Inode, attached: bool) {
+        self.append(&Record::Inode {
+            inode: InodeRecord::of(inode),
+            attached,
+        });
     }
 
     pub(crate) fn removed(&self, ino: Ino) {
@@ -595,7 +604,6 @@ impl Journal {
 }
 
 /// Header, `Start`, the live set and `Ready` to `file`; returns the bytes written.
-/// Detached inodes come before attached ones, so that the attached one of a name is its last.
 fn write_fresh(
     mut file: &File,
     header: &JournalHeader,
@@ -614,14 +622,11 @@ fn write_fresh(
     put(&Record::Start {
         header: header.clone(),
     })?;
-    let mut live: Vec<(bool, &Inode)> = inodes
-        .iter()
-        .filter(|i| i.ino != ROOT_INO)
-        .map(|i| (inodes.is_attached(i), i))
-        .collect();
-    live.sort_by_key(|(attached, i)| (*attached, i.ino));
-    for (_, inode) in live {
-        put(&Record::Inode(InodeRecord::of(inode)))?;
+    for inode in inodes.iter().filter(|i| i.ino != ROOT_INO) {
+        put(&Record::Inode {
+            inode: InodeRecord::of(inode),
+            attached: inodes.is_attached(inode),
+        })?;
     }
     for (fh, handle) in handles.journaled() {
         put(&Record::Opened {
