@@ -27,6 +27,7 @@ use crate::handles::{
     WriteStatus, MAX_PARTS, PART_SIZE,
 };
 use crate::inode::{now_secs, CachedEntry, Ino, Inode, InodeState, InodeTable, Validity, ROOT_INO};
+use crate::journal::Journal;
 use crate::names::{
     child_path, dir_prefix, file_key, lookup_name, new_name, Kind, ListedEntry, Listing,
     ListingBuilder, ObjectMeta, KEY_MAX,
@@ -1011,8 +1012,8 @@ impl Fs {
             .inodes
             .install_child(parent, name, Kind::Dir)
             .ok_or_else(|| stale(parent))?;
+        st.inodes.set_state(ino, InodeState::LocalDir);
         let inode = st.inodes.get_mut(ino).expect("installed");
-        inode.state = InodeState::LocalDir;
         inode.lookups += 1;
         let entry = self.entry_of(inode);
         if let Some(p) = st.inodes.get_mut(parent) {
@@ -1115,11 +1116,11 @@ impl Fs {
             };
             match self.store.list(self.bucket(), req).await {
                 Ok(page) if page.objects.is_empty() && page.common_prefixes.is_empty() => {
-                    if let Some(d) = self.lock().inodes.get_mut(dir) {
-                        if d.state == InodeState::Remote {
-                            d.state = InodeState::LocalDir;
-                        }
+                    let mut st = self.lock();
+                    if st.inodes.get(dir).map(|d| d.state) == Some(InodeState::Remote) {
+                        st.inodes.set_state(dir, InodeState::LocalDir);
                     }
+                    drop(st);
                     dir = parent;
                 }
                 Ok(_) => return,
@@ -1195,8 +1196,8 @@ impl Fs {
             let mut st = self.lock();
             st.changes += 1;
             if let Some(ino) = live {
+                st.inodes.set_state(ino, InodeState::Remote);
                 if let Some(c) = st.inodes.get_mut(ino) {
-                    c.state = InodeState::Remote;
                     c.valid = Validity::Expired;
                     c.cache = Default::default();
                 }
@@ -1952,9 +1953,9 @@ impl Fs {
             if dir.state != InodeState::LocalDir {
                 break;
             }
-            dir.state = InodeState::Remote;
             dir.valid = valid;
-            up = dir.parent;
+            let this = std::mem::replace(&mut up, dir.parent);
+            st.inodes.set_state(this, InodeState::Remote);
             if let Some(parent) = st.inodes.get_mut(up) {
                 parent.cache.listing = None;
             }
@@ -1969,12 +1970,17 @@ impl Fs {
     /// `> file` (and `dd`, `/bin/echo`) opens the file, `dup2`s it onto stdout and closes the
     /// first descriptor before anything is written; the empty file is then completed by a later
     /// flush, `fsync` or `release`. `pid` gives the caller's process id; it is asked only for a
-    /// write handle with data.
+    /// write handle with data. A failed upload is reported to the opener's flush even with
+    /// nothing written (a write handle recovered from the journal has lost what was written).
     pub async fn flush(&self, fh: u64, pid: impl FnOnce() -> u32) -> Result<(), FsError> {
         let h = self.handle(fh)?;
         let mut g = h.lock().await;
         match &mut *g {
-            Handle::Write(w) if w.written > 0 && w.pid == pid() => self.complete(w).await,
+            Handle::Write(w)
+                if (w.written > 0 || w.status == WriteStatus::Failed) && w.pid == pid() =>
+            {
+                self.complete(w).await
+            }
             Handle::Write(_) | Handle::Read(_) | Handle::Dir(_) => Ok(()),
         }
     }
@@ -2031,6 +2037,48 @@ impl Fs {
             }
             Handle::Dir(_) => Ok(()),
         }
+    }
+}
+
+// ----- the journal (surviving a crash of the node plugin) -------------------------------------
+
+impl Fs {
+    /// Journals this mount from now on ([`crate::journal`]): writes the start of the journal and
+    /// the current live set to it, then attaches it to both tables. A write error does not fail
+    /// the mount; the journal is then [broken](Journal::is_broken) and refused by a later replay.
+    pub fn with_journal(self, journal: Arc<Journal>) -> Self {
+        {
+            let mut st = self.lock();
+            let st = &mut *st;
+            journal.begin(&self.cfg, self.mount_time, &st.inodes, &st.handles);
+            st.inodes.attach_journal(journal.clone());
+            st.handles.attach_journal(journal.clone());
+        }
+        self
+    }
+
+    /// The attached journal.
+    pub fn journal(&self) -> Option<Arc<Journal>> {
+        self.lock().inodes.journal().cloned()
+    }
+
+    /// Rewrites the attached journal into `new_file` (just the live set) and appends there from
+    /// now on (see [`Journal::compact_into`]). The caller decides when, from
+    /// [`Journal::records_since_compaction`] and [`Fs::table_sizes`].
+    pub fn compact_journal(&self, new_file: std::fs::File) -> std::io::Result<()> {
+        let st = self.lock();
+        let journal = st
+            .inodes
+            .journal()
+            .ok_or_else(|| std::io::Error::other("no journal attached"))?;
+        journal.compact_into(new_file, &st.inodes, &st.handles)
+    }
+
+    /// The adapter registered the kernel's backing file `backing_id` for read handle `fh` (FUSE
+    /// passthrough), or `None` when it no longer reads through it: journaled, so that a
+    /// successor knows the id to close.
+    pub fn journal_passthrough(&self, fh: u64, backing_id: Option<u32>) {
+        self.lock().handles.set_backing_id(fh, backing_id);
     }
 }
 

@@ -1,6 +1,9 @@
 //! Open handles: read handles (ETag pinned at open, sequential read-ahead parts), write
 //! handles (sequential upload state) and directory handles (the listing snapshot readdir offsets
 //! index into). Plain data behind per-handle async locks; serde-able for a process handover.
+//! Each handle's pin (what it stands for, [`JournaledHandle`]) is kept beside it, outside its
+//! lock, so an attached [`Journal`] can be written (and compacted) without waiting for a handle
+//! busy with S3.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -10,6 +13,7 @@ use tokio::sync::Mutex as AsyncMutex;
 use tokio::time::Instant;
 
 use crate::inode::Ino;
+use crate::journal::{Journal, JournalLink, JournaledHandle};
 use crate::names::ListedEntry;
 use crate::prefetch::Prefetch;
 
@@ -152,15 +156,67 @@ pub struct DirHandle {
 #[derive(Debug, Default)]
 pub struct HandleTable {
     next_fh: u64,
-    handles: HashMap<u64, Arc<AsyncMutex<Handle>>>,
+    handles: HashMap<u64, Slot>,
+    journal: JournalLink,
+}
+
+#[derive(Debug)]
+struct Slot {
+    handle: Arc<AsyncMutex<Handle>>,
+    pin: JournaledHandle,
+}
+
+impl Slot {
+    fn new(handle: Handle) -> Self {
+        Slot {
+            pin: JournaledHandle::of(&handle),
+            handle: Arc::new(AsyncMutex::new(handle)),
+        }
+    }
 }
 
 impl HandleTable {
     pub fn insert(&mut self, handle: Handle) -> u64 {
         self.next_fh += 1;
         let fh = self.next_fh;
-        self.handles.insert(fh, Arc::new(AsyncMutex::new(handle)));
+        let slot = Slot::new(handle);
+        if let Some(j) = self.journal.get() {
+            j.opened(fh, &slot.pin);
+        }
+        self.handles.insert(fh, slot);
         fh
+    }
+
+    /// From now on, opens and closes are appended to `journal`.
+    pub(crate) fn attach_journal(&mut self, journal: Arc<Journal>) {
+        self.journal = JournalLink(Some(journal));
+    }
+
+    /// Every handle's pin, by number.
+    pub(crate) fn journaled(&self) -> Vec<(u64, &JournaledHandle)> {
+        let mut v: Vec<_> = self.handles.iter().map(|(k, s)| (*k, &s.pin)).collect();
+        v.sort_by_key(|(k, _)| *k);
+        v
+    }
+
+    /// Read handle `fh` reads through FUSE passthrough with the kernel's backing file
+    /// `backing_id` (or no longer does, `None`): journaled so a successor knows the id.
+    pub(crate) fn set_backing_id(&mut self, fh: u64, backing_id: Option<u32>) {
+        let Some(slot) = self.handles.get_mut(&fh) else {
+            return;
+        };
+        if let JournaledHandle::Read {
+            passthrough,
+            backing_id: id,
+            ..
+        } = &mut slot.pin
+        {
+            *passthrough = backing_id.is_some();
+            *id = backing_id;
+            if let Some(j) = self.journal.get() {
+                j.opened(fh, &slot.pin);
+            }
+        }
     }
 
     /// The number the next [`HandleTable::insert`] will return.
@@ -169,11 +225,15 @@ impl HandleTable {
     }
 
     pub fn get(&self, fh: u64) -> Option<Arc<AsyncMutex<Handle>>> {
-        self.handles.get(&fh).cloned()
+        self.handles.get(&fh).map(|s| s.handle.clone())
     }
 
     pub fn remove(&mut self, fh: u64) -> Option<Arc<AsyncMutex<Handle>>> {
-        self.handles.remove(&fh)
+        let slot = self.handles.remove(&fh)?;
+        if let Some(j) = self.journal.get() {
+            j.closed(fh);
+        }
+        Some(slot.handle)
     }
 
     pub fn len(&self) -> usize {
@@ -186,7 +246,11 @@ impl HandleTable {
 
     /// Every handle, for snapshots.
     pub fn entries(&self) -> Vec<(u64, Arc<AsyncMutex<Handle>>)> {
-        let mut v: Vec<_> = self.handles.iter().map(|(k, h)| (*k, h.clone())).collect();
+        let mut v: Vec<_> = self
+            .handles
+            .iter()
+            .map(|(k, s)| (*k, s.handle.clone()))
+            .collect();
         v.sort_by_key(|(k, _)| *k);
         v
     }
@@ -201,8 +265,9 @@ impl HandleTable {
             next_fh,
             handles: handles
                 .into_iter()
-                .map(|(fh, h)| (fh, Arc::new(AsyncMutex::new(h))))
+                .map(|(fh, h)| (fh, Slot::new(h)))
                 .collect(),
+            journal: JournalLink::default(),
         }
     }
 }

@@ -5,7 +5,9 @@
 //! mount's life even after the kernel forgets it and the entry is dropped from the table. On a
 //! collision with a live inode of another path the next probe value is used (that path's number is
 //! then stable only while it stays live). Plain data: it derives serde so a later process can take
-//! it over; cache validity is not carried over (it restarts expired).
+//! it over; cache validity is not carried over (it restarts expired). With a [`Journal`]
+//! attached, every change to the live set (an inode installed, re-attached, made or unmade local,
+//! dropped) is also appended there, so a successor can rebuild the table after a crash.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -15,10 +17,15 @@ use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
 use crate::config::MetadataTtl;
+use crate::journal::{InodeRecord, Journal, JournalLink};
 use crate::names::{child_path, Kind, ListedEntry, ObjectMeta};
 
 pub type Ino = u64;
 pub const ROOT_INO: Ino = 1;
+
+/// The lookup count of an inode rebuilt from a journal (the kernel's real count is not
+/// journaled): high enough that no `forget` brings it to zero, so it stays for the mount's life.
+pub const RECOVERED_LOOKUPS: u64 = u64::MAX / 2;
 
 /// Most negative entries remembered per directory; beyond it expired ones are purged, then all.
 const NEGATIVE_MAX: usize = 4096;
@@ -143,6 +150,8 @@ pub struct Inode {
     pub kind: Kind,
     /// Kernel references (lookups, creates, readdirplus entries) not yet forgotten.
     pub lookups: u64,
+    /// Changed through [`InodeTable::set_state`] between `LocalDir` and the others (the journal
+    /// records whether a directory is local).
     pub state: InodeState,
     /// Files: the last known size / mtime / ETag. While writing: the local size.
     pub meta: Option<ObjectMeta>,
@@ -167,6 +176,8 @@ impl Inode {
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct InodeTable {
     inodes: HashMap<Ino, Inode>,
+    #[serde(skip)]
+    journal: JournalLink,
 }
 
 impl Default for InodeTable {
@@ -194,6 +205,77 @@ impl InodeTable {
         };
         InodeTable {
             inodes: HashMap::from([(ROOT_INO, root)]),
+            journal: JournalLink::default(),
+        }
+    }
+
+    /// The table a journal describes ([`crate::journal::recovered_snapshot`]): the root, and
+    /// `(record, attached)` with [`RECOVERED_LOOKUPS`] each, attached ones in their parent's
+    /// directory.
+    pub(crate) fn recovered(records: impl IntoIterator<Item = (InodeRecord, bool)>) -> Self {
+        let mut table = InodeTable::new();
+        let mut attached = Vec::new();
+        for (r, is_attached) in records {
+            if is_attached {
+                attached.push((r.parent, r.name.clone(), r.ino));
+            }
+            table.inodes.insert(
+                r.ino,
+                Inode {
+                    ino: r.ino,
+                    parent: r.parent,
+                    name: r.name,
+                    path: r.path,
+                    kind: r.kind,
+                    lookups: RECOVERED_LOOKUPS,
+                    state: match r.local_dir {
+                        true => InodeState::LocalDir,
+                        false => InodeState::Remote,
+                    },
+                    meta: None,
+                    valid: Validity::Expired,
+                    last_open_etag: None,
+                    children: BTreeMap::new(),
+                    cache: DirCache::default(),
+                },
+            );
+        }
+        for (parent, name, ino) in attached {
+            if let Some(p) = table.inodes.get_mut(&parent) {
+                p.children.insert(name, ino);
+            }
+        }
+        table
+    }
+
+    /// From now on, changes to the live set are appended to `journal`.
+    pub(crate) fn attach_journal(&mut self, journal: Arc<Journal>) {
+        self.journal = JournalLink(Some(journal));
+    }
+
+    /// The attached journal.
+    pub(crate) fn journal(&self) -> Option<&Arc<Journal>> {
+        self.journal.0.as_ref()
+    }
+
+    /// Whether `inode` is the child its parent's directory shows under its name.
+    pub(crate) fn is_attached(&self, inode: &Inode) -> bool {
+        self.inodes
+            .get(&inode.parent)
+            .is_some_and(|p| p.children.get(&inode.name) == Some(&inode.ino))
+    }
+
+    /// Sets `ino`'s state; journals it when the inode becomes or stops being a local directory.
+    pub fn set_state(&mut self, ino: Ino, state: InodeState) {
+        let Some(inode) = self.inodes.get_mut(&ino) else {
+            return;
+        };
+        let was_local_dir = inode.state == InodeState::LocalDir;
+        inode.state = state;
+        if was_local_dir != (state == InodeState::LocalDir) {
+            if let (Some(j), Some(inode)) = (self.journal.get(), self.inodes.get(&ino)) {
+                j.inode(inode, self.is_attached(inode));
+            }
         }
     }
 
@@ -249,7 +331,8 @@ impl InodeTable {
         if let Some(old) = previous.filter(|&old| old != ino) {
             self.maybe_remove(old);
         }
-        self.inodes.entry(ino).or_insert_with(|| Inode {
+        let created = !self.inodes.contains_key(&ino);
+        let inode = self.inodes.entry(ino).or_insert_with(|| Inode {
             ino,
             parent,
             name: name.to_owned(),
@@ -263,6 +346,12 @@ impl InodeTable {
             children: BTreeMap::new(),
             cache: DirCache::default(),
         });
+        // New, or a live inode (detached by one of the other kind) attached again.
+        if created || previous != Some(ino) {
+            if let Some(j) = self.journal.get() {
+                j.inode(inode, true);
+            }
+        }
         Some(ino)
     }
 
@@ -285,6 +374,9 @@ impl InodeTable {
                 return;
             }
             let inode = self.inodes.remove(&ino).expect("just seen");
+            if let Some(j) = self.journal.get() {
+                j.removed(ino);
+            }
             let Some(parent) = self.inodes.get_mut(&inode.parent) else {
                 return;
             };
