@@ -130,6 +130,30 @@ impl Plugin {
         Ok(())
     }
 
+    /// Starts `ferry-fd-holder` and makes every node plugin started from now on deposit its
+    /// mounts there (`FERRY_HOLDER_SOCKET`).
+    pub fn start_holder(&mut self) -> Result<PathBuf> {
+        let socket = self.dir.path().join("holder.sock");
+        let holder = self.spawn(
+            &self.bins.clone(),
+            "ferry-fd-holder",
+            &["--socket", &socket.display().to_string()],
+        )?;
+        self.children.push(("ferry-fd-holder".into(), holder));
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !socket.exists() {
+            if Instant::now() > deadline {
+                bail!("ferry-fd-holder did not create {}", socket.display());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        self.env.push((
+            "FERRY_HOLDER_SOCKET".into(),
+            Some(socket.display().to_string()),
+        ));
+        Ok(socket)
+    }
+
     /// Waits until the node plugin answers Probe (after [`Plugin::start_node`]).
     pub async fn wait_node(&mut self) -> Result<()> {
         let socket = self.node_socket.clone();

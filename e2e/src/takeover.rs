@@ -85,6 +85,7 @@ impl Stats {
 }
 
 /// One written file: its name, seed, length and what `close` said.
+#[derive(serde::Serialize, serde::Deserialize)]
 struct Written {
     name: String,
     seed: u64,
@@ -113,10 +114,7 @@ fn big_reader(mnt: PathBuf, want: Bytes, stats: Arc<Stats>, stop: Arc<AtomicBool
             continue;
         };
         let mut off = 0usize;
-        loop {
-            let Some(n) = stats.timed("read big.bin", || f.read(&mut buf)) else {
-                break;
-            };
+        while let Some(n) = stats.timed("read big.bin", || f.read(&mut buf)) {
             if n == 0 {
                 if off != want.len() {
                     stats.wrong(format!("big.bin ended at {off}, not {}", want.len()));
@@ -257,6 +255,31 @@ async fn crash(plugin: &mut Plugin) -> Result<Duration> {
 
 pub async fn run(o: Options) -> Result<()> {
     let mut plugin = Plugin::start(&bin_dir()?).await?;
+    let res = run_on(&mut plugin, o).await;
+    if let Some(dir) = std::env::var_os("FERRY_HARNESS_KEEP_LOGS") {
+        let dir = PathBuf::from(dir);
+        std::fs::create_dir_all(&dir)?;
+        for name in ["ferry-node", "ferry-fd-holder"] {
+            let _ = std::fs::copy(plugin.log_path(name), dir.join(format!("{name}.log")));
+        }
+    }
+    if res.is_err() {
+        let log = std::fs::read_to_string(plugin.log_path("ferry-node")).unwrap_or_default();
+        let tail: Vec<_> = log.lines().rev().take(30).collect();
+        println!("    last lines of ferry-node's log:");
+        for l in tail.iter().rev() {
+            println!("      {l}");
+        }
+    }
+    res
+}
+
+async fn run_on(plugin: &mut Plugin, o: Options) -> Result<()> {
+    // The node plugin started with the harness has no holder: replace it with one that has.
+    plugin.start_holder()?;
+    plugin.signal_process("ferry-node", libc::SIGTERM)?;
+    plugin.start_node()?;
+    plugin.wait_node().await?;
     plugin.s3.create_bucket("takeover").await;
     let s3 = S3Store::new(plugin.s3.s3_config()).await?;
     let big = payload(7, o.big_mib << 20);
@@ -286,44 +309,41 @@ pub async fn run(o: Options) -> Result<()> {
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect();
     let target = plugin.target_path("pod-a", "pv")?;
-    let mut node = plugin.node().await?;
-    node.node_publish_volume(pb::NodePublishVolumeRequest {
-        volume_id: "takeover-vol".into(),
-        target_path: target.display().to_string(),
-        volume_capability: Some(mount_capability(Mode::SingleNodeWriter, &[])),
-        volume_context: ctx,
-        ..Default::default()
-    })
-    .await
-    .context("publishing the volume")?;
+    plugin
+        .node()
+        .await?
+        .node_publish_volume(pb::NodePublishVolumeRequest {
+            volume_id: "takeover-vol".into(),
+            target_path: target.display().to_string(),
+            volume_capability: Some(mount_capability(Mode::SingleNodeWriter, &[])),
+            volume_context: ctx,
+            ..Default::default()
+        })
+        .await
+        .context("publishing the volume")?;
 
-    let stats = Arc::new(Stats::default());
-    let stop = Arc::new(AtomicBool::new(false));
-    let mut readers = Vec::new();
-    for _ in 0..4 {
-        let (m, b, s, st) = (target.clone(), big.clone(), stats.clone(), stop.clone());
-        readers.push(std::thread::spawn(move || big_reader(m, b, s, st)));
-    }
-    for k in 0..8 {
-        let (m, s, st) = (target.clone(), stats.clone(), stop.clone());
-        let n = o.small;
-        readers.push(std::thread::spawn(move || small_reader(m, k, 8, n, s, st)));
-    }
-    {
-        let (m, s, st) = (target.clone(), stats.clone(), stop.clone());
-        let n = o.small;
-        readers.push(std::thread::spawn(move || lister(m, n, s, st)));
-    }
-    let w = {
-        let (m, st) = (target.clone(), stop.clone());
-        std::thread::spawn(move || writer(m, st))
-    };
+    // The load runs in a process of its own: one that holds files open on the mount must not
+    // start the node plugin, whose `exec` would close them (a FLUSH the dead plugin's successor,
+    // that very process, cannot answer yet).
+    let mut load = std::process::Command::new(std::env::current_exe()?)
+        .args([
+            "takeover-load",
+            &target.display().to_string(),
+            "--big-mib",
+            &o.big_mib.to_string(),
+            "--small",
+            &o.small.to_string(),
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .context("starting the load")?;
     let settle = Duration::from_secs_f64(o.settle);
     tokio::time::sleep(settle).await;
 
     let mut took = Vec::new();
     for i in 0..o.upgrades {
-        let t = upgrade(&mut plugin)
+        let t = upgrade(plugin)
             .await
             .with_context(|| format!("upgrade {}", i + 1))?;
         println!(
@@ -335,7 +355,7 @@ pub async fn run(o: Options) -> Result<()> {
         tokio::time::sleep(settle).await;
     }
     for i in 0..o.kills {
-        let t = crash(&mut plugin)
+        let t = crash(plugin)
             .await
             .with_context(|| format!("kill -9 {}", i + 1))?;
         println!(
@@ -346,14 +366,18 @@ pub async fn run(o: Options) -> Result<()> {
         took.push(t);
         tokio::time::sleep(settle).await;
     }
-    stop.store(true, Ordering::Relaxed);
-    for r in readers {
-        r.join().map_err(|_| anyhow::anyhow!("a reader panicked"))?;
+    drop(load.stdin.take());
+    let mut out = String::new();
+    load.stdout
+        .take()
+        .expect("piped")
+        .read_to_string(&mut out)?;
+    let status = load.wait()?;
+    if !status.success() {
+        bail!("the load process failed: {status}");
     }
-    let written = w
-        .join()
-        .map_err(|_| anyhow::anyhow!("the writer panicked"))?;
-
+    let report: Report = serde_json::from_str(&out).context("the load's report")?;
+    let written = report.written;
     // Every object whose close succeeded is complete and correct.
     let (mut complete, mut reported) = (0, 0);
     let mut bad = Vec::new();
@@ -380,15 +404,12 @@ pub async fn run(o: Options) -> Result<()> {
             }
         }
     }
-    let max_stall = Duration::from_micros(stats.max_stall.load(Ordering::Relaxed));
+    let max_stall = Duration::from_micros(report.max_stall_us);
     let mut sorted = took.clone();
     sorted.sort();
     println!(
         "    reads/listings ok: {}, failed: {}, wrong: {}, ENOTCONN: {}, longest call: {} ms (bound {} s)",
-        stats.ok.load(Ordering::Relaxed),
-        stats.failed.load(Ordering::Relaxed),
-        stats.wrong.load(Ordering::Relaxed),
-        stats.enotconn.load(Ordering::Relaxed),
+        report.ok, report.failed, report.wrong, report.enotconn,
         max_stall.as_millis(),
         STALL_BOUND.as_secs()
     );
@@ -407,25 +428,20 @@ pub async fn run(o: Options) -> Result<()> {
             last.as_millis()
         );
     }
-    for e in stats.errors.lock().unwrap().iter() {
+    for e in &report.errors {
         println!("    error: {e}");
     }
     for b in &bad {
         println!("    wrong object: {b}");
     }
-    if let Some(dir) = std::env::var_os("FERRY_HARNESS_KEEP_LOGS") {
-        let dir = PathBuf::from(dir);
-        std::fs::create_dir_all(&dir)?;
-        std::fs::copy(plugin.log_path("ferry-node"), dir.join("ferry-node.log"))?;
-    }
-    let failed = stats.failed.load(Ordering::Relaxed) + stats.wrong.load(Ordering::Relaxed);
+    let failed = report.failed + report.wrong;
     if failed > 0 || !bad.is_empty() || max_stall > STALL_BOUND {
         bail!("takeover: reads failed, bytes were wrong or a call stalled");
     }
-    if stats.ok.load(Ordering::Relaxed) == 0 || written.is_empty() {
+    if report.ok == 0 || written.is_empty() {
         bail!("takeover: the workload did not run");
     }
-    node = plugin.node().await?;
+    let mut node = plugin.node().await?;
     node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
         volume_id: "takeover-vol".into(),
         target_path: target.display().to_string(),
@@ -436,5 +452,64 @@ pub async fn run(o: Options) -> Result<()> {
         "takeover: {} upgrades and {} kill -9 restarts under load, 0 failed",
         o.upgrades, o.kills
     );
+    Ok(())
+}
+
+/// What the load process reports when its stdin closes.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Report {
+    ok: u64,
+    failed: u64,
+    wrong: u64,
+    enotconn: u64,
+    max_stall_us: u64,
+    errors: Vec<String>,
+    written: Vec<Written>,
+}
+
+/// `ferry-harness takeover-load`: runs the readers, the lister and the writer on the mount at
+/// `target` until stdin closes, then prints a JSON [`Report`].
+pub fn load(target: PathBuf, big_mib: usize, small: usize) -> Result<()> {
+    let big = payload(7, big_mib << 20);
+    let stats = Arc::new(Stats::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut readers = Vec::new();
+    for _ in 0..4 {
+        let (m, b, s, st) = (target.clone(), big.clone(), stats.clone(), stop.clone());
+        readers.push(std::thread::spawn(move || big_reader(m, b, s, st)));
+    }
+    for k in 0..8 {
+        let (m, s, st) = (target.clone(), stats.clone(), stop.clone());
+        readers.push(std::thread::spawn(move || {
+            small_reader(m, k, 8, small, s, st)
+        }));
+    }
+    {
+        let (m, s, st) = (target.clone(), stats.clone(), stop.clone());
+        readers.push(std::thread::spawn(move || lister(m, small, s, st)));
+    }
+    let w = {
+        let (m, st) = (target.clone(), stop.clone());
+        std::thread::spawn(move || writer(m, st))
+    };
+    let mut sink = Vec::new();
+    let _ = std::io::stdin().read_to_end(&mut sink);
+    stop.store(true, Ordering::Relaxed);
+    for r in readers {
+        r.join().map_err(|_| anyhow::anyhow!("a reader panicked"))?;
+    }
+    let written = w
+        .join()
+        .map_err(|_| anyhow::anyhow!("the writer panicked"))?;
+    let report = Report {
+        ok: stats.ok.load(Ordering::Relaxed),
+        failed: stats.failed.load(Ordering::Relaxed),
+        wrong: stats.wrong.load(Ordering::Relaxed),
+        enotconn: stats.enotconn.load(Ordering::Relaxed),
+        max_stall_us: stats.max_stall.load(Ordering::Relaxed),
+        errors: stats.errors.lock().unwrap().clone(),
+        written,
+    };
+    println!("{}", serde_json::to_string(&report)?);
     Ok(())
 }

@@ -13,6 +13,7 @@ pub mod accounts;
 pub mod fdpass;
 pub mod handover;
 pub mod holder;
+pub mod keeper;
 pub mod mounts;
 pub mod service;
 pub mod size;

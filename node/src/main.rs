@@ -30,6 +30,8 @@ struct Cli {
     command: Command,
 }
 
+// Parsed once at start: the size of the arguments does not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Subcommand)]
 enum Command {
     /// Serve the CSI Identity and Node services (the DaemonSet's command).
@@ -115,6 +117,11 @@ struct ServeArgs {
     /// before exiting without one (the mounts then fail with ENOTCONN).
     #[arg(long, env = "FERRY_HANDOVER_WAIT", default_value = "30")]
     handover_wait: u64,
+    /// The `ferry-fd-holder` socket: every mount's FUSE descriptor and journal are deposited
+    /// there, so mounts survive a crash of this process (the next one recovers them). Without
+    /// it, mounts end with this process unless it hands them over.
+    #[arg(long, env = "FERRY_HOLDER_SOCKET")]
+    holder_socket: Option<PathBuf>,
     /// State formats this process accepts from a predecessor (tests of a format change).
     #[arg(long, hide = true, value_delimiter = ',', default_value = "1")]
     handover_readable: Vec<u32>,
@@ -600,6 +607,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     });
     let ctx = mount_context(cache, a.memory_budget, !a.no_cache_passthrough)?;
     let cache = ctx.cache.clone();
+    let keeper = ferry_node::keeper::Keeper::new(a.holder_socket.clone());
     let node = NodeService::with_parts(
         NodeConfig {
             node_id: a.node_id.clone(),
@@ -610,12 +618,58 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         mounts.clone(),
         ctx,
         pod_auth,
-    );
+    )
+    .with_keeper(keeper.clone());
     let identity = IdentityService::new(
         // The plugin as a whole provides the controller service (served by ferry-controller).
         vec![PluginCap::ControllerService],
         Box::new(|| Box::pin(async { fuse_device_usable() })),
     );
+    let recovering = std::time::Instant::now();
+    if handed_at.is_none() && keeper.enabled() {
+        // No live owner: whatever the holder keeps is a dead process's.
+        let (served, cut) = node.recover().await;
+        if served + cut > 0 {
+            let pause = recovering.elapsed();
+            let reg = ferry_metrics::global();
+            let help = "Mounts taken over from a previous process, by how.";
+            reg.counter(
+                ferry_metrics::names::MOUNTS_TAKEN_OVER,
+                help,
+                &[("how", "recovery")],
+            )
+            .add(served as u64);
+            reg.counter(
+                ferry_metrics::names::MOUNTS_TAKEN_OVER,
+                help,
+                &[("how", "failed")],
+            )
+            .add(cut as u64);
+            reg.gauge(
+                ferry_metrics::names::TAKEOVER_PAUSE,
+                "Milliseconds the last takeover stopped the mounts.",
+                &[],
+            )
+            .set(pause.as_millis() as i64);
+            tracing::info!(
+                served,
+                cut_off = cut,
+                elapsed_ms = pause.as_millis() as u64,
+                "mounts of a previous process recovered"
+            );
+        }
+    }
+    {
+        let node = node.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(10));
+            loop {
+                tick.tick().await;
+                let node = node.clone();
+                let _ = tokio::task::spawn_blocking(move || node.compact_journals()).await;
+            }
+        });
+    }
     let n = inherited.len();
     let mut failed = 0;
     for (record, device) in inherited {
@@ -689,9 +743,17 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         save_checked(cache).await;
     }
     // Live mounts are left in place: unmounting them would show pods an empty directory whose
-    // writes land on the node's disk. When this process exits their FUSE connections end and
-    // they fail with ENOTCONN until kubelet unpublishes them (which detaches the dead mount).
+    // writes land on the node's disk. With a descriptor holder they wait for the next process,
+    // which recovers them; without one their FUSE connections end with this process and they
+    // fail with ENOTCONN until kubelet unpublishes them (which detaches the dead mount).
     let live = mounts.list();
+    if !live.is_empty() && keeper.enabled() {
+        tracing::warn!(
+            mounts = live.len(),
+            "exiting with live mounts and no successor; the fd holder keeps them for the next process"
+        );
+        std::process::exit(0);
+    }
     if !live.is_empty() {
         tracing::warn!(
             mounts = live.len(),

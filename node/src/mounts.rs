@@ -53,6 +53,8 @@ pub struct Mounted {
     /// The NodePublishVolume request (protobuf, secrets included) it was made or last
     /// republished with: what a successor process rebuilds its credentials from. Memory only.
     pub request: Vec<u8>,
+    /// The memfd its journal is written to (with a descriptor holder; see `crate::keeper`).
+    pub journal: Option<std::fs::File>,
 }
 
 fn mounts_gauge() -> std::sync::Arc<ferry_metrics::Gauge> {
@@ -118,10 +120,12 @@ impl MountTable {
             .collect()
     }
 
-    /// Records the newest request a live mount was republished with (a pod's renewed token).
-    pub fn set_request(&self, target: &Path, request: Vec<u8>) {
+    /// Records the newest request a live mount was republished with (a pod's renewed token);
+    /// `f` runs on the mount afterwards (under the table's lock).
+    pub fn set_request(&self, target: &Path, request: Vec<u8>, f: impl FnOnce(&Mounted)) {
         if let Some(m) = self.mounts.lock().unwrap().get_mut(target) {
             m.request = request;
+            f(m);
         }
     }
 

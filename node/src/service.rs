@@ -30,6 +30,7 @@ use tonic::{Request, Response, Status};
 use tracing::{info, instrument, warn};
 
 use crate::handover::MountRecord;
+use crate::keeper::{self, Keeper};
 use crate::mountinfo;
 use crate::mounts::{MountCredentials, MountTable, Mounted, Published};
 use crate::targetpath;
@@ -73,6 +74,8 @@ struct Inner {
     /// Publish and unpublish hold it shared; a handover holds it exclusively, so the mount table
     /// it hands over is not changing underneath it.
     ops: Arc<tokio::sync::RwLock<()>>,
+    /// Deposits each mount with the descriptor holder (crash recovery).
+    keeper: Keeper,
 }
 
 /// A target path as an error quotes it (cut short, see [`quote`]).
@@ -181,6 +184,85 @@ impl NodeService {
         Self::with_parts(config, stores, mounts, ctx, pod_auth)
     }
 
+    /// Deposits every mount with the descriptor holder `keeper` reaches (crash recovery).
+    pub fn with_keeper(mut self, keeper: Keeper) -> Self {
+        Arc::get_mut(&mut self.inner)
+            .expect("set before the service is shared")
+            .keeper = keeper;
+        self
+    }
+
+    /// Rewrites each mount's journal that grew well past its live set into a new memfd and
+    /// deposits that (the old one is dropped).
+    pub fn compact_journals(&self) {
+        self.inner.mounts.with_all(|all| {
+            for m in all.values() {
+                let (Some(_), Some(journal)) = (&m.journal, m.handle.fs().journal()) else {
+                    continue;
+                };
+                let (inodes, handles) = m.handle.fs().table_sizes();
+                if journal.records_since_compaction() < 4 * (inodes + handles) as u64 + 10_000 {
+                    continue;
+                }
+                let res = keeper::memfd("ferry-journal").and_then(|f| {
+                    let theirs = f.try_clone()?;
+                    m.handle.fs().compact_journal(theirs)?;
+                    Ok(f)
+                });
+                match res {
+                    Ok(file) => self.inner.keeper.keep(&m.handle, &file, &m.request),
+                    Err(e) => {
+                        warn!(target = %m.handle.target().display(), error = %e, "compacting the mount's journal failed")
+                    }
+                }
+            }
+        });
+    }
+
+    /// Recovers every mount the descriptor holder kept for a process that died: rebuilt from its
+    /// journal, the kernel asked to re-send what that process left unanswered. Returns (served,
+    /// cut off).
+    pub async fn recover(&self) -> (usize, usize) {
+        let keeper = self.inner.keeper.clone();
+        let kept = match tokio::task::spawn_blocking(move || keeper.take_kept()).await {
+            Ok(Ok(k)) => k,
+            Ok(Err(e)) => {
+                warn!(error = %e, "cannot reach the fd holder: no mount is recovered");
+                return (0, 0);
+            }
+            Err(_) => return (0, 0),
+        };
+        let (mut served, mut cut) = (0, 0);
+        for entry in kept {
+            match entry {
+                Ok((record, device)) => {
+                    let target = record.target.clone();
+                    match self.adopt(record, device, true).await {
+                        Ok(()) => served += 1,
+                        Err(_) => {
+                            cut += 1;
+                            self.inner.keeper.release(&target);
+                        }
+                    }
+                }
+                Err(u) => {
+                    cut += 1;
+                    tracing::error!(key = %u.key, reason = %u.reason, "a mount kept for a previous process cannot be recovered; cutting it off (it fails with ENOTCONN until unpublished)");
+                    if let Some((target, dev)) = &u.mount {
+                        abandon(target, *dev);
+                    }
+                    let keeper = self.inner.keeper.clone();
+                    let key = u.key.clone();
+                    let _ = tokio::task::spawn_blocking(move || {
+                        keeper.release(std::path::Path::new(&key))
+                    })
+                    .await;
+                }
+            }
+        }
+        (served, cut)
+    }
+
     /// A node service whose mounts share `ctx` (memory budget, block cache) and that also
     /// serves `authenticationSource: pod` volumes when `pod_auth` is given.
     pub fn with_parts(
@@ -202,6 +284,7 @@ impl NodeService {
                 mount_context: ctx,
                 pod_auth,
                 ops: Arc::default(),
+                keeper: Keeper::default(),
             }),
         }
     }
@@ -436,8 +519,12 @@ impl Inner {
                     let _ = tokio::task::spawn_blocking(move || drop(m)).await;
                 }
             } else if existing == published {
-                self.mounts
-                    .set_request(&target, prost::Message::encode_to_vec(&req));
+                let request = prost::Message::encode_to_vec(&req);
+                self.mounts.set_request(&target, request.clone(), |m| {
+                    if let Some(journal) = &m.journal {
+                        self.keeper.keep(&m.handle, journal, &request);
+                    }
+                });
                 match &published.credentials {
                     // The pod's provider already has the new token (Inner::credentials).
                     MountCredentials::Pod(id) => {
@@ -502,7 +589,8 @@ impl Inner {
         }
 
         let created = CreatedDir::make(&target)?;
-        let mount_context = self.mount_context.clone();
+        let mut mount_context = self.mount_context.clone();
+        let journal = self.journal_for(&target, &mut mount_context)?;
         let warm_store = store.clone();
         let (mount_target, mount_config) = (target.clone(), config.clone());
         let handle = tokio::task::spawn_blocking(move || {
@@ -538,13 +626,18 @@ impl Inner {
             pod_uid = targetpath::pod_uid(&self.config.kubelet_root, &target).unwrap_or("-"),
             "published"
         );
+        let request = prost::Message::encode_to_vec(&req);
+        if let Some(journal) = &journal {
+            self.keeper.keep(&handle, journal, &request);
+        }
         self.mounts.insert(
             target,
             Mounted {
                 published,
                 config,
                 handle,
-                request: prost::Message::encode_to_vec(&req),
+                request,
+                journal,
             },
         );
         Ok(pb::NodePublishVolumeResponse {})
@@ -588,6 +681,7 @@ impl Inner {
                 .await
                 .map_err(|e| CsiError::Internal(format!("unmount task failed: {e}")))?;
             res.map_err(|e| CsiError::Internal(format!("unmounting {}: {e}", shown(&target))))?;
+            self.keeper.release(&target);
         } else if found != targetpath::Found::Symlink {
             Self::clear_stale(&target)?;
         }
@@ -759,6 +853,28 @@ pub fn abandon(target: &Path, dev: (u32, u32)) {
 }
 
 impl Inner {
+    /// With a descriptor holder: a new journal for the mount at `target`, set in `ctx` for the
+    /// mount to write, and the file to deposit.
+    fn journal_for(
+        &self,
+        target: &Path,
+        ctx: &mut ferry_fs::MountContext,
+    ) -> Result<Option<std::fs::File>> {
+        if !self.keeper.enabled() {
+            return Ok(None);
+        }
+        let file = keeper::memfd("ferry-journal")
+            .map_err(|e| CsiError::Internal(format!("creating the mount's journal: {e}")))?;
+        let theirs = file
+            .try_clone()
+            .map_err(|e| CsiError::Internal(format!("creating the mount's journal: {e}")))?;
+        ctx.journal = Some(Arc::new(ferry_fs::Journal::new(
+            theirs,
+            serde_json::json!({ "target": target }),
+        )));
+        Ok(Some(file))
+    }
+
     async fn adopt(
         &self,
         record: MountRecord,
@@ -795,7 +911,10 @@ impl Inner {
             .await
             .map_err(|e| anyhow::anyhow!("creating the S3 client: {e}"))?;
         let config = record.snapshot.config.clone();
-        let ctx = self.mount_context.clone();
+        let mut ctx = self.mount_context.clone();
+        let journal = self
+            .journal_for(&record.target, &mut ctx)
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         let target = record.target.clone();
         let (snapshot, dev, kernel) = (record.snapshot, record.dev, record.kernel);
         let handle = tokio::task::spawn_blocking(move || {
@@ -803,6 +922,9 @@ impl Inner {
         })
         .await??;
         info!(target = %record.target.display(), volume_id = %quote(&published.volume_id), "mount taken over");
+        if let Some(journal) = &journal {
+            self.keeper.keep(&handle, journal, &record.request);
+        }
         self.mounts.insert(
             record.target,
             Mounted {
@@ -810,6 +932,7 @@ impl Inner {
                 config,
                 handle,
                 request: record.request,
+                journal,
             },
         );
         Ok(())

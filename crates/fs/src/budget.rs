@@ -165,6 +165,8 @@ pub struct MountContext {
     pub passthrough: bool,
     /// Proofs of access by store, shared by the mounts of one store (the same credentials).
     pub proofs: Arc<crate::proofs::ProofRegistry>,
+    /// The journal the next mount keeps its state in (set per mount; see [`crate::journal`]).
+    pub journal: Option<Arc<crate::journal::Journal>>,
 }
 
 impl MountContext {
@@ -177,6 +179,7 @@ impl MountContext {
             cache: None,
             passthrough: true,
             proofs: Arc::default(),
+            journal: None,
         }
     }
 }

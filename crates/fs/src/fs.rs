@@ -1441,6 +1441,8 @@ impl Fs {
         };
         r.passthrough = true;
         drop(g);
+        // A successor after a crash must know: it may not open the inode in cached mode.
+        st.handles.set_passthrough(fh, true);
         let m = st.io.entry(ino).or_default();
         m.cached -= 1;
         m.passthrough += 1;
@@ -1456,6 +1458,7 @@ impl Fs {
         if std::mem::take(&mut r.passthrough) {
             let ino = r.ino;
             drop(g);
+            st.handles.set_passthrough(fh, false);
             let m = st.io.entry(ino).or_default();
             m.passthrough = m.passthrough.saturating_sub(1);
             m.cached += 1;
@@ -2072,13 +2075,6 @@ impl Fs {
             .journal()
             .ok_or_else(|| std::io::Error::other("no journal attached"))?;
         journal.compact_into(new_file, &st.inodes, &st.handles)
-    }
-
-    /// The adapter registered the kernel's backing file `backing_id` for read handle `fh` (FUSE
-    /// passthrough), or `None` when it no longer reads through it: journaled, so that a
-    /// successor knows the id to close.
-    pub fn journal_passthrough(&self, fh: u64, backing_id: Option<u32>) {
-        self.lock().handles.set_backing_id(fh, backing_id);
     }
 }
 

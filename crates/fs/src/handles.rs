@@ -130,7 +130,9 @@ pub struct WriteHandle {
     pub pid: u32,
     /// Bytes accepted so far (the file's size).
     pub written: u64,
-    /// Accepted bytes not yet in an uploaded part (< [`PART_SIZE`] between calls).
+    /// Accepted bytes not yet in an uploaded part (< [`PART_SIZE`] between calls). Base64 in a
+    /// handover's JSON (a third larger, where an array of numbers is up to four times).
+    #[serde(with = "base64_bytes")]
     pub pending: Vec<u8>,
     pub upload: Option<MultipartState>,
     pub status: WriteStatus,
@@ -199,20 +201,14 @@ impl HandleTable {
         v
     }
 
-    /// Read handle `fh` reads through FUSE passthrough with the kernel's backing file
-    /// `backing_id` (or no longer does, `None`): journaled so a successor knows the id.
-    pub(crate) fn set_backing_id(&mut self, fh: u64, backing_id: Option<u32>) {
+    /// Read handle `fh` reads through FUSE passthrough (or no longer does): journaled, since a
+    /// successor must not open its inode in cached mode meanwhile.
+    pub(crate) fn set_passthrough(&mut self, fh: u64, on: bool) {
         let Some(slot) = self.handles.get_mut(&fh) else {
             return;
         };
-        if let JournaledHandle::Read {
-            passthrough,
-            backing_id: id,
-            ..
-        } = &mut slot.pin
-        {
-            *passthrough = backing_id.is_some();
-            *id = backing_id;
+        if let JournaledHandle::Read { passthrough, .. } = &mut slot.pin {
+            *passthrough = on;
             if let Some(j) = self.journal.get() {
                 j.opened(fh, &slot.pin);
             }
@@ -269,6 +265,23 @@ impl HandleTable {
                 .collect(),
             journal: JournalLink::default(),
         }
+    }
+}
+
+mod base64_bytes {
+    use base64::engine::general_purpose::STANDARD;
+    use base64::Engine;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(bytes: &[u8], s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&STANDARD.encode(bytes))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
+        let text = <std::borrow::Cow<'de, str>>::deserialize(d)?;
+        STANDARD
+            .decode(text.as_bytes())
+            .map_err(serde::de::Error::custom)
     }
 }
 

@@ -93,10 +93,10 @@ pub enum JournaledHandle {
         last_modified: Option<SystemTime>,
         size: u64,
         cached: bool,
+        /// Read by the kernel straight from a backing file (FUSE passthrough): a successor must
+        /// not open the inode in cached mode while it is open. (Its backing id is not kept: a
+        /// successor unregisters every id of the connection before registering its own.)
         passthrough: bool,
-        /// The kernel's backing file id while the handle reads through FUSE passthrough (the
-        /// adapter registers it, [`crate::Fs::journal_passthrough`]); a successor closes it.
-        backing_id: Option<u32>,
     },
     Dir {
         ino: Ino,
@@ -124,7 +124,6 @@ impl JournaledHandle {
                 size: r.size,
                 cached: r.cached,
                 passthrough: r.passthrough,
-                backing_id: None,
             },
             Handle::Dir(d) => JournaledHandle::Dir { ino: d.ino },
             Handle::Write(w) => JournaledHandle::Write {
@@ -151,7 +150,6 @@ impl JournaledHandle {
                 size,
                 cached,
                 passthrough,
-                backing_id: _,
             } => {
                 let mut r = ReadHandle::new(ino, key, etag, size);
                 r.last_modified = last_modified;

@@ -404,11 +404,13 @@ pub fn mount(
         source,
     };
     let proofs = ctx.proofs.for_store(&store);
-    let fs = Arc::new(
-        Fs::with_budget(store, cfg.clone(), ctx.budget, ctx.prefetch)
-            .with_cache(ctx.cache)
-            .with_proofs(proofs),
-    );
+    let mut fs = Fs::with_budget(store, cfg.clone(), ctx.budget, ctx.prefetch)
+        .with_cache(ctx.cache)
+        .with_proofs(proofs);
+    if let Some(journal) = ctx.journal {
+        fs = fs.with_journal(journal);
+    }
+    let fs = Arc::new(fs);
     let adapter = FuseAdapter::new(fs.clone(), ctx.runtime, ctx.passthrough);
     let (gate, kernel) = (adapter.gate(), adapter.kernel_init());
     let options = mount_options(&cfg);
@@ -489,11 +491,13 @@ pub fn resume(
         .filter(|m| m.dev == dev_numbers && m.fs_type.starts_with("fuse"))
         .ok_or_else(|| MountError::NotVisible(target.clone()))?;
     let proofs = ctx.proofs.for_store(&store);
-    let fs = Arc::new(
-        Fs::from_snapshot(store, snapshot, ctx.budget, ctx.prefetch)
-            .with_cache(ctx.cache)
-            .with_proofs(proofs),
-    );
+    let mut fs = Fs::from_snapshot(store, snapshot, ctx.budget, ctx.prefetch)
+        .with_cache(ctx.cache)
+        .with_proofs(proofs);
+    if let Some(journal) = ctx.journal {
+        fs = fs.with_journal(journal);
+    }
+    let fs = Arc::new(fs);
     let adapter = FuseAdapter::new(fs.clone(), ctx.runtime, ctx.passthrough);
     let (gate, kernel_rec) = (adapter.gate(), adapter.kernel_init());
     let options = mount_options(&cfg);

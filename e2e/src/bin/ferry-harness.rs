@@ -51,6 +51,15 @@ enum Cmd {
         #[arg(long, default_value = "1.0")]
         settle: f64,
     },
+    /// The load of `takeover`, run in a process of its own (internal).
+    #[command(hide = true)]
+    TakeoverLoad {
+        target: PathBuf,
+        #[arg(long)]
+        big_mib: usize,
+        #[arg(long)]
+        small: usize,
+    },
     /// Driver-level IRSA through the real binaries: both run with `AWS_ROLE_ARN` and
     /// `AWS_WEB_IDENTITY_TOKEN_FILE` only (STS and S3 on moto, IAM enforced, logs at trace level),
     /// provision, mount, write, read and delete; then a pod-level IRSA volume through the node
@@ -92,6 +101,11 @@ fn main() -> Result<()> {
             Cmd::Demo { keep } => demo(keep).await,
             Cmd::Sanity { csi_sanity, extra } => sanity(csi_sanity, extra).await,
             Cmd::Restart => restart().await,
+            Cmd::TakeoverLoad {
+                target,
+                big_mib,
+                small,
+            } => ferry_e2e::takeover::load(target, big_mib, small),
             Cmd::Takeover {
                 upgrades,
                 kills,

@@ -172,6 +172,7 @@ pub fn mount_bucket(
         cache: None,
         passthrough: true,
         proofs: Default::default(),
+        journal: None,
     };
     let handle = mount(store, cfg, dir.path(), ctx).expect("mount");
     Mount {

@@ -1,0 +1,191 @@
+//! Keeping every mount recoverable after this process dies (`kill -9`, OOM, panic): each mount's
+//! state goes into a journal on a memfd ([`ferry_fs::journal`]), and the mount's `/dev/fuse`
+//! descriptor and that memfd are deposited with `ferry-fd-holder`, a separate process that only
+//! holds descriptors. The FUSE connection then outlives this process; the next one takes the
+//! descriptors back, replays the journal and serves on ([`recover`]).
+//!
+//! What the holder keeps beside the descriptors (the [`Kept`] blob) includes the mount's publish
+//! request, secrets included: it lives in the holder's memory only, never on disk. The journal
+//! holds no secret.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+
+use ferry_fs::{KernelInit, MountHandle};
+use serde::{Deserialize, Serialize};
+
+use crate::handover::MountRecord;
+use crate::holder;
+
+/// The blob format this build writes and reads.
+pub const KEPT_VERSION: u32 = 1;
+
+/// What the holder keeps for one mount besides its descriptors (`/dev/fuse`, then the journal).
+#[derive(Debug, Serialize, Deserialize)]
+pub struct Kept {
+    pub version: u32,
+    pub target: PathBuf,
+    pub dev: (u32, u32),
+    pub kernel: KernelInit,
+    /// The publish request (protobuf), base64.
+    pub request: String,
+}
+
+/// The link to the holder (none without `--holder-socket`: mounts then end with this process).
+#[derive(Debug, Clone, Default)]
+pub struct Keeper {
+    link: Option<Arc<Link>>,
+}
+
+#[derive(Debug)]
+struct Link {
+    socket: PathBuf,
+    client: Mutex<Option<holder::Client>>,
+}
+
+/// An anonymous memory file (`memfd_create`), close-on-exec.
+pub fn memfd(name: &str) -> std::io::Result<std::fs::File> {
+    let name = std::ffi::CString::new(name).expect("no NUL");
+    // SAFETY: memfd_create with a valid NUL-terminated name; the fd is ours.
+    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: fd is a fresh descriptor we own.
+    Ok(std::fs::File::from(unsafe {
+        <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd)
+    }))
+}
+
+fn key(target: &Path) -> String {
+    target.to_string_lossy().into_owned()
+}
+
+impl Keeper {
+    pub fn new(socket: Option<PathBuf>) -> Self {
+        Keeper {
+            link: socket.map(|socket| {
+                Arc::new(Link {
+                    socket,
+                    client: Mutex::new(None),
+                })
+            }),
+        }
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.link.is_some()
+    }
+
+    /// Runs `f` with a connected client (connecting first if needed).
+    fn with<T>(
+        &self,
+        f: impl FnOnce(&mut holder::Client) -> std::io::Result<T>,
+    ) -> Option<std::io::Result<T>> {
+        let link = self.link.as_ref()?;
+        let mut guard = link.client.lock().unwrap_or_else(|e| e.into_inner());
+        if guard.is_none() {
+            match holder::Client::connect(&link.socket) {
+                Ok(c) => *guard = Some(c),
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        let res = f(guard.as_mut().expect("connected"));
+        if res.is_err() {
+            *guard = None;
+        }
+        Some(res)
+    }
+
+    /// Deposits `handle`'s descriptors and journal file under its target (replacing what was
+    /// there). A mount the holder does not have is not recoverable after a crash: logged.
+    pub fn keep(&self, handle: &MountHandle, journal: &std::fs::File, request: &[u8]) {
+        use base64::Engine;
+        let (Some(device), Some(kernel)) = (handle.device(), handle.kernel_init()) else {
+            return;
+        };
+        let kept = Kept {
+            version: KEPT_VERSION,
+            target: handle.target().to_path_buf(),
+            dev: handle.device_numbers(),
+            kernel,
+            request: base64::engine::general_purpose::STANDARD.encode(request),
+        };
+        let blob = serde_json::to_vec(&kept).expect("serializable");
+        let res =
+            self.with(|c| c.deposit(&key(handle.target()), &blob, &[device, journal.as_fd()]));
+        if let Some(Err(e)) = res {
+            tracing::warn!(target = %handle.target().display(), error = %e, "the fd holder does not have this mount: it will not survive a crash of this process");
+        }
+    }
+
+    /// The mount at `target` is gone: the holder lets go of it.
+    pub fn release(&self, target: &Path) {
+        if let Some(Err(e)) = self.with(|c| c.withdraw(&key(target))) {
+            tracing::warn!(target = %target.display(), error = %e, "the fd holder still keeps this mount's descriptors");
+        }
+    }
+
+    /// Every mount the holder keeps, with its descriptor, rebuilt from its journal. Entries that
+    /// cannot be read are returned as errors (with what to cut off, when known).
+    pub fn take_kept(&self) -> std::io::Result<Vec<Result<(MountRecord, OwnedFd), Unreadable>>> {
+        let Some(entries) = self.with(|c| c.list()) else {
+            return Ok(Vec::new());
+        };
+        Ok(entries?.into_iter().map(read_entry).collect())
+    }
+}
+
+/// A kept entry that cannot be served.
+#[derive(Debug)]
+pub struct Unreadable {
+    pub key: String,
+    /// The mount to cut off, when the blob could be read.
+    pub mount: Option<(PathBuf, (u32, u32))>,
+    pub reason: String,
+}
+
+fn read_entry(e: holder::HeldEntry) -> Result<(MountRecord, OwnedFd), Unreadable> {
+    use base64::Engine;
+    let fail = |mount, reason: String| Unreadable {
+        key: e.key.clone(),
+        mount,
+        reason,
+    };
+    let value: serde_json::Value = serde_json::from_slice(&e.blob)
+        .map_err(|err| fail(None, format!("the kept blob is not JSON: {err}")))?;
+    let version = value.get("version").and_then(|v| v.as_u64());
+    if version != Some(u64::from(KEPT_VERSION)) {
+        return Err(fail(
+            None,
+            format!(
+                "kept by a process writing format {version:?}; this build reads {KEPT_VERSION}"
+            ),
+        ));
+    }
+    let kept: Kept = serde_json::from_value(value)
+        .map_err(|err| fail(None, format!("the kept blob does not parse: {err}")))?;
+    let mount = Some((kept.target.clone(), kept.dev));
+    let request = base64::engine::general_purpose::STANDARD
+        .decode(&kept.request)
+        .map_err(|err| fail(mount.clone(), format!("the kept request: {err}")))?;
+    let mut fds = e.fds.into_iter();
+    let (Some(device), Some(journal)) = (fds.next(), fds.next()) else {
+        return Err(fail(mount, "kept without its two descriptors".into()));
+    };
+    let mut journal = std::fs::File::from(journal);
+    let rec = ferry_fs::replay(&mut journal)
+        .map_err(|err| fail(mount.clone(), format!("its journal: {err}")))?;
+    let snapshot = ferry_fs::journal::recovered_snapshot(&rec);
+    Ok((
+        MountRecord {
+            target: kept.target,
+            dev: kept.dev,
+            kernel: kept.kernel,
+            request,
+            snapshot,
+        },
+        device,
+    ))
+}
