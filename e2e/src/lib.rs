@@ -110,24 +110,69 @@ impl Plugin {
 
     /// Starts a `ferry-node serve` process (the log is appended to across restarts).
     pub fn start_node(&mut self) -> Result<()> {
+        self.start_node_with(&[], &[])
+    }
+
+    /// [`Plugin::start_node`] with extra arguments and environment variables.
+    pub fn start_node_with(&mut self, extra: &[&str], env: &[(&str, &str)]) -> Result<()> {
         let kubelet = self.kubelet_root();
-        let node = self.spawn(
-            &self.bins.clone(),
-            "ferry-node",
-            &[
-                "serve",
-                "--csi-endpoint",
-                &format!("unix://{}", self.node_socket.display()),
-                "--node-id",
-                "e2e-node",
-                "--kubelet-root",
-                &kubelet.display().to_string(),
-                "--metrics-addr",
-                "127.0.0.1:0",
-            ],
-        )?;
-        self.children.push(("ferry-node".into(), node));
+        let (socket, kubelet) = (
+            format!("unix://{}", self.node_socket.display()),
+            kubelet.display().to_string(),
+        );
+        let mut args = vec![
+            "serve",
+            "--csi-endpoint",
+            &socket,
+            "--node-id",
+            "e2e-node",
+            "--kubelet-root",
+            &kubelet,
+            "--metrics-addr",
+            "127.0.0.1:0",
+        ];
+        args.extend_from_slice(extra);
+        let saved = self.env.len();
+        self.env.extend(
+            env.iter()
+                .map(|(k, v)| (k.to_string(), Some(v.to_string()))),
+        );
+        let node = self.spawn(&self.bins.clone(), "ferry-node", &args);
+        self.env.truncate(saved);
+        self.children.push(("ferry-node".into(), node?));
         Ok(())
+    }
+
+    /// Waits (at most `timeout`) for the newest `name` process to exit by itself, and forgets it.
+    pub fn wait_exit_newest(
+        &mut self,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<std::process::ExitStatus> {
+        let i = self
+            .children
+            .iter()
+            .rposition(|(n, _)| n == name)
+            .with_context(|| format!("{name} is not running"))?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(status) = self.children[i].1.try_wait()? {
+                self.children.remove(i);
+                return Ok(status);
+            }
+            if Instant::now() > deadline {
+                bail!("{name} (pid {}) did not exit within {timeout:?}", self.children[i].1.id());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// Whether the oldest `name` process is still running.
+    pub fn running(&mut self, name: &str) -> Result<bool> {
+        match self.children.iter_mut().find(|(n, _)| n == name) {
+            Some((_, c)) => Ok(c.try_wait()?.is_none()),
+            None => Ok(false),
+        }
     }
 
     /// Starts `ferry-fd-holder` and makes every node plugin started from now on deposit its

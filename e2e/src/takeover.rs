@@ -244,6 +244,37 @@ async fn upgrade(plugin: &mut Plugin) -> Result<Duration> {
     Ok(took)
 }
 
+/// Handovers that must not happen, while the load runs: a successor that cannot read the owner's
+/// state format is declined, and one that receives state in a format it cannot read (an owner
+/// stamping version 2) refuses it; each time the owner serves on and the successor exits with an
+/// error. The mis-stamping owner is then killed and its mounts recovered by a normal process.
+async fn refusals(plugin: &mut Plugin) -> Result<()> {
+    plugin.start_node_with(&["--handover-readable", "2"], &[])?;
+    let status = plugin.wait_exit_newest("ferry-node", Duration::from_secs(120))?;
+    if status.success() || !plugin.running("ferry-node")? {
+        bail!("a successor reading only format 2 was not refused cleanly ({status})");
+    }
+    println!("    a successor that reads only format 2: declined, exited with {status}; the owner serves on");
+    // An owner that stamps its state with version 2 (the format it announces is 1).
+    plugin.start_node_with(&[], &[("FERRY_HANDOVER_WRITE_VERSION", "2")])?;
+    let status = plugin.wait_exit("ferry-node", Duration::from_secs(120))?;
+    if !status.success() {
+        bail!("the owner did not hand over to the mis-stamping successor: {status}");
+    }
+    plugin.wait_node().await?;
+    plugin.start_node()?;
+    let status = plugin.wait_exit_newest("ferry-node", Duration::from_secs(120))?;
+    if status.success() || !plugin.running("ferry-node")? {
+        bail!("a successor given state version 2 did not refuse it cleanly ({status})");
+    }
+    println!("    a successor given state in format 2: refused, exited with {status}; the owner serves on");
+    plugin.signal_process("ferry-node", libc::SIGKILL)?;
+    plugin.start_node()?;
+    plugin.wait_node().await?;
+    println!("    the mis-stamping owner killed; its mounts recovered by a new process");
+    Ok(())
+}
+
 /// `kill -9` of the running node plugin, then a new one.
 async fn crash(plugin: &mut Plugin) -> Result<Duration> {
     plugin.signal_process("ferry-node", libc::SIGKILL)?;
@@ -339,6 +370,9 @@ async fn run_on(plugin: &mut Plugin, o: Options) -> Result<()> {
         .spawn()
         .context("starting the load")?;
     let settle = Duration::from_secs_f64(o.settle);
+    tokio::time::sleep(settle).await;
+
+    refusals(plugin).await?;
     tokio::time::sleep(settle).await;
 
     let mut took = Vec::new();

@@ -188,12 +188,11 @@ pub fn read_hello(stream: &UnixStream) -> io::Result<Option<Hello>> {
     let (payload, _) = fdpass::recv(stream)?;
     let hello: Hello =
         serde_json::from_slice(&payload).map_err(|e| invalid(format!("bad hello: {e}")))?;
-    if !hello.readable.contains(&write_version()) {
+    if !hello.readable.contains(&FORMAT_VERSION) {
         decline(
             stream,
             &format!(
-                "this process writes state format {}, the successor reads {:?}",
-                write_version(),
+                "this process writes state format {FORMAT_VERSION}, the successor reads {:?}",
                 hello.readable
             ),
         )?;
@@ -213,8 +212,8 @@ pub fn decline(stream: &UnixStream, why: &str) -> io::Result<()> {
     )
 }
 
-/// The format version this process writes: [`FORMAT_VERSION`], or for tests of a format change
-/// `FERRY_HANDOVER_WRITE_VERSION`.
+/// The version stamped on the state this process sends: [`FORMAT_VERSION`], or, to test that a
+/// successor refuses state it cannot read, `FERRY_HANDOVER_WRITE_VERSION`.
 pub fn write_version() -> u32 {
     std::env::var("FERRY_HANDOVER_WRITE_VERSION")
         .ok()

@@ -309,6 +309,14 @@ fn fopen_flags(o: Opened, read_only: bool) -> FopenFlags {
     flags
 }
 
+/// Whether the kernel re-sent `req` after a takeover (`FUSE_NOTIFY_RESEND`): a process that died
+/// may have carried it out already without answering, so a remove that finds nothing, or a
+/// `mkdir` that finds the directory, succeeded then. (A handover re-sends only requests the
+/// previous process never started.)
+fn resent(req: &Request) -> bool {
+    req.unique().0 & crate::handover::FUSE_UNIQUE_RESEND != 0
+}
+
 /// FUSE reports the calling thread; uploads belong to processes (thread groups). Falls back to
 /// the raw id (e.g. 0 for a process outside our pid namespace).
 fn tgid(pid: u32) -> u32 {
@@ -494,7 +502,7 @@ impl Filesystem for FuseAdapter {
 
     fn mkdir(
         &self,
-        _req: &Request,
+        req: &Request,
         parent: INodeNo,
         name: &OsStr,
         _mode: u32,
@@ -502,29 +510,43 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEntry,
     ) {
         let name = name.to_owned();
+        let resent = resent(req);
         self.spawn("mkdir", move |fs| async move {
-            match fs.mkdir(parent.0, &name).await {
+            let made = match fs.mkdir(parent.0, &name).await {
+                // The process that died may have made it before it could answer.
+                Err(FsError::Exists) if resent => match fs.lookup(parent.0, &name).await {
+                    Ok(e) if e.attr.kind == Kind::Dir => Ok(e),
+                    _ => Err(FsError::Exists),
+                },
+                other => other,
+            };
+            match made {
                 Ok(e) => reply.entry(&e.ttl, &file_attr(&e.attr), Generation(0)),
                 Err(e) => reply.error(errno("mkdir", &e)),
             }
         });
     }
 
-    fn unlink(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    fn unlink(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let name = name.to_owned();
+        let resent = resent(req);
         self.spawn("unlink", move |fs| async move {
             match fs.unlink(parent.0, &name).await {
                 Ok(()) => reply.ok(),
+                // Removed by the process that died before it could answer.
+                Err(FsError::NotFound) if resent => reply.ok(),
                 Err(e) => reply.error(errno("unlink", &e)),
             }
         });
     }
 
-    fn rmdir(&self, _req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
+    fn rmdir(&self, req: &Request, parent: INodeNo, name: &OsStr, reply: ReplyEmpty) {
         let name = name.to_owned();
+        let resent = resent(req);
         self.spawn("rmdir", move |fs| async move {
             match fs.rmdir(parent.0, &name).await {
                 Ok(()) => reply.ok(),
+                Err(FsError::NotFound) if resent => reply.ok(),
                 Err(e) => reply.error(errno("rmdir", &e)),
             }
         });
