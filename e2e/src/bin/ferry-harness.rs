@@ -31,8 +31,10 @@ enum Cmd {
         #[arg(long)]
         keep: bool,
     },
-    /// Check what a node plugin restart does to live mounts: SIGTERM leaves them in place (dead,
-    /// ENOTCONN), and a new process's NodeUnpublish detaches them and removes the target.
+    /// A node plugin stopped with no successor: the fd holder keeps its mounts and the next
+    /// process serves them (a read issued meanwhile waits and succeeds); with the holder gone
+    /// too (the whole pod deleted) the mounts end, and a later process's NodeUnpublish detaches
+    /// them and removes the target.
     Restart,
     /// Live mounts under load across graceful upgrades and `kill -9` restarts of ferry-node:
     /// no failed read, no wrong byte, no ENOTCONN (see ferry_e2e::takeover).
@@ -524,6 +526,11 @@ async fn driver_irsa() -> Result<()> {
 
 async fn restart() -> Result<()> {
     let mut plugin = Plugin::start(&bin_dir()?).await?;
+    plugin.start_holder()?;
+    plugin.signal_process("ferry-node", libc::SIGTERM)?;
+    // A stopping plugin waits this long for a successor.
+    plugin.start_node_with(&[], &[("FERRY_HANDOVER_WAIT", "1")])?;
+    plugin.wait_node().await?;
     plugin.s3.create_bucket("restart").await;
     let s3 = S3Store::new(plugin.s3.s3_config()).await?;
     s3.put(
@@ -551,25 +558,43 @@ async fn restart() -> Result<()> {
     let mut node = plugin.node().await?;
     node.node_publish_volume(publish(&a)).await?;
     node.node_publish_volume(publish(&b)).await?;
-    say("two mounts live; SIGTERM to ferry-node");
+
+    say("SIGTERM with no successor: the fd holder keeps the mounts; a read waits for the next plugin");
     let status = plugin.stop_process("ferry-node")?;
-    println!("    ferry-node exited with {status}");
     if !status.success() {
         bail!("ferry-node did not exit cleanly on SIGTERM: {status}");
     }
+    // In a process of its own: one reading from the mount must not start the node plugin.
+    let reader = Command::new("cat")
+        .arg(a.join("file.txt"))
+        .stdout(Stdio::piped())
+        .spawn()?;
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    plugin.start_node_with(&[], &[("FERRY_HANDOVER_WAIT", "1")])?;
+    plugin.wait_node().await?;
+    let out = reader.wait_with_output()?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    println!("    a read issued while no plugin ran returned {text:?} once the next one recovered the mount");
+    if !out.status.success() || text != "still here\n" {
+        bail!("the read across the restart got {:?} ({})", text, out.status);
+    }
+
+    say("the whole plugin pod gone (node plugin and fd holder killed): a later plugin cleans up");
+    plugin.signal_process("ferry-node", libc::SIGKILL)?;
+    plugin.signal_process("ferry-fd-holder", libc::SIGKILL)?;
     match std::fs::read_to_string(a.join("file.txt")) {
-        Err(e) if e.raw_os_error() == Some(107) => {
-            println!("    {}: {e} (ENOTCONN, as documented)", a.display())
+        Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
+            println!("    {}: {e} (its FUSE connection ended with both processes)", a.display())
         }
         other => bail!("expected ENOTCONN from the dead mount, got {other:?}"),
     }
-    say("a new ferry-node: NodePublish at target A recovers it, NodeUnpublish at target B cleans up");
+    plugin.start_holder()?;
     plugin.start_node()?;
     plugin.wait_node().await?;
     let mut node = plugin.node().await?;
     node.node_publish_volume(publish(&a)).await?;
     let text = std::fs::read_to_string(a.join("file.txt"))?;
-    println!("    {} reads {:?} again", a.display(), text);
+    println!("    NodePublish at {} mounted it afresh: reads {:?}", a.display(), text);
     if text != "still here\n" {
         bail!("unexpected content after recovery: {text:?}");
     }
@@ -594,7 +619,7 @@ async fn restart() -> Result<()> {
         bail!("{ours} mounts left under {}", plugin.dir.path().display());
     }
     plugin.check_logs_for_secrets(&[])?;
-    println!("restart: 1 passed, 0 failed");
+    println!("restart: 2 passed, 0 failed");
     Ok(())
 }
 
