@@ -4,8 +4,11 @@
 #   2. gates: cargo fmt --check, cargo clippy --all-targets -D warnings, the Helm chart's lint/render check;
 #   3. cargo test --workspace: unit tests on the in-memory store, property tests, and integration
 #      tests against a real S3 server (versitygw on loopback) through real FUSE mounts;
-#   4. a node plugin restart with live mounts, and driver- and pod-level IRSA (moto's STS and S3 with IAM
-#      enforced; trace-level logs searched for secrets), through the real binaries;
+#   4. live mounts across node plugin replacements (`ferry-harness takeover`: under load, 20 graceful
+#      upgrades and 20 `kill -9` restarts with 0 failed reads, and the refusal of an unreadable state
+#      format; `restart`: a stop with no successor, and the whole plugin pod gone), and driver- and
+#      pod-level IRSA (moto's STS and S3 with IAM enforced; trace-level logs searched for secrets),
+#      through the real binaries;
 #   5. csi-sanity v5.4.0 against ferry-controller and ferry-node on unix sockets, with test volumes
 #      on the real S3 server;
 #   6. the Kubernetes-level e2e (`ferry-harness kube`): etcd, kube-apiserver and
@@ -43,7 +46,10 @@ cargo test --workspace --locked --no-fail-fast
 cargo build --locked --workspace --bins
 disk "after the build"
 
-step "node plugin restart with live mounts (real binaries)"
+step "live mounts across 20 graceful upgrades and 20 kill -9 restarts of ferry-node, under load (real binaries)"
+"$target/debug/ferry-harness" takeover
+
+step "node plugin stopped with no successor; the whole plugin pod gone (real binaries)"
 "$target/debug/ferry-harness" restart
 
 step "driver- and pod-level IRSA (real binaries, moto, kube-apiserver)"
