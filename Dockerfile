@@ -31,7 +31,7 @@ COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/usr/local/cargo/git \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p ferry-controller -p ferry-node \
+    cargo build --release --locked -p ferry-controller -p ferry-node -p ferry-holder \
  && mkdir -p /out \
  && cp target/release/ferry-controller target/release/ferry-node target/release/ferry-fd-holder /out/
 

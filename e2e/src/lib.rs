@@ -161,7 +161,10 @@ impl Plugin {
                 return Ok(status);
             }
             if Instant::now() > deadline {
-                bail!("{name} (pid {}) did not exit within {timeout:?}", self.children[i].1.id());
+                bail!(
+                    "{name} (pid {}) did not exit within {timeout:?}",
+                    self.children[i].1.id()
+                );
             }
             std::thread::sleep(Duration::from_millis(10));
         }

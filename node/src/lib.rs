@@ -10,9 +10,7 @@
 //! - [`mountinfo`] (from `ferry-fs`): what the kernel says is mounted where.
 
 pub mod accounts;
-pub mod fdpass;
 pub mod handover;
-pub mod holder;
 pub mod keeper;
 pub mod mounts;
 pub mod service;
@@ -20,4 +18,7 @@ pub mod size;
 pub mod targetpath;
 
 pub use ferry_fs::mountinfo;
+/// The descriptor holder's client and framing (their own package: `ferry-fd-holder` links none of
+/// the data path).
+pub use ferry_holder::{self as holder, fdpass};
 pub use service::{NodeConfig, NodeService, PodAuth};

@@ -576,7 +576,11 @@ async fn restart() -> Result<()> {
     let text = String::from_utf8_lossy(&out.stdout);
     println!("    a read issued while no plugin ran returned {text:?} once the next one recovered the mount");
     if !out.status.success() || text != "still here\n" {
-        bail!("the read across the restart got {:?} ({})", text, out.status);
+        bail!(
+            "the read across the restart got {:?} ({})",
+            text,
+            out.status
+        );
     }
 
     say("the whole plugin pod gone (node plugin and fd holder killed): a later plugin cleans up");
@@ -584,7 +588,10 @@ async fn restart() -> Result<()> {
     plugin.signal_process("ferry-fd-holder", libc::SIGKILL)?;
     match std::fs::read_to_string(a.join("file.txt")) {
         Err(e) if e.raw_os_error() == Some(libc::ENOTCONN) => {
-            println!("    {}: {e} (its FUSE connection ended with both processes)", a.display())
+            println!(
+                "    {}: {e} (its FUSE connection ended with both processes)",
+                a.display()
+            )
         }
         other => bail!("expected ENOTCONN from the dead mount, got {other:?}"),
     }
@@ -594,7 +601,11 @@ async fn restart() -> Result<()> {
     let mut node = plugin.node().await?;
     node.node_publish_volume(publish(&a)).await?;
     let text = std::fs::read_to_string(a.join("file.txt"))?;
-    println!("    NodePublish at {} mounted it afresh: reads {:?}", a.display(), text);
+    println!(
+        "    NodePublish at {} mounted it afresh: reads {:?}",
+        a.display(),
+        text
+    );
     if text != "still here\n" {
         bail!("unexpected content after recovery: {text:?}");
     }

@@ -3,8 +3,9 @@
 //! `ferry-fd-holder` is a tiny process beside `ferry-node` (a sidecar container in the node plugin
 //! pod) whose only job is to hold file descriptors — each live mount's `/dev/fuse` fd and journal
 //! memfd — so that they outlive a SIGKILL, OOM kill or panic of `ferry-node`, and to hand them back
-//! to the restarted plugin. It runs nothing of the data path: this module and [`crate::fdpass`]
-//! are all it uses of Ferry, and neither may import a type from the filesystem, store or CSI crates.
+//! to the restarted plugin. It runs nothing of the data path: this crate (the protocol, its client
+//! and [`fdpass`]) is all it uses of Ferry, and it depends on none of the filesystem, store or CSI
+//! crates.
 //!
 //! Every request and reply is one [`fdpass`] frame whose payload is a JSON object
 //! with `"version": 1` ([`VERSION`]) and an `"op"` (requests) or `"reply"` (replies) tag; blobs are
@@ -24,7 +25,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
-use crate::fdpass;
+pub mod fdpass;
 
 /// The protocol version this build speaks; every request and reply carries it.
 pub const VERSION: u32 = 1;

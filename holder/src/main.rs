@@ -4,11 +4,9 @@
 //! It runs as a sidecar container in the node plugin pod and only dies with the pod (on SIGTERM it
 //! exits and its fds close: by then the mounts are going away anyway). It must outlive every bug of
 //! the data path, so it runs none of it: its code uses std, nix, serde, tracing, clap and
-//! [`ferry_node::holder`] / [`ferry_node::fdpass`], which import nothing of the filesystem, store
-//! or CSI crates. (Being a binary of the `ferry-node` package, it is still linked against that
-//! package's dependencies; the linker drops all but aws-lc's library constructor, which runs at
-//! start. Moving `fdpass`, `holder` and this file into a package of their own would drop that too.)
-//! The protocol is described in [`ferry_node::holder`].
+//! [`ferry_holder`] (its library, with [`ferry_holder::fdpass`]), a package of its own that depends on none of the filesystem, store or CSI crates
+//! (so not even a library constructor of theirs is linked in).
+//! The protocol is described in [`ferry_holder`].
 //!
 //! Each connection gets a thread of its own, with a read and write timeout, so that a slow or stuck
 //! client holds up only itself; the table sits behind one mutex that is never held across a send or
@@ -28,8 +26,8 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use ferry_node::fdpass;
-use ferry_node::holder::{self, EntryInfo, Reply, Request};
+use ferry_holder::fdpass;
+use ferry_holder::{self as holder, EntryInfo, Reply, Request};
 use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
 use nix::sys::resource::{getrlimit, setrlimit, Resource};

@@ -1,4 +1,4 @@
-//! The real `ferry-fd-holder` binary, driven through `ferry_node::holder::Client` (and raw
+//! The real `ferry-fd-holder` binary, driven through `ferry_holder::Client` (and raw
 //! `fdpass` frames for what a well-behaved client never sends). Needs no root: pipes stand in for
 //! `/dev/fuse` fds.
 
@@ -11,8 +11,8 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ferry_node::fdpass;
-use ferry_node::holder::{Client, Reply};
+use ferry_holder::fdpass;
+use ferry_holder::{Client, Reply};
 use nix::fcntl::OFlag;
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::{pipe2, Pid};
@@ -228,7 +228,7 @@ fn another_protocol_version_is_refused_naming_both() {
     fdpass::send(&stream, br#"{"version":1,"op":"ping"}"#, &[]).unwrap();
     let (payload, _) = fdpass::recv(&stream).unwrap();
     assert!(matches!(
-        ferry_node::holder::decode::<Reply>(&payload).unwrap(),
+        ferry_holder::decode::<Reply>(&payload).unwrap(),
         Reply::Pong { entries: 0, .. }
     ));
 }
@@ -317,7 +317,7 @@ fn sigterm_ends_the_holder_cleanly() {
 fn error_message(stream: &UnixStream) -> String {
     let (payload, fds) = fdpass::recv(stream).unwrap();
     assert!(fds.is_empty());
-    match ferry_node::holder::decode::<Reply>(&payload).unwrap() {
+    match ferry_holder::decode::<Reply>(&payload).unwrap() {
         Reply::Error { message } => message,
         other => panic!("expected an error, got {other:?}"),
     }
