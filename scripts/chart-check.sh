@@ -11,7 +11,8 @@
 #      reach both binaries;
 #   4. helm v4 and v3 render the same objects, and the default manifests hold what the driver
 #      relies on (CSIDriver fields, provisioner flags, privileged node with Bidirectional kubelet
-#      dir and /dev/fuse, the memory limit wired to the budget, ...), and no token-creating RBAC.
+#      dir and /dev/fuse, the memory limit wired to the budget, the handover and fd holder wiring,
+#      ...), and no token-creating RBAC.
 # Applying the manifests to an API server is the Kubernetes e2e's job, not this script's.
 # Needs `helm` (v4) and `helm3` (v3) on PATH or in $FERRY_TOOLS (default ~/.cache/ferry-tools/bin),
 # where scripts/kube-tools.sh builds them. Needs no cluster.
@@ -47,6 +48,7 @@ fi
 
 # Values that turn every optional part off, beside the defaults (which have most of them on).
 MINIMAL=(--set metrics.enabled=false --set node.cache.enabled=false --set 'csiDriver.tokenRequests=null'
+  --set node.fdHolder.enabled=false
   --set controller.priorityClassName= --set node.priorityClassName= --set controller.replicas=1)
 
 for h in helm helm3; do
@@ -76,6 +78,9 @@ for h in helm helm3; do
   fi
   if "$h" template "$RELEASE" "$CHART" --set-json 's3.allowedEndpoints=["ftp://x"]' >/dev/null 2>&1; then
     fail "$h accepted an allowed endpoint pattern the driver refuses (ftp://x)"
+  fi
+  if "$h" template "$RELEASE" "$CHART" --set node.terminationGracePeriodSeconds=30 >/dev/null 2>&1; then
+    fail "$h accepted a grace period that does not exceed the handover wait (30s)"
   fi
 
   step "$h: the allowed endpoints reach both binaries, with the StorageClasses' own"
@@ -124,6 +129,15 @@ name: FERRY_CACHE_DIR
 - --health-port=9808
 - --node-id=$(NODE_ID)
 fieldPath: spec.nodeName
+fieldPath: metadata.uid
+maxSurge: 1
+maxUnavailable: 0
+name: FERRY_HANDOVER_WAIT
+- --holder-socket=/holder/holder.sock
+command: ["ferry-fd-holder"]
+- --socket=/holder/holder.sock
+mountPath: /holder
+- --http-endpoint=:9809
 readOnlyRootFilesystem: true
 runAsNonRoot: true
 WANT
@@ -131,6 +145,7 @@ if grep -qE '^[[:space:]]*resources:.*serviceaccounts/token' "$OUT/helm-defaults
   fail "the node plugin must not be allowed to create tokens (kubelet passes them)"
 fi
 
+! grep -q 'holder' <(grep -v '^[[:space:]]*#' "$OUT/helm-minimal.yaml") || fail "node.fdHolder.enabled=false still wires a holder"
 grep -q 'FERRY_NO_CACHE_PASSTHROUGH' "$OUT/helm-all-features.yaml" || fail "node.cache.passthrough=false does not reach the node plugin"
 ! grep -q 'FERRY_NO_CACHE_PASSTHROUGH' "$OUT/helm-defaults.yaml" || fail "passthrough must be on by default"
 
