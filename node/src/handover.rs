@@ -201,6 +201,26 @@ pub fn read_hello(stream: &UnixStream) -> io::Result<Option<Hello>> {
     Ok(Some(hello))
 }
 
+/// Refuses a peer that is not this process's user (the socket's mode says so too; this holds
+/// even if its directory was made reachable).
+pub fn same_user(stream: &UnixStream) -> io::Result<()> {
+    let cred = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials)
+        .map_err(io::Error::from)?;
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if cred.uid() != me {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            format!(
+                "peer pid {} runs as uid {}, not {me}",
+                cred.pid(),
+                cred.uid()
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// Tells the successor there is no handover.
 pub fn decline(stream: &UnixStream, why: &str) -> io::Result<()> {
     fdpass::send(

@@ -470,6 +470,13 @@ async fn take_ownership(
 )> {
     std::fs::create_dir_all(&state.0)
         .with_context(|| format!("creating the state directory {}", state.0.display()))?;
+    // Its socket hands out every mount's /dev/fuse descriptor and publish request (secrets
+    // included): only this user may reach it.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&state.0, std::fs::Permissions::from_mode(0o700))
+            .with_context(|| format!("restricting the state directory {}", state.0.display()))?;
+    }
     if let Some(lock) = handover::try_lock(&state.lock())? {
         return Ok((lock, Vec::new(), None));
     }
@@ -513,6 +520,10 @@ fn serve_handovers(
                 continue;
             }
         };
+        if let Err(e) = handover::same_user(&stream) {
+            tracing::warn!(error = %e, "refused a handover request");
+            continue;
+        }
         let hello = match handover::read_hello(&stream) {
             Ok(Some(h)) => h,
             Ok(None) => {
@@ -585,6 +596,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             return Ok(());
         }
     }
+    raise_fd_limit();
     let (_lock, inherited, handed_at) = take_ownership(&state, &a.handover_readable).await?;
     ferry_metrics::start(&a.metrics_addr)
         .await
@@ -708,6 +720,10 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let listener = std::os::unix::net::UnixListener::bind(state.socket())
         .with_context(|| format!("binding the handover socket {}", state.socket().display()))?;
     {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(state.socket(), std::fs::Permissions::from_mode(0o600))?;
+    }
+    {
         let (node, rt, state) = (
             node.clone(),
             tokio::runtime::Handle::current(),
@@ -766,6 +782,19 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
     tracing::info!("ferry-node stopped");
     Ok(())
+}
+
+/// Raises the soft limit on open descriptors to the hard one: every mount holds a `/dev/fuse`
+/// descriptor, a journal and a connection abort file, and a takeover receives them all at once.
+fn raise_fd_limit() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        if soft < hard {
+            if let Err(e) = setrlimit(Resource::RLIMIT_NOFILE, hard, hard) {
+                tracing::warn!(soft, hard, error = %e, "cannot raise the open-file limit");
+            }
+        }
+    }
 }
 
 /// Readiness: `/dev/fuse` can be opened.
