@@ -143,33 +143,6 @@ impl Plugin {
         Ok(())
     }
 
-    /// Waits (at most `timeout`) for the newest `name` process to exit by itself, and forgets it.
-    pub fn wait_exit_newest(
-        &mut self,
-        name: &str,
-        timeout: Duration,
-    ) -> Result<std::process::ExitStatus> {
-        let i = self
-            .children
-            .iter()
-            .rposition(|(n, _)| n == name)
-            .with_context(|| format!("{name} is not running"))?;
-        let deadline = Instant::now() + timeout;
-        loop {
-            if let Some(status) = self.children[i].1.try_wait()? {
-                self.children.remove(i);
-                return Ok(status);
-            }
-            if Instant::now() > deadline {
-                bail!(
-                    "{name} (pid {}) did not exit within {timeout:?}",
-                    self.children[i].1.id()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-    }
-
     /// Whether the oldest `name` process is still running.
     pub fn running(&mut self, name: &str) -> Result<bool> {
         match self.children.iter_mut().find(|(n, _)| n == name) {
@@ -211,11 +184,27 @@ impl Plugin {
     /// Waits (at most `timeout`) for the oldest running `name` process to exit by itself, and
     /// forgets it.
     pub fn wait_exit(&mut self, name: &str, timeout: Duration) -> Result<std::process::ExitStatus> {
-        let i = self
-            .children
-            .iter()
-            .position(|(n, _)| n == name)
-            .with_context(|| format!("{name} is not running"))?;
+        let i = self.children.iter().position(|(n, _)| n == name);
+        self.wait_exit_of(i, name, timeout)
+    }
+
+    /// [`Plugin::wait_exit`] for the newest `name` process.
+    pub fn wait_exit_newest(
+        &mut self,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<std::process::ExitStatus> {
+        let i = self.children.iter().rposition(|(n, _)| n == name);
+        self.wait_exit_of(i, name, timeout)
+    }
+
+    fn wait_exit_of(
+        &mut self,
+        i: Option<usize>,
+        name: &str,
+        timeout: Duration,
+    ) -> Result<std::process::ExitStatus> {
+        let i = i.with_context(|| format!("{name} is not running"))?;
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(status) = self.children[i].1.try_wait()? {
@@ -249,17 +238,7 @@ impl Plugin {
 
     /// Sends SIGTERM to one process and waits for it to exit.
     pub fn stop_process(&mut self, name: &str) -> Result<std::process::ExitStatus> {
-        let i = self
-            .children
-            .iter()
-            .position(|(n, _)| n == name)
-            .with_context(|| format!("{name} is not running"))?;
-        let (_, mut child) = self.children.remove(i);
-        // SAFETY: kill(2) on a child pid we own; at worst it fails with ESRCH.
-        unsafe {
-            libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
-        }
-        Ok(child.wait()?)
+        self.signal_process(name, libc::SIGTERM)
     }
 
     fn spawn(&self, bins: &Path, name: &str, args: &[&str]) -> Result<Child> {

@@ -642,33 +642,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         // No live owner: whatever the holder keeps is a dead process's.
         let (served, cut) = node.recover().await;
         if served + cut > 0 {
-            let pause = recovering.elapsed();
-            let reg = ferry_metrics::global();
-            let help = "Mounts taken over from a previous process, by how.";
-            reg.counter(
-                ferry_metrics::names::MOUNTS_TAKEN_OVER,
-                help,
-                &[("how", "recovery")],
-            )
-            .add(served as u64);
-            reg.counter(
-                ferry_metrics::names::MOUNTS_TAKEN_OVER,
-                help,
-                &[("how", "failed")],
-            )
-            .add(cut as u64);
-            reg.gauge(
-                ferry_metrics::names::TAKEOVER_PAUSE,
-                "Milliseconds the last takeover stopped the mounts.",
-                &[],
-            )
-            .set(pause.as_millis() as i64);
-            tracing::info!(
-                served,
-                cut_off = cut,
-                elapsed_ms = pause.as_millis() as u64,
-                "mounts of a previous process recovered"
-            );
+            record_takeover("recovery", served, cut, recovering.elapsed());
         }
     }
     {
@@ -685,36 +659,11 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     let n = inherited.len();
     let mut failed = 0;
     for (record, device) in inherited {
-        failed += u64::from(node.adopt(record, device, true).await.is_err());
+        failed += usize::from(node.adopt(record, device, true).await.is_err());
     }
     if n > 0 {
         let pause = handed_at.map_or(Duration::ZERO, |t| t.elapsed());
-        let reg = ferry_metrics::global();
-        let help = "Mounts taken over from a previous process, by how.";
-        reg.counter(
-            ferry_metrics::names::MOUNTS_TAKEN_OVER,
-            help,
-            &[("how", "handover")],
-        )
-        .add(n as u64 - failed);
-        reg.counter(
-            ferry_metrics::names::MOUNTS_TAKEN_OVER,
-            help,
-            &[("how", "failed")],
-        )
-        .add(failed);
-        reg.gauge(
-            ferry_metrics::names::TAKEOVER_PAUSE,
-            "Milliseconds the last takeover stopped the mounts.",
-            &[],
-        )
-        .set(pause.as_millis() as i64);
-        tracing::info!(
-            mounts = n,
-            failed,
-            pause_ms = pause.as_millis() as u64,
-            "handed-over mounts serving"
-        );
+        record_takeover("handover", n - failed, failed, pause);
     }
     let _ = std::fs::remove_file(state.socket());
     let listener = std::os::unix::net::UnixListener::bind(state.socket())
@@ -782,6 +731,38 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
     tracing::info!("ferry-node stopped");
     Ok(())
+}
+
+/// Counts mounts taken over from a previous process (`how`: `handover` or `recovery`) and those
+/// that could not be, and records the pause.
+fn record_takeover(how: &'static str, served: usize, failed: usize, pause: Duration) {
+    let reg = ferry_metrics::global();
+    let help = "Mounts taken over from a previous process, by how.";
+    reg.counter(
+        ferry_metrics::names::MOUNTS_TAKEN_OVER,
+        help,
+        &[("how", how)],
+    )
+    .add(served as u64);
+    reg.counter(
+        ferry_metrics::names::MOUNTS_TAKEN_OVER,
+        help,
+        &[("how", "failed")],
+    )
+    .add(failed as u64);
+    reg.gauge(
+        ferry_metrics::names::TAKEOVER_PAUSE,
+        "Milliseconds the last takeover stopped the mounts.",
+        &[],
+    )
+    .set(pause.as_millis() as i64);
+    tracing::info!(
+        how,
+        served,
+        failed,
+        pause_ms = pause.as_millis() as u64,
+        "mounts of a previous process serving"
+    );
 }
 
 /// Raises the soft limit on open descriptors to the hard one: every mount holds a `/dev/fuse`

@@ -382,6 +382,22 @@ fn mount_on(dir: &OwnedFd, cfg: &MountConfig) -> io::Result<OwnedFd> {
     Ok(dev.into())
 }
 
+/// The filesystem `fs` of one mount with the node's cache, its store's proofs and its journal, and
+/// its adapter.
+fn adapter_for(
+    fs: Fs,
+    proofs: Arc<crate::proofs::Proofs>,
+    ctx: MountContext,
+) -> (Arc<Fs>, FuseAdapter) {
+    let mut fs = fs.with_cache(ctx.cache).with_proofs(proofs);
+    if let Some(journal) = ctx.journal {
+        fs = fs.with_journal(journal);
+    }
+    let fs = Arc::new(fs);
+    let adapter = FuseAdapter::new(fs.clone(), ctx.runtime, ctx.passthrough);
+    (fs, adapter)
+}
+
 /// Mounts `store`'s `cfg.bucket`/`cfg.prefix` at `target` (an existing directory; a symlink there
 /// is refused, never followed) and returns once the kernel mount is live. Request handlers run on
 /// `ctx.runtime`; prefetching is charged to `ctx.budget` (shared by every mount of the node). This
@@ -404,14 +420,8 @@ pub fn mount(
         source,
     };
     let proofs = ctx.proofs.for_store(&store);
-    let mut fs = Fs::with_budget(store, cfg.clone(), ctx.budget, ctx.prefetch)
-        .with_cache(ctx.cache)
-        .with_proofs(proofs);
-    if let Some(journal) = ctx.journal {
-        fs = fs.with_journal(journal);
-    }
-    let fs = Arc::new(fs);
-    let adapter = FuseAdapter::new(fs.clone(), ctx.runtime, ctx.passthrough);
+    let fs = Fs::with_budget(store, cfg.clone(), ctx.budget.clone(), ctx.prefetch);
+    let (fs, adapter) = adapter_for(fs, proofs, ctx);
     let (gate, kernel) = (adapter.gate(), adapter.kernel_init());
     let options = mount_options(&cfg);
     let mut device = None;
@@ -491,14 +501,8 @@ pub fn resume(
         .filter(|m| m.dev == dev_numbers && m.fs_type.starts_with("fuse"))
         .ok_or_else(|| MountError::NotVisible(target.clone()))?;
     let proofs = ctx.proofs.for_store(&store);
-    let mut fs = Fs::from_snapshot(store, snapshot, ctx.budget, ctx.prefetch)
-        .with_cache(ctx.cache)
-        .with_proofs(proofs);
-    if let Some(journal) = ctx.journal {
-        fs = fs.with_journal(journal);
-    }
-    let fs = Arc::new(fs);
-    let adapter = FuseAdapter::new(fs.clone(), ctx.runtime, ctx.passthrough);
+    let fs = Fs::from_snapshot(store, snapshot, ctx.budget.clone(), ctx.prefetch);
+    let (fs, adapter) = adapter_for(fs, proofs, ctx);
     let (gate, kernel_rec) = (adapter.gate(), adapter.kernel_init());
     let options = mount_options(&cfg);
     let (ours, theirs) = std::os::unix::net::UnixDatagram::pair().map_err(fuse_err)?;
