@@ -9,13 +9,14 @@
 //! 2. The owner stops its CSI operations and freezes every mount (each FUSE session admits no new
 //!    request; running ones finish), then sends [`State`] in its format with each mount's
 //!    `/dev/fuse` descriptor attached (SCM_RIGHTS). A successor that cannot read that format is
-//!    not sent anything: the owner says so and serves on.
+//!    not sent anything: the owner says so and serves on. The owner lock's descriptor travels with
+//!    the mounts': an `flock` belongs to its open file description, so it is never free between.
 //! 3. successor → owner: [`Answer::Adopted`] once it has read every record (or
 //!    [`Answer::Refused`], and the owner thaws its mounts and serves on).
 //! 4. The owner forgets its mounts without unmounting anything and exits at once: requests its
 //!    parked session threads had read are then unanswered in the kernel's queue.
-//! 5. The successor takes the lock (free once the owner is gone), asks the kernel to re-send those
-//!    requests, and serves every mount from its record.
+//! 5. The successor sees the connection close (the owner's last thread is gone), asks the kernel
+//!    to re-send those requests, and serves every mount from its record.
 //!
 //! The records carry each mount's NodePublishVolume request, secrets included, so the successor
 //! signs as the mount did: they only ever travel over this socket, never to disk.
@@ -110,11 +111,12 @@ impl StateDir {
     }
 }
 
-/// What the successor received: the records with their descriptors, and the connection on which
-/// it must still answer.
+/// What the successor received: the records with their descriptors, the owner lock, and the
+/// connection on which it must still answer.
 pub struct Received {
     pub mounts: Vec<(MountRecord, OwnedFd)>,
     pub owner_pid: u32,
+    pub lock: std::fs::File,
     stream: UnixStream,
 }
 
@@ -122,6 +124,26 @@ impl Received {
     /// Tells the owner the mounts are ours: it exits.
     pub fn adopt(&self) -> io::Result<()> {
         fdpass::send(&self.stream, &json(&Answer::Adopted)?, &[])
+    }
+
+    /// Waits (at most [`STEP_TIMEOUT`]) until the owner has exited: its end of the connection
+    /// closes only when its last thread is gone, so no thread of it can take a request after.
+    pub fn wait_owner_exit(&self) -> io::Result<()> {
+        use std::io::Read;
+        let mut buf = [0u8; 64];
+        loop {
+            match (&self.stream).read(&mut buf) {
+                Ok(0) => return Ok(()),
+                Ok(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => {
+                    return Err(io::Error::new(
+                        e.kind(),
+                        format!("the owner (pid {}) did not exit: {e}", self.owner_pid),
+                    ))
+                }
+            }
+        }
     }
 }
 
@@ -166,16 +188,20 @@ pub fn request(socket: &Path, readable: &[u32]) -> io::Result<Received> {
         Ok(s) => s,
         Err(e) => return Err(refuse(format!("the owner's state does not parse: {e}"))),
     };
-    if state.mounts.len() != fds.len() {
+    // One descriptor per mount, then the owner lock.
+    if state.mounts.len() + 1 != fds.len() {
         return Err(refuse(format!(
             "{} mounts came with {} descriptors",
             state.mounts.len(),
             fds.len()
         )));
     }
+    let mut fds = fds;
+    let lock = std::fs::File::from(fds.pop().expect("counted"));
     Ok(Received {
         mounts: state.mounts.into_iter().zip(fds).collect(),
         owner_pid: state.pid,
+        lock,
         stream,
     })
 }
@@ -241,16 +267,19 @@ pub fn write_version() -> u32 {
         .unwrap_or(FORMAT_VERSION)
 }
 
-/// Owner side: sends the state (`mounts` with `fds`, one each, in order) and waits for the
-/// successor's verdict.
+/// Owner side: sends the state (`mounts` with `fds`, one each, in order, then the owner lock)
+/// and waits for the successor's verdict.
 pub fn send_state_refs(
     stream: &UnixStream,
     mounts: &[&MountRecord],
     fds: &[BorrowedFd<'_>],
+    lock: BorrowedFd<'_>,
 ) -> io::Result<Answer> {
     if mounts.len() != fds.len() {
         return Err(io::Error::other("a mount without its FUSE descriptor"));
     }
+    let mut fds = fds.to_vec();
+    fds.push(lock);
     #[derive(Serialize)]
     struct StateRef<'a> {
         version: u32,
@@ -262,7 +291,7 @@ pub fn send_state_refs(
         pid: std::process::id(),
         mounts,
     };
-    fdpass::send(stream, &json(&state)?, fds)?;
+    fdpass::send(stream, &json(&state)?, &fds)?;
     let (payload, _) = fdpass::recv(stream)?;
     serde_json::from_slice(&payload).map_err(|e| invalid(format!("bad answer: {e}")))
 }
@@ -285,22 +314,5 @@ pub fn try_lock(path: &Path) -> io::Result<Option<std::fs::File>> {
         Ok(None)
     } else {
         Err(e)
-    }
-}
-
-/// Waits until the lock at `path` is ours (its holder exited), at most `timeout`.
-pub fn wait_lock(path: &Path, timeout: Duration) -> io::Result<std::fs::File> {
-    let deadline = std::time::Instant::now() + timeout;
-    loop {
-        if let Some(f) = try_lock(path)? {
-            return Ok(f);
-        }
-        if std::time::Instant::now() >= deadline {
-            return Err(io::Error::new(
-                io::ErrorKind::TimedOut,
-                format!("{} still locked after {timeout:?}", path.display()),
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(5));
     }
 }

@@ -487,13 +487,12 @@ async fn take_ownership(
         .context("another ferry-node owns this node's mounts and did not hand them over")?;
     let owner = received.owner_pid;
     received.adopt()?;
-    let mounts = received.mounts;
-    // The owner exits as soon as it reads the answer; its lock goes with it.
-    let path = state.lock();
-    let lock =
-        tokio::task::spawn_blocking(move || handover::wait_lock(&path, handover::STEP_TIMEOUT))
+    // The owner exits as soon as it reads the answer.
+    let received =
+        tokio::task::spawn_blocking(move || received.wait_owner_exit().map(|()| received))
             .await?
             .with_context(|| format!("process {owner} handed its mounts over but did not exit"))?;
+    let (lock, mounts) = (received.lock, received.mounts);
     tracing::info!(
         mounts = mounts.len(),
         from_pid = owner,
@@ -510,7 +509,9 @@ fn serve_handovers(
     node: NodeService,
     rt: tokio::runtime::Handle,
     state: StateDir,
+    lock: std::fs::File,
 ) {
+    use std::os::fd::AsFd;
     for stream in listener.incoming() {
         let stream = match stream {
             Ok(s) => s,
@@ -548,7 +549,7 @@ fn serve_handovers(
         let answer = {
             let devices = export.devices();
             let recs: Vec<_> = export.records.iter().collect();
-            handover::send_state_refs(&stream, &recs, &devices)
+            handover::send_state_refs(&stream, &recs, &devices, lock.as_fd())
         };
         match answer {
             Ok(handover::Answer::Adopted) => {
@@ -597,7 +598,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         }
     }
     raise_fd_limit();
-    let (_lock, inherited, handed_at) = take_ownership(&state, &a.handover_readable).await?;
+    let (lock, inherited, handed_at) = take_ownership(&state, &a.handover_readable).await?;
     ferry_metrics::start(&a.metrics_addr)
         .await
         .map_err(anyhow::Error::msg)?;
@@ -680,7 +681,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         );
         std::thread::Builder::new()
             .name("handover".into())
-            .spawn(move || serve_handovers(listener, node, rt, state))?;
+            .spawn(move || serve_handovers(listener, node, rt, state, lock))?;
     }
     let incoming = ferry_csi::endpoint::bind(&socket)
         .with_context(|| format!("binding CSI socket {}", socket.display()))?;

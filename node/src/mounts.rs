@@ -130,8 +130,8 @@ impl MountTable {
     }
 
     /// Runs `f` on every mount (for a handover).
-    pub fn with_all<R>(&self, f: impl FnOnce(&HashMap<PathBuf, Mounted>) -> R) -> R {
-        f(&self.mounts.lock().unwrap())
+    pub fn with_all<R>(&self, f: impl FnOnce(&mut HashMap<PathBuf, Mounted>) -> R) -> R {
+        f(&mut self.mounts.lock().unwrap())
     }
 
     /// Takes every mount out of the table (for shutdown).

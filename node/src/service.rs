@@ -196,7 +196,7 @@ impl NodeService {
     /// deposits that (the old one is dropped).
     pub fn compact_journals(&self) {
         self.inner.mounts.with_all(|all| {
-            for m in all.values() {
+            for m in all.values_mut() {
                 let (Some(_), Some(journal)) = (&m.journal, m.handle.fs().journal()) else {
                     continue;
                 };
@@ -210,7 +210,11 @@ impl NodeService {
                     Ok(f)
                 });
                 match res {
-                    Ok(file) => self.inner.keeper.keep(&m.handle, &file, &m.request),
+                    Ok(file) => {
+                        self.inner.keeper.keep(&m.handle, &file, &m.request);
+                        // What a later republish deposits again.
+                        m.journal = Some(file);
+                    }
                     Err(e) => {
                         warn!(target = %m.handle.target().display(), error = %e, "compacting the mount's journal failed")
                     }
@@ -794,28 +798,56 @@ impl NodeService {
             table: inner.mounts.clone(),
             _ops: ops,
         };
-        for (target, m) in inner.mounts.drain() {
-            let frozen = if m.handle.device().is_none() {
-                Err(std::io::Error::other("mounted through fusermount3"))
-            } else {
-                m.handle.freeze(timeout).await
-            };
-            let record = frozen.map(|f| MountRecord {
-                target: target.clone(),
-                dev: m.handle.device_numbers(),
-                kernel: f.kernel,
-                request: m.request.clone(),
-                snapshot: f.snapshot,
-            });
-            export.mounts.push((target.clone(), m));
-            match record {
-                Ok(r) => export.records.push(r),
+        // Every mount goes into the export before any is frozen: on any failure `abort` puts them
+        // all back (a `Mounted` dropped here would unmount).
+        export.mounts = inner.mounts.drain();
+        if let Some((target, _)) = export
+            .mounts
+            .iter()
+            .find(|(_, m)| m.handle.device().is_none() || m.handle.kernel_init().is_none())
+        {
+            let target = target.clone();
+            export.abort();
+            anyhow::bail!(
+                "the mount at {} was made through fusermount3: it cannot be handed over",
+                target.display()
+            );
+        }
+        // A kernel that cannot re-send would leave the requests parked at the freeze unanswered.
+        if let Some((target, _)) = export
+            .mounts
+            .iter()
+            .find(|(_, m)| m.handle.kernel_init().is_some_and(|k| !k.has_resend()))
+        {
+            let target = target.clone();
+            export.abort();
+            anyhow::bail!(
+                "the kernel cannot re-send FUSE requests (FUSE_NOTIFY_RESEND, Linux 6.9+), so the mount at {} cannot be handed over without hanging a request",
+                target.display()
+            );
+        }
+        // All at once, under one deadline.
+        let frozen =
+            futures::future::join_all(export.mounts.iter().map(|(_, m)| m.handle.freeze(timeout)))
+                .await;
+        let mut records = Vec::with_capacity(frozen.len());
+        for ((target, m), f) in export.mounts.iter().zip(frozen) {
+            match f {
+                Ok(f) => records.push(MountRecord {
+                    target: target.clone(),
+                    dev: m.handle.device_numbers(),
+                    kernel: f.kernel,
+                    request: m.request.clone(),
+                    snapshot: f.snapshot,
+                }),
                 Err(e) => {
+                    let target = target.clone();
                     export.abort();
                     anyhow::bail!("freezing the mount at {}: {e}", target.display());
                 }
             }
         }
+        export.records = records;
         Ok(export)
     }
 
@@ -842,11 +874,14 @@ impl NodeService {
 /// Cuts off a mount no process will serve: aborts its connection and detaches it (if it is still
 /// the one at `target`).
 pub fn abandon(target: &Path, dev: (u32, u32)) {
-    if let Ok(abort) = mountinfo::ConnectionAbort::open(dev.1) {
-        let _ = abort.abort();
-    }
+    // Only while the mount is still there: a connection number is reused once its mount is gone,
+    // and then it is another mount's. (Without the mount, the connection ends with its last
+    // descriptor.)
     if let Ok(Some(m)) = mountinfo::mounted_at(target) {
         if m.dev == dev {
+            if let Ok(abort) = mountinfo::ConnectionAbort::open(dev.1) {
+                let _ = abort.abort();
+            }
             let _ = mountinfo::detach(target);
         }
     }

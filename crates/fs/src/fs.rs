@@ -784,8 +784,16 @@ impl Fs {
     }
 
     /// `releasedir`.
+    /// Drops directory handle `fh` (only a directory handle: a stale number never takes a file's).
     pub fn releasedir(&self, fh: u64) {
-        self.lock().handles.remove(fh);
+        let mut st = self.lock();
+        let is_dir = st
+            .handles
+            .get(fh)
+            .is_some_and(|h| h.try_lock().is_ok_and(|g| matches!(&*g, Handle::Dir(_))));
+        if is_dir {
+            st.handles.remove(fh);
+        }
     }
 
     /// The directory's entries, local ones merged in, and when S3's part was listed: from the

@@ -736,6 +736,8 @@ impl Filesystem for FuseAdapter {
     }
 
     fn opendir(&self, _req: &Request, ino: INodeNo, _flags: OpenFlags, reply: ReplyOpen) {
+        // It changes the handle table: not while the mount is frozen for a handover.
+        let _pass = self.gate.enter();
         let _timer = OpTimer::start("opendir");
         match self.fs.opendir(ino.0) {
             Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
@@ -789,6 +791,8 @@ impl Filesystem for FuseAdapter {
         _flags: OpenFlags,
         reply: ReplyEmpty,
     ) {
+        // It changes the handle table: not while the mount is frozen for a handover.
+        let _pass = self.gate.enter();
         let _timer = OpTimer::start("releasedir");
         self.fs.releasedir(fh.0);
         reply.ok();
