@@ -151,6 +151,11 @@ impl Plugin {
         }
     }
 
+    /// Sets an environment variable for every process started from now on.
+    pub fn set_env(&mut self, key: &str, value: &str) {
+        self.env.push((key.to_string(), Some(value.to_string())));
+    }
+
     /// Starts `ferry-fd-holder` and makes every node plugin started from now on deposit its
     /// mounts there (`FERRY_HOLDER_SOCKET`).
     pub fn start_holder(&mut self) -> Result<PathBuf> {

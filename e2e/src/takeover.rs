@@ -306,8 +306,11 @@ pub async fn run(o: Options) -> Result<()> {
 }
 
 async fn run_on(plugin: &mut Plugin, o: Options) -> Result<()> {
-    // The node plugin started with the harness has no holder: replace it with one that has.
+    // The node plugin started with the harness has no holder: replace it with one that has, and
+    // with the chart's node cache (objects read whole are then read through FUSE passthrough).
     plugin.start_holder()?;
+    let cache = plugin.dir.path().join("cache");
+    plugin.set_env("FERRY_CACHE_DIR", &cache.display().to_string());
     plugin.signal_process("ferry-node", libc::SIGTERM)?;
     plugin.start_node()?;
     plugin.wait_node().await?;

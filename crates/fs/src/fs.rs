@@ -74,10 +74,6 @@ pub struct Opened {
     pub fh: u64,
     /// The kernel may keep the page cache (same ETag as the previous open of this inode).
     pub keep_cache: bool,
-    /// Reads must bypass the page cache (`FOPEN_DIRECT_IO`): the inode is still read through a
-    /// previous process's passthrough registration, next to which the kernel admits neither a
-    /// cached-mode open nor one with another backing file.
-    pub direct_io: bool,
 }
 
 /// What a `setattr` asks to change.
@@ -148,8 +144,6 @@ struct FsState {
     /// kernel refuses to mix the two on one inode, so passthrough is offered only when no other
     /// cached-mode handle is open (derived from the handles: rebuilt on a handover).
     io: HashMap<Ino, IoModes>,
-    /// Passthrough read handles a previous process opened ([`IoModes::inherited`]).
-    inherited: HashSet<u64>,
     /// One-page listings started by the first lookup miss in a directory without a cached
     /// listing, with [`FsState::changes`] at their start (see [`Fs::probe_dir`]).
     probes: HashMap<Ino, (u64, tokio::task::JoinHandle<Option<Listing>>)>,
@@ -168,8 +162,6 @@ const PROBED_MAX: usize = 4096;
 struct IoModes {
     cached: u32,
     passthrough: u32,
-    /// Of `passthrough`: handles a previous process opened (their backing file is its).
-    inherited: u32,
 }
 
 impl FsState {
@@ -178,22 +170,13 @@ impl FsState {
     fn passthrough_allowed(&self, ino: Ino) -> bool {
         self.io
             .get(&ino)
-            .is_some_and(|m| m.inherited == 0 && (m.passthrough > 0 || m.cached == 1))
+            .is_some_and(|m| m.passthrough > 0 || m.cached == 1)
     }
 
-    /// Whether a new open of `ino` must bypass the page cache (see [`Opened::direct_io`]).
-    fn direct_io_required(&self, ino: Ino) -> bool {
-        self.io.get(&ino).is_some_and(|m| m.inherited > 0)
-    }
-
-    fn io_closed(&mut self, ino: Ino, fh: u64, passthrough: bool) {
-        let inherited = self.inherited.remove(&fh);
+    fn io_closed(&mut self, ino: Ino, passthrough: bool) {
         if let Some(m) = self.io.get_mut(&ino) {
             if passthrough {
                 m.passthrough = m.passthrough.saturating_sub(1);
-                if inherited {
-                    m.inherited = m.inherited.saturating_sub(1);
-                }
             } else {
                 m.cached = m.cached.saturating_sub(1);
             }
@@ -284,7 +267,6 @@ impl Fs {
                 small: SmallObjects::default(),
                 order: HashMap::new(),
                 io: HashMap::new(),
-                inherited: HashSet::new(),
                 probes: HashMap::new(),
                 probed: HashSet::new(),
                 changes: 0,
@@ -304,16 +286,11 @@ impl Fs {
         prefetch: PrefetchConfig,
     ) -> Self {
         let mut io: HashMap<Ino, IoModes> = HashMap::new();
-        let mut inherited = HashSet::new();
-        for (fh, h) in &snap.handles {
+        for (_, h) in &snap.handles {
             if let Handle::Read(r) = h {
                 let m = io.entry(r.ino).or_default();
                 match r.passthrough {
-                    true => {
-                        m.passthrough += 1;
-                        m.inherited += 1;
-                        inherited.insert(*fh);
-                    }
+                    true => m.passthrough += 1,
                     false => m.cached += 1,
                 }
             }
@@ -329,7 +306,6 @@ impl Fs {
                 small: SmallObjects::default(),
                 order: HashMap::new(),
                 io,
-                inherited,
                 probes: HashMap::new(),
                 probed: HashSet::new(),
                 changes: 0,
@@ -1307,7 +1283,6 @@ impl Fs {
                 return Ok(Opened {
                     fh,
                     keep_cache: false,
-                    direct_io: false,
                 });
             }
             let key = file_key(&self.cfg.prefix, &inode.path);
@@ -1377,14 +1352,9 @@ impl Fs {
             );
         }
         self.prefetch_following(&mut st, parent, &name);
-        let direct_io = st.direct_io_required(ino);
         st.io.entry(ino).or_default().cached += 1;
         let fh = st.handles.insert(Handle::Read(handle));
-        Ok(Opened {
-            fh,
-            keep_cache: keep_cache && !direct_io,
-            direct_io,
-        })
+        Ok(Opened { fh, keep_cache })
     }
 
     /// While an open proves access with a HEAD: gets the node cache's whole file of the version
@@ -1450,11 +1420,69 @@ impl Fs {
         r.passthrough = true;
         drop(g);
         // A successor after a crash must know: it may not open the inode in cached mode.
-        st.handles.set_passthrough(fh, true);
+        st.handles.set_passthrough(fh, Some(0));
         let m = st.io.entry(ino).or_default();
         m.cached -= 1;
         m.passthrough += 1;
         Some(file)
+    }
+
+    /// Read handle `fh` reads through the connection's backing file `id` (registered by the
+    /// adapter): kept with the handle (snapshot and journal), since every later open of the inode
+    /// must use the same id while it is open, in this process or a successor.
+    pub fn set_backing_id(&self, fh: u64, id: u32) {
+        let mut st = self.lock();
+        let Some(h) = st.handles.get(fh) else { return };
+        let Ok(mut g) = h.try_lock() else { return };
+        let Handle::Read(r) = &mut *g else { return };
+        r.backing_id = Some(id);
+        drop(g);
+        st.handles.set_passthrough(fh, Some(id));
+    }
+
+    /// Handle `fh` joins the passthrough handles of its inode (whose backing file, `id`, another
+    /// open registered): the kernel admits no other kind of open beside them. `false` if it is
+    /// not a read handle in cached mode.
+    pub fn join_passthrough(&self, fh: u64, id: u32) -> bool {
+        let mut st = self.lock();
+        let Some(h) = st.handles.get(fh) else {
+            return false;
+        };
+        let Ok(mut g) = h.try_lock() else {
+            return false;
+        };
+        let Handle::Read(r) = &mut *g else {
+            return false;
+        };
+        if r.passthrough {
+            return false;
+        }
+        r.passthrough = true;
+        r.backing_id = Some(id);
+        let ino = r.ino;
+        drop(g);
+        st.handles.set_passthrough(fh, Some(id));
+        let m = st.io.entry(ino).or_default();
+        m.cached = m.cached.saturating_sub(1);
+        m.passthrough += 1;
+        true
+    }
+
+    /// The open read handles reading through a backing file: (handle, inode, backing id). A
+    /// successor's adapter takes them over.
+    pub fn passthrough_handles(&self) -> Vec<(u64, Ino, Option<u32>)> {
+        let st = self.lock();
+        st.handles
+            .entries()
+            .into_iter()
+            .filter_map(|(fh, h)| {
+                let g = h.try_lock().ok()?;
+                match &*g {
+                    Handle::Read(r) if r.passthrough => Some((fh, r.ino, r.backing_id)),
+                    _ => None,
+                }
+            })
+            .collect()
     }
 
     /// The kernel connection refused the passthrough file: handle `fh` reads through Ferry.
@@ -1466,7 +1494,7 @@ impl Fs {
         if std::mem::take(&mut r.passthrough) {
             let ino = r.ino;
             drop(g);
-            st.handles.set_passthrough(fh, false);
+            st.handles.set_passthrough(fh, None);
             let m = st.io.entry(ino).or_default();
             m.passthrough = m.passthrough.saturating_sub(1);
             m.cached += 1;
@@ -1776,7 +1804,6 @@ impl Fs {
             Opened {
                 fh,
                 keep_cache: false,
-                direct_io: false,
             },
         ))
     }
@@ -2043,7 +2070,7 @@ impl Fs {
             Handle::Read(r) => {
                 // Aborts GETs in flight and gives their memory back.
                 r.prefetch.reset();
-                self.lock().io_closed(r.ino, fh, r.passthrough);
+                self.lock().io_closed(r.ino, r.passthrough);
                 Ok(())
             }
             Handle::Dir(_) => Ok(()),

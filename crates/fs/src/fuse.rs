@@ -7,6 +7,7 @@
 use std::collections::HashMap;
 use std::ffi::OsStr;
 use std::future::Future;
+use std::os::fd::AsFd;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -45,33 +46,73 @@ pub struct FuseAdapter {
 
 /// FUSE passthrough: the kernel reads an open file straight from a backing file (the node
 /// cache's whole copy of the object) and no read reaches Ferry.
+///
+/// Backing files are registered by raw id on the connection's `/dev/fuse` descriptor and
+/// unregistered here when their last handle closes (not by fuser's `BackingId`, whose id cannot be
+/// read back): the ids are kept with the handles, so that a successor process (a handover, or
+/// recovery after a crash) goes on using them. The kernel requires every open of an inode that is
+/// open through passthrough to name the same backing file.
 #[derive(Debug, Default)]
 struct Passthrough {
     /// Asked for, and not refused by the kernel so far.
     enabled: AtomicBool,
+    /// The connection's `/dev/fuse` (a duplicate), when Ferry mounted it itself.
+    dev: std::sync::OnceLock<std::os::fd::OwnedFd>,
     /// Backing files registered with this connection, by inode, with how many handles use them
     /// (the kernel wants one backing file per inode; it is unregistered when the last closes).
-    backing: Mutex<HashMap<u64, (Arc<BackingId>, usize)>>,
+    backing: Mutex<HashMap<u64, (u32, usize)>>,
     /// Passthrough handles and their inodes.
     handles: Mutex<HashMap<u64, u64>>,
 }
 
 impl Passthrough {
-    /// The inode's backing id: the one in use, or `file` registered now.
-    fn backing_for(
-        &self,
-        ino: u64,
-        reply: &ReplyOpen,
-        file: &std::fs::File,
-    ) -> std::io::Result<Arc<BackingId>> {
+    /// The backing id of `ino` if one is registered (counting `fh` as one more user).
+    fn existing(&self, ino: u64, fh: u64) -> Option<u32> {
         let mut backing = self.backing.lock().expect("backing lock");
-        if let Some((id, users)) = backing.get_mut(&ino) {
-            *users += 1;
-            return Ok(id.clone());
-        }
-        let id = Arc::new(reply.open_backing(file)?);
-        backing.insert(ino, (id.clone(), 1));
+        let (id, users) = backing.get_mut(&ino)?;
+        *users += 1;
+        self.handles.lock().expect("handles lock").insert(fh, ino);
+        Some(*id)
+    }
+
+    /// The inode's backing id: the one in use, or `file` registered now, for handle `fh`.
+    fn backing_for(&self, ino: u64, fh: u64, file: &std::fs::File) -> std::io::Result<u32> {
+        let mut backing = self.backing.lock().expect("backing lock");
+        let id = match backing.get_mut(&ino) {
+            Some((id, users)) => {
+                *users += 1;
+                *id
+            }
+            None => {
+                let dev = self
+                    .dev
+                    .get()
+                    .ok_or_else(|| std::io::Error::from_raw_os_error(libc::EPERM))?;
+                let id = BackingId::create_raw(dev, file)?;
+                backing.insert(ino, (id, 1));
+                id
+            }
+        };
+        self.handles.lock().expect("handles lock").insert(fh, ino);
         Ok(id)
+    }
+
+    /// Takes over passthrough handles another process opened (`None`: its id is unknown).
+    fn inherit(&self, handles: Vec<(u64, u64, Option<u32>)>) {
+        let mut backing = self.backing.lock().expect("backing lock");
+        let mut by_fh = self.handles.lock().expect("handles lock");
+        for (fh, ino, id) in handles {
+            match id {
+                Some(id) => {
+                    backing.entry(ino).or_insert((id, 0)).1 += 1;
+                    by_fh.insert(fh, ino);
+                }
+                None => tracing::warn!(
+                    ino,
+                    "a handle reads through a backing file whose id was not recorded: other opens of the file fail until it is closed"
+                ),
+            }
+        }
     }
 
     fn closed(&self, fh: u64) {
@@ -79,10 +120,16 @@ impl Passthrough {
             return;
         };
         let mut backing = self.backing.lock().expect("backing lock");
-        if let Some((_, users)) = backing.get_mut(&ino) {
+        if let Some((id, users)) = backing.get_mut(&ino) {
             *users -= 1;
             if *users == 0 {
+                let id = *id;
                 backing.remove(&ino);
+                if let Some(dev) = self.dev.get() {
+                    if let Err(e) = crate::handover::close_backing_id(dev.as_fd(), id) {
+                        tracing::debug!(id, error = %e, "unregistering a backing file");
+                    }
+                }
             }
         }
     }
@@ -96,6 +143,8 @@ impl FuseAdapter {
             enabled: AtomicBool::new(passthrough && fs.uses_cache()),
             ..Default::default()
         };
+        // A successor goes on with the backing files its predecessor registered.
+        pt.inherit(fs.passthrough_handles());
         FuseAdapter {
             fs,
             rt,
@@ -103,6 +152,13 @@ impl FuseAdapter {
             gate: Arc::default(),
             kernel: Arc::default(),
         }
+    }
+
+    /// The connection's `/dev/fuse` descriptor (a duplicate): passthrough needs it (without one,
+    /// when fusermount3 mounted, nothing is read through passthrough).
+    pub fn with_device(self, dev: std::os::fd::OwnedFd) -> Self {
+        let _ = self.pt.dev.set(dev);
+        self
     }
 
     /// The gate requests pass (for a handover).
@@ -300,9 +356,6 @@ fn fopen_flags(o: Opened, read_only: bool) -> FopenFlags {
     if o.keep_cache {
         flags |= FopenFlags::FOPEN_KEEP_CACHE;
     }
-    if o.direct_io {
-        flags |= FopenFlags::FOPEN_DIRECT_IO;
-    }
     if read_only {
         flags |= FopenFlags::FOPEN_NOFLUSH;
     }
@@ -315,6 +368,16 @@ fn fopen_flags(o: Opened, read_only: bool) -> FopenFlags {
 /// previous process never started.)
 fn resent(req: &Request) -> bool {
     req.unique().0 & crate::handover::FUSE_UNIQUE_RESEND != 0
+}
+
+/// Answers an open with passthrough through the connection's backing file `id` (which stays
+/// registered: [`Passthrough`] unregisters it).
+fn opened_passthrough(reply: ReplyOpen, fh: u64, id: u32) {
+    // SAFETY: `id` is a backing id registered on this connection and kept registered while a
+    // handle uses it; `into_raw` below keeps fuser from unregistering it.
+    let backing = unsafe { reply.wrap_backing(id) };
+    reply.opened_passthrough(FileHandle(fh), FopenFlags::FOPEN_NOFLUSH, &backing);
+    let _ = backing.into_raw();
 }
 
 /// FUSE reports the calling thread; uploads belong to processes (thread groups). Falls back to
@@ -612,6 +675,16 @@ impl Filesystem for FuseAdapter {
                 Ok(o) => o,
                 Err(e) => return reply.error(errno("open", &e)),
             };
+            // The inode is open through passthrough already (here or in the process before): the
+            // kernel admits this open only through the same backing file.
+            if read_only {
+                if let Some(id) = pt.existing(ino.0, o.fh) {
+                    if fs.join_passthrough(o.fh, id) {
+                        return opened_passthrough(reply, o.fh, id);
+                    }
+                    pt.closed(o.fh);
+                }
+            }
             if read_only && pt.enabled.load(Ordering::Relaxed) {
                 let f = fs.clone();
                 let file = tokio::task::spawn_blocking(move || f.passthrough_file(o.fh))
@@ -619,14 +692,10 @@ impl Filesystem for FuseAdapter {
                     .ok()
                     .flatten();
                 if let Some(file) = file {
-                    match pt.backing_for(ino.0, &reply, &file) {
+                    match pt.backing_for(ino.0, o.fh, &file) {
                         Ok(id) => {
-                            pt.handles.lock().expect("handles lock").insert(o.fh, ino.0);
-                            return reply.opened_passthrough(
-                                FileHandle(o.fh),
-                                FopenFlags::FOPEN_NOFLUSH,
-                                &id,
-                            );
+                            fs.set_backing_id(o.fh, id);
+                            return opened_passthrough(reply, o.fh, id);
                         }
                         Err(e) => {
                             // EPERM (no CAP_SYS_ADMIN), ENOTTY/EINVAL (not offered): stop asking.

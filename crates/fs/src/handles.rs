@@ -51,6 +51,10 @@ pub struct ReadHandle {
     /// passthrough): no read reaches Ferry.
     #[serde(default)]
     pub passthrough: bool,
+    /// The connection's id of that backing file (every open of the inode must name it while one
+    /// is open).
+    #[serde(default)]
+    pub backing_id: Option<u32>,
     /// Parts fetched or being fetched ahead of the reader; not carried over.
     #[serde(skip)]
     pub prefetch: Prefetch,
@@ -67,6 +71,7 @@ impl ReadHandle {
             next_offset: 0,
             cached: false,
             passthrough: false,
+            backing_id: None,
             prefetch: Prefetch::default(),
         }
     }
@@ -201,14 +206,21 @@ impl HandleTable {
         v
     }
 
-    /// Read handle `fh` reads through FUSE passthrough (or no longer does): journaled, since a
-    /// successor must not open its inode in cached mode meanwhile.
-    pub(crate) fn set_passthrough(&mut self, fh: u64, on: bool) {
+    /// Read handle `fh` reads through FUSE passthrough with backing id `id` (`Some(0)`: not yet
+    /// known), or no longer does (`None`): journaled, since a successor must open its inode only
+    /// through the same backing id meanwhile.
+    pub(crate) fn set_passthrough(&mut self, fh: u64, id: Option<u32>) {
         let Some(slot) = self.handles.get_mut(&fh) else {
             return;
         };
-        if let JournaledHandle::Read { passthrough, .. } = &mut slot.pin {
-            *passthrough = on;
+        if let JournaledHandle::Read {
+            passthrough,
+            backing_id,
+            ..
+        } = &mut slot.pin
+        {
+            *passthrough = id.is_some();
+            *backing_id = id.filter(|&i| i != 0);
             if let Some(j) = self.journal.get() {
                 j.opened(fh, &slot.pin);
             }

@@ -13,7 +13,9 @@
 //! state is then frozen. The parked requests stay in the kernel's processing queue of the shared
 //! `/dev/fuse` file; the successor asks the kernel to queue them again ([`notify_resend`],
 //! `FUSE_NOTIFY_RESEND`, Linux 6.9+) before it serves, and answers them. After a crash the
-//! requests the dead process had read are in that queue too.
+//! requests the dead process had read are in that queue too. Passthrough backing files stay
+//! registered: their ids travel with the handles, and the successor's opens of those inodes name
+//! the same ids (the kernel admits nothing else beside an open passthrough file).
 
 use std::io;
 use std::os::fd::{AsRawFd, BorrowedFd};
@@ -88,21 +90,14 @@ pub fn notify_resend(dev: BorrowedFd<'_>) -> io::Result<()> {
     Ok(())
 }
 
-/// Unregisters passthrough backing files `1..=upto` of the connection (`ENOENT` for ids not in
-/// use is ignored). A successor calls it before registering any of its own: every id is then a
-/// previous process's. Open files keep reading their backing file (they hold it themselves); only
-/// the registration, which would keep the file open until unmount, goes. Returns how many closed.
-pub fn close_backing_ids(dev: BorrowedFd<'_>, upto: u32) -> usize {
-    let mut closed = 0;
-    for id in 1..=upto {
-        let id: u32 = id;
-        // SAFETY: the ioctl reads one u32 from a live local.
-        let rc = unsafe { libc::ioctl(dev.as_raw_fd(), FUSE_DEV_IOC_BACKING_CLOSE, &id) };
-        if rc == 0 {
-            closed += 1;
-        }
+/// Unregisters the connection's passthrough backing file `id` (open files keep reading theirs).
+pub fn close_backing_id(dev: BorrowedFd<'_>, id: u32) -> io::Result<()> {
+    // SAFETY: the ioctl reads one u32 from a live local.
+    let rc = unsafe { libc::ioctl(dev.as_raw_fd(), FUSE_DEV_IOC_BACKING_CLOSE, &id) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
     }
-    closed
+    Ok(())
 }
 
 /// Decides whether the session thread may hand a request to the filesystem: open while the mount

@@ -94,9 +94,11 @@ pub enum JournaledHandle {
         size: u64,
         cached: bool,
         /// Read by the kernel straight from a backing file (FUSE passthrough): a successor must
-        /// not open the inode in cached mode while it is open. (Its backing id is not kept: a
-        /// successor unregisters every id of the connection before registering its own.)
+        /// open the inode only through the same backing id while it is open.
         passthrough: bool,
+        /// That backing file's id on the connection (when registered).
+        #[serde(default)]
+        backing_id: Option<u32>,
     },
     Dir {
         ino: Ino,
@@ -124,6 +126,7 @@ impl JournaledHandle {
                 size: r.size,
                 cached: r.cached,
                 passthrough: r.passthrough,
+                backing_id: r.backing_id,
             },
             Handle::Dir(d) => JournaledHandle::Dir { ino: d.ino },
             Handle::Write(w) => JournaledHandle::Write {
@@ -150,11 +153,13 @@ impl JournaledHandle {
                 size,
                 cached,
                 passthrough,
+                backing_id,
             } => {
                 let mut r = ReadHandle::new(ino, key, etag, size);
                 r.last_modified = last_modified;
                 r.cached = cached;
                 r.passthrough = passthrough;
+                r.backing_id = backing_id;
                 Handle::Read(r)
             }
             JournaledHandle::Dir { ino } => Handle::Dir(DirHandle {

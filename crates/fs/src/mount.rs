@@ -428,6 +428,7 @@ pub fn mount(
     let session = if privileged() {
         let dev = mount_on(&dir, &cfg).map_err(fuse_err)?;
         device = Some(dev.try_clone().map_err(fuse_err)?);
+        let adapter = adapter.with_device(dev.try_clone().map_err(fuse_err)?);
         let started = fuser::Session::from_fd(adapter, dev, options.acl, options.clone())
             .and_then(|s| s.spawn());
         match started {
@@ -505,6 +506,7 @@ pub fn resume(
     let (fs, adapter) = adapter_for(fs, proofs, ctx);
     let (gate, kernel_rec) = (adapter.gate(), adapter.kernel_init());
     let options = mount_options(&cfg);
+    let adapter = adapter.with_device(dev.try_clone().map_err(fuse_err)?);
     let (ours, theirs) = std::os::unix::net::UnixDatagram::pair().map_err(fuse_err)?;
     ours.send(&kernel.request()).map_err(fuse_err)?;
     let session = fuser::Session::from_fd(adapter, OwnedFd::from(theirs), options.acl, options)
@@ -527,13 +529,6 @@ pub fn resume(
     if rc < 0 {
         return Err(fuse_err(io::Error::last_os_error()));
     }
-    // Passthrough registrations are the old process's: open files keep their backing files, new
-    // opens register their own.
-    const FUSE_PASSTHROUGH: u64 = 1 << 37;
-    if kernel.flags & FUSE_PASSTHROUGH != 0 {
-        let closed = handover::close_backing_ids(dev.as_fd(), BACKING_IDS_CLOSED);
-        tracing::debug!(closed, "previous passthrough registrations dropped");
-    }
     if resend {
         if let Err(e) = handover::notify_resend(dev.as_fd()) {
             tracing::warn!(target = %target.display(), error = %e, "the kernel did not re-send the unanswered requests");
@@ -555,10 +550,6 @@ pub fn resume(
     tracing::info!(target = %handle.target.display(), conn = handle.connection(), "mount taken over");
     Ok(handle)
 }
-
-/// Passthrough backing ids a successor unregisters (the kernel hands out the lowest free id, so
-/// a previous process's ids stay below the most files it had registered at once).
-const BACKING_IDS_CLOSED: u32 = 4096;
 
 /// Kernel read-ahead of a mount, in KiB: with it (and 1 MiB FUSE requests, `max_pages`) a
 /// sequential reader's data comes in 1 MiB `read` requests instead of 128 KiB ones (P1 at 10 ms:
