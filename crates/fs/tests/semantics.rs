@@ -192,6 +192,36 @@ const CLAIMS: &[(&str, &str, How)] = &[
         Elsewhere("e2e/src/bin/ferry-harness.rs", "restart"),
     ),
     (
+        "Node plugin exit",
+        "Upgrade",
+        Elsewhere("e2e/src/takeover.rs", "upgrade"),
+    ),
+    (
+        "Node plugin exit",
+        "Handover refused",
+        Elsewhere("e2e/src/takeover.rs", "refusals"),
+    ),
+    (
+        "Node plugin exit",
+        "Crash, with the holder",
+        Elsewhere("e2e/src/takeover.rs", "crash"),
+    ),
+    (
+        "Node plugin exit",
+        "Kernel without FUSE_NOTIFY_RESEND",
+        Gap("this machine's kernel has it; the owner's refusal is in NodeService::export (node/src/service.rs) without a test on an older kernel"),
+    ),
+    (
+        "Node plugin exit",
+        "Crash, without the holder",
+        Elsewhere("e2e/src/bin/ferry-harness.rs", "restart"),
+    ),
+    (
+        "Node plugin exit",
+        "SIGTERM, no successor",
+        Elsewhere("e2e/src/bin/ferry-harness.rs", "restart"),
+    ),
+    (
         "Through CSI",
         "Endpoints",
         Elsewhere("e2e/tests/csi.rs", "endpoints_the_operator_did_not_allow_are_refused_before_any_connection"),
