@@ -659,9 +659,14 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     }
     let n = inherited.len();
     let mut failed = 0;
-    for (record, device) in inherited {
-        failed += usize::from(node.adopt(record, device, true).await.is_err());
-    }
+    // All at once: each resumes on a blocking thread of its own, and a mount waits only for its own.
+    let adopted = futures::future::join_all(
+        inherited
+            .into_iter()
+            .map(|(record, device)| node.adopt(record, device, true)),
+    )
+    .await;
+    failed += adopted.iter().filter(|r| r.is_err()).count();
     if n > 0 {
         let pause = handed_at.map_or(Duration::ZERO, |t| t.elapsed());
         record_takeover("handover", n - failed, failed, pause);

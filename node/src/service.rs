@@ -237,18 +237,10 @@ impl NodeService {
             Err(_) => return (0, 0),
         };
         let (mut served, mut cut) = (0, 0);
+        let mut readable = Vec::new();
         for entry in kept {
             match entry {
-                Ok((record, device)) => {
-                    let target = record.target.clone();
-                    match self.adopt(record, device, true).await {
-                        Ok(()) => served += 1,
-                        Err(_) => {
-                            cut += 1;
-                            self.inner.keeper.release(&target);
-                        }
-                    }
-                }
+                Ok(r) => readable.push(r),
                 Err(u) => {
                     cut += 1;
                     tracing::error!(key = %u.key, reason = %u.reason, "a mount kept for a previous process cannot be recovered; cutting it off (it fails with ENOTCONN until unpublished)");
@@ -261,6 +253,21 @@ impl NodeService {
                         keeper.release(std::path::Path::new(&key))
                     })
                     .await;
+                }
+            }
+        }
+        // All at once, as after a handover.
+        let adopted = futures::future::join_all(readable.into_iter().map(|(record, device)| {
+            let target = record.target.clone();
+            async move { (target, self.adopt(record, device, true).await) }
+        }))
+        .await;
+        for (target, res) in adopted {
+            match res {
+                Ok(()) => served += 1,
+                Err(_) => {
+                    cut += 1;
+                    self.inner.keeper.release(&target);
                 }
             }
         }
