@@ -7,6 +7,7 @@
 //! never part of CI. See doc/BENCHMARKS.md.
 
 mod dataset;
+mod instance;
 mod mounters;
 mod proxy;
 mod table;
@@ -78,7 +79,7 @@ fn main() -> anyhow::Result<()> {
         bail!("--scale must be positive");
     }
     // Two benchmarks at once would measure each other: refuse a second one.
-    let _lock = single_instance_lock()?;
+    let _lock = instance::single_instance_lock()?;
     let started = Instant::now();
     let only: Vec<String> = cli.only.iter().map(|s| s.trim().to_uppercase()).collect();
     let selected = |r: Row| only.is_empty() || only.iter().any(|o| o == r.workload());
@@ -453,26 +454,6 @@ async fn head_latency(store: &S3Store, n: usize) -> anyhow::Result<(f64, f64)> {
     }
     samples.sort_by(|a, b| a.total_cmp(b));
     Ok((samples[n / 2], samples[n * 9 / 10]))
-}
-
-/// Holds an exclusive lock on `/run/ferry-bench.lock` for the life of the returned file.
-fn single_instance_lock() -> anyhow::Result<std::fs::File> {
-    use std::os::fd::AsRawFd;
-    let path = Path::new("/run/ferry-bench.lock");
-    let f = std::fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(path)
-        .with_context(|| format!("opening {}", path.display()))?;
-    // SAFETY: flock on a descriptor we own, which stays open as long as `f` lives.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-        bail!(
-            "another ferry-bench is running (it holds {}); run one at a time",
-            path.display()
-        );
-    }
-    Ok(f)
 }
 
 /// The 1-minute load average (other processes on this machine disturb the numbers).

@@ -1,0 +1,25 @@
+//! One benchmark at a time: two at once would measure each other.
+
+use std::path::Path;
+
+use anyhow::{bail, Context};
+
+/// Holds an exclusive lock on `/run/ferry-bench.lock` for the life of the returned file.
+pub fn single_instance_lock() -> anyhow::Result<std::fs::File> {
+    use std::os::fd::AsRawFd;
+    let path = Path::new("/run/ferry-bench.lock");
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    // SAFETY: flock on a descriptor we own, which stays open as long as `f` lives.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        bail!(
+            "another ferry-bench is running (it holds {}); run one at a time",
+            path.display()
+        );
+    }
+    Ok(f)
+}
