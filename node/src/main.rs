@@ -762,13 +762,17 @@ fn record_takeover(how: &'static str, served: usize, failed: usize, pause: Durat
         &[],
     )
     .set(pause.as_millis() as i64);
-    tracing::info!(
-        how,
-        served,
-        failed,
-        pause_ms = pause.as_millis() as u64,
-        "mounts of a previous process serving"
-    );
+    let ms = pause.as_millis() as u64;
+    if how == "handover" {
+        tracing::info!(served, failed, pause_ms = ms, "handed-over mounts serving");
+    } else {
+        tracing::info!(
+            served,
+            failed,
+            elapsed_ms = ms,
+            "mounts of a previous process recovered"
+        );
+    }
 }
 
 /// Raises the soft limit on open descriptors to the hard one: every mount holds a `/dev/fuse`
