@@ -31,7 +31,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
-use ferry_e2e::{bin_dir, mount_capability, unix_channel, IdentityClient, Plugin};
+use ferry_e2e::{bin_dir, mount_capability, Plugin};
 use ferry_proto::csi::v1 as pb;
 use ferry_store::{ObjectStore, S3Store};
 use pb::volume_capability::access_mode::Mode;
@@ -311,14 +311,8 @@ impl Event {
 async fn wait_probe(socket: &Path) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(120);
     loop {
-        if let Ok(ch) = unix_channel(socket).await {
-            let ready = IdentityClient::new(ch)
-                .probe(pb::ProbeRequest {})
-                .await
-                .map(|r| r.into_inner().ready.unwrap_or(true));
-            if let Ok(true) = ready {
-                return Ok(());
-            }
+        if ferry_e2e::probe_ready(socket).await {
+            return Ok(());
         }
         if Instant::now() > deadline {
             bail!("the node plugin did not answer Probe within 120 s");

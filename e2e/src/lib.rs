@@ -333,16 +333,8 @@ impl Plugin {
                     bail!("{name} exited with {status} during start-up:\n{log}");
                 }
             }
-            if socket.exists() {
-                if let Ok(ch) = unix_channel(socket).await {
-                    let ready = IdentityClient::new(ch)
-                        .probe(pb::ProbeRequest {})
-                        .await
-                        .map(|r| r.into_inner().ready.unwrap_or(true));
-                    if let Ok(true) = ready {
-                        return Ok(());
-                    }
-                }
+            if socket.exists() && probe_ready(socket).await {
+                return Ok(());
             }
             if Instant::now() > deadline {
                 bail!("{} did not become ready within 60 s", socket.display());
@@ -380,6 +372,17 @@ impl Drop for Plugin {
     fn drop(&mut self) {
         self.stop();
     }
+}
+
+/// Whether the CSI plugin at `socket` answers Probe with ready (or without a readiness).
+pub async fn probe_ready(socket: &Path) -> bool {
+    let Ok(ch) = unix_channel(socket).await else {
+        return false;
+    };
+    IdentityClient::new(ch)
+        .probe(pb::ProbeRequest {})
+        .await
+        .is_ok_and(|r| r.into_inner().ready.unwrap_or(true))
 }
 
 /// A deterministic pseudo-random payload.
