@@ -776,18 +776,30 @@ impl Export {
     }
 
     /// The successor has the mounts: forget them without unmounting anything.
-    pub fn commit(self) {
-        for (_, m) in self.mounts {
+    pub fn commit(mut self) {
+        for (_, m) in std::mem::take(&mut self.mounts) {
             m.handle.hand_over();
         }
     }
 
     /// No handover after all: the mounts serve on here.
-    pub fn abort(self) {
-        for (target, m) in self.mounts {
+    pub fn abort(mut self) {
+        self.put_back();
+    }
+
+    fn put_back(&mut self) {
+        for (target, m) in std::mem::take(&mut self.mounts) {
             m.handle.thaw();
             self.table.insert(target, m);
         }
+    }
+}
+
+impl Drop for Export {
+    /// An export neither committed nor aborted (an unwinding panic) serves its mounts on: a
+    /// `Mounted` dropped would unmount.
+    fn drop(&mut self) {
+        self.put_back();
     }
 }
 
