@@ -120,6 +120,40 @@ impl Keeper {
         }
     }
 
+    /// Deposits a mount received in a handover before this process serves it: its descriptor and
+    /// a journal written from its snapshot. If this process dies before it serves the mount, the
+    /// next one recovers it from here (the previous owner, gone by then, cannot).
+    pub fn keep_received(&self, record: &MountRecord, device: &OwnedFd) -> std::io::Result<()> {
+        use base64::Engine;
+        if !self.enabled() {
+            return Ok(());
+        }
+        let journal = memfd("ferry-journal")?;
+        ferry_fs::journal::write_snapshot(
+            journal.try_clone()?,
+            &record.snapshot,
+            serde_json::json!({ "target": record.target }),
+        )?;
+        let kept = Kept {
+            version: KEPT_VERSION,
+            target: record.target.clone(),
+            dev: record.dev,
+            kernel: record.kernel,
+            request: base64::engine::general_purpose::STANDARD.encode(&record.request),
+        };
+        let blob = serde_json::to_vec(&kept).map_err(std::io::Error::other)?;
+        match self.with(|c| {
+            c.deposit(
+                &key(&record.target),
+                &blob,
+                &[device.as_fd(), journal.as_fd()],
+            )
+        }) {
+            Some(res) => res,
+            None => Ok(()),
+        }
+    }
+
     /// The mount at `target` is gone: the holder lets go of it.
     pub fn release(&self, target: &Path) {
         if let Some(Err(e)) = self.with(|c| c.withdraw(&key(target))) {

@@ -463,6 +463,7 @@ const FREEZE_TIMEOUT: Duration = Duration::from_secs(20);
 async fn take_ownership(
     state: &StateDir,
     readable: &[u32],
+    keeper: &ferry_node::keeper::Keeper,
 ) -> anyhow::Result<(
     std::fs::File,
     Vec<(MountRecord, std::os::fd::OwnedFd)>,
@@ -486,6 +487,21 @@ async fn take_ownership(
         .await?
         .context("another ferry-node owns this node's mounts and did not hand them over")?;
     let owner = received.owner_pid;
+    // Deposited before the answer: once the owner is gone, the holder of this pod is the only
+    // other keeper of the connections.
+    let keeper = keeper.clone();
+    let received = tokio::task::spawn_blocking(move || {
+        for (record, device) in &received.mounts {
+            keeper.keep_received(record, device).with_context(|| {
+                format!(
+                    "depositing the mount at {} with the fd holder",
+                    record.target.display()
+                )
+            })?;
+        }
+        anyhow::Ok(received)
+    })
+    .await??;
     received.adopt()?;
     // The owner exits as soon as it reads the answer.
     let received =
@@ -493,6 +509,14 @@ async fn take_ownership(
             .await?
             .with_context(|| format!("process {owner} handed its mounts over but did not exit"))?;
     let (lock, mounts) = (received.lock, received.mounts);
+    // Tests of a successor that dies between taking the mounts and serving them: the next
+    // process must recover them from what was deposited above.
+    if std::env::var_os("FERRY_TEST_ABORT_AFTER_ADOPTED").is_some() {
+        tracing::warn!(
+            "FERRY_TEST_ABORT_AFTER_ADOPTED: aborting with the mounts taken and unserved"
+        );
+        std::process::abort();
+    }
     tracing::info!(
         mounts = mounts.len(),
         from_pid = owner,
@@ -598,7 +622,9 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         }
     }
     raise_fd_limit();
-    let (lock, inherited, handed_at) = take_ownership(&state, &a.handover_readable).await?;
+    let keeper = ferry_node::keeper::Keeper::new(a.holder_socket.clone());
+    let (lock, inherited, handed_at) =
+        take_ownership(&state, &a.handover_readable, &keeper).await?;
     ferry_metrics::start(&a.metrics_addr)
         .await
         .map_err(anyhow::Error::msg)?;
@@ -620,7 +646,6 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     });
     let ctx = mount_context(cache, a.memory_budget, !a.no_cache_passthrough)?;
     let cache = ctx.cache.clone();
-    let keeper = ferry_node::keeper::Keeper::new(a.holder_socket.clone());
     let node = NodeService::with_parts(
         NodeConfig {
             node_id: a.node_id.clone(),

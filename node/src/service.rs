@@ -763,6 +763,10 @@ pub struct Export {
     /// Each mount's state, in the order of `mounts`.
     pub records: Vec<MountRecord>,
     table: Arc<MountTable>,
+    /// A successor deposits what it received before it answers; where it shares the holder with
+    /// this process (not in the chart: one holder per pod), a handover called off must deposit
+    /// this process's own journals again.
+    keeper: Keeper,
     _ops: tokio::sync::OwnedRwLockWriteGuard<()>,
 }
 
@@ -789,6 +793,9 @@ impl Export {
 
     fn put_back(&mut self) {
         for (target, m) in std::mem::take(&mut self.mounts) {
+            if let Some(journal) = &m.journal {
+                self.keeper.keep(&m.handle, journal, &m.request);
+            }
             m.handle.thaw();
             self.table.insert(target, m);
         }
@@ -815,6 +822,7 @@ impl NodeService {
             mounts: Vec::new(),
             records: Vec::new(),
             table: inner.mounts.clone(),
+            keeper: inner.keeper.clone(),
             _ops: ops,
         };
         // Every mount goes into the export before any is frozen: on any failure `abort` puts them

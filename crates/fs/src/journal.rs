@@ -407,6 +407,23 @@ impl Live {
     }
 }
 
+/// Writes a complete journal of `snap` to `file` (a memfd): what a process that received a
+/// mount in a handover deposits with the descriptor holder before it answers, so that a crash
+/// before it serves the mount still leaves it recoverable. Its write handles come back failed
+/// (their buffered bytes are not journaled).
+pub fn write_snapshot(
+    file: File,
+    snap: &FsSnapshot,
+    extra: serde_json::Value,
+) -> std::io::Result<()> {
+    let journal = Journal::new(file, extra);
+    let handles = HandleTable::restore(snap.next_fh, snap.handles.clone());
+    journal.begin(&snap.config, snap.mount_time, &snap.inodes, &handles);
+    if journal.is_broken() {
+        return Err(std::io::Error::other("writing the journal failed"));
+    }
+    Ok(())
+}
 /// The snapshot a successor process builds its [`crate::Fs`] from ([`crate::Fs::from_snapshot`]).
 ///
 /// The kernel's lookup counts are not journaled (one record per lookup would be most of the
