@@ -158,8 +158,13 @@ impl Plugin {
 
     /// Starts `ferry-fd-holder` and makes every node plugin started from now on deposit its
     /// mounts there (`FERRY_HOLDER_SOCKET`).
+    /// Each call starts another holder (as each node plugin pod has its own), used by the node
+    /// plugins started after it.
     pub fn start_holder(&mut self) -> Result<PathBuf> {
-        let socket = self.dir.path().join("holder.sock");
+        let socket = (0..)
+            .map(|i| self.dir.path().join(format!("holder-{i}.sock")))
+            .find(|p| !p.exists())
+            .expect("a free name");
         let holder = self.spawn(
             &self.bins.clone(),
             "ferry-fd-holder",

@@ -231,15 +231,23 @@ fn writer(mnt: PathBuf, stop: Arc<AtomicBool>) -> Vec<Written> {
     out
 }
 
-/// Starts a successor and waits until the previous process has handed over and exited.
+/// An upgrade as the chart's DaemonSet does it: a new pod (its own fd holder and node plugin)
+/// beside the old one; once the old node plugin has handed over and exited, the old pod (its
+/// holder) goes away.
 async fn upgrade(plugin: &mut Plugin) -> Result<Duration> {
+    upgrade_with(plugin, &[]).await
+}
+
+async fn upgrade_with(plugin: &mut Plugin, env: &[(&str, &str)]) -> Result<Duration> {
     let t = Instant::now();
-    plugin.start_node()?;
+    plugin.start_holder()?;
+    plugin.start_node_with(&[], env)?;
     let status = plugin.wait_exit("ferry-node", Duration::from_secs(120))?;
     if !status.success() {
         bail!("the previous ferry-node exited with {status} instead of handing over");
     }
     let took = t.elapsed();
+    plugin.signal_process("ferry-fd-holder", libc::SIGTERM)?;
     plugin.wait_node().await?;
     Ok(took)
 }
@@ -256,12 +264,7 @@ async fn refusals(plugin: &mut Plugin) -> Result<()> {
     }
     println!("    a successor that reads only format 2: declined, exited with {status}; the owner serves on");
     // An owner that stamps its state with version 2 (the format it announces is 1).
-    plugin.start_node_with(&[], &[("FERRY_HANDOVER_WRITE_VERSION", "2")])?;
-    let status = plugin.wait_exit("ferry-node", Duration::from_secs(120))?;
-    if !status.success() {
-        bail!("the owner did not hand over to the mis-stamping successor: {status}");
-    }
-    plugin.wait_node().await?;
+    upgrade_with(plugin, &[("FERRY_HANDOVER_WRITE_VERSION", "2")]).await?;
     plugin.start_node()?;
     let status = plugin.wait_exit_newest("ferry-node", Duration::from_secs(120))?;
     if status.success() || !plugin.running("ferry-node")? {
@@ -272,6 +275,21 @@ async fn refusals(plugin: &mut Plugin) -> Result<()> {
     plugin.start_node()?;
     plugin.wait_node().await?;
     println!("    the mis-stamping owner killed; its mounts recovered by a new process");
+    // A successor that dies after it took the mounts and before it served them (the owner is
+    // gone by then): what it deposited with the holder first lets the next process recover them.
+    // A new pod: its holder has nothing but what that successor deposits, and the old pod's
+    // holder goes away with the old pod.
+    plugin.start_holder()?;
+    plugin.start_node_with(&[], &[("FERRY_TEST_ABORT_AFTER_ADOPTED", "1")])?;
+    let owner = plugin.wait_exit("ferry-node", Duration::from_secs(120))?;
+    let successor = plugin.wait_exit("ferry-node", Duration::from_secs(120))?;
+    if !owner.success() || successor.success() {
+        bail!("expected the owner to hand over ({owner}) and the successor to die ({successor})");
+    }
+    plugin.signal_process("ferry-fd-holder", libc::SIGTERM)?;
+    plugin.start_node()?;
+    plugin.wait_node().await?;
+    println!("    a successor that died after taking the mounts ({successor}): recovered by the next one");
     Ok(())
 }
 
