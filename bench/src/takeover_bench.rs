@@ -78,6 +78,9 @@ struct Cli {
     /// Copy the node plugin's and the holder's logs into this directory.
     #[arg(long)]
     keep_logs: Option<PathBuf>,
+    /// Run the node plugin without its node cache (the chart turns it on).
+    #[arg(long)]
+    no_cache: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -326,11 +329,15 @@ async fn wait_probe(socket: &Path) -> anyhow::Result<()> {
 async fn handover(plugin: &mut Plugin) -> anyhow::Result<Event> {
     let wall_start = unix_secs(SystemTime::now());
     let start = mono_ns();
+    // As the chart's DaemonSet does it: a new pod with its own fd holder; the old pod (and its
+    // holder) goes once its node plugin has handed over.
+    plugin.start_holder()?;
     plugin.start_node()?;
     let status = plugin.wait_exit("ferry-node", Duration::from_secs(120))?;
     if !status.success() {
         bail!("the previous ferry-node exited with {status} instead of handing over");
     }
+    plugin.signal_process("ferry-fd-holder", libc::SIGTERM)?;
     wait_probe(&plugin.node_socket).await?;
     Ok(Event {
         kind: Kind::Handover,
@@ -374,26 +381,10 @@ const STARTED: &str = "ferry-node serving";
 /// `ferry_fs::mount`'s line for each mount resumed by a new process.
 const TAKEN: &str = "mount taken over";
 
-/// Seconds since the epoch of an RFC 3339 UTC timestamp (`2026-12-01T18:55:00.303916Z`).
+/// Seconds since the epoch of an RFC 3339 timestamp (`2026-12-01T18:55:00.303916Z`).
 fn parse_utc(ts: &str) -> Option<f64> {
-    let (date, time) = ts.strip_suffix('Z')?.split_once('T')?;
-    let mut d = date.split('-').map(|p| p.parse::<i64>());
-    let (y, m, day) = (d.next()?.ok()?, d.next()?.ok()?, d.next()?.ok()?);
-    let mut t = time.split(':');
-    let (h, min) = (
-        t.next()?.parse::<i64>().ok()?,
-        t.next()?.parse::<i64>().ok()?,
-    );
-    let s: f64 = t.next()?.parse().ok()?;
-    // Days from the civil date (Howard Hinnant's algorithm).
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    Some((days * 86_400 + h * 3_600 + min * 60) as f64 + s)
+    let t = ferry_kube::time::parse_rfc3339(ts)?;
+    Some(t.duration_since(UNIX_EPOCH).ok()?.as_secs_f64())
 }
 
 fn strip_ansi(line: &str) -> String {
@@ -555,8 +546,13 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 async fn run_on(plugin: &mut Plugin, cli: &Cli) -> anyhow::Result<String> {
-    // The node plugin started with the harness has no holder: replace it with one that has.
+    // The node plugin started with the harness has no holder: replace it with one that has, and
+    // (unless --no-cache) the chart's node cache.
     plugin.start_holder()?;
+    if !cli.no_cache {
+        let cache = plugin.dir.path().join("cache");
+        plugin.set_env("FERRY_CACHE_DIR", &cache.display().to_string());
+    }
     plugin.signal_process("ferry-node", libc::SIGTERM)?;
     plugin.start_node()?;
     plugin.wait_node().await?;
