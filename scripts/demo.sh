@@ -5,8 +5,9 @@
 # Must run as root (FUSE mounts).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-./scripts/setup.sh
+./scripts/setup.sh --demo # fuse3 and the versitygw S3 server only; the test suite's tools are not built
 export FERRY_TOOLS=${FERRY_TOOLS:-$HOME/.cache/ferry-tools/bin}
 export PATH="$FERRY_TOOLS:$PATH"
-cargo build --locked --workspace --bins
+# the demo runs ferry-harness, which starts ferry-controller, ferry-node and ferry-fd-holder
+cargo build --locked -p ferry-e2e -p ferry-controller -p ferry-node -p ferry-holder --bins
 exec "${CARGO_TARGET_DIR:-target}/debug/ferry-harness" demo "$@"

@@ -1,16 +1,26 @@
 #!/usr/bin/env bash
-# Installs everything Ferry's demo and test suite need on a Debian machine, idempotently:
-#   - Debian packages: fuse3 (fusermount3, /dev/fuse userspace), build essentials;
-#   - Debian packages: openssl (the test Kubernetes cluster's certificates), rsync (the SEMANTICS
-#     test writes files the way users do);
-#   - Go-built judges and servers, into $FERRY_TOOLS (default ~/.cache/ferry-tools/bin), built from
-#     the Go module proxy: csi-sanity (the CSI conformance suite) and versitygw (an S3 server), and
-#     through scripts/kube-tools.sh etcd, kube-apiserver, kube-controller-manager, csi-provisioner
-#     and helm (the Kubernetes-level e2e; a cold build takes ~20 min on 2 cores);
-#   - moto (S3 + IAM + STS with IAM enforcement, for the credentials tests) from PyPI into a venv
-#     beside it ($FERRY_TOOLS/../venv, i.e. ~/.cache/ferry-tools/venv).
+# Installs what Ferry's demo or test suite needs on a Debian machine, idempotently.
+#
+#   scripts/setup.sh --demo   what scripts/demo.sh needs, nothing more (versitygw: ~2.5 min of CPU, once):
+#     - Debian packages: fuse3 (fusermount3, /dev/fuse userspace), build essentials, CA certificates;
+#     - versitygw (the local S3 server) built from the Go module proxy into $FERRY_TOOLS
+#       (default ~/.cache/ferry-tools/bin).
+#   scripts/setup.sh          everything the test suite needs (scripts/test.sh, CI), in addition:
+#     - Debian packages: openssl (the test Kubernetes cluster's certificates), rsync (the SEMANTICS
+#       test writes files the way users do), python3-venv;
+#     - csi-sanity (the CSI conformance suite), and through scripts/kube-tools.sh etcd,
+#       kube-apiserver, kube-controller-manager, csi-provisioner and helm (the Kubernetes-level e2e;
+#       a cold build takes ~20 min on 2 cores);
+#     - moto (S3 + IAM + STS with IAM enforcement, for the credentials tests) from PyPI into a venv
+#       beside it ($FERRY_TOOLS/../venv, i.e. ~/.cache/ferry-tools/venv).
 # Nothing is written into the repository. Safe to run again: present tools are kept.
 set -euo pipefail
+
+case "${1:-}" in
+  --demo) demo=1 ;;
+  "") demo=0 ;;
+  *) echo "setup: unknown argument '$1' (expected --demo or nothing)" >&2; exit 2 ;;
+esac
 
 FERRY_TOOLS=${FERRY_TOOLS:-$HOME/.cache/ferry-tools/bin}
 CSI_SANITY_VERSION=v5.4.0
@@ -36,10 +46,12 @@ install_debian_packages() {
   command -v cc >/dev/null || missing+=(build-essential)
   command -v git >/dev/null || missing+=(git)
   command -v curl >/dev/null || missing+=(curl)
-  command -v openssl >/dev/null || missing+=(openssl)
-  command -v rsync >/dev/null || missing+=(rsync) # the SEMANTICS test writes with rsync
   [ -e /etc/ssl/certs/ca-certificates.crt ] || missing+=(ca-certificates)
-  command -v python3 >/dev/null && python3 -c "import ensurepip" 2>/dev/null || missing+=(python3-venv)
+  if [ "$demo" = 0 ]; then
+    command -v openssl >/dev/null || missing+=(openssl)
+    command -v rsync >/dev/null || missing+=(rsync) # the SEMANTICS test writes with rsync
+    command -v python3 >/dev/null && python3 -c "import ensurepip" 2>/dev/null || missing+=(python3-venv)
+  fi
   if [ ${#missing[@]} -gt 0 ]; then
     log "apt-get install ${missing[*]}"
     need_root
@@ -54,7 +66,7 @@ install_debian_packages() {
 
 check_toolchains() {
   command -v cargo >/dev/null || { echo "setup: cargo (Rust 1.95) is required: https://rustup.rs" >&2; exit 1; }
-  command -v go >/dev/null || { echo "setup: go (1.24+) is required to build csi-sanity and versitygw" >&2; exit 1; }
+  command -v go >/dev/null || { echo "setup: go (1.24+) is required to build versitygw (and the test suite's judges)" >&2; exit 1; }
 }
 
 # go_tool NAME VERSION MODULE_PATH: installs MODULE_PATH@VERSION as $FERRY_TOOLS/NAME unless that
@@ -86,8 +98,12 @@ moto_venv() {
 
 install_debian_packages
 check_toolchains
-go_tool csi-sanity "$CSI_SANITY_VERSION" github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
 go_tool versitygw "$VERSITYGW_VERSION" github.com/versity/versitygw/cmd/versitygw
+if [ "$demo" = 1 ]; then
+  log "demo tools ready in $FERRY_TOOLS"
+  exit 0
+fi
+go_tool csi-sanity "$CSI_SANITY_VERSION" github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
 # etcd, kube-apiserver, kube-controller-manager, csi-provisioner, helm v4 and v3 (the chart check and
 # the Kubernetes-level e2e)
 FERRY_TOOLS="$FERRY_TOOLS" "$(dirname "$0")/kube-tools.sh"
