@@ -1,13 +1,19 @@
-//! [`MemoryBudget`]: one byte budget shared by the prefetch buffers of every mount of the node
-//! plugin, and [`MountContext`], the node-level things a mount is given besides its plain-data
-//! [`crate::MountConfig`].
+//! [`MemoryBudget`]: one byte budget shared by the prefetch buffers and the write buffers of every
+//! mount of the node plugin, and [`MountContext`], the node-level things a mount is given besides
+//! its plain-data [`crate::MountConfig`].
 //!
-//! Reservations are RAII ([`Reservation`] gives its bytes back when dropped) and never wait: when
-//! the budget is exhausted, prefetching shrinks or stops and reads fetch only what they need.
+//! Reservations are RAII ([`Reservation`] gives its bytes back when dropped). Prefetching never
+//! waits ([`MemoryBudget::try_reserve`]): when the budget is exhausted it shrinks or stops and reads
+//! fetch only what they need. A writer waits ([`MemoryBudget::reserve`]) until its buffer fits, and
+//! while writers wait, prefetching may not take the memory they wait for. A writer never waits while
+//! holding part of the budget ([`BufferCharge::grow_to`] gives back what it holds first), so writers
+//! cannot deadlock one another.
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+
+use tokio::sync::Notify;
 
 /// Default node-wide budget for prefetched data: 1 GiB.
 pub const DEFAULT_BUDGET: u64 = 1 << 30;
@@ -21,6 +27,10 @@ pub struct MemoryBudget {
 struct Inner {
     limit: u64,
     used: AtomicU64,
+    /// Bytes that [`MemoryBudget::reserve`] callers are waiting for.
+    waiting: AtomicU64,
+    /// Woken when reservations are given back while someone waits.
+    freed: Notify,
     /// `ferry_memory_budget_used_bytes`: every reservation adds to it and takes back.
     gauge: Arc<ferry_metrics::Gauge>,
 }
@@ -47,6 +57,8 @@ impl MemoryBudget {
             inner: Arc::new(Inner {
                 limit,
                 used: AtomicU64::new(0),
+                waiting: AtomicU64::new(0),
+                freed: Notify::new(),
                 gauge: ferry_metrics::global().gauge(
                     ferry_metrics::names::MEMORY_BUDGET_USED,
                     "Bytes of the node-wide prefetch memory budget in use.",
@@ -65,14 +77,50 @@ impl MemoryBudget {
         self.inner.used.load(Ordering::Relaxed)
     }
 
-    /// Reserves `bytes` if they fit, without waiting; `None` when the budget cannot hold them.
+    /// Reserves `bytes` if they fit, without waiting; `None` when the budget cannot hold them, or
+    /// could only by taking memory that writers wait for.
     pub fn try_reserve(&self, bytes: u64) -> Option<Reservation> {
+        self.take(bytes, true)
+    }
+
+    /// Reserves `bytes`, waiting until they fit. A request larger than the whole budget is cut to
+    /// the budget (it waits for an idle budget and takes all of it).
+    pub async fn reserve(&self, bytes: u64) -> Reservation {
+        let bytes = bytes.min(self.inner.limit);
+        if let Some(r) = self.take(bytes, true) {
+            return r;
+        }
+        struct Waiting<'a>(&'a Inner, u64);
+        impl Drop for Waiting<'_> {
+            fn drop(&mut self) {
+                self.0.waiting.fetch_sub(self.1, Ordering::AcqRel);
+            }
+        }
+        self.inner.waiting.fetch_add(bytes, Ordering::AcqRel);
+        let _waiting = Waiting(&self.inner, bytes);
+        loop {
+            // Registered before the attempt, so a release between the two is not missed.
+            let freed = self.inner.freed.notified();
+            tokio::pin!(freed);
+            freed.as_mut().enable();
+            if let Some(r) = self.take(bytes, false) {
+                return r;
+            }
+            freed.await;
+        }
+    }
+
+    fn take(&self, bytes: u64, behind_waiters: bool) -> Option<Reservation> {
         let mut used = self.inner.used.load(Ordering::Relaxed);
         loop {
-            let new = used.checked_add(bytes)?;
+            let mut new = used.checked_add(bytes)?;
+            if behind_waiters {
+                new = new.checked_add(self.inner.waiting.load(Ordering::Acquire))?;
+            }
             if new > self.inner.limit {
                 return None;
             }
+            let new = used + bytes;
             match self.inner.used.compare_exchange_weak(
                 used,
                 new,
@@ -102,6 +150,58 @@ impl Reservation {
     pub fn bytes(&self) -> u64 {
         self.bytes
     }
+
+    /// Takes `other`'s bytes into this reservation (both from the same budget).
+    fn absorb(&mut self, mut other: Reservation) {
+        debug_assert!(Arc::ptr_eq(&self.budget.inner, &other.budget.inner));
+        self.bytes += std::mem::take(&mut other.bytes);
+    }
+}
+
+/// What one write buffer holds of the budget: grows with the buffer, given back when the upload
+/// completes or fails. A copy (a snapshot of the handle) holds nothing.
+#[derive(Default)]
+pub struct BufferCharge(Option<Reservation>);
+
+impl BufferCharge {
+    pub fn bytes(&self) -> u64 {
+        self.0.as_ref().map_or(0, Reservation::bytes)
+    }
+
+    /// Makes the charge at least `bytes`, waiting for the budget if need be. It first tries to
+    /// add the difference; failing that, it gives back what it holds and waits for the whole
+    /// amount, so a waiting writer never holds memory another writer needs.
+    pub async fn grow_to(&mut self, budget: &MemoryBudget, bytes: u64) {
+        let have = self.bytes();
+        if bytes <= have {
+            return;
+        }
+        match (&mut self.0, budget.try_reserve(bytes - have)) {
+            (Some(r), Some(more)) => r.absorb(more),
+            (None, Some(more)) => self.0 = Some(more),
+            (_, None) => {
+                self.0 = None;
+                self.0 = Some(budget.reserve(bytes).await);
+            }
+        }
+    }
+
+    /// Gives the charge back.
+    pub fn release(&mut self) {
+        self.0 = None;
+    }
+}
+
+impl Clone for BufferCharge {
+    fn clone(&self) -> Self {
+        BufferCharge(None)
+    }
+}
+
+impl fmt::Debug for BufferCharge {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "BufferCharge({})", self.bytes())
+    }
 }
 
 impl fmt::Debug for Reservation {
@@ -112,9 +212,15 @@ impl fmt::Debug for Reservation {
 
 impl Drop for Reservation {
     fn drop(&mut self) {
+        if self.bytes == 0 {
+            return;
+        }
         let inner = &self.budget.inner;
         inner.used.fetch_sub(self.bytes, Ordering::AcqRel);
         inner.gauge.add(-(self.bytes as i64));
+        if inner.waiting.load(Ordering::Acquire) > 0 {
+            inner.freed.notify_waiters();
+        }
     }
 }
 
@@ -203,6 +309,56 @@ mod tests {
         drop(r2);
         assert_eq!(b.used(), 0);
         assert!(b.try_reserve(u64::MAX).is_none());
+        assert_eq!(b.used(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_waiting_reservation_gets_freed_memory_and_a_cancelled_wait_leaves_nothing() {
+        let b = MemoryBudget::new(100);
+        let held = b.try_reserve(80).expect("fits");
+        let waiter = {
+            let b = b.clone();
+            tokio::spawn(async move { b.reserve(50).await })
+        };
+        while b.try_reserve(1).is_some() {
+            tokio::task::yield_now().await;
+        }
+        // The waiter's 50 bytes are counted against prefetch: 20 are free, none may be taken.
+        assert!(b.try_reserve(20).is_none());
+        drop(held);
+        let got = waiter.await.unwrap();
+        assert_eq!((got.bytes(), b.used()), (50, 50));
+
+        // A wait that is given up (its future dropped) stops counting.
+        let cancelled = tokio::time::timeout(std::time::Duration::from_millis(1), b.reserve(60));
+        assert!(cancelled.await.is_err());
+        assert!(b.try_reserve(50).is_some(), "nothing waits any more");
+        // More than the whole budget is cut to the budget once it is idle.
+        drop(got);
+        assert_eq!(b.reserve(1000).await.bytes(), 100);
+    }
+
+    #[tokio::test]
+    async fn a_buffer_charge_grows_and_a_copy_holds_nothing() {
+        let b = MemoryBudget::new(100);
+        let mut c = BufferCharge::default();
+        c.grow_to(&b, 30).await;
+        c.grow_to(&b, 60).await;
+        c.grow_to(&b, 10).await;
+        assert_eq!((c.bytes(), b.used()), (60, 60));
+        let copy = c.clone();
+        assert_eq!((copy.bytes(), b.used()), (0, 60));
+        // Growing past what is free gives back what it holds, then waits for the whole amount.
+        let other = b.try_reserve(30).expect("fits");
+        let grow = tokio::spawn(async move {
+            c.grow_to(&b.clone(), 90).await;
+            (c, b)
+        });
+        tokio::task::yield_now().await;
+        drop(other);
+        let (mut c, b) = grow.await.unwrap();
+        assert_eq!((c.bytes(), b.used()), (90, 90));
+        c.release();
         assert_eq!(b.used(), 0);
     }
 }

@@ -144,6 +144,10 @@ pub struct WriteHandle {
     /// It replaces an existing object (opened with `O_TRUNC`), rather than creating a new one.
     #[serde(default)]
     pub replaces: bool,
+    /// What `pending` (and a part on its way to S3) holds of the node's memory budget; not carried
+    /// over (a successor charges a recovered buffer at its next write).
+    #[serde(skip)]
+    pub memory: crate::budget::BufferCharge,
 }
 
 /// An open directory: the listing snapshot taken at the first `readdir` (again after a rewind).

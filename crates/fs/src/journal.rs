@@ -186,6 +186,7 @@ impl JournaledHandle {
                 upload: None,
                 status: WriteStatus::Failed,
                 replaces,
+                memory: Default::default(),
             }),
         }
     }

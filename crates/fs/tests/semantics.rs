@@ -72,7 +72,7 @@ const CLAIMS: &[(&str, &str, How)] = &[
     (
         "Operations",
         "release (last close)",
-        Elsewhere("crates/fs/src/fs_tests.rs", "empty_file_via_release_only"),
+        Elsewhere("crates/fs/src/fs/tests.rs", "empty_file_via_release_only"),
     ),
     ("Operations", "Failed upload", Here(op_failed_upload)),
     ("Operations", "ftruncate/truncate", Here(op_truncate)),
@@ -99,7 +99,7 @@ const CLAIMS: &[(&str, &str, How)] = &[
     (
         "Node cache",
         "What is cached",
-        Elsewhere("crates/fs/src/cache_tests.rs", "a_changed_object_is_a_new_block_and_the_old_handle_gets_estale"),
+        Elsewhere("crates/fs/src/fs/cache_tests.rs", "a_changed_object_is_a_new_block_and_the_old_handle_gets_estale"),
     ),
     (
         "Node cache",
@@ -114,12 +114,12 @@ const CLAIMS: &[(&str, &str, How)] = &[
     (
         "Node cache",
         "One GET per block",
-        Elsewhere("crates/fs/src/cache_tests.rs", "concurrent_readers_on_four_mounts_fetch_each_block_once"),
+        Elsewhere("crates/fs/src/fs/cache_tests.rs", "concurrent_readers_on_four_mounts_fetch_each_block_once"),
     ),
     (
         "Node cache",
         "Read granularity",
-        Elsewhere("crates/fs/src/cache_tests.rs", "a_small_random_read_on_a_cold_cache_fetches_the_one_block_it_touches"),
+        Elsewhere("crates/fs/src/fs/cache_tests.rs", "a_small_random_read_on_a_cold_cache_fetches_the_one_block_it_touches"),
     ),
     (
         "Node cache",
@@ -144,7 +144,7 @@ const CLAIMS: &[(&str, &str, How)] = &[
     (
         "Node cache",
         "Opt-out",
-        Elsewhere("crates/fs/src/cache_tests.rs", "cache_none_keeps_a_mount_out_of_the_cache"),
+        Elsewhere("crates/fs/src/fs/cache_tests.rs", "cache_none_keeps_a_mount_out_of_the_cache"),
     ),
     (
         "Node cache",

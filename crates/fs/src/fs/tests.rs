@@ -1596,3 +1596,92 @@ async fn readers_that_move_the_listing_frontier_back_never_fetch_a_file_twice() 
     assert_eq!(s.get, 64, "each file fetched once: {s:?}");
     assert_eq!(t.budget.used(), 0);
 }
+
+// ----- write buffers in the memory budget ----------------------------------------------------
+
+fn writable_with_budget(store: Arc<dyn ObjectStore>, budget: MemoryBudget) -> Fs {
+    let mut cfg = MountConfig::new(B);
+    cfg.read_only = false;
+    cfg.allow_delete = true;
+    cfg.validate().unwrap();
+    Fs::with_budget(store, cfg, budget, PrefetchConfig::default())
+}
+
+#[tokio::test]
+async fn write_buffers_are_charged_to_the_budget_until_the_upload_completes() {
+    let (mem, store) = faulty();
+    let budget = MemoryBudget::new(64 << 20);
+    let fs = writable_with_budget(store, budget.clone());
+    let (_, o) = fs.create(ROOT_INO, n("f"), PID).await.unwrap();
+    fs.write(o.fh, 0, &data(3 << 20, 1)).await.unwrap();
+    assert!(
+        budget.used() >= 3 << 20,
+        "3 MiB buffered, {} charged",
+        budget.used()
+    );
+    // Past a part: the part is uploaded, the charge stays at the buffer's high-water mark
+    // (at most a part plus one write).
+    for i in 0..6u64 {
+        fs.write(o.fh, (3 << 20) + i * (1 << 20), &data(1 << 20, 2))
+            .await
+            .unwrap();
+    }
+    assert!(budget.used() >= PART_SIZE as u64);
+    assert!(budget.used() <= (PART_SIZE + (1 << 20)) as u64);
+    fs.flush(o.fh, || PID).await.unwrap();
+    assert_eq!(budget.used(), 0, "given back when the upload completed");
+    fs.release(o.fh).await.unwrap();
+    assert_eq!(mem.get_object(B, "f").unwrap().len(), 9 << 20);
+
+    // An abandoned upload (unmounted before any close) gives its charge back too.
+    let (_, o) = fs.create(ROOT_INO, n("g"), PID).await.unwrap();
+    fs.write(o.fh, 0, &data(1 << 20, 3)).await.unwrap();
+    assert!(budget.used() >= 1 << 20);
+    fs.teardown().await;
+    assert_eq!(budget.used(), 0);
+    assert!(mem.get_object(B, "g").is_none());
+}
+
+#[tokio::test]
+async fn a_writer_waits_for_the_budget_and_prefetch_does_not_take_what_it_waits_for() {
+    let (mem, store) = faulty();
+    let budget = MemoryBudget::new(10 << 20);
+    let fs = Arc::new(writable_with_budget(store, budget.clone()));
+    let (_, a) = fs.create(ROOT_INO, n("a"), PID).await.unwrap();
+    fs.write(a.fh, 0, &data(7 << 20, 4)).await.unwrap();
+    let charged = budget.used();
+    assert!(charged >= 7 << 20);
+
+    // Writer b needs 4 MiB, which does not fit beside a's buffer: its write waits.
+    let (_, b) = fs.create(ROOT_INO, n("b"), PID).await.unwrap();
+    let writer = {
+        let fs = fs.clone();
+        tokio::spawn(async move { fs.write(b.fh, 0, &data(4 << 20, 5)).await })
+    };
+    // Until b waits: then a one-byte prefetch reservation is refused (3 MiB are free, but b
+    // waits for 4).
+    let mut spins = 0;
+    while budget.try_reserve(1).is_some() {
+        assert!(!writer.is_finished(), "b's write cannot fit yet");
+        spins += 1;
+        assert!(spins < 10_000, "b never waited for the budget");
+        tokio::task::yield_now().await;
+    }
+    assert!(!writer.is_finished(), "b waits while a holds the budget");
+    assert_eq!(budget.used(), charged, "b holds nothing while it waits");
+    assert!(
+        budget.try_reserve(1).is_none(),
+        "prefetch may not take memory a writer waits for"
+    );
+
+    // a completes: b's write goes through.
+    fs.flush(a.fh, || PID).await.unwrap();
+    fs.release(a.fh).await.unwrap();
+    assert_eq!(writer.await.unwrap().unwrap(), 4 << 20);
+    assert!(budget.used() >= 4 << 20);
+    fs.flush(b.fh, || PID).await.unwrap();
+    fs.release(b.fh).await.unwrap();
+    assert_eq!(budget.used(), 0);
+    assert_eq!(mem.get_object(B, "a").unwrap().len(), 7 << 20);
+    assert_eq!(mem.get_object(B, "b").unwrap().len(), 4 << 20);
+}

@@ -1,0 +1,558 @@
+//! The filesystem core: every operation Ferry supports, on inode and handle numbers, with no fuser
+//! type in sight. [`crate::fuse`] only translates requests to these calls and results to replies.
+//!
+//! Locking: one `std` mutex over the plain-data state (inode table, handle table), never held
+//! across an `.await`; each open handle has its own async mutex, held across its S3 calls so one
+//! handle's reads (or writes) are ordered while different handles proceed in parallel.
+//!
+//! This file holds the state and what every operation shares (attributes, handles, the handle
+//! lifecycle at `release` and unmount, the journal); the operations live by seam:
+//! - [`namespace`]: lookup, attributes, directories, unlink, rename, statfs;
+//! - [`read`]: open and read, the node cache and passthrough, prefetching;
+//! - [`upload`]: create, write, and completing uploads at flush, fsync or release.
+
+use std::collections::{HashMap, HashSet};
+use std::ffi::OsStr;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, SystemTime};
+
+use bytes::{Bytes, BytesMut};
+use ferry_store::{list_all, CompletedPart, ListAll, ListRequest, ObjectStore, StoreError};
+use serde::{Deserialize, Serialize};
+use tokio::time::Instant;
+
+use ferry_cache::{BlockCache, ObjectKey};
+
+use crate::proofs::Proofs;
+
+use crate::budget::{MemoryBudget, PrefetchConfig};
+use crate::config::MountConfig;
+use crate::error::FsError;
+use crate::handles::{
+    DirHandle, Handle, HandleTable, MultipartState, PartRecord, ReadHandle, WriteHandle,
+    WriteStatus, MAX_PARTS, PART_SIZE,
+};
+use crate::inode::{now_secs, CachedEntry, Ino, Inode, InodeState, InodeTable, Validity, ROOT_INO};
+use crate::journal::Journal;
+use crate::names::{
+    child_path, dir_prefix, file_key, lookup_name, new_name, Kind, ListedEntry, Listing,
+    ListingBuilder, ObjectMeta, KEY_MAX,
+};
+use crate::prefetch::{fetch, CacheUse, Part, SmallObjects, Source};
+
+mod namespace;
+mod read;
+mod upload;
+
+/// Block size reported by `stat`.
+pub const BLKSIZE: u32 = 4096;
+/// Most hidden keys remembered (so each is logged once).
+const HIDDEN_LOG_MAX: usize = 10_000;
+
+/// LIST requests in flight at most while one directory of many pages is listed: after its first
+/// page, the listing guesses where later pages start and lists them at once
+/// ([`ferry_store::listing`]).
+const LIST_CONCURRENCY: usize = 8;
+
+/// A file's or directory's attributes as `stat` shows them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Attr {
+    pub ino: Ino,
+    pub kind: Kind,
+    pub size: u64,
+    /// 512-byte blocks.
+    pub blocks: u64,
+    pub mtime: SystemTime,
+    /// Permission bits only.
+    pub perm: u16,
+    pub nlink: u32,
+    pub uid: u32,
+    pub gid: u32,
+    pub blksize: u32,
+}
+
+/// An inode's attributes and how long the kernel may cache them (and the name → inode mapping).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub attr: Attr,
+    pub ttl: Duration,
+}
+
+/// An opened file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Opened {
+    pub fh: u64,
+    /// The kernel may keep the page cache (same ETag as the previous open of this inode).
+    pub keep_cache: bool,
+}
+
+/// What a `setattr` asks to change.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SetAttr {
+    pub size: Option<u64>,
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    /// atime and/or mtime were given (accepted, not stored).
+    pub times: bool,
+    pub fh: Option<u64>,
+}
+
+/// What `statfs` reports.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct StatFs {
+    pub blocks: u64,
+    pub bfree: u64,
+    pub bavail: u64,
+    pub files: u64,
+    pub ffree: u64,
+    pub bsize: u32,
+    pub namelen: u32,
+    pub frsize: u32,
+}
+
+/// One directory entry on its way to the kernel.
+#[derive(Debug)]
+pub struct DirEntry<'a> {
+    pub ino: Ino,
+    /// The offset of the entry after this one.
+    pub offset: u64,
+    pub name: &'a str,
+    pub kind: Kind,
+    /// Used by readdirplus only.
+    pub attr: &'a Attr,
+    pub ttl: Duration,
+}
+
+/// Where `readdir` puts entries: the FUSE reply buffer, or a `Vec` in tests.
+pub trait DirSink {
+    /// Adds one entry; returns `true` if it did not fit (and was not added).
+    fn add(&mut self, entry: &DirEntry<'_>) -> bool;
+}
+
+/// Everything a mount holds, as plain data (a later process can take over a live mount with it).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct FsSnapshot {
+    pub config: MountConfig,
+    pub mount_time: SystemTime,
+    pub inodes: InodeTable,
+    pub next_fh: u64,
+    pub handles: Vec<(u64, Handle)>,
+}
+
+#[derive(Debug)]
+struct FsState {
+    inodes: InodeTable,
+    handles: HandleTable,
+    hidden_logged: HashSet<String>,
+    /// Small objects fetched ahead of listing-order readers.
+    small: SmallObjects,
+    /// Per directory: the furthest listing index opened for reading so far and how many opens
+    /// in a row followed listing order (within [`ORDER_SLACK`]).
+    order: HashMap<Ino, (usize, u32)>,
+    /// Per inode: read handles open in the kernel's cached mode and through passthrough. The
+    /// kernel refuses to mix the two on one inode, so passthrough is offered only when no other
+    /// cached-mode handle is open (derived from the handles: rebuilt on a handover).
+    io: HashMap<Ino, IoModes>,
+    /// One-page listings started by the first lookup miss in a directory without a cached
+    /// listing, with [`FsState::changes`] at their start (see [`Fs::probe_dir`]).
+    probes: HashMap<Ino, (u64, tokio::task::JoinHandle<Option<Listing>>)>,
+    /// Directories probed already (bounded: cleared past [`PROBED_MAX`]).
+    probed: HashSet<Ino>,
+    /// Bumped by every change this mount makes to the namespace: a probe that started before
+    /// one is not adopted (its listing may predate the change).
+    changes: u64,
+}
+
+/// Most directories remembered as probed.
+const PROBED_MAX: usize = 4096;
+
+/// Open read handles of one inode by kernel I/O mode.
+#[derive(Debug, Default, Clone, Copy)]
+struct IoModes {
+    cached: u32,
+    passthrough: u32,
+}
+
+impl FsState {
+    /// Whether handle `fh`'s inode may switch it to passthrough: another handle already reads
+    /// through passthrough, or it is the only cached-mode handle.
+    fn passthrough_allowed(&self, ino: Ino) -> bool {
+        self.io
+            .get(&ino)
+            .is_some_and(|m| m.passthrough > 0 || m.cached == 1)
+    }
+
+    fn io_closed(&mut self, ino: Ino, passthrough: bool) {
+        if let Some(m) = self.io.get_mut(&ino) {
+            if passthrough {
+                m.passthrough = m.passthrough.saturating_sub(1);
+            } else {
+                m.cached = m.cached.saturating_sub(1);
+            }
+            if m.cached == 0 && m.passthrough == 0 {
+                self.io.remove(&ino);
+            }
+        }
+    }
+}
+
+/// How far behind a sequential reader its fetched parts are kept, for the kernel's reordered
+/// read-ahead requests.
+const REORDER_KEEP: u64 = 2 << 20;
+
+/// How far ahead of the furthest entry opened so far an open still counts as following the
+/// listing (concurrent readers taking entries in turn open them slightly out of order).
+const ORDER_SLACK: usize = 16;
+
+/// Most directories whose listing-order streak is remembered.
+const ORDER_MAX: usize = 1024;
+
+/// What `find_child` learned about a name.
+enum Found {
+    /// A live inode whose information is current (or local).
+    Live(Ino),
+    /// Known from a listing or a HEAD/LIST, not (necessarily) in the table yet.
+    Fresh {
+        kind: Kind,
+        meta: Option<ObjectMeta>,
+        valid: Validity,
+    },
+}
+
+/// The filesystem of one mount.
+#[derive(Debug)]
+pub struct Fs {
+    store: Arc<dyn ObjectStore>,
+    cfg: MountConfig,
+    mount_time: SystemTime,
+    state: Mutex<FsState>,
+    /// The node-wide budget every prefetched byte is charged to.
+    budget: MemoryBudget,
+    prefetch: PrefetchConfig,
+    /// The node's block cache (`None` without one, or when this mount opted out).
+    cache: Option<Arc<BlockCache>>,
+    /// Object versions this mount's credentials showed access to (a HEAD or GET returned that
+    /// ETag), and when: the node cache serves a version only to mounts that proved access to
+    /// it. Shared with the mounts of the same store (the same credentials); not carried over a
+    /// handover (proofs start afresh).
+    proofs: Arc<Proofs>,
+}
+
+fn stale(ino: Ino) -> FsError {
+    FsError::Stale(format!("unknown inode {ino}"))
+}
+
+fn bad_fh() -> FsError {
+    FsError::BadHandle("unknown file handle")
+}
+
+impl Fs {
+    /// A fresh filesystem for `cfg` (which should have passed [`MountConfig::validate`]) with
+    /// its own default budget and prefetch tuning (tests; mounts use [`Fs::with_budget`]).
+    pub fn new(store: Arc<dyn ObjectStore>, cfg: MountConfig) -> Self {
+        Self::with_budget(
+            store,
+            cfg,
+            MemoryBudget::default(),
+            PrefetchConfig::default(),
+        )
+    }
+
+    /// A fresh filesystem whose prefetching is charged to `budget` (shared by the node's mounts).
+    pub fn with_budget(
+        store: Arc<dyn ObjectStore>,
+        cfg: MountConfig,
+        budget: MemoryBudget,
+        prefetch: PrefetchConfig,
+    ) -> Self {
+        Fs {
+            store,
+            cfg,
+            mount_time: now_secs(),
+            state: Mutex::new(FsState {
+                inodes: InodeTable::new(),
+                handles: HandleTable::default(),
+                hidden_logged: HashSet::new(),
+                small: SmallObjects::default(),
+                order: HashMap::new(),
+                io: HashMap::new(),
+                probes: HashMap::new(),
+                probed: HashSet::new(),
+                changes: 0,
+            }),
+            budget,
+            prefetch,
+            cache: None,
+            proofs: Arc::new(Proofs::default()),
+        }
+    }
+
+    /// Rebuilds a filesystem from [`Fs::snapshot`] (caches start expired, nothing prefetched).
+    pub fn from_snapshot(
+        store: Arc<dyn ObjectStore>,
+        snap: FsSnapshot,
+        budget: MemoryBudget,
+        prefetch: PrefetchConfig,
+    ) -> Self {
+        let mut io: HashMap<Ino, IoModes> = HashMap::new();
+        for (_, h) in &snap.handles {
+            if let Handle::Read(r) = h {
+                let m = io.entry(r.ino).or_default();
+                match r.passthrough {
+                    true => m.passthrough += 1,
+                    false => m.cached += 1,
+                }
+            }
+        }
+        Fs {
+            store,
+            cfg: snap.config,
+            mount_time: snap.mount_time,
+            state: Mutex::new(FsState {
+                inodes: snap.inodes,
+                handles: HandleTable::restore(snap.next_fh, snap.handles),
+                hidden_logged: HashSet::new(),
+                small: SmallObjects::default(),
+                order: HashMap::new(),
+                io,
+                probes: HashMap::new(),
+                probed: HashSet::new(),
+                changes: 0,
+            }),
+            budget,
+            prefetch,
+            cache: None,
+            proofs: Arc::new(Proofs::default()),
+        }
+    }
+
+    /// Reads through the node's block cache `cache` (ignored when the mount opted out with
+    /// [`MountConfig::node_cache`] `false`).
+    pub fn with_cache(mut self, cache: Option<Arc<BlockCache>>) -> Self {
+        self.cache = cache.filter(|_| self.cfg.node_cache);
+        self
+    }
+
+    /// Whether reads may use the node cache.
+    pub fn uses_cache(&self) -> bool {
+        self.cache.is_some()
+    }
+
+    /// Remembers that this mount's credentials just saw `etag` for `key` (for the metadata TTL).
+    fn prove(&self, key: &str, etag: Option<&str>) {
+        if let (Some(_), Some(etag)) = (&self.cache, etag) {
+            self.proofs.prove(&self.cfg.bucket, key, etag);
+        }
+    }
+
+    fn is_proven(&self, key: &str, etag: &str) -> bool {
+        self.proofs
+            .is_proven(&self.cfg.bucket, key, etag, self.cfg.metadata_ttl)
+    }
+
+    /// Shares proofs of access with the other mounts of the same store (see [`Proofs`]).
+    pub fn with_proofs(mut self, proofs: Arc<Proofs>) -> Self {
+        self.proofs = proofs;
+        self
+    }
+
+    /// The budget prefetching is charged to.
+    pub fn budget(&self) -> &MemoryBudget {
+        &self.budget
+    }
+
+    /// Small objects currently prefetched (or being fetched) and not yet opened.
+    pub fn small_objects_cached(&self) -> usize {
+        self.lock().small.len()
+    }
+
+    /// The inode and handle tables as plain data. Waits for in-flight operations on each handle.
+    pub async fn snapshot(&self) -> FsSnapshot {
+        let (inodes, next_fh, entries) = {
+            let st = self.lock();
+            (
+                st.inodes.clone(),
+                st.handles.next_fh(),
+                st.handles.entries(),
+            )
+        };
+        let mut handles = Vec::with_capacity(entries.len());
+        for (fh, h) in entries {
+            handles.push((fh, h.lock().await.clone()));
+        }
+        FsSnapshot {
+            config: self.cfg.clone(),
+            mount_time: self.mount_time,
+            inodes,
+            next_fh,
+            handles,
+        }
+    }
+
+    pub fn config(&self) -> &MountConfig {
+        &self.cfg
+    }
+
+    /// (inodes in the table, open handles): for leak checks.
+    pub fn table_sizes(&self) -> (usize, usize) {
+        let st = self.lock();
+        (st.inodes.len(), st.handles.len())
+    }
+
+    fn lock(&self) -> MutexGuard<'_, FsState> {
+        // Every critical section leaves the tables consistent, so a poisoned lock is usable.
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn bucket(&self) -> &str {
+        &self.cfg.bucket
+    }
+
+    fn ttl(&self) -> Validity {
+        Validity::new(self.cfg.metadata_ttl, Instant::now())
+    }
+
+    fn attr_from(&self, ino: Ino, kind: Kind, meta: Option<&ObjectMeta>) -> Attr {
+        match kind {
+            Kind::Dir => Attr {
+                ino,
+                kind,
+                size: 0,
+                blocks: 0,
+                mtime: self.mount_time,
+                perm: self.cfg.dir_mode,
+                nlink: 2,
+                uid: self.cfg.uid,
+                gid: self.cfg.gid,
+                blksize: BLKSIZE,
+            },
+            Kind::File => {
+                let size = meta.map_or(0, |m| m.size);
+                Attr {
+                    ino,
+                    kind,
+                    size,
+                    blocks: size.div_ceil(512),
+                    mtime: meta.and_then(|m| m.mtime).unwrap_or(self.mount_time),
+                    perm: self.cfg.file_mode,
+                    nlink: 1,
+                    uid: self.cfg.uid,
+                    gid: self.cfg.gid,
+                    blksize: BLKSIZE,
+                }
+            }
+        }
+    }
+
+    fn entry_of(&self, inode: &Inode) -> Entry {
+        let ttl = if matches!(inode.state, InodeState::Writing { .. }) {
+            Duration::ZERO
+        } else {
+            self.cfg.metadata_ttl.kernel_ttl()
+        };
+        Entry {
+            attr: self.attr_from(inode.ino, inode.kind, inode.meta.as_ref()),
+            ttl,
+        }
+    }
+
+    fn handle(&self, fh: u64) -> Result<Arc<tokio::sync::Mutex<Handle>>, FsError> {
+        self.lock().handles.get(fh).ok_or_else(bad_fh)
+    }
+
+    fn log_hidden(st: &mut FsState, hidden: Vec<(String, &'static str)>) {
+        for (key, why) in hidden {
+            if st.hidden_logged.len() < HIDDEN_LOG_MAX && st.hidden_logged.insert(key.clone()) {
+                tracing::debug!(key = %key, reason = why, "key hidden: not a POSIX name");
+            }
+        }
+    }
+
+    /// The session ended (unmounted, or its connection aborted) with handles the kernel never
+    /// released: their `release` was cut off by the unmount, or a process in another mount
+    /// namespace still held them. A new file with nothing written (`touch` just before the
+    /// unmount) is completed, as its `release` would have; one with data that no close completed
+    /// is abandoned (its multipart upload aborted), never a truncated object; a replacement with
+    /// nothing written leaves the old object as it is. Read handles stop prefetching.
+    pub async fn teardown(&self) {
+        let handles = self.lock().handles.entries();
+        for (fh, h) in handles {
+            self.lock().handles.remove(fh);
+            let mut g = h.lock().await;
+            match &mut *g {
+                Handle::Write(w) if w.status == WriteStatus::Open => {
+                    if w.written == 0 && !w.replaces {
+                        if let Err(e) = self.complete(w).await {
+                            tracing::warn!(key = %w.key, error = %e, "completing an empty file at unmount failed");
+                        }
+                    } else {
+                        tracing::warn!(key = %w.key, bytes = w.written, "a file still being written at unmount is abandoned (never a truncated object)");
+                        self.fail_write(w).await;
+                    }
+                }
+                Handle::Read(r) => r.prefetch.reset(),
+                Handle::Write(_) | Handle::Dir(_) => {}
+            }
+        }
+    }
+
+    /// `release` (last close): completes an upload still open and forgets the handle.
+    pub async fn release(&self, fh: u64) -> Result<(), FsError> {
+        let h = self.lock().handles.remove(fh).ok_or_else(bad_fh)?;
+        let mut g = h.lock().await;
+        match &mut *g {
+            Handle::Write(w) => self.complete(w).await,
+            Handle::Read(r) => {
+                // Aborts GETs in flight and gives their memory back.
+                r.prefetch.reset();
+                self.lock().io_closed(r.ino, r.passthrough);
+                Ok(())
+            }
+            Handle::Dir(_) => Ok(()),
+        }
+    }
+}
+
+// ----- the journal (surviving a crash of the node plugin) -------------------------------------
+
+impl Fs {
+    /// Journals this mount from now on ([`crate::journal`]): writes the start of the journal and
+    /// the current live set to it, then attaches it to both tables. A write error does not fail
+    /// the mount; the journal is then [broken](Journal::is_broken) and refused by a later replay.
+    pub fn with_journal(self, journal: Arc<Journal>) -> Self {
+        {
+            let mut st = self.lock();
+            let st = &mut *st;
+            journal.begin(&self.cfg, self.mount_time, &st.inodes, &st.handles);
+            st.inodes.attach_journal(journal.clone());
+            st.handles.attach_journal(journal.clone());
+        }
+        self
+    }
+
+    /// The attached journal.
+    pub fn journal(&self) -> Option<Arc<Journal>> {
+        self.lock().inodes.journal().cloned()
+    }
+
+    /// Rewrites the attached journal into `new_file` (just the live set) and appends there from
+    /// now on (see [`Journal::compact_into`]). The caller decides when, from
+    /// [`Journal::records_since_compaction`] and [`Fs::table_sizes`].
+    pub fn compact_journal(&self, new_file: std::fs::File) -> std::io::Result<()> {
+        let st = self.lock();
+        let journal = st
+            .inodes
+            .journal()
+            .ok_or_else(|| std::io::Error::other("no journal attached"))?;
+        journal.compact_into(new_file, &st.inodes, &st.handles)
+    }
+}
+
+#[cfg(test)]
+#[path = "tests.rs"]
+mod tests;
+
+#[cfg(test)]
+#[path = "cache_tests.rs"]
+mod cache_tests;

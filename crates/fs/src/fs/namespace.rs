@@ -1,0 +1,777 @@
+//! The namespace: `lookup`, `getattr`/`setattr`, directories (`opendir`, `readdir`, `mkdir`,
+//! `rmdir`), `unlink`, `rename` and `statfs` — how S3 keys under the prefix become a tree, and
+//! how long what was listed is believed.
+
+use super::*;
+
+impl Fs {
+    // ----- lookup / getattr -------------------------------------------------------------------
+
+    /// HEAD `path` and LIST `path/` (one key) concurrently. A directory wins over a file; when the
+    /// LIST proves a directory, a failed HEAD does not matter.
+    pub(super) async fn remote_lookup(
+        &self,
+        path: &str,
+    ) -> Result<Option<(Kind, Option<ObjectMeta>)>, FsError> {
+        let key = file_key(&self.cfg.prefix, path);
+        if key.len() > KEY_MAX {
+            return Ok(None);
+        }
+        let dir = format!("{key}/");
+        let list_req = ListRequest {
+            prefix: &dir,
+            delimiter: Some("/"),
+            max_keys: Some(1),
+            ..Default::default()
+        };
+        let (head, list) = futures::join!(
+            self.store.head(self.bucket(), &key),
+            self.store.list(self.bucket(), list_req)
+        );
+        let page = list?;
+        if !page.objects.is_empty() || !page.common_prefixes.is_empty() {
+            return Ok(Some((Kind::Dir, None)));
+        }
+        match head {
+            Ok(info) => {
+                self.prove(&key, info.etag.as_deref());
+                Ok(Some((Kind::File, Some(ObjectMeta::from(&info)))))
+            }
+            Err(StoreError::NotFound(_)) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Resolves `name` in `parent`: local state, then the caches, then S3 (recording a miss).
+    pub(super) async fn find_child(&self, parent: Ino, name: &str) -> Result<Found, FsError> {
+        self.adopt_probe(parent);
+        let path = {
+            let mut guard = self.lock();
+            let st = &mut *guard;
+            let now = Instant::now();
+            let p = st.inodes.get(parent).ok_or_else(|| stale(parent))?;
+            if p.kind != Kind::Dir {
+                return Err(FsError::NotDir);
+            }
+            let child = st.inodes.child(parent, name);
+            if let Some(c) = child.filter(|c| c.is_local()) {
+                return Ok(Found::Live(c.ino));
+            }
+            if p.cache.is_negative(name, now) {
+                return Err(FsError::NotFound);
+            }
+            if let Some(c) = child.filter(|c| c.valid.is_valid(now)) {
+                return Ok(Found::Live(c.ino));
+            }
+            if let Some(e) = p.cache.cached(name, now) {
+                return Ok(Found::Fresh {
+                    kind: e.kind,
+                    meta: e.meta.clone(),
+                    valid: p.cache.entries_valid,
+                });
+            }
+            let path = child_path(&p.path, name);
+            // With a zero TTL no listing is ever cached: nothing to probe for.
+            let caches = self.ttl().is_valid(now);
+            if caches && p.cache.cached_listing(now).is_none() && !p.is_local() {
+                let dprefix = dir_prefix(&self.cfg.prefix, &p.path);
+                self.probe_dir(st, parent, dprefix);
+            }
+            path
+        };
+        match self.remote_lookup(&path).await? {
+            Some((kind, meta)) => Ok(Found::Fresh {
+                kind,
+                meta,
+                valid: self.ttl(),
+            }),
+            None => {
+                let valid = self.ttl();
+                let mut st = self.lock();
+                if let Some(p) = st.inodes.get_mut(parent) {
+                    p.cache.add_negative(name, valid, Instant::now());
+                }
+                Err(FsError::NotFound)
+            }
+        }
+    }
+
+    /// Starts listing the first page (up to 1,000 entries) of directory `dir` in the background,
+    /// once per directory: when that page is the whole directory, a later lookup adopts it as
+    /// the directory's cached listing ([`Fs::adopt_probe`]), so opening its files by path (no
+    /// `readdir` first) costs no HEAD + LIST per name after the first. A bigger directory costs
+    /// this one extra LIST.
+    pub(super) fn probe_dir(&self, st: &mut FsState, dir: Ino, dprefix: String) {
+        if st.probes.contains_key(&dir) || st.probed.contains(&dir) {
+            return;
+        }
+        if st.probed.len() >= PROBED_MAX {
+            st.probed.clear();
+        }
+        st.probed.insert(dir);
+        let (store, bucket) = (self.store.clone(), self.cfg.bucket.clone());
+        let task = tokio::spawn(async move {
+            let req = ListRequest {
+                prefix: &dprefix,
+                delimiter: Some("/"),
+                ..Default::default()
+            };
+            let page = store.list(&bucket, req).await.ok()?;
+            if page.next_token.is_some() {
+                return None;
+            }
+            let mut builder = ListingBuilder::new(&dprefix);
+            builder.add_page(&page.objects, &page.common_prefixes);
+            Some(builder.finish())
+        });
+        st.probes.insert(dir, (st.changes, task));
+    }
+
+    /// Installs `dir`'s probe listing if it finished, was complete and no change was made
+    /// through this mount since it started.
+    pub(super) fn adopt_probe(&self, dir: Ino) {
+        let listing = {
+            let mut st = self.lock();
+            match st.probes.get(&dir) {
+                Some((_, task)) if task.is_finished() => {}
+                _ => return,
+            }
+            let (at, task) = st.probes.remove(&dir).expect("checked");
+            let listing = futures::FutureExt::now_or_never(task)
+                .and_then(Result::ok)
+                .flatten();
+            match listing {
+                Some(l) if at == st.changes => l,
+                _ => return,
+            }
+        };
+        if self
+            .install_listing(dir, listing, Instant::now(), true)
+            .is_ok()
+        {
+            tracing::debug!(dir, "directory listing adopted from a lookup's probe");
+        }
+    }
+
+    /// Puts what `find_child` found into the table; returns the inode number.
+    pub(super) fn install(
+        st: &mut FsState,
+        parent: Ino,
+        name: &str,
+        found: Found,
+    ) -> Result<Ino, FsError> {
+        match found {
+            Found::Live(ino) => st.inodes.get(ino).map(|i| i.ino).ok_or_else(|| stale(ino)),
+            Found::Fresh { kind, meta, valid } => {
+                let ino = st
+                    .inodes
+                    .install_child(parent, name, kind)
+                    .ok_or_else(|| stale(parent))?;
+                let inode = st.inodes.get_mut(ino).expect("just installed");
+                if !inode.is_local() {
+                    inode.meta = meta;
+                    inode.valid = valid;
+                }
+                Ok(ino)
+            }
+        }
+    }
+
+    /// `lookup`: counts one kernel reference on success.
+    pub async fn lookup(&self, parent: Ino, name: &OsStr) -> Result<Entry, FsError> {
+        let name = lookup_name(name)?;
+        let found = self.find_child(parent, name).await?;
+        let mut st = self.lock();
+        let ino = Self::install(&mut st, parent, name, found)?;
+        let inode = st.inodes.get_mut(ino).expect("installed");
+        inode.lookups += 1;
+        Ok(self.entry_of(inode))
+    }
+
+    /// `forget`: the kernel dropped `n` references.
+    pub fn forget(&self, ino: Ino, n: u64) {
+        self.lock().inodes.forget(ino, n);
+    }
+
+    /// `getattr`: directories and local files from the table; files from the cache or a HEAD.
+    pub async fn getattr(&self, ino: Ino) -> Result<Entry, FsError> {
+        let key = {
+            let st = self.lock();
+            let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+            if inode.kind == Kind::Dir || inode.is_local() || inode.valid.is_valid(Instant::now()) {
+                return Ok(self.entry_of(inode));
+            }
+            file_key(&self.cfg.prefix, &inode.path)
+        };
+        let head = self.store.head(self.bucket(), &key).await;
+        let valid = self.ttl();
+        let mut st = self.lock();
+        if let Ok(info) = &head {
+            self.prove(&key, info.etag.as_deref());
+        }
+        let inode = st.inodes.get_mut(ino).ok_or_else(|| stale(ino))?;
+        match head {
+            Ok(info) => {
+                if !inode.is_local() {
+                    inode.meta = Some(ObjectMeta::from(&info));
+                    inode.valid = valid;
+                }
+                Ok(self.entry_of(inode))
+            }
+            Err(StoreError::NotFound(_)) if !inode.is_local() => {
+                inode.valid = Validity::Expired;
+                Err(FsError::NotFound)
+            }
+            Err(StoreError::NotFound(_)) => Ok(self.entry_of(inode)),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// `setattr`: truncation of a file being written (to 0 or its current size); chmod/chown to
+    /// the current values; times accepted and ignored. Everything else is refused.
+    pub async fn setattr(&self, ino: Ino, req: SetAttr) -> Result<Entry, FsError> {
+        if self.cfg.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        let writer =
+            {
+                let st = self.lock();
+                let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+                let perm = match inode.kind {
+                    Kind::Dir => self.cfg.dir_mode,
+                    Kind::File => self.cfg.file_mode,
+                };
+                if req.mode.is_some_and(|m| m & 0o7777 != u32::from(perm)) {
+                    return Err(FsError::NotPermitted("chmod: modes are set per mount"));
+                }
+                if req.uid.is_some_and(|u| u != self.cfg.uid)
+                    || req.gid.is_some_and(|g| g != self.cfg.gid)
+                {
+                    return Err(FsError::NotPermitted("chown: owners are set per mount"));
+                }
+                let known_size = inode.meta.as_ref().map(|m| m.size);
+                match (inode.kind, inode.state) {
+                    (Kind::Dir, _) if req.size.is_some() => return Err(FsError::IsDir),
+                    (_, InodeState::Writing { fh }) => Some(fh),
+                    // Truncating to the size it has changes nothing.
+                    _ if req.size.is_some() && req.size == known_size => None,
+                    _ if req.size.is_some() => return Err(FsError::NotPermitted(
+                        "truncate: only a file being written through this mount can be truncated",
+                    )),
+                    _ => None,
+                }
+            };
+        if let (Some(size), Some(fh)) = (req.size, writer) {
+            let h = self.handle(fh)?;
+            let mut g = h.lock().await;
+            let Handle::Write(w) = &mut *g else {
+                return Err(bad_fh());
+            };
+            match w.status {
+                WriteStatus::Open => {}
+                WriteStatus::Completed => {
+                    return Err(FsError::BadHandle("the upload already completed"))
+                }
+                WriteStatus::Failed => return Err(FsError::UploadFailed),
+            }
+            if size != w.written {
+                if size != 0 {
+                    return Err(FsError::InvalidArgument(
+                        "truncate: only to 0 or to the current size",
+                    ));
+                }
+                if let Some(up) = w.upload.take() {
+                    self.abort_upload(&w.key, &up).await;
+                }
+                w.pending.clear();
+                w.written = 0;
+                self.set_local_size(ino, 0);
+            }
+        }
+        let st = self.lock();
+        let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+        Ok(self.entry_of(inode))
+    }
+
+    // ----- directories ------------------------------------------------------------------------
+
+    /// `opendir`: a handle whose listing is taken at the first `readdir`.
+    pub fn opendir(&self, ino: Ino) -> Result<u64, FsError> {
+        let mut st = self.lock();
+        let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+        if inode.kind != Kind::Dir {
+            return Err(FsError::NotDir);
+        }
+        Ok(st.handles.insert(Handle::Dir(DirHandle {
+            ino,
+            snapshot: None,
+            listed_at: None,
+            served: false,
+        })))
+    }
+
+    /// `releasedir`.
+    /// Drops directory handle `fh` (only a directory handle: a stale number never takes a file's).
+    pub fn releasedir(&self, fh: u64) {
+        let mut st = self.lock();
+        let is_dir = st
+            .handles
+            .get(fh)
+            .is_some_and(|h| h.try_lock().is_ok_and(|g| matches!(&*g, Handle::Dir(_))));
+        if is_dir {
+            st.handles.remove(fh);
+        }
+    }
+
+    /// The directory's entries, local ones merged in, and when S3's part was listed: from the
+    /// cached listing while it is valid, else listed (every page), refreshing the caches.
+    pub(super) async fn list_dir(&self, ino: Ino) -> Result<(Vec<ListedEntry>, Instant), FsError> {
+        let dprefix = {
+            let st = self.lock();
+            let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+            if inode.kind != Kind::Dir {
+                return Err(FsError::NotDir);
+            }
+            if let Some((listing, at)) = inode.cache.cached_listing(Instant::now()) {
+                let mut entries = Vec::clone(listing);
+                for (name, child) in &inode.children {
+                    let Some(c) = st.inodes.get(*child).filter(|c| c.is_local()) else {
+                        continue;
+                    };
+                    let local = ListedEntry {
+                        name: name.clone(),
+                        kind: c.kind,
+                        meta: c.meta.clone(),
+                    };
+                    match entries.binary_search_by(|e| e.name.as_str().cmp(name)) {
+                        Ok(i) => entries[i] = local,
+                        Err(i) => entries.insert(i, local),
+                    }
+                }
+                return Ok((entries, *at));
+            }
+            dir_prefix(&self.cfg.prefix, &inode.path)
+        };
+        let mut builder = ListingBuilder::new(&dprefix);
+        let listed = list_all(
+            &*self.store,
+            self.bucket(),
+            ListAll::dir(&dprefix, LIST_CONCURRENCY),
+        )
+        .await?;
+        builder.add_page(&listed.objects, &listed.common_prefixes);
+        self.install_listing(ino, builder.finish(), Instant::now(), false)
+    }
+
+    /// Makes `listing` (taken at `now`) directory `ino`'s listing: live children learn its
+    /// metadata, local ones are merged in, and within the TTL it is cached (entries and the
+    /// snapshot). Returns the merged entries and `now`. With `keep_negatives` (a listing that
+    /// may have started before this mount learned that a name was missing), names still in the
+    /// negative cache stay missing and are left out of the listing.
+    pub(super) fn install_listing(
+        &self,
+        ino: Ino,
+        listing: Listing,
+        now: Instant,
+        keep_negatives: bool,
+    ) -> Result<(Vec<ListedEntry>, Instant), FsError> {
+        let valid = self.ttl();
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        Self::log_hidden(st, listing.hidden);
+        let mut remote = listing.entries;
+        let dir = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+        if keep_negatives {
+            remote.retain(|e| !dir.cache.is_negative(&e.name, now));
+        }
+        let children: Vec<(String, Ino)> =
+            dir.children.iter().map(|(n, i)| (n.clone(), *i)).collect();
+
+        // Live children learn the listing's metadata; local ones replace or join the listing.
+        let mut entries = remote.clone();
+        for (name, child) in children {
+            let Some(c) = st.inodes.get_mut(child) else {
+                continue;
+            };
+            let pos = entries.binary_search_by(|e| e.name.as_str().cmp(&name));
+            if c.is_local() {
+                let local = ListedEntry {
+                    name,
+                    kind: c.kind,
+                    meta: c.meta.clone(),
+                };
+                match pos {
+                    Ok(i) => entries[i] = local,
+                    Err(i) => entries.insert(i, local),
+                }
+            } else if let Ok(i) = pos {
+                if entries[i].kind == c.kind {
+                    if c.kind == Kind::File {
+                        c.meta = entries[i].meta.clone();
+                    }
+                    c.valid = valid;
+                }
+            }
+        }
+
+        let dir = st.inodes.get_mut(ino).expect("checked above");
+        if dir.state == InodeState::LocalDir && (listing.has_marker || !remote.is_empty()) {
+            dir.state = InodeState::Remote;
+            dir.valid = valid;
+        }
+        dir.cache.entries.clear();
+        dir.cache.entries_valid = valid;
+        dir.cache.listing = None;
+        if valid.is_valid(now) {
+            dir.cache.listing = Some((Arc::new(remote.clone()), now));
+            for e in &remote {
+                dir.cache.negative.remove(&e.name);
+                dir.cache.entries.insert(
+                    e.name.clone(),
+                    CachedEntry {
+                        kind: e.kind,
+                        meta: e.meta.clone(),
+                    },
+                );
+            }
+        }
+        Ok((entries, now))
+    }
+
+    /// `readdir` / `readdirplus` from offset `offset` (0 = start; a repeated 0 lists again).
+    /// With `plus`, every entry the sink accepts (except `.` and `..`) counts one kernel reference.
+    pub async fn readdir(
+        &self,
+        ino: Ino,
+        fh: u64,
+        offset: u64,
+        plus: bool,
+        sink: &mut (dyn DirSink + Send),
+    ) -> Result<(), FsError> {
+        let h = self.handle(fh)?;
+        let mut g = h.lock().await;
+        let Handle::Dir(d) = &mut *g else {
+            return Err(bad_fh());
+        };
+        if d.ino != ino {
+            return Err(bad_fh());
+        }
+        if d.snapshot.is_none() || (offset == 0 && d.served) {
+            let (entries, listed_at) = self.list_dir(ino).await?;
+            d.snapshot = Some(entries);
+            d.listed_at = Some(listed_at);
+        }
+        d.served = true;
+        let entries = d.snapshot.as_deref().unwrap_or_default();
+        let snapshot_valid = Validity::new(
+            self.cfg.metadata_ttl,
+            d.listed_at.unwrap_or_else(Instant::now),
+        );
+
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let now = Instant::now();
+        let dir = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+        let dir_path = dir.path.clone();
+        let dir_entry = self.entry_of(dir);
+        let parent_ino = dir.parent;
+        let parent_entry = st
+            .inodes
+            .get(parent_ino)
+            .map_or_else(|| dir_entry.clone(), |p| self.entry_of(p));
+        let mut idx = offset;
+        loop {
+            let (name, kind, entry) = match idx {
+                0 => (".", Kind::Dir, dir_entry.clone()),
+                1 => ("..", Kind::Dir, parent_entry.clone()),
+                n => {
+                    let Some(e) = usize::try_from(n - 2).ok().and_then(|i| entries.get(i)) else {
+                        break;
+                    };
+                    let entry = match st.inodes.child(ino, &e.name).filter(|c| c.kind == e.kind) {
+                        Some(c) if c.is_local() || c.valid.is_valid(now) => self.entry_of(c),
+                        _ => {
+                            let path = child_path(&dir_path, &e.name);
+                            let child_ino = st.inodes.ino_for(ino, &e.name, &path, e.kind);
+                            Entry {
+                                attr: self.attr_from(child_ino, e.kind, e.meta.as_ref()),
+                                ttl: self.cfg.metadata_ttl.kernel_ttl(),
+                            }
+                        }
+                    };
+                    (e.name.as_str(), e.kind, entry)
+                }
+            };
+            let full = sink.add(&DirEntry {
+                ino: entry.attr.ino,
+                offset: idx + 1,
+                name,
+                kind,
+                attr: &entry.attr,
+                ttl: entry.ttl,
+            });
+            if full {
+                break;
+            }
+            if plus && idx >= 2 {
+                let child = st
+                    .inodes
+                    .install_child(ino, name, kind)
+                    .ok_or_else(|| stale(ino))?;
+                let c = st.inodes.get_mut(child).expect("installed");
+                if !c.is_local() && !c.valid.is_valid(now) {
+                    let e = &entries[(idx - 2) as usize];
+                    c.meta = e.meta.clone();
+                    c.valid = snapshot_valid;
+                }
+                c.lookups += 1;
+            }
+            idx += 1;
+        }
+        Ok(())
+    }
+
+    /// `mkdir`: a local directory, visible in this mount until a file written into it makes it
+    /// real in S3 (no marker object is written).
+    pub async fn mkdir(&self, parent: Ino, name: &OsStr) -> Result<Entry, FsError> {
+        if self.cfg.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        let name = new_name(name)?;
+        let mut st = self.lock();
+        let path = self.check_new_child(&st, parent, name)?;
+        if dir_prefix(&self.cfg.prefix, &path).len() > KEY_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        let ino = st
+            .inodes
+            .install_child(parent, name, Kind::Dir)
+            .ok_or_else(|| stale(parent))?;
+        st.inodes.set_state(ino, InodeState::LocalDir);
+        let inode = st.inodes.get_mut(ino).expect("installed");
+        inode.lookups += 1;
+        let entry = self.entry_of(inode);
+        if let Some(p) = st.inodes.get_mut(parent) {
+            p.cache.negative.remove(name);
+        }
+        st.changes += 1;
+        Ok(entry)
+    }
+
+    /// Refuses to create `name` if the parent is not a directory or the name is known to exist.
+    /// Returns the new child's path.
+    pub(super) fn check_new_child(
+        &self,
+        st: &FsState,
+        parent: Ino,
+        name: &str,
+    ) -> Result<String, FsError> {
+        let now = Instant::now();
+        let p = st.inodes.get(parent).ok_or_else(|| stale(parent))?;
+        if p.kind != Kind::Dir {
+            return Err(FsError::NotDir);
+        }
+        let negative = p.cache.is_negative(name, now);
+        let live = st.inodes.child(parent, name);
+        if live.is_some_and(|c| c.is_local() || (!negative && c.valid.is_valid(now)))
+            || (!negative && p.cache.cached(name, now).is_some())
+        {
+            return Err(FsError::Exists);
+        }
+        Ok(child_path(&p.path, name))
+    }
+
+    /// `unlink` (needs `allow_delete`): deletes the key.
+    pub async fn unlink(&self, parent: Ino, name: &OsStr) -> Result<(), FsError> {
+        if self.cfg.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        if !self.cfg.allow_delete {
+            return Err(FsError::NotPermitted("deletes are disabled on this mount"));
+        }
+        let name = lookup_name(name)?;
+        let found = self.find_child(parent, name).await?;
+        let (key, live) = {
+            let st = self.lock();
+            let parent_path = &st.inodes.get(parent).ok_or_else(|| stale(parent))?.path;
+            let key = file_key(&self.cfg.prefix, &child_path(parent_path, name));
+            match &found {
+                Found::Live(ino) => {
+                    let c = st.inodes.get(*ino).ok_or_else(|| stale(*ino))?;
+                    match (c.kind, c.state) {
+                        (Kind::Dir, _) => return Err(FsError::IsDir),
+                        (Kind::File, InodeState::Writing { .. }) => {
+                            return Err(FsError::Busy("the file is being written"))
+                        }
+                        _ => (key, Some(*ino)),
+                    }
+                }
+                Found::Fresh {
+                    kind: Kind::Dir, ..
+                } => return Err(FsError::IsDir),
+                Found::Fresh { .. } => (key, st.inodes.child(parent, name).map(|c| c.ino)),
+            }
+        };
+        self.store.delete(self.bucket(), &key).await?;
+        let valid = self.ttl();
+        {
+            let mut st = self.lock();
+            st.changes += 1;
+            if let Some(c) = live.and_then(|ino| st.inodes.get_mut(ino)) {
+                if c.kind == Kind::File && !c.is_local() {
+                    c.meta = None;
+                    c.valid = Validity::Expired;
+                    c.last_open_etag = None;
+                }
+            }
+            if let Some(p) = st.inodes.get_mut(parent) {
+                p.cache.add_negative(name, valid, Instant::now());
+            }
+        }
+        self.keep_dir_if_empty(parent).await;
+        Ok(())
+    }
+
+    /// After removing an entry: if the directory has nothing left in S3 (it was implicit), keep it
+    /// as a local directory, so it stays until `rmdir` as POSIX expects; and so on up the tree,
+    /// since an ancestor whose only content was this directory is now implicit in nothing either
+    /// (it must stay too, or the local directory would hang below a directory that does not
+    /// exist). Best effort.
+    pub(super) async fn keep_dir_if_empty(&self, dir: Ino) {
+        let mut dir = dir;
+        loop {
+            let (dprefix, parent) = {
+                let st = self.lock();
+                match st.inodes.get(dir) {
+                    Some(d) if dir != ROOT_INO && d.state == InodeState::Remote => {
+                        (dir_prefix(&self.cfg.prefix, &d.path), d.parent)
+                    }
+                    _ => return,
+                }
+            };
+            let req = ListRequest {
+                prefix: &dprefix,
+                max_keys: Some(1),
+                ..Default::default()
+            };
+            match self.store.list(self.bucket(), req).await {
+                Ok(page) if page.objects.is_empty() && page.common_prefixes.is_empty() => {
+                    let mut st = self.lock();
+                    if st.inodes.get(dir).map(|d| d.state) == Some(InodeState::Remote) {
+                        st.inodes.set_state(dir, InodeState::LocalDir);
+                    }
+                    drop(st);
+                    dir = parent;
+                }
+                Ok(_) => return,
+                Err(e) => {
+                    tracing::debug!(error = %e, "checking whether a directory became empty");
+                    return;
+                }
+            }
+        }
+    }
+
+    /// `rmdir` (needs `allow_delete`): only if nothing (no key at all, hidden ones included) is
+    /// below it; deletes its marker if it has one.
+    pub async fn rmdir(&self, parent: Ino, name: &OsStr) -> Result<(), FsError> {
+        if self.cfg.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        if !self.cfg.allow_delete {
+            return Err(FsError::NotPermitted("deletes are disabled on this mount"));
+        }
+        let name = lookup_name(name)?;
+        let found = self.find_child(parent, name).await?;
+        let (dprefix, live) = {
+            let st = self.lock();
+            let parent_path = &st.inodes.get(parent).ok_or_else(|| stale(parent))?.path;
+            let dprefix = dir_prefix(&self.cfg.prefix, &child_path(parent_path, name));
+            let live = match &found {
+                Found::Live(ino) => Some(*ino),
+                Found::Fresh { kind, .. } => {
+                    if *kind != Kind::Dir {
+                        return Err(FsError::NotDir);
+                    }
+                    st.inodes
+                        .child(parent, name)
+                        .filter(|c| c.kind == Kind::Dir)
+                        .map(|c| c.ino)
+                }
+            };
+            if let Some(ino) = live {
+                let c = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
+                if c.kind != Kind::Dir {
+                    return Err(FsError::NotDir);
+                }
+                let local_child = c
+                    .children
+                    .values()
+                    .any(|k| st.inodes.get(*k).is_some_and(Inode::is_local));
+                if local_child {
+                    return Err(FsError::NotEmpty);
+                }
+            }
+            (dprefix, live)
+        };
+        let page = self
+            .store
+            .list(
+                self.bucket(),
+                ListRequest {
+                    prefix: &dprefix,
+                    max_keys: Some(2),
+                    ..Default::default()
+                },
+            )
+            .await?;
+        if page.objects.iter().any(|o| o.key != dprefix) || !page.common_prefixes.is_empty() {
+            return Err(FsError::NotEmpty);
+        }
+        if page.objects.iter().any(|o| o.key == dprefix) {
+            self.store.delete(self.bucket(), &dprefix).await?;
+        }
+        let valid = self.ttl();
+        {
+            let mut st = self.lock();
+            st.changes += 1;
+            if let Some(ino) = live {
+                st.inodes.set_state(ino, InodeState::Remote);
+                if let Some(c) = st.inodes.get_mut(ino) {
+                    c.valid = Validity::Expired;
+                    c.cache = Default::default();
+                }
+                st.inodes.maybe_remove(ino);
+            }
+            if let Some(p) = st.inodes.get_mut(parent) {
+                p.cache.add_negative(name, valid, Instant::now());
+            }
+        }
+        self.keep_dir_if_empty(parent).await;
+        Ok(())
+    }
+
+    /// `rename`: S3 has no rename. EXDEV makes `mv` fall back to copy + delete.
+    pub fn rename(&self) -> Result<(), FsError> {
+        if self.cfg.read_only {
+            Err(FsError::ReadOnly)
+        } else {
+            Err(FsError::CrossDevice)
+        }
+    }
+
+    /// `statfs`: large constant numbers (S3 has no capacity), so tools that check free space write.
+    pub fn statfs(&self) -> StatFs {
+        const BLOCKS: u64 = 1 << 40;
+        StatFs {
+            blocks: BLOCKS,
+            bfree: BLOCKS,
+            bavail: BLOCKS,
+            files: 1 << 32,
+            ffree: 1 << 32,
+            bsize: BLKSIZE,
+            namelen: crate::names::NAME_MAX as u32,
+            frsize: BLKSIZE,
+        }
+    }
+}

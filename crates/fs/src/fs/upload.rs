@@ -1,0 +1,316 @@
+//! The write path: `create`, sequential `write`s buffered into multipart parts (the buffer is
+//! charged to the node memory budget), and the upload's completion at `flush`, `fsync` or
+//! `release`.
+
+use super::*;
+
+/// The first charge of a write buffer to the memory budget (a small file's whole buffer).
+const WRITE_CHARGE_MIN: u64 = 64 << 10;
+
+impl Fs {
+    /// `create`: a new local file and a write handle; the object appears when the upload
+    /// completes (first flush by the opener, fsync, or release).
+    pub async fn create(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        pid: u32,
+    ) -> Result<(Entry, Opened), FsError> {
+        if self.cfg.read_only {
+            return Err(FsError::ReadOnly);
+        }
+        let name = new_name(name)?;
+        let mut st = self.lock();
+        let path = self.check_new_child(&st, parent, name)?;
+        let key = file_key(&self.cfg.prefix, &path);
+        if key.len() > KEY_MAX {
+            return Err(FsError::NameTooLong);
+        }
+        let fh = st.handles.peek_next();
+        let ino = st
+            .inodes
+            .install_child(parent, name, Kind::File)
+            .ok_or_else(|| stale(parent))?;
+        let inode = st.inodes.get_mut(ino).expect("installed");
+        inode.state = InodeState::Writing { fh };
+        inode.meta = Some(ObjectMeta {
+            size: 0,
+            mtime: Some(now_secs()),
+            etag: None,
+        });
+        inode.valid = Validity::Expired;
+        inode.last_open_etag = None;
+        inode.lookups += 1;
+        let entry = self.entry_of(inode);
+        if let Some(p) = st.inodes.get_mut(parent) {
+            p.cache.negative.remove(name);
+        }
+        st.changes += 1;
+        let got = st.handles.insert(Handle::Write(WriteHandle {
+            ino,
+            parent,
+            name: name.to_owned(),
+            key,
+            pid,
+            written: 0,
+            pending: Vec::new(),
+            upload: None,
+            status: WriteStatus::Open,
+            replaces: false,
+            memory: Default::default(),
+        }));
+        debug_assert_eq!(got, fh);
+        Ok((
+            entry,
+            Opened {
+                fh,
+                keep_cache: false,
+            },
+        ))
+    }
+
+    pub(super) fn set_local_size(&self, ino: Ino, size: u64) {
+        if let Some(inode) = self.lock().inodes.get_mut(ino) {
+            inode.meta = Some(ObjectMeta {
+                size,
+                mtime: Some(now_secs()),
+                etag: None,
+            });
+        }
+    }
+
+    /// `write`: appends at the current end only; full parts are uploaded as they fill.
+    pub async fn write(&self, fh: u64, offset: u64, data: &[u8]) -> Result<u32, FsError> {
+        let h = self.handle(fh)?;
+        let mut g = h.lock().await;
+        let Handle::Write(w) = &mut *g else {
+            return Err(FsError::BadHandle("not open for writing"));
+        };
+        match w.status {
+            WriteStatus::Open => {}
+            WriteStatus::Completed => {
+                return Err(FsError::BadHandle(
+                    "the upload completed (at a close after writing, or fsync); no more writes",
+                ))
+            }
+            WriteStatus::Failed => return Err(FsError::UploadFailed),
+        }
+        if offset != w.written {
+            return Err(FsError::InvalidArgument(
+                "writes must be sequential (offset = current size)",
+            ));
+        }
+        let len = data.len() as u64;
+        if w.written + len > (PART_SIZE * MAX_PARTS) as u64 {
+            return Err(FsError::FileTooLarge);
+        }
+        self.charge_buffer(w, w.pending.len() + data.len()).await;
+        w.pending.extend_from_slice(data);
+        w.written += len;
+        while w.pending.len() >= PART_SIZE {
+            let rest = w.pending.split_off(PART_SIZE);
+            let part = std::mem::replace(&mut w.pending, rest);
+            if let Err(e) = self.upload_part(w, part).await {
+                self.fail_write(w).await;
+                return Err(e);
+            }
+        }
+        self.set_local_size(w.ino, w.written);
+        u32::try_from(len).map_err(|_| FsError::InvalidArgument("write larger than 4 GiB"))
+    }
+
+    /// Charges `w`'s buffer to the memory budget for `need` bytes, waiting for the budget if need
+    /// be. The charge grows by doubling (from [`WRITE_CHARGE_MIN`]) and stays at its high-water
+    /// mark — at most a part plus one write — until the upload completes or fails.
+    async fn charge_buffer(&self, w: &mut WriteHandle, need: usize) {
+        let need = need as u64;
+        let have = w.memory.bytes();
+        if need <= have {
+            return;
+        }
+        let target = need.max((have * 2).clamp(WRITE_CHARGE_MIN, PART_SIZE as u64));
+        w.memory.grow_to(&self.budget, target).await;
+    }
+
+    pub(super) async fn upload_part(
+        &self,
+        w: &mut WriteHandle,
+        part: Vec<u8>,
+    ) -> Result<(), FsError> {
+        if w.upload.is_none() {
+            let upload_id = self.store.create_multipart(self.bucket(), &w.key).await?;
+            w.upload = Some(MultipartState {
+                upload_id,
+                parts: Vec::new(),
+            });
+        }
+        let up = w.upload.as_mut().expect("set above");
+        let number = i32::try_from(up.parts.len() + 1).map_err(|_| FsError::FileTooLarge)?;
+        let done = self
+            .store
+            .upload_part(
+                self.bucket(),
+                &w.key,
+                &up.upload_id,
+                number,
+                Bytes::from(part),
+            )
+            .await?;
+        up.parts.push(PartRecord {
+            number,
+            etag: done.etag,
+        });
+        Ok(())
+    }
+
+    pub(super) async fn abort_upload(&self, key: &str, up: &MultipartState) {
+        if let Err(e) = self
+            .store
+            .abort_multipart(self.bucket(), key, &up.upload_id)
+            .await
+        {
+            tracing::warn!(key, error = %e, "aborting a multipart upload failed");
+        }
+    }
+
+    /// The upload failed: the file disappears from this mount (an overwritten object stays).
+    pub(super) async fn fail_write(&self, w: &mut WriteHandle) {
+        w.status = WriteStatus::Failed;
+        w.pending = Vec::new();
+        w.memory.release();
+        if let Some(up) = w.upload.take() {
+            self.abort_upload(&w.key, &up).await;
+        }
+        let mut st = self.lock();
+        if let Some(inode) = st.inodes.get_mut(w.ino) {
+            inode.state = InodeState::Remote;
+            inode.meta = None;
+            inode.valid = Validity::Expired;
+        }
+        st.inodes.maybe_remove(w.ino);
+    }
+
+    /// Finishes the upload (PUT, or last part + complete). Idempotent once completed.
+    pub(super) async fn complete(&self, w: &mut WriteHandle) -> Result<(), FsError> {
+        match w.status {
+            WriteStatus::Open => {}
+            WriteStatus::Completed => return Ok(()),
+            WriteStatus::Failed => return Err(FsError::UploadFailed),
+        }
+        let result = match w.upload.is_some() {
+            false => {
+                let body = Bytes::from(std::mem::take(&mut w.pending));
+                self.store
+                    .put(self.bucket(), &w.key, body)
+                    .await
+                    .map_err(FsError::from)
+            }
+            true => {
+                let last = std::mem::take(&mut w.pending);
+                let uploaded = if last.is_empty() {
+                    Ok(())
+                } else {
+                    self.upload_part(w, last).await
+                };
+                match uploaded {
+                    Err(e) => Err(e),
+                    Ok(()) => {
+                        let up = w.upload.as_ref().expect("multipart");
+                        let parts = up
+                            .parts
+                            .iter()
+                            .map(|p| CompletedPart {
+                                part_number: p.number,
+                                etag: p.etag.clone(),
+                            })
+                            .collect();
+                        self.store
+                            .complete_multipart(self.bucket(), &w.key, &up.upload_id, parts)
+                            .await
+                            .map_err(FsError::from)
+                    }
+                }
+            }
+        };
+        let put = match result {
+            Ok(put) => put,
+            Err(e) => {
+                tracing::warn!(key = %w.key, error = %e, "upload failed");
+                self.fail_write(w).await;
+                return Err(e);
+            }
+        };
+        w.status = WriteStatus::Completed;
+        w.upload = None;
+        w.memory.release();
+        let meta = ObjectMeta {
+            size: w.written,
+            mtime: Some(now_secs()),
+            etag: put.etag,
+        };
+        let valid = self.ttl();
+        let mut st = self.lock();
+        st.changes += 1;
+        if let Some(inode) = st.inodes.get_mut(w.ino) {
+            inode.state = InodeState::Remote;
+            inode.meta = Some(meta.clone());
+            inode.valid = valid;
+            inode.last_open_etag = None;
+        }
+        if let Some(p) = st.inodes.get_mut(w.parent) {
+            p.cache.add_positive(
+                &w.name,
+                CachedEntry {
+                    kind: Kind::File,
+                    meta: Some(meta),
+                },
+            );
+        }
+        // Local ancestors now exist in S3 (implicitly); their parents' cached listings lack them.
+        let mut up = w.parent;
+        while let Some(dir) = st.inodes.get_mut(up) {
+            if dir.state != InodeState::LocalDir {
+                break;
+            }
+            dir.valid = valid;
+            let this = std::mem::replace(&mut up, dir.parent);
+            st.inodes.set_state(this, InodeState::Remote);
+            if let Some(parent) = st.inodes.get_mut(up) {
+                parent.cache.listing = None;
+            }
+        }
+        st.inodes.maybe_remove(w.ino);
+        Ok(())
+    }
+
+    /// `flush` (every `close`): completes the upload when called by the opening process after
+    /// something was written, so `close` reports upload errors; other processes' closes (forked
+    /// children) do nothing. A flush before the first write does nothing either: a shell's
+    /// `> file` (and `dd`, `/bin/echo`) opens the file, `dup2`s it onto stdout and closes the
+    /// first descriptor before anything is written; the empty file is then completed by a later
+    /// flush, `fsync` or `release`. `pid` gives the caller's process id; it is asked only for a
+    /// write handle with data. A failed upload is reported to the opener's flush even with
+    /// nothing written (a write handle recovered from the journal has lost what was written).
+    pub async fn flush(&self, fh: u64, pid: impl FnOnce() -> u32) -> Result<(), FsError> {
+        let h = self.handle(fh)?;
+        let mut g = h.lock().await;
+        match &mut *g {
+            Handle::Write(w)
+                if (w.written > 0 || w.status == WriteStatus::Failed) && w.pid == pid() =>
+            {
+                self.complete(w).await
+            }
+            Handle::Write(_) | Handle::Read(_) | Handle::Dir(_) => Ok(()),
+        }
+    }
+
+    /// `fsync`: completes the upload (a file cannot be made durable in parts).
+    pub async fn fsync(&self, fh: u64) -> Result<(), FsError> {
+        let h = self.handle(fh)?;
+        let mut g = h.lock().await;
+        match &mut *g {
+            Handle::Write(w) => self.complete(w).await,
+            Handle::Read(_) | Handle::Dir(_) => Ok(()),
+        }
+    }
+}
