@@ -232,8 +232,7 @@ pub fn read_hello(stream: &UnixStream) -> io::Result<Option<Hello>> {
 pub fn same_user(stream: &UnixStream) -> io::Result<()> {
     let cred = nix::sys::socket::getsockopt(stream, nix::sys::socket::sockopt::PeerCredentials)
         .map_err(io::Error::from)?;
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let me = unsafe { libc::geteuid() };
+    let me = nix::unistd::geteuid().as_raw();
     if cred.uid() != me {
         return Err(io::Error::new(
             io::ErrorKind::PermissionDenied,
@@ -298,21 +297,15 @@ pub fn send_state_refs(
 
 /// Takes an exclusive `flock` on `path` without waiting: `Ok(None)` if another process holds it.
 pub fn try_lock(path: &Path) -> io::Result<Option<std::fs::File>> {
-    use std::os::fd::AsRawFd;
     let file = std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
         .open(path)?;
-    // SAFETY: flock on a descriptor we own.
-    let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
-    if rc == 0 {
-        return Ok(Some(file));
-    }
-    let e = io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::EWOULDBLOCK) {
-        Ok(None)
-    } else {
-        Err(e)
+    // `flock(LOCK_EX | LOCK_NB)` on Linux.
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+        Err(std::fs::TryLockError::Error(e)) => Err(e),
     }
 }

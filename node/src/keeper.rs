@@ -46,16 +46,8 @@ struct Link {
 
 /// An anonymous memory file (`memfd_create`), close-on-exec.
 pub fn memfd(name: &str) -> std::io::Result<std::fs::File> {
-    let name = std::ffi::CString::new(name).expect("no NUL");
-    // SAFETY: memfd_create with a valid NUL-terminated name; the fd is ours.
-    let fd = unsafe { libc::memfd_create(name.as_ptr(), libc::MFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    // SAFETY: fd is a fresh descriptor we own.
-    Ok(std::fs::File::from(unsafe {
-        <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd)
-    }))
+    use nix::sys::memfd::{memfd_create, MFdFlags};
+    Ok(memfd_create(name, MFdFlags::MFD_CLOEXEC)?.into())
 }
 
 fn key(target: &Path) -> String {

@@ -380,8 +380,10 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
         .head_bucket(&a.bucket)
         .await
         .with_context(|| format!("checking bucket {:?}", a.bucket))?;
-    // SAFETY: getuid/getgid have no preconditions and cannot fail.
-    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let (uid, gid) = (
+        nix::unistd::getuid().as_raw(),
+        nix::unistd::getgid().as_raw(),
+    );
     let published = Published {
         volume_id: format!("{}/{}", a.bucket, prefix),
         spec: VolumeSpec {

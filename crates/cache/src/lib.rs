@@ -760,13 +760,7 @@ impl BlockCache {
                 .collect()
         };
         let dir = File::open(&self.cfg.dir)?;
-        {
-            use std::os::fd::AsRawFd;
-            // SAFETY: syncfs on an open descriptor of the cache directory.
-            if unsafe { libc::syncfs(dir.as_raw_fd()) } != 0 {
-                return Err(io::Error::last_os_error());
-            }
-        }
+        nix::unistd::syncfs(&dir)?;
         let mut out = String::new();
         let mut n = 0;
         for id in ids {
@@ -1303,11 +1297,8 @@ fn parse_checked(s: &str) -> HashMap<FileId, FileStamp> {
 /// Whether every piece of the whole-object `file` matches its crc in `meta` (blocking). Asks
 /// the kernel to read the whole file ahead first, so the disk works while pieces are checked.
 fn check_whole(file: &File, meta: &ObjectMeta) -> bool {
-    use std::os::fd::AsRawFd;
-    // SAFETY: a plain advisory call on an open descriptor.
-    unsafe {
-        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_WILLNEED);
-    }
+    use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
+    let _ = posix_fadvise(file, 0, 0, PosixFadviseAdvice::POSIX_FADV_WILLNEED);
     let mut buf = vec![0u8; meta.block_size as usize];
     (0..meta.crcs.len() as u64).all(|i| {
         let range = meta.piece(i).expect("counted");

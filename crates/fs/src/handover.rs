@@ -43,8 +43,8 @@ const FUSE_INIT: u32 = 26;
 const FUSE_NOTIFY_RESEND: i32 = 7;
 /// The bit the kernel sets in a re-sent request's unique id.
 pub const FUSE_UNIQUE_RESEND: u64 = 1 << 63;
-/// `FUSE_DEV_IOC_BACKING_CLOSE`: `_IOW(229, 2, uint32_t)`.
-const FUSE_DEV_IOC_BACKING_CLOSE: libc::c_ulong = 0x4004_e502;
+// `FUSE_DEV_IOC_BACKING_CLOSE`: `_IOW(229, 2, uint32_t)` (include/uapi/linux/fuse.h).
+nix::ioctl_write_ptr!(fuse_dev_ioc_backing_close, 229, 2, u32);
 
 impl KernelInit {
     /// Whether the kernel can re-send the requests a previous process left unanswered.
@@ -82,21 +82,14 @@ pub fn notify_resend(dev: BorrowedFd<'_>) -> io::Result<()> {
     let mut msg = [0u8; 16];
     msg[0..4].copy_from_slice(&16u32.to_ne_bytes());
     msg[4..8].copy_from_slice(&FUSE_NOTIFY_RESEND.to_ne_bytes());
-    // SAFETY: writes 16 bytes from a live buffer to a descriptor we borrow.
-    let n = unsafe { libc::write(dev.as_raw_fd(), msg.as_ptr().cast(), msg.len()) };
-    if n < 0 {
-        return Err(io::Error::last_os_error());
-    }
+    nix::unistd::write(dev, &msg)?;
     Ok(())
 }
 
 /// Unregisters the connection's passthrough backing file `id` (open files keep reading theirs).
 pub fn close_backing_id(dev: BorrowedFd<'_>, id: u32) -> io::Result<()> {
     // SAFETY: the ioctl reads one u32 from a live local.
-    let rc = unsafe { libc::ioctl(dev.as_raw_fd(), FUSE_DEV_IOC_BACKING_CLOSE, &id) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    unsafe { fuse_dev_ioc_backing_close(dev.as_raw_fd(), &id) }?;
     Ok(())
 }
 

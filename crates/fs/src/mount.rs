@@ -295,8 +295,7 @@ fn mount_options(cfg: &MountConfig) -> fuser::Config {
 
 /// Whether this process may mount by itself (root).
 fn privileged() -> bool {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    unsafe { libc::geteuid() == 0 }
+    nix::unistd::geteuid().is_root()
 }
 
 /// The target's parent resolved and the target itself opened as a directory without following a
@@ -342,8 +341,7 @@ fn mount_on(dir: &OwnedFd, cfg: &MountConfig) -> io::Result<OwnedFd> {
         .write(true)
         .custom_flags(libc::O_CLOEXEC)
         .open("/dev/fuse")?;
-    // SAFETY: getuid/getgid have no preconditions and cannot fail.
-    let (uid, gid) = unsafe { (libc::getuid(), libc::getgid()) };
+    let (uid, gid) = (nix::unistd::getuid(), nix::unistd::getgid());
     let mut data = format!(
         "fd={},rootmode=40000,user_id={uid},group_id={gid},default_permissions,subtype=ferry",
         dev.as_raw_fd()
@@ -351,34 +349,18 @@ fn mount_on(dir: &OwnedFd, cfg: &MountConfig) -> io::Result<OwnedFd> {
     if cfg.allow_other {
         data.push_str(",allow_other");
     }
-    let mut flags = libc::MS_NOSUID | libc::MS_NODEV;
+    use nix::mount::MsFlags;
+    let mut flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV;
     if cfg.read_only {
-        flags |= libc::MS_RDONLY;
+        flags |= MsFlags::MS_RDONLY;
     }
-    let cstr = |s: &str| {
-        std::ffi::CString::new(s)
-            .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "NUL in a mount argument"))
-    };
-    let (source, target, fstype, data) = (
-        cstr(&cfg.fs_name)?,
-        cstr(&format!("/proc/self/fd/{}", dir.as_raw_fd()))?,
-        cstr("fuse")?,
-        cstr(&data)?,
-    );
-    // SAFETY: every pointer is a valid NUL-terminated string alive across the call; mount(2)
-    // only reads them.
-    let rc = unsafe {
-        libc::mount(
-            source.as_ptr(),
-            target.as_ptr(),
-            fstype.as_ptr(),
-            flags,
-            data.as_ptr().cast(),
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
+    nix::mount::mount(
+        Some(cfg.fs_name.as_str()),
+        format!("/proc/self/fd/{}", dir.as_raw_fd()).as_str(),
+        Some("fuse"),
+        flags,
+        Some(data.as_str()),
+    )?;
     Ok(dev.into())
 }
 

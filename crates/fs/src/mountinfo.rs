@@ -86,17 +86,12 @@ pub fn mounted_at(path: &Path) -> io::Result<Option<MountEntry>> {
 /// left by an earlier process cannot be unmounted any other way while something holds it);
 /// otherwise a busy mount fails with `EBUSY`.
 pub fn unmount(path: &Path, lazy: bool) -> io::Result<()> {
-    use std::os::unix::ffi::OsStrExt;
-    let c = std::ffi::CString::new(path.as_os_str().as_bytes())
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains NUL"))?;
-    let flags = libc::UMOUNT_NOFOLLOW | if lazy { libc::MNT_DETACH } else { 0 };
-    // SAFETY: `c` is a valid NUL-terminated path that lives across the call.
-    let rc = unsafe { libc::umount2(c.as_ptr(), flags) };
-    if rc == 0 {
-        Ok(())
-    } else {
-        Err(io::Error::last_os_error())
+    use nix::mount::MntFlags;
+    let mut flags = MntFlags::UMOUNT_NOFOLLOW;
+    if lazy {
+        flags |= MntFlags::MNT_DETACH;
     }
+    Ok(nix::mount::umount2(path, flags)?)
 }
 
 /// Detaches whatever is mounted at `path` (`MNT_DETACH`, not following a symlink).
@@ -122,21 +117,20 @@ fn fusectl() -> Option<PathBuf> {
         return Some(p);
     }
     TRIED.get_or_init(|| {
-        let (src, dir, ty) = (c"fusectl", c"/sys/fs/fuse/connections", c"fusectl");
-        // SAFETY: NUL-terminated literals; mount(2) only reads them.
-        let rc = unsafe {
-            libc::mount(
-                src.as_ptr(),
-                dir.as_ptr(),
-                ty.as_ptr(),
-                libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
-                std::ptr::null(),
-            )
-        };
-        if rc == 0 {
-            tracing::info!("mounted fusectl at {FUSE_CONNECTIONS} (to end FUSE connections)");
-        } else {
-            tracing::info!(error = %io::Error::last_os_error(), "cannot mount fusectl: FUSE connections cannot be aborted");
+        use nix::mount::MsFlags;
+        match nix::mount::mount(
+            Some("fusectl"),
+            FUSE_CONNECTIONS,
+            Some("fusectl"),
+            MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC,
+            None::<&str>,
+        ) {
+            Ok(()) => {
+                tracing::info!("mounted fusectl at {FUSE_CONNECTIONS} (to end FUSE connections)")
+            }
+            Err(e) => {
+                tracing::info!(error = %e, "cannot mount fusectl: FUSE connections cannot be aborted")
+            }
         }
     });
     find()
