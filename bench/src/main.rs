@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use ferry_store::{ListRequest, ObjectStore, S3Config, S3Options, S3Store};
+use ferry_store::{ListRequest, ObjectStore};
+use ferry_s3::{S3Config, S3Options, S3Store};
 use ferry_testkit::S3Server;
 
 use dataset::{Dataset, Needs, BUCKET, MIB};

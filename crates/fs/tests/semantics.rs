@@ -25,7 +25,8 @@ use std::time::{Duration, SystemTime};
 
 use common::{errno, Env, Mount, BUCKET};
 use ferry_fs::{MetadataTtl, MountConfig};
-use ferry_store::{FaultyStore, MemoryStore, ObjectStore, Op, S3Store, StoreError};
+use ferry_store::{FaultyStore, MemoryStore, ObjectStore, Op, StoreError};
+use ferry_s3::S3Store;
 use ferry_testkit::{Fault, FaultPlan, FaultProxy};
 
 const DOC: &str = include_str!("../../../doc/SEMANTICS.md");
@@ -329,11 +330,11 @@ impl Ctx {
         let proxy = FaultProxy::start(([127, 0, 0, 1], env.server.port()).into()).unwrap();
         let mut cfg = env.server.s3_config();
         cfg.endpoint_url = Some(proxy.url());
-        let opts = ferry_store::S3Options {
+        let opts = ferry_s3::S3Options {
             max_attempts: 2,
             initial_backoff: Duration::from_millis(5),
             max_backoff: Duration::from_millis(20),
-            ..ferry_store::S3Options::default()
+            ..ferry_s3::S3Options::default()
         };
         let s3 = Arc::new(env.rt.block_on(S3Store::with_options(cfg, opts)).unwrap());
         Ctx { env, proxy, s3 }

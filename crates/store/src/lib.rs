@@ -1,8 +1,9 @@
-//! The object-store seam every other Ferry crate talks to.
+//! The object-store seam every other Ferry crate talks to, free of any S3 SDK.
 //!
-//! [`ObjectStore`] is the only way Ferry reaches S3. [`s3::S3Store`] implements it with aws-sdk-s3 (the
-//! only module that names the SDK), [`memory::MemoryStore`] keeps a bucket in memory for unit tests,
-//! and [`faulty::FaultyStore`] wraps any store to inject failures.
+//! [`ObjectStore`] is the only way Ferry reaches S3. `ferry_s3::S3Store` (crate `ferry-s3`)
+//! implements it with aws-sdk-s3, the only crate that names the SDK. With the `test-util` feature,
+//! `memory::MemoryStore` keeps buckets in memory for tests and `faulty::FaultyStore` wraps any
+//! store to inject failures; the binaries users run are built without them.
 
 use std::fmt::Debug;
 use std::ops::Range;
@@ -11,17 +12,19 @@ use std::time::SystemTime;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use futures::TryStreamExt;
 
+#[cfg(any(test, feature = "test-util"))]
 pub mod faulty;
 pub mod listing;
-mod md5;
+#[cfg(any(test, feature = "test-util"))]
 pub mod memory;
-pub mod s3;
 
+#[cfg(any(test, feature = "test-util"))]
 pub use faulty::{FaultStats, FaultyStore};
-pub use listing::{list_all, ListAll, Listed};
+pub use listing::{list_all, list_pages, ListAll, Listed};
+#[cfg(any(test, feature = "test-util"))]
 pub use memory::{MemoryStore, StoreStats};
-pub use s3::{https_client_with_ca_bundle, S3Config, S3Credentials, S3Options, S3Store};
 
 /// One object as a LIST or HEAD response describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -281,21 +284,17 @@ pub async fn delete_prefix(store: &dyn ObjectStore, bucket: &str, prefix: &str) 
             "delete_prefix refuses an empty prefix (it would empty the bucket)".into(),
         ));
     }
+    let req = ListRequest {
+        prefix,
+        delimiter: None,
+        continuation: None,
+        max_keys: Some(MAX_LIST_KEYS),
+        start_after: None,
+    };
     let mut deleted = 0u64;
-    let mut continuation = None;
-    loop {
-        let page = store
-            .list(
-                bucket,
-                ListRequest {
-                    prefix,
-                    delimiter: None,
-                    continuation: continuation.take(),
-                    max_keys: Some(MAX_LIST_KEYS),
-                    start_after: None,
-                },
-            )
-            .await?;
+    let pages = list_pages(store, bucket, req);
+    futures::pin_mut!(pages);
+    while let Some(page) = pages.try_next().await? {
         let keys: Vec<String> = page
             .objects
             .into_iter()
@@ -306,11 +305,8 @@ pub async fn delete_prefix(store: &dyn ObjectStore, bucket: &str, prefix: &str) 
             store.delete_many(bucket, batch).await?;
             deleted += batch.len() as u64;
         }
-        match page.next_token {
-            Some(token) => continuation = Some(token),
-            None => return Ok(deleted),
-        }
     }
+    Ok(deleted)
 }
 
 /// A shared store is a store: lets `Arc<dyn ObjectStore>` be wrapped (e.g. by [`FaultyStore`]).

@@ -11,7 +11,8 @@ use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use ferry_fs::{mount, MemoryBudget, MountConfig, MountContext, MountHandle, PrefetchConfig};
-use ferry_store::{ListRequest, ObjectStore, S3Store};
+use ferry_store::{ListRequest, ObjectStore};
+use ferry_s3::S3Store;
 use ferry_testkit::S3Server;
 
 pub const BUCKET: &str = "ferry-test";

@@ -47,7 +47,7 @@ use super::{
     check_version, classify, conditions, error_chain, read_checked, GetFailure, Kind, S3Options,
     Target,
 };
-use crate::{StoreError, Version};
+use ferry_store::{StoreError, Version};
 
 /// Credentials are fetched again this long before they expire.
 const REFRESH_BEFORE_EXPIRY: Duration = Duration::from_secs(300);

@@ -1,5 +1,4 @@
-//! [`S3Store`]: the [`ObjectStore`] over aws-sdk-s3 — with its submodule `raw_get`, the only module
-//! of Ferry that names SDK types.
+//! [`S3Store`]: the [`ObjectStore`] over aws-sdk-s3 — the only crate of Ferry that names SDK types.
 //!
 //! - GETs (`get_range`) are signed and sent by `raw_get` on the SDK's HTTP connector, without the
 //!   SDK's orchestrator, unless [`S3Options::raw_get`] is off or the bucket needs another signing
@@ -54,7 +53,7 @@ use bytes::Bytes;
 
 mod raw_get;
 
-use crate::{
+use ferry_store::{
     CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, PutResult, Result, StoreError,
     Version, MAX_DELETE_BATCH, MAX_LIST_KEYS,
 };

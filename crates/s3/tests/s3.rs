@@ -59,11 +59,11 @@ macro_rules! both {
                 ferry_testkit::init_tracing();
                 let server = ferry_testkit::S3Server::start();
                 server.create_bucket(super::B).await;
-                let opts = ferry_store::S3Options {
+                let opts = ferry_s3::S3Options {
                     raw_get: false,
                     ..ferry_testkit::S3Server::test_options()
                 };
-                let store = ferry_store::S3Store::with_options(server.s3_config(), opts)
+                let store = ferry_s3::S3Store::with_options(server.s3_config(), opts)
                     .await
                     .unwrap();
                 super::$name(&store, super::B).await;
