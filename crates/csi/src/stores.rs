@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use aws_credential_types::provider::SharedCredentialsProvider;
 use ferry_creds::{Identity, PodCredentials, StaticKeys};
-use ferry_store::{ObjectStore, StoreError};
 use ferry_s3::{S3Config, S3Credentials, S3Options, S3Store};
+use ferry_store::{ObjectStore, StoreError};
 use ferry_volume::{AllowedEndpoints, Endpoint, EndpointRefused};
 use tokio::sync::Mutex;
 

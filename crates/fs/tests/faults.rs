@@ -16,8 +16,8 @@ use std::time::Duration;
 
 use common::{errno, within, Env, BUCKET};
 use ferry_fs::{mount, MetadataTtl, MountConfig, MountContext};
-use ferry_store::{FaultyStore, MemoryStore, ObjectStore, Op, StoreError};
 use ferry_s3::{S3Options, S3Store};
+use ferry_store::{FaultyStore, MemoryStore, ObjectStore, Op, StoreError};
 use ferry_testkit::{Fault, FaultPlan, FaultProxy};
 
 /// Generous: the slowest failing call below takes attempts × attempt timeout + backoffs ≈ 10 s.

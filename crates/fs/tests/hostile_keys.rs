@@ -15,8 +15,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::errno;
 use ferry_fs::{MemoryBudget, MetadataTtl};
-use ferry_store::{delete_prefix, ListRequest, ObjectStore};
 use ferry_s3::{S3Config, S3Credentials, S3Store};
+use ferry_store::{delete_prefix, ListRequest, ObjectStore};
 use ferry_testkit::{MotoServer, S3Server};
 
 const BUCKET: &str = "hostile";

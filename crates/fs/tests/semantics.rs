@@ -25,8 +25,8 @@ use std::time::{Duration, SystemTime};
 
 use common::{errno, Env, Mount, BUCKET};
 use ferry_fs::{MetadataTtl, MountConfig};
-use ferry_store::{FaultyStore, MemoryStore, ObjectStore, Op, StoreError};
 use ferry_s3::S3Store;
+use ferry_store::{FaultyStore, MemoryStore, ObjectStore, Op, StoreError};
 use ferry_testkit::{Fault, FaultPlan, FaultProxy};
 
 const DOC: &str = include_str!("../../../doc/SEMANTICS.md");

@@ -6,8 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_store::{ListRequest, ObjectStore, StoreError};
 use ferry_s3::{S3Config, S3Credentials, S3Options, S3Store};
+use ferry_store::{ListRequest, ObjectStore, StoreError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 

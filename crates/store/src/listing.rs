@@ -61,21 +61,18 @@ where
     F: Fn(ListRequest<'a>) -> Fut + 'a,
     Fut: Future<Output = Result<P>> + 'a,
 {
-    futures::stream::try_unfold(
-        (Some(first), fetch),
-        |(req, fetch)| async move {
-            let Some(req) = req else {
-                return Ok(None);
-            };
-            let page = fetch(req.clone()).await?;
-            let next = page.next_token().map(|token| ListRequest {
-                continuation: Some(token.to_owned()),
-                start_after: None,
-                ..req
-            });
-            Ok(Some((page, (next, fetch))))
-        },
-    )
+    futures::stream::try_unfold((Some(first), fetch), |(req, fetch)| async move {
+        let Some(req) = req else {
+            return Ok(None);
+        };
+        let page = fetch(req.clone()).await?;
+        let next = page.next_token().map(|token| ListRequest {
+            continuation: Some(token.to_owned()),
+            start_after: None,
+            ..req
+        });
+        Ok(Some((page, (next, fetch))))
+    })
 }
 
 /// How [`list_all`] lists.

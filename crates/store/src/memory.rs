@@ -307,10 +307,12 @@ fn md5_digest(data: &[u8]) -> [u8; 16] {
 /// Lower-case hex of `bytes`.
 fn hex(bytes: &[u8]) -> String {
     use std::fmt::Write;
-    bytes.iter().fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
-        let _ = write!(s, "{b:02x}");
-        s
-    })
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
 }
 
 fn now() -> SystemTime {
@@ -648,6 +650,7 @@ fn find_upload<'a>(b: &'a mut Bucket, key: &str, upload_id: &str) -> Result<&'a 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use futures::TryStreamExt;
 
     const B: &str = "bucket";
 
@@ -675,30 +678,24 @@ mod tests {
         delimiter: Option<&str>,
         max_keys: Option<u32>,
     ) -> (Vec<String>, Vec<String>, usize) {
-        let (mut ks, mut cps, mut pages) = (vec![], vec![], 0);
-        let mut continuation = None;
-        loop {
-            let page = s
-                .list(
-                    B,
-                    ListRequest {
-                        prefix,
-                        delimiter,
-                        continuation: continuation.take(),
-                        max_keys,
-                        start_after: None,
-                    },
-                )
-                .await
-                .unwrap();
-            pages += 1;
-            ks.extend(page.objects.into_iter().map(|o| o.key));
-            cps.extend(page.common_prefixes);
-            match page.next_token {
-                Some(t) => continuation = Some(t),
-                None => return (ks, cps, pages),
-            }
-        }
+        let req = ListRequest {
+            prefix,
+            delimiter,
+            continuation: None,
+            max_keys,
+            start_after: None,
+        };
+        crate::list_pages(s, B, req)
+            .try_fold(
+                (vec![], vec![], 0),
+                |(mut ks, mut cps, pages), page| async move {
+                    ks.extend(page.objects.into_iter().map(|o| o.key));
+                    cps.extend(page.common_prefixes);
+                    Ok((ks, cps, pages + 1))
+                },
+            )
+            .await
+            .unwrap()
     }
 
     #[tokio::test]
