@@ -39,7 +39,7 @@ use aws_smithy_types::body::SdkBody;
 use aws_smithy_types::byte_stream::ByteStream;
 use aws_smithy_types::Document;
 use bytes::Bytes;
-use percent_encoding::{utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+use percent_encoding::utf8_percent_encode;
 
 use aws_smithy_types::date_time::{DateTime, Format as DateTimeFormat};
 
@@ -53,14 +53,6 @@ use ferry_store::{StoreError, Version};
 const REFRESH_BEFORE_EXPIRY: Duration = Duration::from_secs(300);
 /// At most this much of an error response's body is read (for its `<Code>`).
 const MAX_ERROR_BODY: usize = 64 * 1024;
-
-/// Bytes of a key left as they are in the request path: S3's unreserved characters and `/`.
-const KEY_ENCODE: &AsciiSet = &NON_ALPHANUMERIC
-    .remove(b'-')
-    .remove(b'.')
-    .remove(b'_')
-    .remove(b'~')
-    .remove(b'/');
 
 /// Where a bucket's objects are and how to sign for them.
 #[derive(Debug)]
@@ -250,7 +242,11 @@ impl RawGet {
         what: &(dyn Fn() -> String + Sync),
     ) -> Result<HttpResponse, GetFailure> {
         let creds = self.credentials().await.map_err(GetFailure::Request)?;
-        let uri = format!("{}/{}", endpoint.base, utf8_percent_encode(key, KEY_ENCODE));
+        let uri = format!(
+            "{}/{}",
+            endpoint.base,
+            utf8_percent_encode(key, ferry_store::PATH_KEEP)
+        );
         let range_header = format!("bytes={}-{}", range.start, range.end - 1);
         let mut req = http::Request::builder()
             .method("GET")
@@ -450,7 +446,7 @@ mod tests {
 
     #[test]
     fn keys_are_encoded_as_s3_paths() {
-        let enc = |k| utf8_percent_encode(k, KEY_ENCODE).to_string();
+        let enc = |k| utf8_percent_encode(k, ferry_store::PATH_KEEP).to_string();
         assert_eq!(enc("a/b c/d+e=f&g"), "a/b%20c/d%2Be%3Df%26g");
         assert_eq!(enc("ü/~x-y_z.bin"), "%C3%BC/~x-y_z.bin");
         assert_eq!(enc("a//b?c#d%"), "a//b%3Fc%23d%25");

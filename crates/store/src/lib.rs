@@ -226,6 +226,17 @@ pub trait ObjectStore: Send + Sync + Debug + 'static {
     async fn delete_many(&self, bucket: &str, keys: &[String]) -> Result<()>;
 }
 
+/// What stays unescaped when a key goes into a URL path: RFC 3986's unreserved characters
+/// (letters, digits, `-._~`) and `/`; everything else is percent-encoded with
+/// `percent_encoding::utf8_percent_encode`. S3 request paths (`ferry_s3`'s GETs) and Ferry's mount
+/// source (`ferry_fs::fs_name`) use it.
+pub const PATH_KEEP: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~')
+    .remove(b'/');
+
 /// The most keys one DeleteObjects request (and so [`ObjectStore::delete_many`]) may carry.
 pub const MAX_DELETE_BATCH: usize = 1000;
 
