@@ -300,11 +300,16 @@ impl PodCredentials {
                         "the Pod Identity agent at {url} refused {id}: HTTP {status}: {}",
                         text.trim()
                     );
-                    return Err(if status.is_client_error() {
-                        CredsError::Denied(msg)
-                    } else {
-                        CredsError::Unavailable(msg)
-                    });
+                    // A 4xx is the agent's verdict on this pod and token, but 429 is throttling:
+                    // asking again later may work.
+                    return Err(
+                        if status.is_client_error() && status != http::StatusCode::TOO_MANY_REQUESTS
+                        {
+                            CredsError::Denied(msg)
+                        } else {
+                            CredsError::Unavailable(msg)
+                        },
+                    );
                 }
                 agent_credentials(&body).map_err(unavailable)
             }
@@ -396,10 +401,21 @@ impl ProvideCredentials for PodCredentials {
         Self: 'a,
     {
         provider::future::ProvideCredentials::new(async move {
-            self.credentials()
-                .await
-                .map_err(CredentialsError::provider_error)
+            self.credentials().await.map_err(to_credentials_error)
         })
+    }
+}
+
+/// A [`CredsError`] in the SDK's terms, which the S3 client's error table reads (ferry-s3's
+/// `error` module): a refusal or a malformed request is `InvalidConfiguration` — definitive, the
+/// application sees `EACCES` —, a provider that could not answer (unreachable, timing out,
+/// throttling, 5xx) is `ProviderError` — transient, `EIO`.
+fn to_credentials_error(e: CredsError) -> CredentialsError {
+    match e {
+        CredsError::Denied(_) | CredsError::Invalid(_) => {
+            CredentialsError::invalid_configuration(e)
+        }
+        CredsError::Unavailable(_) => CredentialsError::provider_error(e),
     }
 }
 

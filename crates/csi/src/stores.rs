@@ -120,6 +120,7 @@ impl S3Stores {
             region: e.region,
             force_path_style: e.force_path_style,
             credentials: self.credentials.clone(),
+            on_attempt: None,
         }
     }
 

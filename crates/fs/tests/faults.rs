@@ -40,9 +40,9 @@ fn flaky_options(max_attempts: u32) -> S3Options {
         read_timeout: Duration::from_secs(2),
         attempt_timeout: Duration::from_secs(2),
         body_timeout: Duration::from_secs(5),
-        body_attempts: 3,
         ca_bundle: None,
         raw_get: true,
+        time_source: None,
     }
 }
 

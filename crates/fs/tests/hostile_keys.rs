@@ -42,6 +42,7 @@ fn hostile_keys_never_take_a_directory_down() {
             secret_access_key: "testing".into(),
             session_token: None,
         },
+        on_attempt: None,
     };
     let store = Arc::new(
         rt.block_on(S3Store::with_options(cfg, S3Server::test_options()))

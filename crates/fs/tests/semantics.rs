@@ -94,6 +94,7 @@ const CLAIMS: &[(&str, &str, How)] = &[
     ("Operations", "Read-only mount", Here(read_only_mount)),
     ("Store errors → errno", "NotFound", Here(err_not_found)),
     ("Store errors → errno", "AccessDenied, Credentials", Here(err_access)),
+    ("Store errors → errno", "CredentialsUnavailable", Here(err_credentials_unavailable)),
     ("Store errors → errno", "PreconditionFailed (ETag changed)", Here(err_precondition)),
     ("Store errors → errno", "InvalidRequest", Here(err_invalid)),
     ("Store errors → errno", "Throttled, Transient, Corrupt, NoSuchBucket, Other", Here(err_eio)),
@@ -1512,6 +1513,13 @@ fn err_access(c: &Ctx) {
             "{e:?} lookup"
         );
     }
+}
+
+/// An identity provider that could not answer is not a refusal: `EIO`, on reads and lookups.
+fn err_credentials_unavailable(c: &Ctx) {
+    let e = StoreError::CredentialsUnavailable("STS unreachable".into());
+    assert_eq!(store_error(c, Op::Get, e.clone()), libc::EIO, "read");
+    assert_eq!(store_error(c, Op::List, e), libc::EIO, "lookup");
 }
 
 fn err_precondition(c: &Ctx) {

@@ -1,62 +1,75 @@
 //! GetObject without the SDK's orchestrator: the request is signed with `aws-sigv4` and sent on the
-//! SDK's own HTTP connector (the same TLS, connection pool, connect and read timeouts).
+//! SDK client's own HTTP connector (the SDK's HTTP client hands out one connector, and so one
+//! connection pool, per connect/read timeout setting: the raw path asks it for the setting of the
+//! SDK's own requests and gets the very connector the SDK path uses).
 //!
 //! Why: reading a small-file dataset is one GET per file, and per request the orchestrator's
 //! interceptors, runtime-component merging, endpoint resolution, user-agent building and retry
 //! bookkeeping cost more CPU than the request itself; with 8 readers of 128 KiB files (benchmark P4)
 //! the machine is CPU-bound, and the SDK's share was most of Ferry's. Here a bucket's endpoint is
 //! resolved once, by the SDK's own resolver (FIPS, dual-stack, path style and custom endpoints
-//! included), and each GET is a signature and a connector call.
+//! included), and each attempt is an identity-cache lookup, a signature and a connector call.
 //!
-//! The same rules as the SDK path apply: [`S3Options::max_attempts`] attempts with exponential
-//! backoff and full jitter on throttling, 5xx, timeouts and connection failures; the per-attempt
-//! timeout; error codes mapped by [`super::classify`]. Credentials come from the same provider and
-//! are kept until five minutes before they expire (or until S3 says the token expired).
+//! What it shares with the SDK path, so the two cannot drift apart:
+//! - credentials: the SDK client's identity cache and credentials provider (the same cache
+//!   partition: a refresh by either path serves both);
+//! - time: the client's `TimeSource`, corrected by the clock skew the responses of both paths show
+//!   ([`crate::skew`]), so a node whose clock is off signs GETs as the SDK signs everything else;
+//! - errors: the one error table ([`crate::error`]); the error body is read with the SDK's XML
+//!   parser (`aws-smithy-xml`);
+//! - retries: one attempt here is one attempt of the one retry policy ([`crate::retry`]);
+//! - metrics: every attempt is reported to the same [`crate::OnAttempt`] hook.
 //!
 //! A bucket whose endpoint needs anything but plain SigV4 for service `s3` (S3 Express, SigV4a
-//! access points) or extra headers is left to the SDK path ([`RawGet::get`] returns `None`).
+//! access points) or extra headers is left to the SDK path ([`RawGet::endpoint`] gives `None`).
 
 use std::collections::HashMap;
 use std::ops::Range;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, SystemTime};
+use std::time::{Instant, SystemTime};
 
-use aws_credential_types::provider::ProvideCredentials;
-use aws_credential_types::Credentials;
+use aws_credential_types::provider::SharedCredentialsProvider;
+use aws_runtime::auth::sigv4::SigV4AuthScheme;
 use aws_sdk_s3::config::endpoint::{DefaultResolver, Params, ResolveEndpoint};
-use aws_sdk_s3::config::SharedCredentialsProvider;
 use aws_sigv4::http_request::{
     sign, PayloadChecksumKind, PercentEncodingMode, SignableBody, SignableRequest, SigningSettings,
     UriPathNormalizationMode,
 };
 use aws_sigv4::sign::v4;
-use aws_smithy_async::rt::sleep::TokioSleep;
-use aws_smithy_http_client::tls;
-use aws_smithy_runtime_api::client::http::{HttpConnector, HttpConnectorSettings};
-use aws_smithy_runtime_api::client::identity::Identity;
+use aws_smithy_async::time::SharedTimeSource;
+use aws_smithy_runtime::client::retries::strategy::NeverRetryStrategy;
+use aws_smithy_runtime_api::client::auth::static_resolver::StaticAuthSchemeOptionResolver;
+use aws_smithy_runtime_api::client::auth::AuthSchemeId;
+use aws_smithy_runtime_api::client::http::{
+    HttpClient, HttpConnector, HttpConnectorSettings, SharedHttpConnector,
+};
+use aws_smithy_runtime_api::client::identity::{
+    Identity, ResolveCachedIdentity, SharedIdentityCache, SharedIdentityResolver,
+};
 use aws_smithy_runtime_api::client::orchestrator::{HttpRequest, HttpResponse};
+use aws_smithy_runtime_api::client::runtime_components::RuntimeComponents;
 use aws_smithy_types::body::SdkBody;
 use aws_smithy_types::byte_stream::ByteStream;
+use aws_smithy_types::config_bag::ConfigBag;
+use aws_smithy_types::date_time::{DateTime, Format as DateTimeFormat};
 use aws_smithy_types::Document;
+use aws_smithy_xml::decode::{try_data, Document as XmlDocument};
 use bytes::Bytes;
+use ferry_store::Version;
 use percent_encoding::utf8_percent_encode;
 
-use aws_smithy_types::date_time::{DateTime, Format as DateTimeFormat};
+use crate::attempt::{Attempt, OnAttempt};
+use crate::error::{credentials_failure_of, error_chain, Failure, Kind};
+use crate::get::{check_version, conditions, read_checked};
+use crate::skew::ClockSkew;
+use crate::S3Options;
 
-use super::{
-    check_version, classify, conditions, error_chain, read_checked, GetFailure, Kind, S3Options,
-    Target,
-};
-use ferry_store::{StoreError, Version};
-
-/// Credentials are fetched again this long before they expire.
-const REFRESH_BEFORE_EXPIRY: Duration = Duration::from_secs(300);
 /// At most this much of an error response's body is read (for its `<Code>`).
 const MAX_ERROR_BODY: usize = 64 * 1024;
 
 /// Where a bucket's objects are and how to sign for them.
 #[derive(Debug)]
-struct BucketEndpoint {
+pub(crate) struct BucketEndpoint {
     /// The endpoint URL without a trailing `/` (`https://b.s3.eu-west-1.amazonaws.com`,
     /// `http://127.0.0.1:7070/b`); the encoded key follows after a `/`.
     base: String,
@@ -65,7 +78,7 @@ struct BucketEndpoint {
 
 /// What endpoint resolution needs besides the bucket, as the SDK client was configured.
 #[derive(Debug, Clone)]
-pub(super) struct EndpointConfig {
+pub(crate) struct EndpointConfig {
     pub region: String,
     pub endpoint_url: Option<String>,
     pub force_path_style: bool,
@@ -73,12 +86,25 @@ pub(super) struct EndpointConfig {
     pub use_dual_stack: bool,
 }
 
+/// What the raw path takes from the SDK client it serves beside.
+pub(crate) struct Shared<'a> {
+    pub config: &'a aws_sdk_s3::Config,
+    pub credentials: SharedCredentialsProvider,
+    pub identity_cache: SharedIdentityCache,
+    pub skew: Arc<ClockSkew>,
+    pub hook: Option<OnAttempt>,
+}
+
 /// Signed GETs on the SDK's HTTP connector; see the module docs.
-pub(super) struct RawGet {
-    connector: aws_smithy_http_client::Connector,
-    credentials: SharedCredentialsProvider,
-    /// The credentials in use; the async lock makes concurrent refreshes one provider call.
-    cached: tokio::sync::Mutex<Option<Credentials>>,
+pub(crate) struct RawGet {
+    connector: SharedHttpConnector,
+    identity: SharedIdentityResolver,
+    identity_cache: SharedIdentityCache,
+    /// What the identity cache needs from a client: its time source and sleep.
+    components: RuntimeComponents,
+    time: SharedTimeSource,
+    skew: Arc<ClockSkew>,
+    hook: Option<OnAttempt>,
     endpoint: EndpointConfig,
     resolver: DefaultResolver,
     /// Per bucket: its endpoint, or `None` when the SDK path must serve it.
@@ -95,153 +121,125 @@ impl std::fmt::Debug for RawGet {
 }
 
 impl RawGet {
-    pub(super) fn new(
+    pub(crate) fn new(
         endpoint: EndpointConfig,
-        credentials: SharedCredentialsProvider,
+        shared: Shared<'_>,
         opts: S3Options,
-        tls_context: Option<tls::TlsContext>,
-    ) -> RawGet {
+    ) -> Result<RawGet, String> {
+        let cfg = shared.config;
+        let http_client = cfg
+            .http_client()
+            .ok_or("the SDK client has no HTTP client")?;
+        let time = cfg.time_source().unwrap_or_default();
+        let sleep = cfg
+            .sleep_impl()
+            .ok_or("the SDK client has no async sleep")?;
+        let identity = SharedIdentityResolver::new(shared.credentials);
+        let sigv4 = AuthSchemeId::new("sigv4");
+        let components = RuntimeComponents::builder("ferry-raw-get")
+            .with_auth_scheme_option_resolver(Some(StaticAuthSchemeOptionResolver::new(vec![
+                sigv4.clone(),
+            ])))
+            .with_endpoint_resolver(Some(DefaultResolver::new().into_shared_resolver()))
+            .with_auth_scheme(SigV4AuthScheme::new())
+            .with_identity_cache(Some(shared.identity_cache.clone()))
+            .with_identity_resolver(sigv4, identity.clone())
+            .with_retry_strategy(Some(NeverRetryStrategy::new()))
+            .with_time_source(Some(time.clone()))
+            .with_sleep_impl(Some(sleep))
+            .build()
+            .map_err(|e| format!("raw GET runtime components: {e}"))?;
+        // The settings of the SDK's own requests (`crate::timeouts` with the attempt timeout):
+        // the SDK's HTTP client returns the connector it made for them.
         let settings = HttpConnectorSettings::builder()
             .connect_timeout(opts.connect_timeout)
             .read_timeout(opts.read_timeout)
             .build();
-        let builder = aws_smithy_http_client::Connector::builder()
-            .connector_settings(settings)
-            .sleep_impl(TokioSleep::new())
-            .enable_tcp_nodelay(true)
-            .tls_provider(tls::Provider::Rustls(
-                tls::rustls_provider::CryptoMode::AwsLc,
-            ));
-        let connector = match tls_context {
-            Some(ctx) => builder.tls_context(ctx).build(),
-            None => builder.build(),
-        };
-        RawGet {
+        let connector = http_client.http_connector(&settings, &components);
+        Ok(RawGet {
             connector,
-            credentials,
-            cached: tokio::sync::Mutex::new(None),
+            identity,
+            identity_cache: shared.identity_cache,
+            components,
+            time,
+            skew: shared.skew,
+            hook: shared.hook,
             endpoint,
             resolver: DefaultResolver::new(),
             buckets: Mutex::new(HashMap::new()),
             opts,
-        }
+        })
     }
 
-    /// GETs `range` of `bucket/key`, with retries; `None` when this bucket is the SDK path's.
-    pub(super) async fn get(
+    /// One attempt: sign and send the GET, check the status, read the body. The attempt timeout
+    /// covers everything up to the response head and the body timeout the body, as on the SDK path.
+    pub(crate) async fn attempt(
         &self,
+        endpoint: &BucketEndpoint,
         bucket: &str,
         key: &str,
         range: &Range<u64>,
         pin: Option<Version<'_>>,
-    ) -> Option<Result<Bytes, GetFailure>> {
-        let endpoint = match self.bucket_endpoint(bucket).await {
-            Ok(Some(e)) => e,
-            Ok(None) => return None,
-            Err(e) => return Some(Err(GetFailure::Request(e))),
-        };
-        let target = Target::Object(bucket, key);
-        let mut attempt = 1;
-        loop {
-            match self.attempt(&endpoint, target, key, range, pin).await {
-                Err(GetFailure::Request(e)) if e.is_retryable() => {
-                    if attempt >= self.opts.max_attempts {
-                        return Some(Err(GetFailure::Request(e)));
-                    }
-                    let backoff = backoff(&self.opts, attempt);
-                    tracing::debug!(error = %e, attempt, ?backoff, "retrying a GET");
-                    tokio::time::sleep(backoff).await;
-                    attempt += 1;
-                }
-                other => return Some(other),
-            }
-        }
-    }
-
-    /// One request: sign and send it, check the status, read the body. As on the SDK path, the
-    /// attempt timeout covers everything up to the response head and the body timeout the body.
-    async fn attempt(
-        &self,
-        endpoint: &BucketEndpoint,
-        target: Target<'_>,
-        key: &str,
-        range: &Range<u64>,
-        pin: Option<Version<'_>>,
-    ) -> Result<Bytes, GetFailure> {
-        let what = || format!("GET {target} bytes {}..{}", range.start, range.end);
-        let head = self.send(endpoint, key, range, pin, &what);
-        let resp = tokio::time::timeout(self.opts.attempt_timeout, head)
+    ) -> Result<Bytes, Failure> {
+        let what = || format!("GET {bucket}/{key} bytes {}..{}", range.start, range.end);
+        let identity = self
+            .identity_cache
+            .resolve_cached_identity(self.identity.clone(), &self.components, &ConfigBag::base())
             .await
-            .unwrap_or_else(|_| {
-                Err(GetFailure::Request(StoreError::Transient(format!(
-                    "{}: no response head within the attempt timeout ({:?})",
-                    what(),
-                    self.opts.attempt_timeout
-                ))))
-            })?;
-        let status = resp.status().as_u16();
-        let header = |name: &str| resp.headers().get(name).map(str::to_owned);
-        let content_range = header("content-range");
-        let content_length = header("content-length").and_then(|v| v.parse::<u64>().ok());
-        let request_id = header("x-amz-request-id");
-        let last_modified = header("last-modified")
-            .and_then(|v| DateTime::from_str(&v, DateTimeFormat::HttpDate).ok())
-            .and_then(|t| SystemTime::try_from(t).ok());
-        let etag = header("etag");
-        let body = ByteStream::new(resp.into_body());
-        if (200..300).contains(&status) {
-            check_version(
-                &what,
-                pin,
-                etag.as_deref(),
-                last_modified,
-                content_range.as_deref(),
-                content_length,
-            )?;
-            return read_checked(
-                &what,
-                range,
-                content_range.as_deref(),
-                content_length,
-                body,
-                self.opts.body_timeout,
-            )
-            .await;
+            .map_err(|e| credentials_failure_of(what(), &*e))?;
+        let req = self.request(endpoint, key, range, pin, &identity, &what)?;
+        let (sent_at, sent) = (Instant::now(), self.time.now());
+        let resp = tokio::time::timeout(self.opts.attempt_timeout, self.connector.call(req)).await;
+        if let Some(hook) = &self.hook {
+            hook(Attempt {
+                op: "GetObject",
+                status: match &resp {
+                    Ok(Ok(r)) => Some(r.status().as_u16()),
+                    _ => None,
+                },
+                elapsed: sent_at.elapsed(),
+            });
         }
-        let (code, message) = error_body(body, self.opts.body_timeout).await;
-        if code.as_deref() == Some("ExpiredToken") {
-            // The next attempt asks the provider again.
-            *self.cached.lock().await = None;
-        }
-        let detail = format!(
-            "{}: {}: {} (HTTP {status}{})",
-            what(),
-            code.as_deref().unwrap_or("no error code"),
-            message.as_deref().unwrap_or("no message"),
-            request_id
-                .map(|id| format!(", request id {id}"))
-                .unwrap_or_default()
-        );
-        let kind = match classify(Some(status), code.as_deref()) {
-            // An expired token is worth one more attempt with fresh credentials.
-            _ if code.as_deref() == Some("ExpiredToken") => Kind::Transient,
-            k => k,
+        let resp = match resp {
+            Ok(Ok(resp)) => resp,
+            Ok(Err(e)) => {
+                let kind = if e.is_user() {
+                    Kind::Other
+                } else {
+                    Kind::Transient
+                };
+                return Err(Failure::new(
+                    kind,
+                    format!("{}: {}", what(), error_chain(&e)),
+                ));
+            }
+            Err(_) => {
+                return Err(Failure::new(
+                    Kind::Transient,
+                    format!(
+                        "{}: no response head within the attempt timeout ({:?})",
+                        what(),
+                        self.opts.attempt_timeout
+                    ),
+                ))
+            }
         };
-        Err(GetFailure::Request(super::store_error(
-            kind, target, detail,
-        )))
+        self.skew.record(sent, self.time.now(), resp.headers());
+        self.response(resp, range, pin, &what).await
     }
 
-    /// Signs and sends one GET; resolves at the response head.
-    async fn send(
+    /// The signed request.
+    fn request(
         &self,
         endpoint: &BucketEndpoint,
         key: &str,
         range: &Range<u64>,
         pin: Option<Version<'_>>,
-        what: &(dyn Fn() -> String + Sync),
-    ) -> Result<HttpResponse, GetFailure> {
-        let creds = self.credentials().await.map_err(GetFailure::Request)?;
+        identity: &Identity,
+        what: &dyn Fn() -> String,
+    ) -> Result<HttpRequest, Failure> {
+        let other =
+            |e: &dyn std::fmt::Display| Failure::new(Kind::Other, format!("{}: {e}", what()));
         let uri = format!(
             "{}/{}",
             endpoint.base,
@@ -259,51 +257,84 @@ impl RawGet {
         if let Some(since) = since {
             let date = DateTime::from(since)
                 .fmt(DateTimeFormat::HttpDate)
-                .map_err(|e| GetFailure::Request(StoreError::Other(format!("{}: {e}", what()))))?;
+                .map_err(|e| other(&e))?;
             req = req.header("if-unmodified-since", date);
         }
-        let mut req = req.body(SdkBody::empty()).map_err(|e| {
-            GetFailure::Request(StoreError::InvalidRequest(format!("{}: {e}", what())))
-        })?;
-        sign_request(&mut req, &creds, &endpoint.signing_region).map_err(|e| {
-            GetFailure::Request(StoreError::Other(format!("{}: signing: {e}", what())))
-        })?;
-        let req = HttpRequest::try_from(req)
-            .map_err(|e| GetFailure::Request(StoreError::Other(format!("{}: {e}", what()))))?;
-        self.connector.call(req).await.map_err(|e| {
-            let detail = format!("{}: {}", what(), error_chain(&e));
-            GetFailure::Request(if e.is_user() {
-                StoreError::Other(detail)
-            } else {
-                StoreError::Transient(detail)
-            })
-        })
+        let mut req = req
+            .body(SdkBody::empty())
+            .map_err(|e| Failure::new(Kind::InvalidRequest, format!("{}: {e}", what())))?;
+        let at = self.skew.apply(self.time.now());
+        sign_request(&mut req, identity, &endpoint.signing_region, at)
+            .map_err(|e| other(&format_args!("signing: {e}")))?;
+        HttpRequest::try_from(req).map_err(|e| other(&e))
     }
 
-    /// The credentials to sign with, from the provider when none are held or they expire soon.
-    async fn credentials(&self) -> Result<Credentials, StoreError> {
-        let mut cached = self.cached.lock().await;
-        if let Some(c) = &*cached {
-            let fresh = c.expiry().is_none_or(|exp| {
-                exp.duration_since(SystemTime::now())
-                    .is_ok_and(|left| left > REFRESH_BEFORE_EXPIRY)
-            });
-            if fresh {
-                return Ok(c.clone());
-            }
+    /// The body of a 2xx response, checked; or the failure an error response says.
+    async fn response(
+        &self,
+        resp: HttpResponse,
+        range: &Range<u64>,
+        pin: Option<Version<'_>>,
+        what: &(dyn Fn() -> String + Sync),
+    ) -> Result<Bytes, Failure> {
+        let status = resp.status().as_u16();
+        let header = |name: &str| resp.headers().get(name).map(str::to_owned);
+        let content_range = header("content-range");
+        let content_length = header("content-length").and_then(|v| v.parse::<u64>().ok());
+        let request_id = header("x-amz-request-id");
+        let last_modified = header("last-modified")
+            .and_then(|v| DateTime::from_str(&v, DateTimeFormat::HttpDate).ok())
+            .and_then(|t| SystemTime::try_from(t).ok());
+        let etag = header("etag");
+        let body = ByteStream::new(resp.into_body());
+        if (200..300).contains(&status) {
+            check_version(
+                what,
+                pin,
+                etag.as_deref(),
+                last_modified,
+                content_range.as_deref(),
+                content_length,
+            )?;
+            return read_checked(
+                what,
+                range,
+                content_range.as_deref(),
+                content_length,
+                body,
+                self.opts.body_timeout,
+            )
+            .await;
         }
-        let c = self.credentials.provide_credentials().await.map_err(|e| {
-            StoreError::Credentials(format!("loading credentials: {}", error_chain(&e)))
-        })?;
-        *cached = Some(c.clone());
-        Ok(c)
+        let err = match tokio::time::timeout(self.opts.body_timeout, body.collect()).await {
+            Ok(Ok(bytes)) => {
+                let bytes = bytes.into_bytes();
+                error_body(&bytes[..bytes.len().min(MAX_ERROR_BODY)])
+            }
+            _ => ErrorBody::default(),
+        };
+        Err(Failure::response(
+            what(),
+            status,
+            err.code.as_deref(),
+            err.message.as_deref(),
+            request_id.as_deref().or(err.request_id.as_deref()),
+        ))
+    }
+
+    /// The bucket's endpoint, resolved once by the SDK's resolver; `None` when the SDK path must
+    /// serve the bucket.
+    pub(crate) async fn endpoint(
+        &self,
+        bucket: &str,
+    ) -> Result<Option<Arc<BucketEndpoint>>, Failure> {
+        self.bucket_endpoint(bucket)
+            .await
+            .map_err(|e| Failure::new(Kind::InvalidRequest, e))
     }
 
     /// The bucket's endpoint, resolved once by the SDK's resolver.
-    async fn bucket_endpoint(
-        &self,
-        bucket: &str,
-    ) -> Result<Option<Arc<BucketEndpoint>>, StoreError> {
+    async fn bucket_endpoint(&self, bucket: &str) -> Result<Option<Arc<BucketEndpoint>>, String> {
         if let Some(e) = self.buckets.lock().expect("bucket endpoints").get(bucket) {
             return Ok(e.clone());
         }
@@ -317,11 +348,12 @@ impl RawGet {
             .force_path_style(cfg.force_path_style)
             .accelerate(false)
             .build()
-            .map_err(|e| StoreError::InvalidRequest(format!("endpoint of bucket {bucket}: {e}")))?;
-        let endpoint =
-            self.resolver.resolve_endpoint(&params).await.map_err(|e| {
-                StoreError::InvalidRequest(format!("endpoint of bucket {bucket}: {e}"))
-            })?;
+            .map_err(|e| format!("endpoint of bucket {bucket}: {e}"))?;
+        let endpoint = self
+            .resolver
+            .resolve_endpoint(&params)
+            .await
+            .map_err(|e| format!("endpoint of bucket {bucket}: {e}"))?;
         let usable = endpoint.headers().next().is_none();
         let resolved = sigv4_region(endpoint.properties(), &cfg.region)
             .filter(|_| usable)
@@ -373,19 +405,19 @@ fn sigv4_region(
 /// `x-amz-content-sha256`, the path neither normalized nor encoded twice.
 fn sign_request(
     req: &mut http::Request<SdkBody>,
-    creds: &Credentials,
+    identity: &Identity,
     region: &str,
+    at: SystemTime,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let identity = Identity::from(creds.clone());
     let mut settings = SigningSettings::default();
     settings.percent_encoding_mode = PercentEncodingMode::Single;
     settings.payload_checksum_kind = PayloadChecksumKind::XAmzSha256;
     settings.uri_path_normalization_mode = UriPathNormalizationMode::Disabled;
     let params = v4::SigningParams::builder()
-        .identity(&identity)
+        .identity(identity)
         .region(region)
         .name("s3")
-        .time(SystemTime::now())
+        .time(at)
         .settings(settings)
         .build()?
         .into();
@@ -401,32 +433,40 @@ fn sign_request(
     Ok(())
 }
 
-/// The `<Code>` and `<Message>` of an S3 error body, if it has them.
-async fn error_body(body: ByteStream, timeout: Duration) -> (Option<String>, Option<String>) {
-    let Ok(Ok(bytes)) = tokio::time::timeout(timeout, body.collect()).await else {
-        return (None, None);
+/// What an S3 error body says.
+#[derive(Debug, Default, PartialEq, Eq)]
+struct ErrorBody {
+    code: Option<String>,
+    message: Option<String>,
+    request_id: Option<String>,
+}
+
+/// The `<Code>`, `<Message>` and `<RequestId>` of an S3 `<Error>` body, read with the SDK's XML
+/// parser; what is missing or unreadable is `None`.
+fn error_body(body: &[u8]) -> ErrorBody {
+    let mut out = ErrorBody::default();
+    let Ok(mut doc) = XmlDocument::try_from(body) else {
+        return out;
     };
-    let bytes = bytes.into_bytes();
-    let text = String::from_utf8_lossy(&bytes[..bytes.len().min(MAX_ERROR_BODY)]);
-    (xml_text(&text, "Code"), xml_text(&text, "Message"))
-}
-
-/// The text of the first `<tag>` element.
-fn xml_text(xml: &str, tag: &str) -> Option<String> {
-    let open = format!("<{tag}>");
-    let start = xml.find(&open)? + open.len();
-    let len = xml[start..].find(&format!("</{tag}>"))?;
-    Some(xml[start..start + len].trim().to_owned()).filter(|s| !s.is_empty())
-}
-
-/// The SDK standard mode's backoff before attempt `attempt + 1`: full jitter over
-/// `initial × 2^(attempt-1)`, capped.
-fn backoff(opts: &S3Options, attempt: u32) -> Duration {
-    let exp = opts
-        .initial_backoff
-        .saturating_mul(1u32 << (attempt - 1).min(20))
-        .min(opts.max_backoff);
-    exp.mul_f64(fastrand::f64())
+    let Ok(mut root) = doc.root_element() else {
+        return out;
+    };
+    if !root.start_el().matches("Error") {
+        return out;
+    }
+    while let Some(mut tag) = root.next_tag() {
+        let field = match tag.start_el().local() {
+            "Code" => &mut out.code,
+            "Message" => &mut out.message,
+            "RequestId" => &mut out.request_id,
+            _ => continue,
+        };
+        *field = try_data(&mut tag)
+            .ok()
+            .map(|t| t.trim().to_owned())
+            .filter(|t| !t.is_empty());
+    }
+    out
 }
 
 #[cfg(test)]
@@ -483,30 +523,28 @@ mod tests {
     }
 
     #[test]
-    fn error_bodies_give_code_and_message() {
-        let xml = "<?xml version=\"1.0\"?><Error><Code>NoSuchKey</Code><Message>The key does not exist</Message></Error>";
-        assert_eq!(xml_text(xml, "Code").as_deref(), Some("NoSuchKey"));
-        assert_eq!(
-            xml_text(xml, "Message").as_deref(),
-            Some("The key does not exist")
-        );
-        assert_eq!(xml_text("<Error></Error>", "Code"), None);
-        assert_eq!(xml_text("not xml", "Code"), None);
-    }
-
-    #[test]
-    fn backoff_is_jittered_and_capped() {
-        let opts = S3Options {
-            initial_backoff: Duration::from_millis(100),
-            max_backoff: Duration::from_millis(250),
-            ..S3Options::default()
-        };
-        for attempt in 1..40 {
-            let b = backoff(&opts, attempt);
-            assert!(b <= Duration::from_millis(250), "{b:?}");
-            if attempt == 1 {
-                assert!(b <= Duration::from_millis(100), "{b:?}");
-            }
+    fn error_bodies_give_code_message_and_request_id() {
+        let xml = b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<Error><Code>RequestTimeTooSkewed</Code><Message>The difference between the request time and the current time is too large.</Message><RequestTime>20261201T214233Z</RequestTime><ServerTime>2026-12-01T21:22:33Z</ServerTime><RequestId>Q6SZ81FB5C735VKJ</RequestId></Error>";
+        let e = error_body(xml);
+        assert_eq!(e.code.as_deref(), Some("RequestTimeTooSkewed"));
+        assert!(e.message.unwrap().starts_with("The difference"));
+        assert_eq!(e.request_id.as_deref(), Some("Q6SZ81FB5C735VKJ"));
+        // A `<Code>` nested deeper, or text that merely looks like one, is not the error's code.
+        let e =
+            error_body(b"<Error><Detail><Code>Inner</Code></Detail><Code>NoSuchKey</Code></Error>");
+        assert_eq!(e.code.as_deref(), Some("NoSuchKey"));
+        for junk in [
+            &b"<Error></Error>"[..],
+            b"not xml <Code>X</Code>",
+            b"<Other><Code>X</Code></Other>",
+            b"",
+        ] {
+            assert_eq!(
+                error_body(junk).code,
+                None,
+                "{:?}",
+                String::from_utf8_lossy(junk)
+            );
         }
     }
 }

@@ -139,8 +139,15 @@ pub enum StoreError {
     Transient(String),
     #[error("response body did not match: {0}")]
     Corrupt(String),
+    /// Definitive: the identity provider refused (AccessDenied, an invalid or expired token, a pod
+    /// not associated with a role) or no credentials are configured. Retrying will not help.
     #[error("credentials: {0}")]
     Credentials(String),
+    /// Transient: no credentials could be had for now (the identity provider — STS, the EKS Pod
+    /// Identity agent, IMDS — unreachable, timing out, throttling or failing). Nothing was sent
+    /// to S3; a later request may work.
+    #[error("credentials unavailable: {0}")]
+    CredentialsUnavailable(String),
     #[error("{0}")]
     Other(String),
 }

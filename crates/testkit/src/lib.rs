@@ -340,6 +340,7 @@ impl S3Server {
                 secret_access_key: SECRET_KEY.into(),
                 session_token: None,
             },
+            on_attempt: None,
         }
     }
 
