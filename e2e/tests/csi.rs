@@ -52,7 +52,7 @@ impl Env {
         };
         let creds = S3Credentials::Static {
             access_key_id: s3.access_key().to_string(),
-            secret_access_key: s3.secret_key().to_string(),
+            secret_access_key: s3.secret_key().into(),
             session_token: None,
         };
         let mut stores =

@@ -167,8 +167,8 @@ impl S3Stores {
             StoreCredentials::Static(k) => {
                 config.credentials = S3Credentials::Static {
                     access_key_id: k.access_key_id.clone(),
-                    secret_access_key: k.secret_access_key.expose().to_string(),
-                    session_token: k.session_token.as_ref().map(|t| t.expose().to_string()),
+                    secret_access_key: k.secret_access_key.expose().into(),
+                    session_token: k.session_token.as_ref().map(|t| t.expose().into()),
                 };
                 S3Store::with_options(config, self.options.clone()).await?
             }

@@ -42,6 +42,7 @@ use aws_sdk_s3::primitives::{ByteStream, DateTime};
 use aws_sdk_s3::types::{CompletedMultipartUpload, Delete, EncodingType, ObjectIdentifier};
 use aws_smithy_async::time::SharedTimeSource;
 use bytes::Bytes;
+use secrecy::{ExposeSecret, SecretString};
 
 mod attempt;
 pub mod error;
@@ -91,38 +92,17 @@ impl fmt::Debug for S3Config {
     }
 }
 
-/// How an [`S3Store`] gets credentials. `Debug` never prints a secret.
-#[derive(Clone, Default, PartialEq, Eq)]
+/// How an [`S3Store`] gets credentials. `Debug` never prints a secret (`secrecy`).
+#[derive(Clone, Debug, Default)]
 pub enum S3Credentials {
     /// The SDK's default chain: env, profile, web identity (IRSA), ECS, IMDS.
     #[default]
     DefaultChain,
     Static {
         access_key_id: String,
-        secret_access_key: String,
-        session_token: Option<String>,
+        secret_access_key: SecretString,
+        session_token: Option<SecretString>,
     },
-}
-
-impl fmt::Debug for S3Credentials {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            S3Credentials::DefaultChain => f.write_str("DefaultChain"),
-            S3Credentials::Static {
-                access_key_id,
-                session_token,
-                ..
-            } => f
-                .debug_struct("Static")
-                .field("access_key_id", access_key_id)
-                .field("secret_access_key", &format_args!("<redacted>"))
-                .field(
-                    "session_token",
-                    &session_token.as_ref().map(|_| format_args!("<redacted>")),
-                )
-                .finish(),
-        }
-    }
 }
 
 /// Retry and timeout tuning for an [`S3Store`]; [`Default`] suits production.
@@ -254,8 +234,8 @@ impl S3Store {
                 session_token,
             } => Some(SharedCredentialsProvider::new(Credentials::new(
                 access_key_id,
-                secret_access_key,
-                session_token.clone(),
+                secret_access_key.expose_secret(),
+                session_token.as_ref().map(|t| t.expose_secret().to_owned()),
                 None,
                 "ferry-static",
             ))),
@@ -940,7 +920,7 @@ mod tests {
         ] {
             assert!(!text.contains("wJalr"), "{text}");
             assert!(!text.contains("FwoG"), "{text}");
-            assert!(text.contains("<redacted>"), "{text}");
+            assert!(text.contains("REDACTED"), "{text}");
             assert!(text.contains("AKIDEXAMPLE"), "{text}");
         }
         let no_token = S3Credentials::Static {
