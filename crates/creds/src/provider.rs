@@ -487,6 +487,56 @@ mod tests {
         );
     }
 
+    /// The S3 client tells a refusal (EACCES) from an outage (EIO) by these variants.
+    #[test]
+    fn refusals_and_outages_reach_the_sdk_as_different_variants() {
+        for e in [
+            CredsError::Denied("STS: AccessDenied".into()),
+            CredsError::Invalid("no token".into()),
+        ] {
+            assert!(
+                matches!(
+                    to_credentials_error(e),
+                    CredentialsError::InvalidConfiguration(_)
+                ),
+                "a refusal is definitive"
+            );
+        }
+        let e = to_credentials_error(CredsError::Unavailable("STS: 503".into()));
+        assert!(matches!(e, CredentialsError::ProviderError(_)), "{e:?}");
+    }
+
+    /// A Pod Identity agent that cannot be reached gives an outage, not a refusal.
+    #[tokio::test]
+    async fn an_unreachable_pod_identity_agent_is_unavailable() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/v1/credentials", listener.local_addr().unwrap());
+        drop(listener);
+        let source = CredentialSource::PodIdentity {
+            identity: Identity {
+                namespace: "ns".into(),
+                service_account: "sa".into(),
+                principal: crate::Principal::PodIdentityAgent {
+                    agent_url: url.clone(),
+                },
+            },
+            agent_url: url,
+            token: crate::ServiceAccountToken {
+                token: Secret::new("tok"),
+                expires: None,
+            },
+        };
+        let settings = ProviderSettings::load(None).await;
+        let pod = PodRef {
+            namespace: "ns".into(),
+            name: "p".into(),
+            service_account: "sa".into(),
+        };
+        let p = PodCredentials::new(&source, &pod, settings).unwrap();
+        let e = p.provide_credentials().await.unwrap_err();
+        assert!(matches!(e, CredentialsError::ProviderError(_)), "{e:?}");
+    }
+
     #[test]
     fn agent_answer() {
         let (ak, _, _, exp) = agent_credentials(

@@ -9,7 +9,7 @@
 use std::sync::Arc;
 
 use ferry_cache::{BlockCache, BlockKey, ObjectKey};
-use ferry_store::{list_pages, ListRequest, ObjectStore, StoreError, Version, MAX_LIST_KEYS};
+use ferry_store::{list_pages, ListRequest, ObjectStore, StoreError, Version};
 use futures::stream::{FuturesUnordered, StreamExt, TryStreamExt};
 
 use crate::prefetch::fetch_exact;
@@ -69,14 +69,7 @@ pub async fn warm_up(
     let mut next_log = LOG_EVERY;
     let mut inflight = FuturesUnordered::new();
     'prefixes: for prefix in &w.prefixes {
-        let req = ListRequest {
-            prefix,
-            delimiter: None,
-            continuation: None,
-            max_keys: Some(MAX_LIST_KEYS),
-            start_after: None,
-        };
-        let pages = list_pages(&*store, &w.bucket, req);
+        let pages = list_pages(&*store, &w.bucket, ListRequest::keys_under(prefix));
         futures::pin_mut!(pages);
         while let Some(page) = pages.try_next().await? {
             for obj in page.objects {

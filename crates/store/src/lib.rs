@@ -60,6 +60,19 @@ pub struct ListRequest<'a> {
     pub start_after: Option<&'a str>,
 }
 
+impl<'a> ListRequest<'a> {
+    /// Every key under `prefix` (no delimiter), in pages as large as S3 makes them.
+    pub fn keys_under(prefix: &'a str) -> Self {
+        ListRequest {
+            prefix,
+            delimiter: None,
+            continuation: None,
+            max_keys: Some(MAX_LIST_KEYS),
+            start_after: None,
+        }
+    }
+}
+
 /// The version of an object that reads are pinned to, so that one handle never mixes two.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Version<'a> {
@@ -302,15 +315,8 @@ pub async fn delete_prefix(store: &dyn ObjectStore, bucket: &str, prefix: &str) 
             "delete_prefix refuses an empty prefix (it would empty the bucket)".into(),
         ));
     }
-    let req = ListRequest {
-        prefix,
-        delimiter: None,
-        continuation: None,
-        max_keys: Some(MAX_LIST_KEYS),
-        start_after: None,
-    };
     let mut deleted = 0u64;
-    let pages = list_pages(store, bucket, req);
+    let pages = list_pages(store, bucket, ListRequest::keys_under(prefix));
     futures::pin_mut!(pages);
     while let Some(page) = pages.try_next().await? {
         let keys: Vec<String> = page
