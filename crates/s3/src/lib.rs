@@ -3,9 +3,9 @@
 //! - GETs (`get_range`) are signed and sent by `raw_get` on the SDK client's HTTP connector,
 //!   identity cache and clock, without the SDK's orchestrator, unless [`S3Options::raw_get`] is off
 //!   or the bucket needs another signing scheme; everything below holds for both paths.
-//! - Retries: one policy ([`retry`]), the SDK's *standard* mode's numbers: [`S3Options::max_attempts`]
+//! - Retries: one policy (`retry.rs`), the SDK's *standard* mode's numbers: [`S3Options::max_attempts`]
 //!   attempts in all, exponential backoff with full jitter. GETs (either path) and LISTs run their
-//!   attempts in [`retry`] with the SDK's retries off for them, and re-read a body that came back
+//!   attempts in `retry.rs` with the SDK's retries off for them, and re-read a body that came back
 //!   short or broke, or a LIST whose 2xx does not parse, as one more attempt of the same budget:
 //!   nothing nests. A single range read costs at most `max_attempts` requests and
 //!   `max_attempts × (attempt_timeout + body_timeout)` plus backoffs (defaults: 5 requests,
@@ -15,10 +15,10 @@
 //! - Checksums: requests carry checksums only where S3 requires them (DeleteObjects), and responses
 //!   are validated only where required, because many S3-compatible servers reject or mangle the
 //!   SDK's default trailing checksums. Integrity of reads rests on TLS plus the length checks here.
-//! - Errors: one table ([`error`]) maps S3 codes, HTTP statuses, transport and credentials failures
+//! - Errors: one table (`error.rs`) maps S3 codes, HTTP statuses, transport and credentials failures
 //!   of both paths onto [`StoreError`]; messages keep the code, the status and the request id.
 //! - Clock skew: the SDK corrects its signing time from responses' `Date`; the raw path makes the
-//!   same correction from the same responses ([`skew`]). [`S3Options::time_source`] sets the
+//!   same correction from the same responses (`skew.rs`). [`S3Options::time_source`] sets the
 //!   clock of both.
 //! - Per-attempt reports: [`S3Config::on_attempt`] is called once per HTTP attempt on both paths
 //!   ([`Attempt`]).
@@ -45,10 +45,10 @@ use bytes::Bytes;
 use secrecy::{ExposeSecret, SecretString};
 
 mod attempt;
-pub mod error;
+mod error;
 mod get;
 mod raw_get;
-pub mod retry;
+mod retry;
 mod skew;
 
 pub use attempt::{Attempt, OnAttempt};
@@ -108,7 +108,7 @@ pub enum S3Credentials {
 /// Retry and timeout tuning for an [`S3Store`]; [`Default`] suits production.
 #[derive(Debug, Clone)]
 pub struct S3Options {
-    /// Attempts per request in all ([`retry`]): a GET or LIST whose body breaks counts one attempt
+    /// Attempts per request in all (`retry.rs`): a GET or LIST whose body breaks counts one attempt
     /// like any other failure. Default 5.
     pub max_attempts: u32,
     /// First backoff of the standard retry mode (then doubling, with jitter). Default 1 s.
@@ -417,7 +417,7 @@ impl S3Store {
         })
     }
 
-    /// Per-request settings for a GET or LIST: no retries of the SDK's own ([`retry`] runs the
+    /// Per-request settings for a GET or LIST: no retries of the SDK's own (`retry.rs` runs the
     /// attempts).
     fn one_attempt() -> aws_sdk_s3::config::Builder {
         aws_sdk_s3::config::Builder::new().retry_config(RetryConfig::disabled())
@@ -537,7 +537,7 @@ impl S3Store {
     }
 
     /// A ranged GET pinned to `pin` (none: any version), on the raw path where it serves the
-    /// bucket, else through the SDK; every attempt (a broken body included) is one of [`retry`]'s.
+    /// bucket, else through the SDK; every attempt (a broken body included) is one of `retry.rs`'s.
     async fn get_pinned(
         &self,
         bucket: &str,

@@ -269,7 +269,8 @@ pub const MIN_PART_SIZE: u64 = 5 * 1024 * 1024;
 /// The highest part number of a multipart upload (part numbers start at 1).
 pub const MAX_PART_NUMBER: i32 = 10_000;
 
-/// One kind of store request: what [`memory::StoreStats`] counts and [`faulty::FaultyStore`] targets.
+/// One kind of store request: what `memory::StoreStats` counts and `faulty::FaultyStore` targets
+/// (with the `test-util` feature).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Op {
     HeadBucket,
@@ -333,7 +334,7 @@ pub async fn delete_prefix(store: &dyn ObjectStore, bucket: &str, prefix: &str) 
     Ok(deleted)
 }
 
-/// A shared store is a store: lets `Arc<dyn ObjectStore>` be wrapped (e.g. by [`FaultyStore`]).
+/// A shared store is a store: lets `Arc<dyn ObjectStore>` be wrapped (e.g. by `FaultyStore`).
 #[async_trait]
 impl<T: ObjectStore + ?Sized> ObjectStore for Arc<T> {
     async fn head_bucket(&self, bucket: &str) -> Result<()> {
