@@ -10,7 +10,8 @@ use std::time::Instant;
 
 use anyhow::Context;
 use bytes::Bytes;
-use ferry_store::{CompletedPart, ObjectStore, S3Store};
+use ferry_s3::S3Store;
+use ferry_store::{CompletedPart, ObjectStore};
 use futures::stream::{self, StreamExt, TryStreamExt};
 
 pub const BUCKET: &str = "bench";

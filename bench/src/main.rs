@@ -21,8 +21,10 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Parser;
-use ferry_store::{ListRequest, ObjectStore, S3Config, S3Options, S3Store};
+use ferry_s3::{S3Config, S3Options, S3Store};
+use ferry_store::{ListRequest, ObjectStore};
 use ferry_testkit::S3Server;
+use futures::TryStreamExt;
 
 use dataset::{Dataset, Needs, BUCKET, MIB};
 use mounters::{Kind, Mount, S3Target, Tools};
@@ -423,25 +425,17 @@ fn run(
 /// must at least.
 async fn list_all(store: &S3Store, prefix: &str) -> anyhow::Result<f64> {
     let t = Instant::now();
-    let mut continuation = None;
-    loop {
-        let page = store
-            .list(
-                BUCKET,
-                ListRequest {
-                    prefix,
-                    delimiter: Some("/"),
-                    continuation: continuation.take(),
-                    max_keys: Some(1000),
-                    start_after: None,
-                },
-            )
-            .await?;
-        match page.next_token {
-            Some(t) => continuation = Some(t),
-            None => return Ok(t.elapsed().as_secs_f64()),
-        }
-    }
+    let req = ListRequest {
+        prefix,
+        delimiter: Some("/"),
+        continuation: None,
+        max_keys: Some(1000),
+        start_after: None,
+    };
+    ferry_store::list_pages(store, BUCKET, req)
+        .try_for_each(|_| async { Ok(()) })
+        .await?;
+    Ok(t.elapsed().as_secs_f64())
 }
 
 /// Median and 90th percentile (ms) of `n` sequential HEADs of a small object.

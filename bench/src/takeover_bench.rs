@@ -33,7 +33,8 @@ use anyhow::{bail, Context};
 use clap::{Parser, Subcommand};
 use ferry_e2e::{bin_dir, mount_capability, Plugin};
 use ferry_proto::csi::v1 as pb;
-use ferry_store::{ObjectStore, S3Store};
+use ferry_s3::S3Store;
+use ferry_store::ObjectStore;
 use pb::volume_capability::access_mode::Mode;
 
 const BUCKET: &str = "takeover";

@@ -14,7 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use ferry_store::{ObjectStore, S3Store};
+use ferry_s3::S3Store;
+use ferry_store::ObjectStore;
 use futures::stream::{self, StreamExt, TryStreamExt};
 
 use crate::dataset::{check_sample, content, seed_of, Dataset, BUCKET, MIB};

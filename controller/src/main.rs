@@ -74,7 +74,7 @@ async fn main() -> anyhow::Result<()> {
             region: args.region.clone(),
             force_path_style: args.force_path_style,
         })
-        .with_options(ferry_store::S3Options {
+        .with_options(ferry_s3::S3Options {
             ca_bundle: args.ca_bundle.clone(),
             ..Default::default()
         })

@@ -32,9 +32,11 @@ use ferry_kube::apply::describe;
 use ferry_kube::client::query;
 use ferry_kube::{Client, Config, DryRun};
 use ferry_proto::csi::v1 as pb;
-use ferry_store::{ListRequest, ObjectStore, S3Store};
+use ferry_s3::S3Store;
+use ferry_store::{ListRequest, ObjectStore};
 use ferry_testkit::kube::{tool_path, KubeCluster, KubeClusterOptions};
 use ferry_volume::keys;
+use futures::TryStreamExt;
 use pb::volume_capability::access_mode::Mode;
 use serde_json::{json, Value};
 
@@ -849,27 +851,14 @@ async fn read_object(s3: &S3Store, key: &str) -> Result<Bytes> {
 
 /// How many objects there are under `prefix` (or at the key `prefix`).
 async fn count(s3: &S3Store, prefix: &str) -> Result<usize> {
-    let mut n = 0;
-    let mut continuation = None;
-    loop {
-        let page = s3
-            .list(
-                BUCKET,
-                ListRequest {
-                    prefix,
-                    delimiter: None,
-                    continuation: continuation.take(),
-                    max_keys: None,
-                    start_after: None,
-                },
-            )
-            .await?;
-        n += page.objects.len();
-        match page.next_token {
-            Some(t) => continuation = Some(t),
-            None => return Ok(n),
-        }
-    }
+    let req = ListRequest {
+        prefix,
+        ..ListRequest::default()
+    };
+    let n = ferry_store::list_pages(s3, BUCKET, req)
+        .try_fold(0, |n, page| async move { Ok(n + page.objects.len()) })
+        .await?;
+    Ok(n)
 }
 
 #[cfg(test)]

@@ -20,7 +20,8 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context, Result};
 use bytes::Bytes;
 use ferry_proto::csi::v1 as pb;
-use ferry_store::{ObjectStore, S3Store};
+use ferry_s3::S3Store;
+use ferry_store::ObjectStore;
 use pb::volume_capability::access_mode::Mode;
 
 use crate::{bin_dir, mount_capability, payload, Plugin};

@@ -14,9 +14,11 @@ use ferry_e2e::{mount_capability, ControllerClient, NodeClient};
 use ferry_node::mounts::MountTable;
 use ferry_node::{NodeConfig, NodeService};
 use ferry_proto::csi::v1 as pb;
-use ferry_store::{ListRequest, ObjectStore, S3Credentials, S3Store};
+use ferry_s3::{S3Credentials, S3Store};
+use ferry_store::{ListRequest, ObjectStore};
 use ferry_testkit::{FaultProxy, S3Server};
 use ferry_volume::{AllowedEndpoints, DeletePolicy, Endpoint, MetadataTtl, VolumeId};
+use futures::TryStreamExt;
 use pb::volume_capability::access_mode::Mode;
 use tonic::transport::Channel;
 use tonic::Code;
@@ -50,7 +52,7 @@ impl Env {
         };
         let creds = S3Credentials::Static {
             access_key_id: s3.access_key().to_string(),
-            secret_access_key: s3.secret_key().to_string(),
+            secret_access_key: s3.secret_key().into(),
             session_token: None,
         };
         let mut stores =
@@ -94,27 +96,17 @@ impl Env {
     }
 
     async fn keys(&self, bucket: &str, prefix: &str) -> Vec<String> {
-        let mut keys = Vec::new();
-        let mut token = None;
-        loop {
-            let page = self
-                .store
-                .list(
-                    bucket,
-                    ListRequest {
-                        prefix,
-                        continuation: token.take(),
-                        ..Default::default()
-                    },
-                )
-                .await
-                .unwrap();
-            keys.extend(page.objects.into_iter().map(|o| o.key));
-            match page.next_token {
-                Some(t) => token = Some(t),
-                None => return keys,
-            }
-        }
+        let req = ListRequest {
+            prefix,
+            ..Default::default()
+        };
+        ferry_store::list_pages(&self.store, bucket, req)
+            .try_fold(Vec::new(), |mut keys, page| async move {
+                keys.extend(page.objects.into_iter().map(|o| o.key));
+                Ok(keys)
+            })
+            .await
+            .unwrap()
     }
 
     async fn publish(

@@ -327,7 +327,7 @@ async fn pod_auth(a: &ServeArgs) -> anyhow::Result<Option<PodAuth>> {
         }
     };
     let http = match &a.ca_bundle {
-        Some(p) => Some(ferry_store::https_client_with_ca_bundle(p).map_err(anyhow::Error::msg)?),
+        Some(p) => Some(ferry_s3::https_client_with_ca_bundle(p).map_err(anyhow::Error::msg)?),
         None => None,
     };
     let mut provider = ferry_creds::ProviderSettings::load(http).await;
@@ -631,7 +631,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         .await
         .map_err(anyhow::Error::msg)?;
     let s3 = S3Stores::new(endpoint(&a.endpoint_url, &a.region, a.force_path_style)?)
-        .with_options(ferry_store::S3Options {
+        .with_options(ferry_s3::S3Options {
             ca_bundle: a.ca_bundle.clone(),
             ..Default::default()
         })

@@ -300,11 +300,16 @@ impl PodCredentials {
                         "the Pod Identity agent at {url} refused {id}: HTTP {status}: {}",
                         text.trim()
                     );
-                    return Err(if status.is_client_error() {
-                        CredsError::Denied(msg)
-                    } else {
-                        CredsError::Unavailable(msg)
-                    });
+                    // A 4xx is the agent's verdict on this pod and token, but 429 is throttling:
+                    // asking again later may work.
+                    return Err(
+                        if status.is_client_error() && status != http::StatusCode::TOO_MANY_REQUESTS
+                        {
+                            CredsError::Denied(msg)
+                        } else {
+                            CredsError::Unavailable(msg)
+                        },
+                    );
                 }
                 agent_credentials(&body).map_err(unavailable)
             }
@@ -396,10 +401,21 @@ impl ProvideCredentials for PodCredentials {
         Self: 'a,
     {
         provider::future::ProvideCredentials::new(async move {
-            self.credentials()
-                .await
-                .map_err(CredentialsError::provider_error)
+            self.credentials().await.map_err(to_credentials_error)
         })
+    }
+}
+
+/// A [`CredsError`] in the SDK's terms, which the S3 client's error table reads (ferry-s3's
+/// `error` module): a refusal or a malformed request is `InvalidConfiguration` — definitive, the
+/// application sees `EACCES` —, a provider that could not answer (unreachable, timing out,
+/// throttling, 5xx) is `ProviderError` — transient, `EIO`.
+fn to_credentials_error(e: CredsError) -> CredentialsError {
+    match e {
+        CredsError::Denied(_) | CredsError::Invalid(_) => {
+            CredentialsError::invalid_configuration(e)
+        }
+        CredsError::Unavailable(_) => CredentialsError::provider_error(e),
     }
 }
 
@@ -469,6 +485,56 @@ mod tests {
             refresh_point(now, now - Duration::from_secs(1), five_min),
             now - Duration::from_secs(1)
         );
+    }
+
+    /// The S3 client tells a refusal (EACCES) from an outage (EIO) by these variants.
+    #[test]
+    fn refusals_and_outages_reach_the_sdk_as_different_variants() {
+        for e in [
+            CredsError::Denied("STS: AccessDenied".into()),
+            CredsError::Invalid("no token".into()),
+        ] {
+            assert!(
+                matches!(
+                    to_credentials_error(e),
+                    CredentialsError::InvalidConfiguration(_)
+                ),
+                "a refusal is definitive"
+            );
+        }
+        let e = to_credentials_error(CredsError::Unavailable("STS: 503".into()));
+        assert!(matches!(e, CredentialsError::ProviderError(_)), "{e:?}");
+    }
+
+    /// A Pod Identity agent that cannot be reached gives an outage, not a refusal.
+    #[tokio::test]
+    async fn an_unreachable_pod_identity_agent_is_unavailable() {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/v1/credentials", listener.local_addr().unwrap());
+        drop(listener);
+        let source = CredentialSource::PodIdentity {
+            identity: Identity {
+                namespace: "ns".into(),
+                service_account: "sa".into(),
+                principal: crate::Principal::PodIdentityAgent {
+                    agent_url: url.clone(),
+                },
+            },
+            agent_url: url,
+            token: crate::ServiceAccountToken {
+                token: Secret::new("tok"),
+                expires: None,
+            },
+        };
+        let settings = ProviderSettings::load(None).await;
+        let pod = PodRef {
+            namespace: "ns".into(),
+            name: "p".into(),
+            service_account: "sa".into(),
+        };
+        let p = PodCredentials::new(&source, &pod, settings).unwrap();
+        let e = p.provide_credentials().await.unwrap_err();
+        assert!(matches!(e, CredentialsError::ProviderError(_)), "{e:?}");
     }
 
     #[test]

@@ -101,9 +101,10 @@ impl CsiError {
             }
             StoreError::InvalidRequest(_) => CsiError::InvalidArgument(msg),
             StoreError::PreconditionFailed(_) => CsiError::Aborted(msg),
-            StoreError::Throttled(_) | StoreError::Transient(_) | StoreError::Corrupt(_) => {
-                CsiError::Unavailable(msg)
-            }
+            StoreError::Throttled(_)
+            | StoreError::Transient(_)
+            | StoreError::Corrupt(_)
+            | StoreError::CredentialsUnavailable(_) => CsiError::Unavailable(msg),
             StoreError::Other(_) => CsiError::Internal(msg),
         }
     }

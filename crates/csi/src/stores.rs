@@ -11,7 +11,8 @@ use std::sync::Arc;
 
 use aws_credential_types::provider::SharedCredentialsProvider;
 use ferry_creds::{Identity, PodCredentials, StaticKeys};
-use ferry_store::{ObjectStore, S3Config, S3Credentials, S3Options, S3Store, StoreError};
+use ferry_s3::{S3Config, S3Credentials, S3Options, S3Store};
+use ferry_store::{ObjectStore, StoreError};
 use ferry_volume::{AllowedEndpoints, Endpoint, EndpointRefused};
 use tokio::sync::Mutex;
 
@@ -119,6 +120,7 @@ impl S3Stores {
             region: e.region,
             force_path_style: e.force_path_style,
             credentials: self.credentials.clone(),
+            on_attempt: None,
         }
     }
 
@@ -165,8 +167,8 @@ impl S3Stores {
             StoreCredentials::Static(k) => {
                 config.credentials = S3Credentials::Static {
                     access_key_id: k.access_key_id.clone(),
-                    secret_access_key: k.secret_access_key.expose().to_string(),
-                    session_token: k.session_token.as_ref().map(|t| t.expose().to_string()),
+                    secret_access_key: k.secret_access_key.expose().into(),
+                    session_token: k.session_token.as_ref().map(|t| t.expose().into()),
                 };
                 S3Store::with_options(config, self.options.clone()).await?
             }

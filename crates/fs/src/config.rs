@@ -4,7 +4,7 @@ use std::fmt;
 use std::str::FromStr;
 use std::time::Duration;
 
-use percent_encoding::{percent_decode_str, utf8_percent_encode, AsciiSet, NON_ALPHANUMERIC};
+use percent_encoding::{percent_decode_str, utf8_percent_encode, AsciiSet};
 use serde::{Deserialize, Serialize};
 
 use crate::names::KEY_MAX;
@@ -13,12 +13,7 @@ use crate::names::KEY_MAX;
 /// the common key characters). Everything else — `%` itself, `,` (the mount option separator),
 /// `=`, `\`, whitespace, control and non-ASCII characters — is percent-encoded, so any bucket and
 /// prefix give a source the kernel, `fusermount` and `/proc/mounts` carry unchanged.
-const FS_NAME_KEEP: &AsciiSet = &NON_ALPHANUMERIC
-    .remove(b'-')
-    .remove(b'.')
-    .remove(b'_')
-    .remove(b'~')
-    .remove(b'/');
+const FS_NAME_KEEP: &AsciiSet = ferry_store::PATH_KEEP;
 
 /// The longest `fs_name` accepted: the kernel copies a mount source of at most a page (4 KiB), and
 /// the longest encoded name (a 63-byte bucket, a 1023-byte prefix of 3-byte escapes) stays below

@@ -79,7 +79,11 @@ impl FsError {
                 StoreError::NotFound(_) => libc::ENOENT,
                 StoreError::NoSuchBucket(_) => libc::EIO,
                 StoreError::AccessDenied(_) => libc::EACCES,
+                // A refusal by the identity provider is a permission verdict; an identity provider
+                // that could not answer is not (EIO, as for any S3 outage: applications that
+                // retry on EIO recover, and none takes it for "you may not").
                 StoreError::Credentials(_) => libc::EACCES,
+                StoreError::CredentialsUnavailable(_) => libc::EIO,
                 StoreError::PreconditionFailed(_) => libc::ESTALE,
                 StoreError::InvalidRequest(_) => libc::EINVAL,
                 StoreError::Throttled(_) => libc::EIO,
@@ -105,6 +109,8 @@ mod tests {
             (StoreError::Transient("k".into()), libc::EIO),
             (StoreError::Corrupt("k".into()), libc::EIO),
             (StoreError::InvalidRequest("k".into()), libc::EINVAL),
+            (StoreError::Credentials("k".into()), libc::EACCES),
+            (StoreError::CredentialsUnavailable("k".into()), libc::EIO),
         ];
         for (e, errno) in cases {
             assert_eq!(FsError::from(e).errno(), errno);

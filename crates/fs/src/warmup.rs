@@ -9,8 +9,8 @@
 use std::sync::Arc;
 
 use ferry_cache::{BlockCache, BlockKey, ObjectKey};
-use ferry_store::{ListRequest, ObjectStore, StoreError, Version, MAX_LIST_KEYS};
-use futures::stream::{FuturesUnordered, StreamExt};
+use ferry_store::{list_pages, ListRequest, ObjectStore, StoreError, Version};
+use futures::stream::{FuturesUnordered, StreamExt, TryStreamExt};
 
 use crate::prefetch::fetch_exact;
 
@@ -69,20 +69,9 @@ pub async fn warm_up(
     let mut next_log = LOG_EVERY;
     let mut inflight = FuturesUnordered::new();
     'prefixes: for prefix in &w.prefixes {
-        let mut continuation = None;
-        loop {
-            let page = store
-                .list(
-                    &w.bucket,
-                    ListRequest {
-                        prefix,
-                        delimiter: None,
-                        continuation: continuation.take(),
-                        max_keys: Some(MAX_LIST_KEYS),
-                        start_after: None,
-                    },
-                )
-                .await?;
+        let pages = list_pages(&*store, &w.bucket, ListRequest::keys_under(prefix));
+        futures::pin_mut!(pages);
+        while let Some(page) = pages.try_next().await? {
             for obj in page.objects {
                 let Some(etag) = obj.etag.clone() else {
                     continue;
@@ -140,10 +129,6 @@ pub async fn warm_up(
                         Ok::<u64, StoreError>(data.len() as u64)
                     });
                 }
-            }
-            match page.next_token {
-                Some(t) => continuation = Some(t),
-                None => break,
             }
         }
     }

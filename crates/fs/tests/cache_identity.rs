@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use ferry_cache::{BlockCache, CacheConfig};
 use ferry_fs::{mount, MetadataTtl, MountConfig, MountContext, MountHandle};
-use ferry_store::{ObjectStore, S3Store, StoreError};
+use ferry_s3::S3Store;
+use ferry_store::{ObjectStore, StoreError};
 use ferry_testkit::S3Server;
 
 const BUCKET: &str = "data";

@@ -16,7 +16,8 @@ use std::time::Duration;
 
 use common::{errno, within, Env, BUCKET};
 use ferry_fs::{mount, MetadataTtl, MountConfig, MountContext};
-use ferry_store::{FaultyStore, MemoryStore, ObjectStore, Op, S3Options, S3Store, StoreError};
+use ferry_s3::{S3Options, S3Store};
+use ferry_store::{FaultyStore, MemoryStore, ObjectStore, Op, StoreError};
 use ferry_testkit::{Fault, FaultPlan, FaultProxy};
 
 /// Generous: the slowest failing call below takes attempts × attempt timeout + backoffs ≈ 10 s.
@@ -39,9 +40,9 @@ fn flaky_options(max_attempts: u32) -> S3Options {
         read_timeout: Duration::from_secs(2),
         attempt_timeout: Duration::from_secs(2),
         body_timeout: Duration::from_secs(5),
-        body_attempts: 3,
         ca_bundle: None,
         raw_get: true,
+        time_source: None,
     }
 }
 

@@ -15,7 +15,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use common::errno;
 use ferry_fs::{MemoryBudget, MetadataTtl};
-use ferry_store::{delete_prefix, ListRequest, ObjectStore, S3Config, S3Credentials, S3Store};
+use ferry_s3::{S3Config, S3Credentials, S3Store};
+use ferry_store::{delete_prefix, ListRequest, ObjectStore};
 use ferry_testkit::{MotoServer, S3Server};
 
 const BUCKET: &str = "hostile";
@@ -41,6 +42,7 @@ fn hostile_keys_never_take_a_directory_down() {
             secret_access_key: "testing".into(),
             session_token: None,
         },
+        on_attempt: None,
     };
     let store = Arc::new(
         rt.block_on(S3Store::with_options(cfg, S3Server::test_options()))

@@ -33,7 +33,8 @@ use std::time::Duration;
 
 use common::{Env, Mount};
 use ferry_fs::MetadataTtl;
-use ferry_store::{ObjectStore, S3Options, S3Store};
+use ferry_s3::{S3Options, S3Store};
+use ferry_store::ObjectStore;
 use ferry_testkit::{Fault, FaultPlan, FaultProxy};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};

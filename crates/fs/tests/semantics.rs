@@ -25,7 +25,8 @@ use std::time::{Duration, SystemTime};
 
 use common::{errno, Env, Mount, BUCKET};
 use ferry_fs::{MetadataTtl, MountConfig};
-use ferry_store::{FaultyStore, MemoryStore, ObjectStore, Op, S3Store, StoreError};
+use ferry_s3::S3Store;
+use ferry_store::{FaultyStore, MemoryStore, ObjectStore, Op, StoreError};
 use ferry_testkit::{Fault, FaultPlan, FaultProxy};
 
 const DOC: &str = include_str!("../../../doc/SEMANTICS.md");
@@ -93,6 +94,7 @@ const CLAIMS: &[(&str, &str, How)] = &[
     ("Operations", "Read-only mount", Here(read_only_mount)),
     ("Store errors → errno", "NotFound", Here(err_not_found)),
     ("Store errors → errno", "AccessDenied, Credentials", Here(err_access)),
+    ("Store errors → errno", "CredentialsUnavailable", Here(err_credentials_unavailable)),
     ("Store errors → errno", "PreconditionFailed (ETag changed)", Here(err_precondition)),
     ("Store errors → errno", "InvalidRequest", Here(err_invalid)),
     ("Store errors → errno", "Throttled, Transient, Corrupt, NoSuchBucket, Other", Here(err_eio)),
@@ -329,11 +331,11 @@ impl Ctx {
         let proxy = FaultProxy::start(([127, 0, 0, 1], env.server.port()).into()).unwrap();
         let mut cfg = env.server.s3_config();
         cfg.endpoint_url = Some(proxy.url());
-        let opts = ferry_store::S3Options {
+        let opts = ferry_s3::S3Options {
             max_attempts: 2,
             initial_backoff: Duration::from_millis(5),
             max_backoff: Duration::from_millis(20),
-            ..ferry_store::S3Options::default()
+            ..ferry_s3::S3Options::default()
         };
         let s3 = Arc::new(env.rt.block_on(S3Store::with_options(cfg, opts)).unwrap());
         Ctx { env, proxy, s3 }
@@ -1511,6 +1513,13 @@ fn err_access(c: &Ctx) {
             "{e:?} lookup"
         );
     }
+}
+
+/// An identity provider that could not answer is not a refusal: `EIO`, on reads and lookups.
+fn err_credentials_unavailable(c: &Ctx) {
+    let e = StoreError::CredentialsUnavailable("STS unreachable".into());
+    assert_eq!(store_error(c, Op::Get, e.clone()), libc::EIO, "read");
+    assert_eq!(store_error(c, Op::List, e), libc::EIO, "lookup");
 }
 
 fn err_precondition(c: &Ctx) {

@@ -39,6 +39,7 @@ fn outcome<T>(r: &Result<T>) -> &'static str {
             StoreError::Transient(_) => "transient",
             StoreError::Corrupt(_) => "corrupt",
             StoreError::Credentials(_) => "credentials",
+            StoreError::CredentialsUnavailable(_) => "credentials_unavailable",
             StoreError::Other(_) => "other",
         },
     }

@@ -1,8 +1,9 @@
-//! The object-store seam every other Ferry crate talks to.
+//! The object-store seam every other Ferry crate talks to, free of any S3 SDK.
 //!
-//! [`ObjectStore`] is the only way Ferry reaches S3. [`s3::S3Store`] implements it with aws-sdk-s3 (the
-//! only module that names the SDK), [`memory::MemoryStore`] keeps a bucket in memory for unit tests,
-//! and [`faulty::FaultyStore`] wraps any store to inject failures.
+//! [`ObjectStore`] is the only way Ferry reaches S3. `ferry_s3::S3Store` (crate `ferry-s3`)
+//! implements it with aws-sdk-s3, the only crate that names the SDK. With the `test-util` feature,
+//! `memory::MemoryStore` keeps buckets in memory for tests and `faulty::FaultyStore` wraps any
+//! store to inject failures; the binaries users run are built without them.
 
 use std::fmt::Debug;
 use std::ops::Range;
@@ -11,17 +12,19 @@ use std::time::SystemTime;
 
 use async_trait::async_trait;
 use bytes::Bytes;
+use futures::TryStreamExt;
 
+#[cfg(any(test, feature = "test-util"))]
 pub mod faulty;
 pub mod listing;
-mod md5;
+#[cfg(any(test, feature = "test-util"))]
 pub mod memory;
-pub mod s3;
 
+#[cfg(any(test, feature = "test-util"))]
 pub use faulty::{FaultStats, FaultyStore};
-pub use listing::{list_all, ListAll, Listed};
+pub use listing::{list_all, list_pages, ListAll, Listed};
+#[cfg(any(test, feature = "test-util"))]
 pub use memory::{MemoryStore, StoreStats};
-pub use s3::{https_client_with_ca_bundle, S3Config, S3Credentials, S3Options, S3Store};
 
 /// One object as a LIST or HEAD response describes it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -55,6 +58,19 @@ pub struct ListRequest<'a> {
     pub max_keys: Option<u32>,
     /// List keys strictly after this one (ListObjectsV2 `StartAfter`).
     pub start_after: Option<&'a str>,
+}
+
+impl<'a> ListRequest<'a> {
+    /// Every key under `prefix` (no delimiter), in pages as large as S3 makes them.
+    pub fn keys_under(prefix: &'a str) -> Self {
+        ListRequest {
+            prefix,
+            delimiter: None,
+            continuation: None,
+            max_keys: Some(MAX_LIST_KEYS),
+            start_after: None,
+        }
+    }
 }
 
 /// The version of an object that reads are pinned to, so that one handle never mixes two.
@@ -136,8 +152,15 @@ pub enum StoreError {
     Transient(String),
     #[error("response body did not match: {0}")]
     Corrupt(String),
+    /// Definitive: the identity provider refused (AccessDenied, an invalid or expired token, a pod
+    /// not associated with a role) or no credentials are configured. Retrying will not help.
     #[error("credentials: {0}")]
     Credentials(String),
+    /// Transient: no credentials could be had for now (the identity provider — STS, the EKS Pod
+    /// Identity agent, IMDS — unreachable, timing out, throttling or failing). Nothing was sent
+    /// to S3; a later request may work.
+    #[error("credentials unavailable: {0}")]
+    CredentialsUnavailable(String),
     #[error("{0}")]
     Other(String),
 }
@@ -223,6 +246,17 @@ pub trait ObjectStore: Send + Sync + Debug + 'static {
     async fn delete_many(&self, bucket: &str, keys: &[String]) -> Result<()>;
 }
 
+/// What stays unescaped when a key goes into a URL path: RFC 3986's unreserved characters
+/// (letters, digits, `-._~`) and `/`; everything else is percent-encoded with
+/// `percent_encoding::utf8_percent_encode`. S3 request paths (`ferry_s3`'s GETs) and Ferry's mount
+/// source (`ferry_fs::fs_name`) use it.
+pub const PATH_KEEP: &percent_encoding::AsciiSet = &percent_encoding::NON_ALPHANUMERIC
+    .remove(b'-')
+    .remove(b'.')
+    .remove(b'_')
+    .remove(b'~')
+    .remove(b'/');
+
 /// The most keys one DeleteObjects request (and so [`ObjectStore::delete_many`]) may carry.
 pub const MAX_DELETE_BATCH: usize = 1000;
 
@@ -235,7 +269,8 @@ pub const MIN_PART_SIZE: u64 = 5 * 1024 * 1024;
 /// The highest part number of a multipart upload (part numbers start at 1).
 pub const MAX_PART_NUMBER: i32 = 10_000;
 
-/// One kind of store request: what [`memory::StoreStats`] counts and [`faulty::FaultyStore`] targets.
+/// One kind of store request: what `memory::StoreStats` counts and `faulty::FaultyStore` targets
+/// (with the `test-util` feature).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Op {
     HeadBucket,
@@ -282,20 +317,9 @@ pub async fn delete_prefix(store: &dyn ObjectStore, bucket: &str, prefix: &str) 
         ));
     }
     let mut deleted = 0u64;
-    let mut continuation = None;
-    loop {
-        let page = store
-            .list(
-                bucket,
-                ListRequest {
-                    prefix,
-                    delimiter: None,
-                    continuation: continuation.take(),
-                    max_keys: Some(MAX_LIST_KEYS),
-                    start_after: None,
-                },
-            )
-            .await?;
+    let pages = list_pages(store, bucket, ListRequest::keys_under(prefix));
+    futures::pin_mut!(pages);
+    while let Some(page) = pages.try_next().await? {
         let keys: Vec<String> = page
             .objects
             .into_iter()
@@ -306,14 +330,11 @@ pub async fn delete_prefix(store: &dyn ObjectStore, bucket: &str, prefix: &str) 
             store.delete_many(bucket, batch).await?;
             deleted += batch.len() as u64;
         }
-        match page.next_token {
-            Some(token) => continuation = Some(token),
-            None => return Ok(deleted),
-        }
     }
+    Ok(deleted)
 }
 
-/// A shared store is a store: lets `Arc<dyn ObjectStore>` be wrapped (e.g. by [`FaultyStore`]).
+/// A shared store is a store: lets `Arc<dyn ObjectStore>` be wrapped (e.g. by `FaultyStore`).
 #[async_trait]
 impl<T: ObjectStore + ?Sized> ObjectStore for Arc<T> {
     async fn head_bucket(&self, bucket: &str) -> Result<()> {

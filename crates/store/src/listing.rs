@@ -1,4 +1,5 @@
-//! Listing a whole prefix with many LIST requests in flight.
+//! Listing: [`list_pages`], the one paginated LIST loop (every caller that pages through a listing
+//! uses it), and [`list_all`], a whole prefix with many LIST requests in flight.
 //!
 //! ListObjectsV2 pages are sequential: each page's continuation token comes with the page before,
 //! so one listing of N pages costs N round trips (Mountpoint users report 45 minutes for ~100,000
@@ -23,10 +24,56 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
+use std::future::Future;
+
 use futures::future::{try_join, try_join_all, BoxFuture, FutureExt};
+use futures::{Stream, TryStreamExt};
 use tokio::sync::Semaphore;
 
-use crate::{ListRequest, ObjectInfo, ObjectStore, Result};
+use crate::{ListPage, ListRequest, ObjectInfo, ObjectStore, Result};
+
+/// The pages of one sequential listing, in the server's order: `req` first, then each next page
+/// with the continuation token of the page before, until a page has none. The first error ends
+/// the stream. (`start_after` applies to the first request only; S3 ignores it beside a token.)
+pub fn list_pages<'a>(
+    store: &'a dyn ObjectStore,
+    bucket: &'a str,
+    req: ListRequest<'a>,
+) -> impl Stream<Item = Result<ListPage>> + Send + 'a {
+    pages(req, move |req| store.list(bucket, req))
+}
+
+/// What a page says about the next one.
+trait Paged {
+    fn next_token(&self) -> Option<&str>;
+}
+
+impl Paged for ListPage {
+    fn next_token(&self) -> Option<&str> {
+        self.next_token.as_deref()
+    }
+}
+
+/// The paging loop behind [`list_pages`], for any `fetch` of one page.
+fn pages<'a, P, F, Fut>(first: ListRequest<'a>, fetch: F) -> impl Stream<Item = Result<P>> + 'a
+where
+    P: Paged + 'a,
+    F: Fn(ListRequest<'a>) -> Fut + 'a,
+    Fut: Future<Output = Result<P>> + 'a,
+{
+    futures::stream::try_unfold((Some(first), fetch), |(req, fetch)| async move {
+        let Some(req) = req else {
+            return Ok(None);
+        };
+        let page = fetch(req.clone()).await?;
+        let next = page.next_token().map(|token| ListRequest {
+            continuation: Some(token.to_owned()),
+            start_after: None,
+            ..req
+        });
+        Ok(Some((page, (next, fetch))))
+    })
+}
 
 /// How [`list_all`] lists.
 #[derive(Debug, Clone, Copy)]
@@ -98,25 +145,23 @@ pub async fn list_all(store: &dyn ObjectStore, bucket: &str, opts: ListAll<'_>) 
 impl Lister<'_> {
     /// Every page, one after the other, as the server orders them.
     async fn sequential(&self) -> Result<Listed> {
-        let mut listed = Listed::default();
-        let mut token = None;
-        loop {
-            self.requests.fetch_add(1, Ordering::Relaxed);
-            let req = ListRequest {
-                prefix: self.opts.prefix,
-                delimiter: self.opts.delimiter,
-                continuation: token.take(),
-                max_keys: self.opts.page_size,
-                start_after: None,
-            };
-            let page = self.store.list(self.bucket, req).await?;
-            listed.objects.extend(page.objects);
-            listed.common_prefixes.extend(page.common_prefixes);
-            match page.next_token {
-                Some(t) => token = Some(t),
-                None => break,
-            }
-        }
+        let req = ListRequest {
+            prefix: self.opts.prefix,
+            delimiter: self.opts.delimiter,
+            continuation: None,
+            max_keys: self.opts.page_size,
+            start_after: None,
+        };
+        let mut listed = list_pages(self.store, self.bucket, req)
+            .inspect_ok(|_| {
+                self.requests.fetch_add(1, Ordering::Relaxed);
+            })
+            .try_fold(Listed::default(), |mut listed, page| async move {
+                listed.objects.extend(page.objects);
+                listed.common_prefixes.extend(page.common_prefixes);
+                Ok(listed)
+            })
+            .await?;
         listed.requests = self.requests.load(Ordering::Relaxed);
         Ok(listed)
     }
@@ -142,6 +187,12 @@ struct Page {
     next_token: Option<String>,
 }
 
+impl Paged for Page {
+    fn next_token(&self) -> Option<&str> {
+        self.next_token.as_deref()
+    }
+}
+
 impl Page {
     fn last(&self) -> Option<&str> {
         self.entries.last().map(Entry::name)
@@ -165,7 +216,20 @@ struct Lister<'a> {
 }
 
 impl<'a> Lister<'a> {
-    async fn page(&self, start_after: Option<&str>, continuation: Option<String>) -> Result<Page> {
+    /// The first page of the listing after `start_after`.
+    async fn page(&self, start_after: Option<&str>) -> Result<Page> {
+        self.fetch(ListRequest {
+            prefix: self.opts.prefix,
+            delimiter: self.opts.delimiter,
+            start_after,
+            continuation: None,
+            max_keys: self.opts.page_size,
+        })
+        .await
+    }
+
+    /// One LIST request (within the limit of requests in flight), its entries sorted.
+    async fn fetch(&self, req: ListRequest<'_>) -> Result<Page> {
         let page = {
             let _permit = self
                 .permits
@@ -173,17 +237,6 @@ impl<'a> Lister<'a> {
                 .await
                 .expect("the semaphore is never closed");
             self.requests.fetch_add(1, Ordering::Relaxed);
-            let req = ListRequest {
-                prefix: self.opts.prefix,
-                delimiter: self.opts.delimiter,
-                start_after: if continuation.is_none() {
-                    start_after
-                } else {
-                    None
-                },
-                continuation,
-                max_keys: self.opts.page_size,
-            };
             self.store.list(self.bucket, req).await?
         };
         if !page.objects.is_sorted_by(|a, b| a.key < b.key)
@@ -213,7 +266,7 @@ impl<'a> Lister<'a> {
         wave: usize,
     ) -> BoxFuture<'a, Result<Vec<Entry>>> {
         async move {
-            let first = self.page(start.as_deref(), None).await?;
+            let first = self.page(start.as_deref()).await?;
             let mut out = Vec::new();
             let done = first.ends(end.as_deref());
             let last = first.last().map(str::to_owned);
@@ -252,17 +305,28 @@ impl<'a> Lister<'a> {
     /// last page ended at `last`) and keeps what sorts in `(start, end]`.
     async fn rest(
         &self,
-        mut token: Option<String>,
+        token: Option<String>,
         mut last: Option<String>,
         start: Option<String>,
         end: Option<String>,
     ) -> Result<Vec<Entry>> {
         let mut out = Vec::new();
-        while let Some(t) = token.take() {
-            if self.unordered.load(Ordering::Relaxed) {
+        let Some(token) = token else {
+            return Ok(out);
+        };
+        let req = ListRequest {
+            prefix: self.opts.prefix,
+            delimiter: self.opts.delimiter,
+            start_after: None,
+            continuation: Some(token),
+            max_keys: self.opts.page_size,
+        };
+        let pages = pages(req, |req| self.fetch(req));
+        futures::pin_mut!(pages);
+        while !self.unordered.load(Ordering::Relaxed) {
+            let Some(page) = pages.try_next().await? else {
                 break;
-            }
-            let page = self.page(None, Some(t)).await?;
+            };
             let first = page.entries.first().map(Entry::name);
             if first.is_some_and(|f| last.as_deref().is_some_and(|l| f <= l)) {
                 self.unordered.store(true, Ordering::Relaxed);
@@ -272,7 +336,6 @@ impl<'a> Lister<'a> {
                 last = Some(l.to_owned());
             }
             let done = page.ends(end.as_deref());
-            token = page.next_token.clone();
             keep(&mut out, page.entries, start.as_deref(), end.as_deref());
             if done {
                 break;

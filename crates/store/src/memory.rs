@@ -1,6 +1,6 @@
 //! [`MemoryStore`]: an in-memory, multi-bucket [`ObjectStore`] that follows S3's semantics, for tests.
 //!
-//! What it reproduces from S3 (and what [`crate::s3::S3Store`] sees from a real server):
+//! What it reproduces from S3 (and what `ferry_s3::S3Store` sees from a real server):
 //! - ListObjectsV2: `prefix`, any `delimiter` (common prefixes include it), byte-wise lexicographic
 //!   order, `max_keys` (clipped to 1000; a common prefix counts as one entry), opaque continuation
 //!   tokens, `start_after` (ignored when a continuation token is given, as S3 does).
@@ -28,7 +28,7 @@ use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 
 use crate::{
-    md5, CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, Op, PutResult, Result,
+    CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, Op, PutResult, Result,
     StoreError, MAX_DELETE_BATCH, MAX_LIST_KEYS, MAX_PART_NUMBER, MIN_PART_SIZE,
 };
 
@@ -280,7 +280,7 @@ impl MemoryStore {
 
 impl Object {
     fn new(data: Bytes, last_modified: SystemTime) -> Self {
-        let etag = format!("\"{}\"", md5::hex(&md5::digest(&data)));
+        let etag = format!("\"{}\"", hex(&md5_digest(&data)));
         Object {
             data,
             etag,
@@ -296,6 +296,23 @@ impl Object {
             last_modified: Some(self.last_modified),
         }
     }
+}
+
+/// MD5 of `data`, as S3's ETags use it (RustCrypto's md-5).
+fn md5_digest(data: &[u8]) -> [u8; 16] {
+    use md5::Digest;
+    md5::Md5::digest(data).into()
+}
+
+/// Lower-case hex of `bytes`.
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            let _ = write!(s, "{b:02x}");
+            s
+        })
 }
 
 fn now() -> SystemTime {
@@ -336,7 +353,7 @@ fn encode_token(resume: &Resume) -> String {
         Resume::AfterKey(k) => ('k', k),
         Resume::AfterPrefix(p) => ('p', p),
     };
-    format!("mem1{tag}{}", md5::hex(s.as_bytes()))
+    format!("mem1{tag}{}", hex(s.as_bytes()))
 }
 
 fn decode_token(token: &str) -> Result<Resume> {
@@ -518,7 +535,7 @@ impl ObjectStore for MemoryStore {
             }
             let upload = find_upload(b, key, upload_id)?;
             stats.put_bytes += body.len() as u64;
-            let etag = format!("\"{}\"", md5::hex(&md5::digest(&body)));
+            let etag = format!("\"{}\"", hex(&md5_digest(&body)));
             upload.parts.insert(part_number, (body, etag.clone()));
             Ok(CompletedPart { part_number, etag })
         })
@@ -569,11 +586,11 @@ impl ObjectStore for MemoryStore {
             let mut digests = Vec::with_capacity(chosen.len() * 16);
             for (data, _) in &chosen {
                 body.extend_from_slice(data);
-                digests.extend_from_slice(&md5::digest(data));
+                digests.extend_from_slice(&md5_digest(data));
             }
             let etag = format!(
                 "\"{}-{}\"",
-                md5::hex(&md5::digest(&digests)),
+                hex(&md5_digest(&digests)),
                 chosen.len()
             );
             b.uploads.remove(upload_id);
@@ -633,6 +650,7 @@ fn find_upload<'a>(b: &'a mut Bucket, key: &str, upload_id: &str) -> Result<&'a 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use futures::TryStreamExt;
 
     const B: &str = "bucket";
 
@@ -660,30 +678,24 @@ mod tests {
         delimiter: Option<&str>,
         max_keys: Option<u32>,
     ) -> (Vec<String>, Vec<String>, usize) {
-        let (mut ks, mut cps, mut pages) = (vec![], vec![], 0);
-        let mut continuation = None;
-        loop {
-            let page = s
-                .list(
-                    B,
-                    ListRequest {
-                        prefix,
-                        delimiter,
-                        continuation: continuation.take(),
-                        max_keys,
-                        start_after: None,
-                    },
-                )
-                .await
-                .unwrap();
-            pages += 1;
-            ks.extend(page.objects.into_iter().map(|o| o.key));
-            cps.extend(page.common_prefixes);
-            match page.next_token {
-                Some(t) => continuation = Some(t),
-                None => return (ks, cps, pages),
-            }
-        }
+        let req = ListRequest {
+            prefix,
+            delimiter,
+            continuation: None,
+            max_keys,
+            start_after: None,
+        };
+        crate::list_pages(s, B, req)
+            .try_fold(
+                (vec![], vec![], 0),
+                |(mut ks, mut cps, pages), page| async move {
+                    ks.extend(page.objects.into_iter().map(|o| o.key));
+                    cps.extend(page.common_prefixes);
+                    Ok((ks, cps, pages + 1))
+                },
+            )
+            .await
+            .unwrap()
     }
 
     #[tokio::test]
@@ -1164,9 +1176,9 @@ mod tests {
         // S3: md5 of the concatenated binary part digests, then "-<count>".
         let mut digests = Vec::new();
         for p in ["aaaa", "bbbb", "cc"] {
-            digests.extend_from_slice(&md5::digest(p.as_bytes()));
+            digests.extend_from_slice(&md5_digest(p.as_bytes()));
         }
-        let want = format!("\"{}-3\"", md5::hex(&md5::digest(&digests)));
+        let want = format!("\"{}-3\"", hex(&md5_digest(&digests)));
         assert_eq!(done.etag.as_deref(), Some(want.as_str()));
         assert_eq!(s.head(B, "big").await.unwrap().etag, done.etag);
         // The upload is gone after completing.

@@ -5,7 +5,7 @@
 //! or no answer at all.
 //!
 //! Faults happen on the wire, below the client's retry and body checks, so a test sees exactly what
-//! the whole stack (SDK retries, [`ferry_store::S3Store`]'s body checks, the filesystem) makes of
+//! the whole stack (SDK retries, [`ferry_s3::S3Store`]'s body checks, the filesystem) makes of
 //! them. Plain threads; every client connection carries one request (the proxy asks the upstream
 //! for `Connection: close` and closes the client side after the response), which costs a connect
 //! per request on loopback and keeps the forwarding free of HTTP framing for request bodies.

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 pub mod kube;
 
-use ferry_store::{S3Config, S3Credentials, S3Options, S3Store};
+use ferry_s3::{S3Config, S3Credentials, S3Options, S3Store};
 
 mod moto;
 pub use moto::{moto_python, MotoServer, MotoSetup, PodIdentityAgent, MOTO_INSTALL_HINT};
@@ -340,6 +340,7 @@ impl S3Server {
                 secret_access_key: SECRET_KEY.into(),
                 session_token: None,
             },
+            on_attempt: None,
         }
     }
 

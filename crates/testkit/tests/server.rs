@@ -38,12 +38,12 @@ async fn wrong_credentials_are_refused() {
     let server = S3Server::start();
     server.create_bucket("kit").await;
     let mut cfg = server.s3_config();
-    cfg.credentials = ferry_store::S3Credentials::Static {
+    cfg.credentials = ferry_s3::S3Credentials::Static {
         access_key_id: server.access_key().into(),
         secret_access_key: "not-the-secret".into(),
         session_token: None,
     };
-    let store = ferry_store::S3Store::with_options(cfg, S3Server::test_options())
+    let store = ferry_s3::S3Store::with_options(cfg, S3Server::test_options())
         .await
         .unwrap();
     let e = store.head("kit", "x").await.unwrap_err();

@@ -12,7 +12,8 @@ use bytes::Bytes;
 use clap::{Parser, Subcommand};
 use ferry_e2e::{bin_dir, mount_capability, payload, Plugin};
 use ferry_proto::csi::v1 as pb;
-use ferry_store::{ListRequest, ObjectStore, S3Store};
+use ferry_s3::S3Store;
+use ferry_store::{ListRequest, ObjectStore};
 use pb::volume_capability::access_mode::Mode;
 
 #[derive(Parser)]

@@ -11,8 +11,10 @@ use std::sync::{mpsc, Arc};
 use std::time::Duration;
 
 use ferry_fs::{mount, MemoryBudget, MountConfig, MountContext, MountHandle, PrefetchConfig};
-use ferry_store::{ListRequest, ObjectStore, S3Store};
+use ferry_s3::S3Store;
+use ferry_store::{ListRequest, ObjectStore};
 use ferry_testkit::S3Server;
+use futures::TryStreamExt;
 
 pub const BUCKET: &str = "ferry-test";
 
@@ -70,31 +72,21 @@ impl Env {
     /// Every key under `prefix`, relative to it, sorted.
     pub fn keys(&self, prefix: &str) -> Vec<String> {
         self.rt.block_on(async {
-            let mut keys = Vec::new();
-            let mut continuation = None;
-            loop {
-                let page = self
-                    .store
-                    .list(
-                        BUCKET,
-                        ListRequest {
-                            prefix,
-                            continuation: continuation.take(),
-                            ..ListRequest::default()
-                        },
-                    )
-                    .await
-                    .expect("listing the bucket");
-                keys.extend(
-                    page.objects
-                        .into_iter()
-                        .map(|o| o.key[prefix.len()..].to_owned()),
-                );
-                match page.next_token {
-                    Some(t) => continuation = Some(t),
-                    None => break,
-                }
-            }
+            let req = ListRequest {
+                prefix,
+                ..ListRequest::default()
+            };
+            let mut keys = ferry_store::list_pages(&*self.store, BUCKET, req)
+                .try_fold(Vec::new(), |mut keys, page| async move {
+                    keys.extend(
+                        page.objects
+                            .into_iter()
+                            .map(|o| o.key[prefix.len()..].to_owned()),
+                    );
+                    Ok(keys)
+                })
+                .await
+                .expect("listing the bucket");
             keys.sort();
             keys
         })

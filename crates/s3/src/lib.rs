@@ -1,35 +1,27 @@
-//! [`S3Store`]: the [`ObjectStore`] over aws-sdk-s3 — with its submodule `raw_get`, the only module
-//! of Ferry that names SDK types.
+//! [`S3Store`]: the [`ObjectStore`] over aws-sdk-s3 — the only crate of Ferry that names SDK types.
 //!
-//! - GETs (`get_range`) are signed and sent by `raw_get` on the SDK's HTTP connector, without the
-//!   SDK's orchestrator, unless [`S3Options::raw_get`] is off or the bucket needs another signing
-//!   scheme; everything below holds for both paths.
-//! - Retries: the SDK's *standard* mode (exponential backoff with full jitter, a retry quota; the
-//!   raw GET path has no retry quota), [`S3Options::max_attempts`] attempts in all. Those cover
-//!   throttling, 5xx, timeouts and connection failures. On top of that, `get_range` re-reads a body that came back short or broke
-//!   mid-stream, and `list` asks again when a 2xx response does not parse (the SDK does not retry
-//!   that), up to [`S3Options::body_attempts`] times.
+//! - GETs (`get_range`) are signed and sent by `raw_get` on the SDK client's HTTP connector,
+//!   identity cache and clock, without the SDK's orchestrator, unless [`S3Options::raw_get`] is off
+//!   or the bucket needs another signing scheme; everything below holds for both paths.
+//! - Retries: one policy (`retry.rs`), the SDK's *standard* mode's numbers: [`S3Options::max_attempts`]
+//!   attempts in all, exponential backoff with full jitter. GETs (either path) and LISTs run their
+//!   attempts in `retry.rs` with the SDK's retries off for them, and re-read a body that came back
+//!   short or broke, or a LIST whose 2xx does not parse, as one more attempt of the same budget:
+//!   nothing nests. A single range read costs at most `max_attempts` requests and
+//!   `max_attempts × (attempt_timeout + body_timeout)` plus backoffs (defaults: 5 requests,
+//!   ≈ 12 min 45 s). Every other operation is retried by the SDK with the same numbers.
 //! - Timeouts on every request: connect, read (time to the response head) and per attempt; large
 //!   uploads get a longer attempt timeout in proportion to their size.
 //! - Checksums: requests carry checksums only where S3 requires them (DeleteObjects), and responses
 //!   are validated only where required, because many S3-compatible servers reject or mangle the
 //!   SDK's default trailing checksums. Integrity of reads rests on TLS plus the length checks here.
-//! - Errors map onto [`StoreError`] by S3 error code first, HTTP status second:
-//!
-//! | code / status | [`StoreError`] |
-//! |---|---|
-//! | `NoSuchBucket`; a bare 404 to HeadBucket | `NoSuchBucket` |
-//! | `NoSuchKey`, `NotFound`, `NoSuchUpload`, 404 | `NotFound` |
-//! | `AccessDenied`, `InvalidAccessKeyId`, `SignatureDoesNotMatch`, `ExpiredToken`, 401, 403 | `AccessDenied` |
-//! | `PreconditionFailed`, 412 | `PreconditionFailed` |
-//! | `InvalidRange`, 416, other 400 | `InvalidRequest` |
-//! | `SlowDown`, `Throttling*`, `RequestLimitExceeded`, `TooManyRequests`, 429, 503 | `Throttled` |
-//! | `RequestTimeout`, `InternalError`, other 5xx but 501; timeouts; connection failures; a 2xx whose body cannot be read | `Transient` |
-//! | the credentials provider failed (no request was sent) | `Credentials` |
-//! | body shorter or longer than its headers or the range say | `Corrupt` |
-//! | anything else (3xx, 405, 409, 501, ...) | `Other` |
-//!
-//! HEAD responses have no body, so a HeadObject on a missing bucket is a bare 404: `NotFound`.
+//! - Errors: one table (`error.rs`) maps S3 codes, HTTP statuses, transport and credentials failures
+//!   of both paths onto [`StoreError`]; messages keep the code, the status and the request id.
+//! - Clock skew: the SDK corrects its signing time from responses' `Date`; the raw path makes the
+//!   same correction from the same responses (`skew.rs`). [`S3Options::time_source`] sets the
+//!   clock of both.
+//! - Per-attempt reports: [`S3Config::on_attempt`] is called once per HTTP attempt on both paths
+//!   ([`Attempt`]).
 
 use std::fmt;
 use std::ops::Range;
@@ -39,28 +31,40 @@ use std::time::{Duration, SystemTime};
 use async_trait::async_trait;
 use aws_config::meta::region::RegionProviderChain;
 use aws_config::BehaviorVersion;
-use aws_credential_types::provider::error::CredentialsError;
 use aws_sdk_s3::config::retry::RetryConfig;
 use aws_sdk_s3::config::timeout::TimeoutConfig;
 use aws_sdk_s3::config::{
-    Credentials, Region, RequestChecksumCalculation, ResponseChecksumValidation,
+    Credentials, IdentityCache, Region, RequestChecksumCalculation, ResponseChecksumValidation,
     SharedCredentialsProvider,
 };
-use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
-use aws_sdk_s3::operation::RequestId;
+use aws_sdk_s3::error::ProvideErrorMetadata;
 use aws_sdk_s3::primitives::{ByteStream, DateTime};
 use aws_sdk_s3::types::{CompletedMultipartUpload, Delete, EncodingType, ObjectIdentifier};
+use aws_smithy_async::time::SharedTimeSource;
 use bytes::Bytes;
+use secrecy::{ExposeSecret, SecretString};
 
+mod attempt;
+mod error;
+mod get;
 mod raw_get;
+mod retry;
+mod skew;
 
-use crate::{
+pub use attempt::{Attempt, OnAttempt};
+
+use crate::error::{delete_error, map_sdk_error, sdk_failure, Failure, Kind, Target};
+use crate::get::{check_version, read_checked};
+use crate::retry::RetryPolicy;
+use crate::skew::ClockSkew;
+
+use ferry_store::{
     CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, PutResult, Result, StoreError,
     Version, MAX_DELETE_BATCH, MAX_LIST_KEYS,
 };
 
 /// Where an [`S3Store`] connects and as whom.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Clone, Default)]
 pub struct S3Config {
     /// A custom endpoint (`http://127.0.0.1:7070`, `https://minio.example`); `None` = AWS (or the
     /// `AWS_ENDPOINT_URL(_S3)` environment variable).
@@ -71,46 +75,41 @@ pub struct S3Config {
     /// need it.
     pub force_path_style: bool,
     pub credentials: S3Credentials,
+    /// Called once per HTTP attempt of every request, on both GET paths (e.g. for per-attempt
+    /// metrics by status). Must not block.
+    pub on_attempt: Option<OnAttempt>,
 }
 
-/// How an [`S3Store`] gets credentials. `Debug` never prints a secret.
-#[derive(Clone, Default, PartialEq, Eq)]
+impl fmt::Debug for S3Config {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("S3Config")
+            .field("endpoint_url", &self.endpoint_url)
+            .field("region", &self.region)
+            .field("force_path_style", &self.force_path_style)
+            .field("credentials", &self.credentials)
+            .field("on_attempt", &self.on_attempt.is_some())
+            .finish()
+    }
+}
+
+/// How an [`S3Store`] gets credentials. `Debug` never prints a secret (`secrecy`).
+#[derive(Clone, Debug, Default)]
 pub enum S3Credentials {
     /// The SDK's default chain: env, profile, web identity (IRSA), ECS, IMDS.
     #[default]
     DefaultChain,
     Static {
         access_key_id: String,
-        secret_access_key: String,
-        session_token: Option<String>,
+        secret_access_key: SecretString,
+        session_token: Option<SecretString>,
     },
 }
 
-impl fmt::Debug for S3Credentials {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            S3Credentials::DefaultChain => f.write_str("DefaultChain"),
-            S3Credentials::Static {
-                access_key_id,
-                session_token,
-                ..
-            } => f
-                .debug_struct("Static")
-                .field("access_key_id", access_key_id)
-                .field("secret_access_key", &format_args!("<redacted>"))
-                .field(
-                    "session_token",
-                    &session_token.as_ref().map(|_| format_args!("<redacted>")),
-                )
-                .finish(),
-        }
-    }
-}
-
 /// Retry and timeout tuning for an [`S3Store`]; [`Default`] suits production.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct S3Options {
-    /// Attempts per request in all (the SDK's standard retry mode). Default 5.
+    /// Attempts per request in all (`retry.rs`): a GET or LIST whose body breaks counts one attempt
+    /// like any other failure. Default 5.
     pub max_attempts: u32,
     /// First backoff of the standard retry mode (then doubling, with jitter). Default 1 s.
     pub initial_backoff: Duration,
@@ -124,15 +123,15 @@ pub struct S3Options {
     pub attempt_timeout: Duration,
     /// Reading one GET body after its response head arrived. Default 120 s.
     pub body_timeout: Duration,
-    /// Attempts at reading a GET body that arrives short or breaks off, and at a LIST whose 2xx
-    /// response does not parse. Default 3.
-    pub body_attempts: u32,
     /// A PEM file of CA certificates trusted besides the system's, for endpoints with a private
     /// CA (`--ca-bundle` / `AWS_CA_BUNDLE`). Default none.
     pub ca_bundle: Option<std::path::PathBuf>,
-    /// GETs are signed and sent without the SDK's orchestrator (see `raw_get`), on the same HTTP
-    /// connector settings; the SDK path serves them when off. Default on.
+    /// GETs are signed and sent without the SDK's orchestrator (see `raw_get`), on the SDK
+    /// client's own HTTP connector; the SDK path serves them when off. Default on.
     pub raw_get: bool,
+    /// The clock requests are signed with (the SDK's `TimeSource`, shared by the raw GET path);
+    /// `None` = the system clock. For tests of a node whose clock is off.
+    pub time_source: Option<SharedTimeSource>,
 }
 
 impl Default for S3Options {
@@ -145,11 +144,21 @@ impl Default for S3Options {
             read_timeout: Duration::from_secs(30),
             attempt_timeout: Duration::from_secs(30),
             body_timeout: Duration::from_secs(120),
-            body_attempts: 3,
             ca_bundle: None,
             raw_get: true,
+            time_source: None,
         }
     }
+}
+
+/// An HTTPS client that trusts the system's roots (rustls with aws-lc, as the SDK's default).
+fn https_client() -> aws_sdk_s3::config::SharedHttpClient {
+    use aws_smithy_http_client::tls;
+    aws_smithy_http_client::Builder::new()
+        .tls_provider(tls::Provider::Rustls(
+            tls::rustls_provider::CryptoMode::AwsLc,
+        ))
+        .build_https()
 }
 
 /// An HTTPS client that trusts the system's roots and the CA certificates in `path` (PEM). The
@@ -194,6 +203,7 @@ pub struct S3Store {
     client: aws_sdk_s3::Client,
     endpoint_id: String,
     opts: S3Options,
+    retry: RetryPolicy,
     /// The credentials provider the client signs with, for [`S3Store::check_credentials`].
     credentials: Option<SharedCredentialsProvider>,
     /// GETs without the SDK's orchestrator ([`S3Options::raw_get`]; needs a credentials provider).
@@ -224,8 +234,8 @@ impl S3Store {
                 session_token,
             } => Some(SharedCredentialsProvider::new(Credentials::new(
                 access_key_id,
-                secret_access_key,
-                session_token.clone(),
+                secret_access_key.expose_secret(),
+                session_token.as_ref().map(|t| t.expose_secret().to_owned()),
                 None,
                 "ferry-static",
             ))),
@@ -249,9 +259,9 @@ impl S3Store {
         opts: S3Options,
         provider: Option<SharedCredentialsProvider>,
     ) -> Result<S3Store> {
-        if opts.max_attempts == 0 || opts.body_attempts == 0 {
+        if opts.max_attempts == 0 {
             return Err(StoreError::InvalidRequest(
-                "max_attempts and body_attempts must be at least 1".into(),
+                "max_attempts must be at least 1".into(),
             ));
         }
         let region = match &cfg.region {
@@ -270,13 +280,18 @@ impl S3Store {
         if let Some(provider) = provider {
             loader = loader.credentials_provider(provider);
         }
-        if let Some(path) = &opts.ca_bundle {
-            loader = loader.http_client(
-                https_client_with_ca_bundle(path).map_err(StoreError::InvalidRequest)?,
-            );
-        }
+        // The HTTP client is made here, not left to the SDK's default plugin, so that the raw GET
+        // path can ask this very client for its connector (and so share its connection pool).
+        let http_client = match &opts.ca_bundle {
+            Some(path) => https_client_with_ca_bundle(path).map_err(StoreError::InvalidRequest)?,
+            None => https_client(),
+        };
+        loader = loader.http_client(http_client);
         if let Some(url) = &cfg.endpoint_url {
             loader = loader.endpoint_url(url);
+        }
+        if let Some(time) = &opts.time_source {
+            loader = loader.time_source(time.clone());
         }
         let shared = loader.load().await;
         let region = shared
@@ -287,14 +302,24 @@ impl S3Store {
             Some(url) => url.to_owned(),
             None => format!("aws:{region}"),
         };
+        // One identity cache for the client and the raw GET path (the SDK makes one per client
+        // when none is given, out of reach): credentials fetched by either serve both.
+        let identity_cache = shared
+            .identity_cache()
+            .unwrap_or_else(|| IdentityCache::lazy().build());
+        let skew = Arc::new(ClockSkew::default());
+        let s3 = aws_sdk_s3::config::Builder::from(&shared)
+            .force_path_style(cfg.force_path_style)
+            .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
+            .response_checksum_validation(ResponseChecksumValidation::WhenRequired)
+            .identity_cache(identity_cache.clone())
+            .interceptor(attempt::AttemptInterceptor {
+                hook: cfg.on_attempt.clone(),
+                skew: skew.clone(),
+            })
+            .build();
         let raw_get = match (opts.raw_get, shared.credentials_provider()) {
-            (true, Some(provider)) => {
-                let tls = match &opts.ca_bundle {
-                    Some(path) => {
-                        Some(tls_context_with_ca_bundle(path).map_err(StoreError::InvalidRequest)?)
-                    }
-                    None => None,
-                };
+            (true, Some(credentials)) => {
                 let endpoint = raw_get::EndpointConfig {
                     region: region.clone(),
                     endpoint_url: shared.endpoint_url().map(str::to_owned),
@@ -302,23 +327,26 @@ impl S3Store {
                     use_fips: shared.use_fips().unwrap_or(false),
                     use_dual_stack: shared.use_dual_stack().unwrap_or(false),
                 };
-                Some(Arc::new(raw_get::RawGet::new(
+                let raw = raw_get::RawGet::new(
                     endpoint,
-                    provider,
+                    raw_get::Shared {
+                        config: &s3,
+                        credentials,
+                        identity_cache,
+                        skew,
+                        hook: cfg.on_attempt.clone(),
+                    },
                     opts.clone(),
-                    tls,
-                )))
+                )
+                .map_err(StoreError::Other)?;
+                Some(Arc::new(raw))
             }
             _ => None,
         };
-        let s3 = aws_sdk_s3::config::Builder::from(&shared)
-            .force_path_style(cfg.force_path_style)
-            .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
-            .response_checksum_validation(ResponseChecksumValidation::WhenRequired)
-            .build();
         Ok(S3Store {
             client: aws_sdk_s3::Client::from_conf(s3),
             endpoint_id,
+            retry: RetryPolicy::of(&opts),
             opts,
             credentials: shared.credentials_provider(),
             raw_get,
@@ -370,10 +398,8 @@ impl S3Store {
             StoreError::Credentials("no credentials provider is configured".into())
         })?;
         provider.provide_credentials().await.map(drop).map_err(|e| {
-            StoreError::Credentials(format!(
-                "no credentials could be resolved: {}",
-                error_chain(&e)
-            ))
+            let f = error::credentials_failure_of("no credentials could be resolved", &e);
+            f.into_store_error(Target::Bucket(""))
         })
     }
 
@@ -391,8 +417,14 @@ impl S3Store {
         })
     }
 
-    /// One ListObjectsV2 request (the SDK's retries included).
-    async fn list_once(&self, bucket: &str, req: ListRequest<'_>) -> Result<ListPage, Broken> {
+    /// Per-request settings for a GET or LIST: no retries of the SDK's own (`retry.rs` runs the
+    /// attempts).
+    fn one_attempt() -> aws_sdk_s3::config::Builder {
+        aws_sdk_s3::config::Builder::new().retry_config(RetryConfig::disabled())
+    }
+
+    /// One ListObjectsV2 attempt.
+    async fn list_once(&self, bucket: &str, req: ListRequest<'_>) -> Result<ListPage, Failure> {
         let max_keys = req.max_keys.map(|m| m.min(MAX_LIST_KEYS) as i32);
         let out = self
             .client
@@ -406,9 +438,11 @@ impl S3Store {
             // Keys may hold characters XML 1.0 cannot carry (control characters): asked for
             // URL-encoded, one such key cannot make a whole page unreadable.
             .encoding_type(EncodingType::Url)
+            .customize()
+            .config_override(Self::one_attempt())
             .send()
             .await
-            .map_err(|e| Broken::classify(e, Target::Bucket(bucket)))?;
+            .map_err(|e| sdk_failure(e, Target::Bucket(bucket)))?;
         // A server that ignores `EncodingType` says so by not echoing it: its keys are taken as
         // they are (decoding them would corrupt keys holding `%` or `+`).
         let encoded = out.encoding_type() == Some(&EncodingType::Url);
@@ -470,20 +504,26 @@ impl S3Store {
                 .is_none_or(|o| o.key().is_some() && o.size().is_some())
             && common_prefixes.iter().all(whole_prefix);
         if !complete {
-            return Err(Broken::Yes(StoreError::Corrupt(format!(
-                "LIST {bucket}/{}: incomplete response ({entries} entries, KeyCount {:?}, IsTruncated {:?})",
-                req.prefix,
-                out.key_count(),
-                out.is_truncated()
-            ))));
+            return Err(Failure::new(
+                Kind::Corrupt,
+                format!(
+                    "LIST {bucket}/{}: incomplete response ({entries} entries, KeyCount {:?}, IsTruncated {:?})",
+                    req.prefix,
+                    out.key_count(),
+                    out.is_truncated()
+                ),
+            ));
         }
         let next_token = if out.is_truncated().unwrap_or(false) {
             let token = out.next_continuation_token().map(str::to_owned);
             if token.is_none() {
-                return Err(Broken::Yes(StoreError::Corrupt(format!(
-                    "LIST {bucket}/{}: truncated page without a continuation token",
-                    req.prefix
-                ))));
+                return Err(Failure::new(
+                    Kind::Corrupt,
+                    format!(
+                        "LIST {bucket}/{}: truncated page without a continuation token",
+                        req.prefix
+                    ),
+                ));
             }
             token
         } else {
@@ -497,7 +537,7 @@ impl S3Store {
     }
 
     /// A ranged GET pinned to `pin` (none: any version), on the raw path where it serves the
-    /// bucket, else through the SDK; a broken body is read again.
+    /// bucket, else through the SDK; every attempt (a broken body included) is one of `retry.rs`'s.
     async fn get_pinned(
         &self,
         bucket: &str,
@@ -505,43 +545,41 @@ impl S3Store {
         range: Range<u64>,
         pin: Option<Version<'_>>,
     ) -> Result<Bytes> {
+        let target = Target::Object(bucket, key);
         if range.start >= range.end {
             return Err(StoreError::InvalidRequest(format!(
                 "empty range {range:?} of {bucket}/{key}"
             )));
         }
-        let mut attempt = 1;
-        loop {
-            let raw = match &self.raw_get {
-                Some(raw) => raw.get(bucket, key, &range, pin).await,
-                None => None,
-            };
-            let once = match raw {
-                Some(result) => result,
-                None => self.get_once(bucket, key, &range, pin).await,
-            };
-            match once {
-                Ok(body) => return Ok(body),
-                // The SDK already retried the request itself; only a broken body is ours to retry.
-                Err(GetFailure::Body(e)) if attempt < self.opts.body_attempts => {
-                    tracing::warn!(error = %e, attempt, "re-reading a broken GET body");
-                    attempt += 1;
+        let raw = match &self.raw_get {
+            Some(raw) => match raw.endpoint(bucket).await {
+                Ok(Some(endpoint)) => Some((raw, endpoint)),
+                Ok(None) => None,
+                Err(f) => return Err(f.into_store_error(target)),
+            },
+            None => None,
+        };
+        self.retry
+            .run("GET", |_| async {
+                match &raw {
+                    Some((raw, endpoint)) => raw.attempt(endpoint, bucket, key, &range, pin).await,
+                    None => self.get_once(bucket, key, &range, pin).await,
                 }
-                Err(GetFailure::Body(e) | GetFailure::Request(e)) => return Err(e),
-            }
-        }
+            })
+            .await
+            .map_err(|f| f.into_store_error(target))
     }
 
-    /// One GET attempt whose body is checked against the range.
+    /// One GET attempt through the SDK, its body checked against the range.
     async fn get_once(
         &self,
         bucket: &str,
         key: &str,
         range: &Range<u64>,
         pin: Option<Version<'_>>,
-    ) -> Result<Bytes, GetFailure> {
+    ) -> Result<Bytes, Failure> {
         let what = || format!("GET {bucket}/{key} bytes {}..{}", range.start, range.end);
-        let (if_match, since) = conditions(pin);
+        let (if_match, since) = get::conditions(pin);
         let out = self
             .client
             .get_object()
@@ -550,9 +588,11 @@ impl S3Store {
             .range(format!("bytes={}-{}", range.start, range.end - 1))
             .set_if_match(if_match.map(str::to_owned))
             .set_if_unmodified_since(since.map(DateTime::from))
+            .customize()
+            .config_override(Self::one_attempt())
             .send()
             .await
-            .map_err(|e| GetFailure::Request(map_sdk_error(e, Target::Object(bucket, key))))?;
+            .map_err(|e| sdk_failure(e, Target::Object(bucket, key)))?;
         let declared = out.content_length().and_then(|l| u64::try_from(l).ok());
         let content_range = out.content_range().map(str::to_owned);
         check_version(
@@ -573,197 +613,6 @@ impl S3Store {
         )
         .await
     }
-}
-
-/// The `If-Match` ETag and `If-Unmodified-Since` time a pinned GET carries.
-///
-/// `If-Unmodified-Since` names the end of the pinned `Last-Modified` second: servers that compare
-/// it with their file's sub-second modification time (versitygw's posix backend does) would
-/// otherwise refuse the very version the header names. A change within that second goes unseen
-/// either way; a later one fails the condition or, where a server ignores it, [`check_version`].
-fn conditions(pin: Option<Version<'_>>) -> (Option<&str>, Option<SystemTime>) {
-    match pin {
-        None => (None, None),
-        Some(Version::ETag(etag)) => (Some(etag), None),
-        Some(Version::Unmodified { last_modified, .. }) => {
-            let end_of_second = |t: SystemTime| {
-                let secs = t
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs());
-                std::time::UNIX_EPOCH + Duration::from_secs(secs + 1)
-            };
-            (None, last_modified.map(end_of_second))
-        }
-    }
-}
-
-/// A pinned GET's response must come from the pinned version, whatever the server did with the
-/// condition headers (a server that ignores `If-Match` or `If-Unmodified-Since` is caught here):
-/// pinned by ETag, the response's `ETag` (when sent) must be it; pinned without one, the
-/// response's `Last-Modified` (when both it and the pin have one) and the object's total size
-/// (from `Content-Range`, or the whole body's length when the server ignored the range) must be
-/// the pinned ones. A mismatch is `PreconditionFailed`, as the server's own 412 would be.
-fn check_version(
-    what: &(dyn Fn() -> String + Sync),
-    pin: Option<Version<'_>>,
-    etag: Option<&str>,
-    last_modified: Option<SystemTime>,
-    content_range: Option<&str>,
-    declared: Option<u64>,
-) -> Result<(), GetFailure> {
-    let changed = |detail: String| {
-        Err(GetFailure::Request(StoreError::PreconditionFailed(
-            format!(
-                "{}: the object changed since it was opened ({detail})",
-                what()
-            ),
-        )))
-    };
-    // Compared without quotes or a weak marker, and without allocating (every GET passes here).
-    fn bare(e: &str) -> &str {
-        e.trim().trim_start_matches("W/").trim_matches('"')
-    }
-    match pin {
-        None => Ok(()),
-        Some(Version::ETag(pinned)) => match etag {
-            Some(now) if bare(now) != bare(pinned) => {
-                changed(format!("pinned ETag {pinned}, the server sent {now}"))
-            }
-            _ => Ok(()),
-        },
-        Some(Version::Unmodified {
-            last_modified: pinned,
-            size,
-        }) => {
-            let secs = |t: SystemTime| {
-                t.duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs())
-            };
-            let total = match content_range {
-                Some(cr) => parse_content_range(cr).and_then(|(_, _, total)| total),
-                None => declared,
-            };
-            let moved = matches!((pinned, last_modified), (Some(a), Some(b)) if secs(a) != secs(b));
-            if moved || total.is_some_and(|t| t != size) {
-                return changed(format!(
-                    "no ETag; pinned Last-Modified {:?} and {size} bytes, now {:?} and {total:?} bytes",
-                    pinned.map(secs),
-                    last_modified.map(secs),
-                ));
-            }
-            Ok(())
-        }
-    }
-}
-
-/// Reads a GET body and checks it against the range asked for and what the response headers say
-/// it carries (`Content-Range`, `Content-Length`). Without `Content-Range` the server ignored the
-/// range and sent the whole object, so the range is cut out of it.
-async fn read_checked(
-    what: &(dyn Fn() -> String + Sync),
-    range: &Range<u64>,
-    content_range: Option<&str>,
-    declared: Option<u64>,
-    body: ByteStream,
-    body_timeout: Duration,
-) -> Result<Bytes, GetFailure> {
-    let expected = match content_range {
-        Some(cr) => {
-            let (first, last, _total) = parse_content_range(cr).ok_or_else(|| {
-                GetFailure::Body(StoreError::Corrupt(format!(
-                    "{}: bad Content-Range {cr:?}",
-                    what()
-                )))
-            })?;
-            if first != range.start || last >= range.end {
-                return Err(GetFailure::Body(StoreError::Corrupt(format!(
-                    "{}: server sent Content-Range {cr:?}",
-                    what()
-                ))));
-            }
-            Some(last - first + 1)
-        }
-        None => None,
-    };
-    let size_hint = expected.or(declared).unwrap_or(0);
-    let body = tokio::time::timeout(body_timeout, gather(body, size_hint))
-        .await
-        .map_err(|_| {
-            GetFailure::Body(StoreError::Transient(format!(
-                "{}: body read timed out",
-                what()
-            )))
-        })?
-        .map_err(|e| {
-            GetFailure::Body(StoreError::Transient(format!(
-                "{}: reading the body: {}",
-                what(),
-                error_chain(&e)
-            )))
-        })?;
-    let got = body.len() as u64;
-    if let Some(declared) = declared {
-        if got != declared {
-            return Err(GetFailure::Body(StoreError::Corrupt(format!(
-                "{}: got {got} bytes, Content-Length {declared}",
-                what()
-            ))));
-        }
-    }
-    match expected {
-        Some(expected) if got == expected => Ok(body),
-        Some(expected) => Err(GetFailure::Body(StoreError::Corrupt(format!(
-            "{}: got {got} bytes, expected {expected}",
-            what()
-        )))),
-        None => {
-            if range.start >= got {
-                return Err(GetFailure::Request(StoreError::InvalidRequest(format!(
-                    "{}: starts at or past the object's end ({got} bytes)",
-                    what()
-                ))));
-            }
-            Ok(body.slice(range.start as usize..range.end.min(got) as usize))
-        }
-    }
-}
-
-/// Most bytes reserved up front for a body from its declared size (a body larger than that grows).
-const MAX_BODY_RESERVE: u64 = 64 * 1024 * 1024;
-
-/// Reads a body into one buffer as its chunks arrive, each chunk dropped once copied, so a part
-/// never sits in memory twice (collecting all chunks first and then joining them did that). A
-/// body of one chunk is kept as it is.
-async fn gather(
-    mut body: ByteStream,
-    size_hint: u64,
-) -> std::result::Result<Bytes, aws_smithy_types::byte_stream::error::Error> {
-    let Some(first) = next_chunk(&mut body).await? else {
-        return Ok(Bytes::new());
-    };
-    let Some(second) = next_chunk(&mut body).await? else {
-        return Ok(first);
-    };
-    let reserve = size_hint.min(MAX_BODY_RESERVE) as usize;
-    let mut buf = bytes::BytesMut::with_capacity(reserve.max(first.len() + second.len()));
-    buf.extend_from_slice(&first);
-    buf.extend_from_slice(&second);
-    while let Some(chunk) = body.try_next().await? {
-        buf.extend_from_slice(&chunk);
-    }
-    Ok(buf.freeze())
-}
-
-/// The body's next chunk that is not empty.
-async fn next_chunk(
-    body: &mut ByteStream,
-) -> std::result::Result<Option<Bytes>, aws_smithy_types::byte_stream::error::Error> {
-    while let Some(chunk) = body.try_next().await? {
-        if !chunk.is_empty() {
-            return Ok(Some(chunk));
-        }
-    }
-    Ok(None)
 }
 
 /// The SDK timeouts for attempts of at most `attempt`.
@@ -798,213 +647,12 @@ fn url_decode(raw: &str) -> Option<String> {
         .map(|s| s.into_owned())
 }
 
-/// `bytes 0-9/10` → (0, 9, Some(10)); `bytes 0-9/*` → (0, 9, None).
-fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
-    let rest = v.trim().strip_prefix("bytes")?.trim_start();
-    let (span, total) = rest.split_once('/')?;
-    let (first, last) = span.split_once('-')?;
-    let (first, last) = (first.trim().parse().ok()?, last.trim().parse().ok()?);
-    let total = match total.trim() {
-        "*" => None,
-        t => Some(t.parse().ok()?),
-    };
-    (first <= last).then_some((first, last, total))
-}
-
 fn to_system_time(t: Option<&DateTime>) -> Option<SystemTime> {
     t.and_then(|t| SystemTime::try_from(*t).ok())
 }
 
 fn size_of(len: Option<i64>) -> u64 {
     len.and_then(|l| u64::try_from(l).ok()).unwrap_or(0)
-}
-
-/// What a request was about, for error messages and for NotFound vs NoSuchBucket.
-#[derive(Clone, Copy)]
-enum Target<'a> {
-    Bucket(&'a str),
-    Object(&'a str, &'a str),
-    Upload(&'a str, &'a str, &'a str),
-}
-
-impl fmt::Display for Target<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Target::Bucket(b) => write!(f, "bucket {b}"),
-            Target::Object(b, k) => write!(f, "{b}/{k}"),
-            Target::Upload(b, k, id) => write!(f, "{b}/{k} upload {id}"),
-        }
-    }
-}
-
-/// The [`StoreError`] variant a response maps to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Kind {
-    NotFound,
-    NoSuchBucket,
-    AccessDenied,
-    PreconditionFailed,
-    InvalidRequest,
-    Throttled,
-    Transient,
-    Other,
-}
-
-/// Maps an HTTP status and S3 error code to a [`Kind`]:
-///
-/// | code / status | kind |
-/// |---|---|
-/// | `NoSuchBucket` | NoSuchBucket |
-/// | `NoSuchKey`, `NotFound`, `NoSuchUpload`, 404 | NotFound |
-/// | `AccessDenied`, `InvalidAccessKeyId`, `SignatureDoesNotMatch`, `ExpiredToken`, 401, 403 | AccessDenied |
-/// | `PreconditionFailed`, 412 | PreconditionFailed |
-/// | `SlowDown`, `Throttling*`, `RequestLimitExceeded`, `TooManyRequests`, 429, 503 | Throttled |
-/// | `RequestTimeout`, `InternalError`, `OperationAborted`, other 5xx but 501 | Transient |
-/// | `InvalidRange`, 416, other 400 | InvalidRequest |
-/// | anything else (3xx, 405, 409, 501, ...) | Other |
-fn classify(status: Option<u16>, code: Option<&str>) -> Kind {
-    match code {
-        Some("NoSuchBucket") => return Kind::NoSuchBucket,
-        Some("NoSuchKey" | "NotFound" | "NoSuchUpload") => return Kind::NotFound,
-        Some(
-            "AccessDenied"
-            | "InvalidAccessKeyId"
-            | "SignatureDoesNotMatch"
-            | "ExpiredToken"
-            | "InvalidToken"
-            | "TokenRefreshRequired"
-            | "AllAccessDisabled",
-        ) => return Kind::AccessDenied,
-        Some("PreconditionFailed") => return Kind::PreconditionFailed,
-        Some(
-            "SlowDown"
-            | "Throttling"
-            | "ThrottlingException"
-            | "ThrottledException"
-            | "RequestThrottled"
-            | "RequestThrottledException"
-            | "RequestLimitExceeded"
-            | "TooManyRequests"
-            | "TooManyRequestsException"
-            | "ServiceUnavailable",
-        ) => return Kind::Throttled,
-        Some("RequestTimeout" | "InternalError" | "OperationAborted") => return Kind::Transient,
-        Some("InvalidRange") => return Kind::InvalidRequest,
-        _ => {}
-    }
-    match status {
-        Some(404) => Kind::NotFound,
-        Some(401 | 403) => Kind::AccessDenied,
-        Some(412) => Kind::PreconditionFailed,
-        Some(429 | 503) => Kind::Throttled,
-        Some(400 | 416) => Kind::InvalidRequest,
-        Some(501) => Kind::Other,
-        Some(s) if s >= 500 => Kind::Transient,
-        _ => Kind::Other,
-    }
-}
-
-/// Whether a credentials provider failure is anywhere in the error's source chain.
-fn credentials_failure(err: &(dyn std::error::Error + 'static)) -> bool {
-    let mut cur = Some(err);
-    while let Some(e) = cur {
-        if e.downcast_ref::<CredentialsError>().is_some() {
-            return true;
-        }
-        cur = e.source();
-    }
-    false
-}
-
-/// Maps any SDK failure onto [`StoreError`].
-fn map_sdk_error<E>(
-    err: SdkError<E, aws_sdk_s3::config::http::HttpResponse>,
-    target: Target<'_>,
-) -> StoreError
-where
-    E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
-{
-    if credentials_failure(&err) {
-        return StoreError::Credentials(format!("{target}: {}", error_chain(&err)));
-    }
-    // Service errors: code, message and status only (the SDK's Debug output of the raw response
-    // is kilobytes long). Everything else: the chain of causes.
-    let detail = match &err {
-        SdkError::ServiceError(ctx) => format!(
-            "{target}: {}: {} (HTTP {}{})",
-            ctx.err().code().unwrap_or("no error code"),
-            ctx.err().message().unwrap_or("no message"),
-            ctx.raw().status().as_u16(),
-            ctx.err()
-                .meta()
-                .request_id()
-                .map(|id| format!(", request id {id}"))
-                .unwrap_or_default(),
-        ),
-        _ => format!("{target}: {}", error_chain(&err)),
-    };
-    let (status, code) = match &err {
-        SdkError::ServiceError(ctx) => (
-            Some(ctx.raw().status().as_u16()),
-            ctx.err().code().map(str::to_owned),
-        ),
-        SdkError::ResponseError(ctx) => (Some(ctx.raw().status().as_u16()), None),
-        SdkError::TimeoutError(_) | SdkError::DispatchFailure(_) => {
-            return StoreError::Transient(detail)
-        }
-        SdkError::ConstructionFailure(_) => return StoreError::Other(detail),
-        _ => return StoreError::Other(detail),
-    };
-    let kind = match (&err, classify(status, code.as_deref())) {
-        // A response that could not be parsed: a server or proxy in trouble, unless 4xx says more.
-        (SdkError::ResponseError(_), Kind::Other) => Kind::Transient,
-        // A 2xx the SDK could not read (a body cut off or garbled) is the same trouble.
-        (SdkError::ServiceError(_), Kind::Other)
-            if status.is_some_and(|s| (200..300).contains(&s)) =>
-        {
-            Kind::Transient
-        }
-        (_, kind) => kind,
-    };
-    store_error(kind, target, detail)
-}
-
-/// The [`StoreError`] of a failed request of `kind` about `target`.
-fn store_error(kind: Kind, target: Target<'_>, detail: String) -> StoreError {
-    match (kind, target) {
-        // HEAD has no body, so a missing bucket is a bare 404 there.
-        (Kind::NotFound | Kind::NoSuchBucket, Target::Bucket(b)) => {
-            StoreError::NoSuchBucket(b.to_owned())
-        }
-        (Kind::NoSuchBucket, Target::Object(b, _) | Target::Upload(b, _, _)) => {
-            StoreError::NoSuchBucket(b.to_owned())
-        }
-        (Kind::NotFound, Target::Object(_, k)) => StoreError::NotFound(k.to_owned()),
-        (Kind::NotFound, Target::Upload(..)) => StoreError::NotFound(detail),
-        (Kind::AccessDenied, _) => StoreError::AccessDenied(detail),
-        (Kind::PreconditionFailed, _) => StoreError::PreconditionFailed(detail),
-        (Kind::InvalidRequest, _) => StoreError::InvalidRequest(detail),
-        (Kind::Throttled, _) => StoreError::Throttled(detail),
-        (Kind::Transient, _) => StoreError::Transient(detail),
-        (Kind::Other, _) => StoreError::Other(detail),
-    }
-}
-
-/// Maps one per-key failure of a DeleteObjects response.
-fn delete_error(bucket: &str, failed: &aws_sdk_s3::types::Error, count: usize) -> StoreError {
-    let key = failed.key().unwrap_or("<unknown key>");
-    let detail = format!(
-        "deleting {bucket}/{key} ({count} key(s) failed): {}: {}",
-        failed.code().unwrap_or("?"),
-        failed.message().unwrap_or("")
-    );
-    match classify(None, failed.code()) {
-        Kind::AccessDenied => StoreError::AccessDenied(detail),
-        Kind::Throttled => StoreError::Throttled(detail),
-        Kind::Transient => StoreError::Transient(detail),
-        Kind::NoSuchBucket => StoreError::NoSuchBucket(bucket.to_owned()),
-        _ => StoreError::Other(detail),
-    }
 }
 
 #[async_trait]
@@ -1020,19 +668,12 @@ impl ObjectStore for S3Store {
     }
 
     async fn list(&self, bucket: &str, req: ListRequest<'_>) -> Result<ListPage> {
-        // A LIST is idempotent: a 2xx that does not parse (which the SDK does not retry) is
-        // asked for again, like a broken GET body.
-        let mut attempt = 1;
-        loop {
-            match self.list_once(bucket, req.clone()).await {
-                Err(Broken::Yes(e)) if attempt < self.opts.body_attempts => {
-                    tracing::warn!(error = %e, attempt, "listing again after a broken response");
-                    attempt += 1;
-                }
-                Ok(page) => return Ok(page),
-                Err(Broken::Yes(e) | Broken::No(e)) => return Err(e),
-            }
-        }
+        // A LIST is idempotent: a 2xx that does not parse is asked for again, like a broken GET
+        // body, as one more attempt of the same policy.
+        self.retry
+            .run("LIST", |_| self.list_once(bucket, req.clone()))
+            .await
+            .map_err(|f| f.into_store_error(Target::Bucket(bucket)))
     }
 
     async fn head(&self, bucket: &str, key: &str) -> Result<ObjectInfo> {
@@ -1251,70 +892,11 @@ impl ObjectStore for S3Store {
     }
 }
 
-/// How one GET attempt failed: the request (already retried by the SDK) or the body (ours to retry).
-enum GetFailure {
-    Request(StoreError),
-    Body(StoreError),
-}
-
-/// A failed request, and whether its response broke in a way the SDK's retries do not cover
-/// (see [`broken_response`]).
-enum Broken {
-    Yes(StoreError),
-    No(StoreError),
-}
-
-impl Broken {
-    fn classify<E>(
-        err: SdkError<E, aws_sdk_s3::config::http::HttpResponse>,
-        target: Target<'_>,
-    ) -> Broken
-    where
-        E: ProvideErrorMetadata + std::error::Error + Send + Sync + 'static,
-    {
-        let broken = broken_response(&err);
-        let e = map_sdk_error(err, target);
-        if broken {
-            Broken::Yes(e)
-        } else {
-            Broken::No(e)
-        }
-    }
-}
-
-/// Whether the response arrived as a 2xx the SDK could not parse (a garbled or short body with a
-/// consistent length): a service error with the 2xx status and no error code, which the SDK does
-/// not retry. (A body cut off before its length is a response error, which the SDK retries.)
-fn broken_response<E>(err: &SdkError<E, aws_sdk_s3::config::http::HttpResponse>) -> bool
-where
-    E: ProvideErrorMetadata,
-{
-    match err {
-        SdkError::ServiceError(ctx) => {
-            ctx.err().code().is_none() && (200..300).contains(&ctx.raw().status().as_u16())
-        }
-        _ => false,
-    }
-}
-
-/// Every message of an error's source chain, joined with ": ", repeats left out.
-fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = err.to_string();
-    let mut cur = err.source();
-    while let Some(e) = cur {
-        let msg = e.to_string();
-        if !out.contains(&msg) {
-            out.push_str(": ");
-            out.push_str(&msg);
-        }
-        cur = e.source();
-    }
-    out
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::get::parse_content_range;
+    use aws_credential_types::provider::error::CredentialsError;
     use aws_credential_types::provider::{future, ProvideCredentials};
 
     #[test]
@@ -1329,6 +911,7 @@ mod tests {
             region: None,
             force_path_style: true,
             credentials: creds.clone(),
+            on_attempt: None,
         };
         for text in [
             format!("{creds:?}"),
@@ -1337,7 +920,7 @@ mod tests {
         ] {
             assert!(!text.contains("wJalr"), "{text}");
             assert!(!text.contains("FwoG"), "{text}");
-            assert!(text.contains("<redacted>"), "{text}");
+            assert!(text.contains("REDACTED"), "{text}");
             assert!(text.contains("AKIDEXAMPLE"), "{text}");
         }
         let no_token = S3Credentials::Static {
@@ -1383,47 +966,6 @@ mod tests {
         }
     }
 
-    #[test]
-    fn classification_table() {
-        let cases: &[(Option<u16>, Option<&str>, Kind)] = &[
-            (Some(404), Some("NoSuchKey"), Kind::NotFound),
-            (Some(404), Some("NotFound"), Kind::NotFound),
-            (Some(404), None, Kind::NotFound),
-            (Some(404), Some("NoSuchUpload"), Kind::NotFound),
-            (Some(404), Some("NoSuchBucket"), Kind::NoSuchBucket),
-            (Some(403), Some("AccessDenied"), Kind::AccessDenied),
-            (Some(403), Some("SignatureDoesNotMatch"), Kind::AccessDenied),
-            (Some(403), None, Kind::AccessDenied),
-            (Some(400), Some("ExpiredToken"), Kind::AccessDenied),
-            (
-                Some(412),
-                Some("PreconditionFailed"),
-                Kind::PreconditionFailed,
-            ),
-            (Some(412), None, Kind::PreconditionFailed),
-            (Some(416), Some("InvalidRange"), Kind::InvalidRequest),
-            (Some(416), None, Kind::InvalidRequest),
-            (Some(400), Some("InvalidArgument"), Kind::InvalidRequest),
-            (Some(400), Some("RequestTimeout"), Kind::Transient),
-            (Some(429), None, Kind::Throttled),
-            (Some(503), Some("SlowDown"), Kind::Throttled),
-            (Some(503), None, Kind::Throttled),
-            (Some(500), Some("InternalError"), Kind::Transient),
-            (Some(500), None, Kind::Transient),
-            (Some(502), None, Kind::Transient),
-            (Some(504), None, Kind::Transient),
-            (Some(501), Some("NotImplemented"), Kind::Other),
-            (Some(409), Some("BucketNotEmpty"), Kind::Other),
-            (Some(301), Some("PermanentRedirect"), Kind::Other),
-            (None, Some("SlowDown"), Kind::Throttled),
-            (None, Some("InternalError"), Kind::Transient),
-            (None, None, Kind::Other),
-        ];
-        for &(status, code, want) in cases {
-            assert_eq!(classify(status, code), want, "{status:?} {code:?}");
-        }
-    }
-
     fn local_cfg() -> S3Config {
         S3Config {
             // Nothing listens on port 1: connections are refused at once, on loopback only.
@@ -1435,6 +977,7 @@ mod tests {
                 secret_access_key: "s".into(),
                 session_token: None,
             },
+            on_attempt: None,
         }
     }
 
@@ -1465,7 +1008,7 @@ mod tests {
             assert_eq!(s.endpoint_id(), "aws:eu-west-3");
         }
         let bad = S3Options {
-            body_attempts: 0,
+            max_attempts: 0,
             ..S3Options::default()
         };
         assert!(S3Store::with_options(local_cfg(), bad).await.is_err());
@@ -1496,35 +1039,55 @@ mod tests {
         ));
     }
 
+    /// A credentials provider that fails: definitively (the provider refused) or transiently
+    /// (it could not be reached), as ferry-creds reports it.
     #[derive(Debug)]
-    struct Broken;
+    struct Failing {
+        refused: bool,
+    }
 
-    impl ProvideCredentials for Broken {
+    impl ProvideCredentials for Failing {
         fn provide_credentials<'a>(&'a self) -> future::ProvideCredentials<'a>
         where
             Self: 'a,
         {
-            future::ProvideCredentials::ready(Err(CredentialsError::provider_error(
-                "no web identity token file",
-            )))
+            future::ProvideCredentials::ready(Err(if self.refused {
+                CredentialsError::invalid_configuration("STS: AccessDenied: not authorized")
+            } else {
+                CredentialsError::provider_error("STS: connection refused")
+            }))
         }
     }
 
+    /// Every path of a store reports a failing provider the same way: a refusal as `Credentials`
+    /// (EACCES), a provider that cannot answer as `CredentialsUnavailable` (EIO); no request goes
+    /// out either way (port 1 would refuse it: `Transient`).
     #[tokio::test]
-    async fn credential_provider_failure_is_credentials() {
-        let s = S3Store::build(
-            local_cfg(),
-            fast_opts(),
-            Some(SharedCredentialsProvider::new(Broken)),
-        )
-        .await
-        .unwrap();
-        let e = s.head_bucket("b").await.unwrap_err();
-        assert!(matches!(e, StoreError::Credentials(_)), "{e:?}");
-        assert!(e.to_string().contains("web identity"), "{e}");
-        let e = s.check_credentials().await.unwrap_err();
-        assert!(matches!(e, StoreError::Credentials(_)), "{e:?}");
-        assert!(e.to_string().contains("web identity"), "{e}");
+    async fn credential_failures_are_definitive_or_transient_on_every_path() {
+        for refused in [true, false] {
+            for raw_get in [true, false] {
+                let opts = S3Options {
+                    raw_get,
+                    ..fast_opts()
+                };
+                let provider = SharedCredentialsProvider::new(Failing { refused });
+                let s = S3Store::build(local_cfg(), opts, Some(provider))
+                    .await
+                    .unwrap();
+                let check = |e: StoreError| {
+                    if refused {
+                        assert!(matches!(e, StoreError::Credentials(_)), "{e:?}");
+                        assert!(e.to_string().contains("AccessDenied"), "{e}");
+                    } else {
+                        assert!(matches!(e, StoreError::CredentialsUnavailable(_)), "{e:?}");
+                        assert!(e.to_string().contains("connection refused"), "{e}");
+                    }
+                };
+                check(s.head_bucket("b").await.unwrap_err());
+                check(s.get_range("b", "k", 0..10, None).await.unwrap_err());
+                check(s.check_credentials().await.unwrap_err());
+            }
+        }
     }
 
     #[tokio::test]

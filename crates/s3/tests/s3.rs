@@ -59,11 +59,11 @@ macro_rules! both {
                 ferry_testkit::init_tracing();
                 let server = ferry_testkit::S3Server::start();
                 server.create_bucket(super::B).await;
-                let opts = ferry_store::S3Options {
+                let opts = ferry_s3::S3Options {
                     raw_get: false,
                     ..ferry_testkit::S3Server::test_options()
                 };
-                let store = ferry_store::S3Store::with_options(server.s3_config(), opts)
+                let store = ferry_s3::S3Store::with_options(server.s3_config(), opts)
                     .await
                     .unwrap();
                 super::$name(&store, super::B).await;
@@ -112,35 +112,32 @@ async fn list_all(
     delimiter: Option<&str>,
     max_keys: Option<u32>,
 ) -> (Vec<String>, Vec<String>, Vec<ListPage>) {
-    let (mut keys, mut prefixes, mut pages) = (vec![], vec![], vec![]);
-    let mut continuation = None;
-    loop {
-        let page = store
-            .list(
-                bucket,
-                ListRequest {
-                    prefix,
-                    delimiter,
-                    continuation: continuation.take(),
-                    max_keys,
-                    start_after: None,
-                },
-            )
-            .await
-            .unwrap_or_else(|e| panic!("list {prefix:?}: {e}"));
+    let req = ListRequest {
+        prefix,
+        delimiter,
+        continuation: None,
+        max_keys,
+        start_after: None,
+    };
+    let pages: Vec<ListPage> = ferry_store::list_pages(store, bucket, req)
+        .take(10_000)
+        .try_collect()
+        .await
+        .unwrap_or_else(|e| panic!("list {prefix:?}: {e}"));
+    assert!(
+        pages.last().is_some_and(|p| p.next_token.is_none()),
+        "listing does not end"
+    );
+    let (mut keys, mut prefixes) = (vec![], vec![]);
+    for page in &pages {
         if let Some(max) = max_keys {
             let n = page.objects.len() + page.common_prefixes.len();
             assert!(n <= max as usize, "page of {n} entries with max_keys {max}");
         }
         keys.extend(page.objects.iter().map(|o| o.key.clone()));
         prefixes.extend(page.common_prefixes.iter().cloned());
-        continuation = page.next_token.clone();
-        pages.push(page);
-        if continuation.is_none() {
-            return (keys, prefixes, pages);
-        }
-        assert!(pages.len() < 10_000, "listing does not end");
     }
+    (keys, prefixes, pages)
 }
 
 fn sorted(v: &[String]) -> Vec<String> {

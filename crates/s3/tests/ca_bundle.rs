@@ -5,7 +5,8 @@
 use std::path::Path;
 use std::process::Command;
 
-use ferry_store::{ObjectStore, S3Options, S3Store, StoreError};
+use ferry_s3::{S3Options, S3Store};
+use ferry_store::{ObjectStore, StoreError};
 use ferry_testkit::S3Server;
 
 fn openssl(dir: &Path, args: &[&str]) {

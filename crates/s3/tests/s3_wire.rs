@@ -6,9 +6,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_store::{
-    ListRequest, ObjectStore, S3Config, S3Credentials, S3Options, S3Store, StoreError,
-};
+use ferry_s3::{S3Config, S3Credentials, S3Options, S3Store};
+use ferry_store::{ListRequest, ObjectStore, StoreError};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpListener;
 
@@ -25,7 +24,6 @@ async fn scripted_on(raw: bool, responses: Vec<Vec<u8>>) -> (S3Store, Arc<Atomic
         max_attempts: 3,
         initial_backoff: Duration::from_millis(1),
         max_backoff: Duration::from_millis(5),
-        body_attempts: 3,
         raw_get: raw,
         ..S3Options::default()
     };
@@ -75,6 +73,15 @@ async fn serve(
 
 /// A store with `opts` pointed at the scripted server at `addr`.
 async fn store_at(addr: SocketAddr, opts: S3Options) -> S3Store {
+    store_reporting(addr, opts, None).await
+}
+
+/// [`store_at`], reporting every attempt to `on_attempt`.
+async fn store_reporting(
+    addr: SocketAddr,
+    opts: S3Options,
+    on_attempt: Option<ferry_s3::OnAttempt>,
+) -> S3Store {
     let cfg = S3Config {
         endpoint_url: Some(format!("http://{addr}")),
         region: Some("us-east-1".into()),
@@ -84,6 +91,7 @@ async fn store_at(addr: SocketAddr, opts: S3Options) -> S3Store {
             secret_access_key: "s".into(),
             session_token: None,
         },
+        on_attempt,
     };
     S3Store::with_options(cfg, opts).await.unwrap()
 }
@@ -142,7 +150,82 @@ async fn short_body_per_content_range_is_retried_then_corrupt() {
         let (s, n) = scripted_on(raw, vec![partial(0, 9, 10, 5, b"01234")]).await;
         let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
         assert!(matches!(e, StoreError::Corrupt(_)), "{e:?}");
-        assert_eq!(n.load(Ordering::SeqCst), 3, "body_attempts reads");
+        assert_eq!(n.load(Ordering::SeqCst), 3, "max_attempts reads");
+    }
+}
+
+/// Broken bodies and failed requests draw on one budget of attempts, on both paths: a GET whose
+/// responses alternate between a short body and a 503 makes `max_attempts` requests, not
+/// `max_attempts` requests per body attempt. Each attempt is reported once, with its status.
+#[tokio::test]
+async fn body_and_request_failures_share_one_budget_of_attempts() {
+    for raw in [true, false] {
+        let short = partial(0, 9, 10, 5, b"01234");
+        let slow = s3_error("503 Slow Down", "SlowDown");
+        let script = [short, slow].into_iter().cycle().take(20).collect();
+        let (addr, n) = serve(script, None).await;
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let hook: ferry_s3::OnAttempt = {
+            let seen = seen.clone();
+            Arc::new(move |a: ferry_s3::Attempt| seen.lock().unwrap().push((a.op, a.status)))
+        };
+        let opts = S3Options {
+            max_attempts: 4,
+            initial_backoff: Duration::from_millis(1),
+            max_backoff: Duration::from_millis(5),
+            raw_get: raw,
+            ..S3Options::default()
+        };
+        let s = store_reporting(addr, opts, Some(hook)).await;
+        let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
+        assert!(matches!(e, StoreError::Throttled(_)), "raw {raw}: {e:?}");
+        assert_eq!(n.load(Ordering::SeqCst), 4, "raw {raw}: requests");
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [
+                ("GetObject", Some(206)),
+                ("GetObject", Some(503)),
+                ("GetObject", Some(206)),
+                ("GetObject", Some(503)),
+            ],
+            "raw {raw}: one report per attempt"
+        );
+    }
+}
+
+/// An attempt that gets no response is reported without a status.
+#[tokio::test]
+async fn an_attempt_without_a_response_is_reported_without_a_status() {
+    // Nothing listens on port 1.
+    let addr: SocketAddr = "127.0.0.1:1".parse().unwrap();
+    for raw in [true, false] {
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let hook: ferry_s3::OnAttempt = {
+            let seen = seen.clone();
+            Arc::new(move |a: ferry_s3::Attempt| seen.lock().unwrap().push((a.op, a.status)))
+        };
+        let opts = S3Options {
+            max_attempts: 2,
+            initial_backoff: Duration::from_millis(1),
+            max_backoff: Duration::from_millis(5),
+            raw_get: raw,
+            ..S3Options::default()
+        };
+        let s = store_reporting(addr, opts, Some(hook)).await;
+        let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
+        assert!(matches!(e, StoreError::Transient(_)), "raw {raw}: {e:?}");
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [("GetObject", None), ("GetObject", None)],
+            "raw {raw}"
+        );
+        seen.lock().unwrap().clear();
+        let _ = s.head("b", "k").await.unwrap_err();
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [("HeadObject", None), ("HeadObject", None)],
+            "raw {raw}: the SDK path's own retries report each attempt"
+        );
     }
 }
 
@@ -377,7 +460,7 @@ async fn broken_list_responses_are_asked_again_then_transient() {
     let page = s.list("b", ListRequest::default()).await.unwrap();
     assert_eq!(page.objects.len(), 1);
     assert_eq!(page.objects[0].key, "k");
-    assert_eq!(n.load(Ordering::SeqCst), 3, "body_attempts LISTs");
+    assert_eq!(n.load(Ordering::SeqCst), 3, "max_attempts LISTs");
 
     // Cut short where the XML still parses: no entries, but KeyCount 1.
     let parses = {
@@ -436,11 +519,7 @@ async fn broken_list_responses_are_asked_again_then_transient() {
         let e = s.list("b", ListRequest::default()).await.unwrap_err();
         assert!(e.is_retryable(), "{what}: {e:?}");
         assert!(e.is_retryable());
-        assert_eq!(
-            n.load(Ordering::SeqCst),
-            3,
-            "{what}: SDK or body_attempts LISTs"
-        );
+        assert_eq!(n.load(Ordering::SeqCst), 3, "{what}: max_attempts LISTs");
     }
 }
 
@@ -457,7 +536,6 @@ async fn slow_body_within_the_body_timeout_is_read() {
             attempt_timeout: Duration::from_millis(300),
             read_timeout: Duration::from_millis(300),
             body_timeout: Duration::from_secs(10),
-            body_attempts: 1,
             raw_get: raw,
             ..S3Options::default()
         };
