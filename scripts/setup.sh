@@ -4,7 +4,8 @@
 #   - Debian packages: openssl (the test Kubernetes cluster's certificates), rsync (the SEMANTICS
 #     test writes files the way users do);
 #   - Go-built judges and servers, into $FERRY_TOOLS (default ~/.cache/ferry-tools/bin), built from
-#     the Go module proxy: csi-sanity (the CSI conformance suite) and versitygw (an S3 server), and
+#     the Go module proxy: csi-sanity (the CSI conformance suite), versitygw (an S3 server),
+#     promtool (Prometheus' exposition checker; ~5 min cold on 2 cores, more when sharing them), and
 #     through scripts/kube-tools.sh etcd, kube-apiserver, kube-controller-manager, csi-provisioner
 #     and helm (the Kubernetes-level e2e; a cold build takes ~20 min on 2 cores);
 #   - moto (S3 + IAM + STS with IAM enforcement, for the credentials tests) from PyPI into a venv
@@ -15,6 +16,8 @@ set -euo pipefail
 FERRY_TOOLS=${FERRY_TOOLS:-$HOME/.cache/ferry-tools/bin}
 CSI_SANITY_VERSION=v5.4.0
 VERSITYGW_VERSION=v1.7.0
+# Prometheus 3.16.0: its Go module is tagged v0.316.0 (v3 tags are not Go-module versions).
+PROMTOOL_VERSION=v0.316.0
 mkdir -p "$FERRY_TOOLS"
 # Go's build cache for these tools is several GB (kubernetes) and of no use once a tool is stamped:
 # it lives beside the tools and is deleted when setup ends.
@@ -88,6 +91,7 @@ install_debian_packages
 check_toolchains
 go_tool csi-sanity "$CSI_SANITY_VERSION" github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
 go_tool versitygw "$VERSITYGW_VERSION" github.com/versity/versitygw/cmd/versitygw
+go_tool promtool "$PROMTOOL_VERSION" github.com/prometheus/prometheus/cmd/promtool
 # etcd, kube-apiserver, kube-controller-manager, csi-provisioner, helm v4 and v3 (the chart check and
 # the Kubernetes-level e2e)
 FERRY_TOOLS="$FERRY_TOOLS" "$(dirname "$0")/kube-tools.sh"

@@ -22,7 +22,7 @@ struct Inner {
     limit: u64,
     used: AtomicU64,
     /// `ferry_memory_budget_used_bytes`: every reservation adds to it and takes back.
-    gauge: Arc<ferry_metrics::Gauge>,
+    gauge: &'static ferry_metrics::Gauge,
 }
 
 impl fmt::Debug for MemoryBudget {
@@ -47,11 +47,7 @@ impl MemoryBudget {
             inner: Arc::new(Inner {
                 limit,
                 used: AtomicU64::new(0),
-                gauge: ferry_metrics::global().gauge(
-                    ferry_metrics::names::MEMORY_BUDGET_USED,
-                    "Bytes of the node-wide prefetch memory budget in use.",
-                    &[],
-                ),
+                gauge: &ferry_metrics::metrics().node.memory_budget_used,
             }),
         }
     }
@@ -80,7 +76,7 @@ impl MemoryBudget {
                 Ordering::Relaxed,
             ) {
                 Ok(_) => {
-                    self.inner.gauge.add(bytes as i64);
+                    self.inner.gauge.inc_by(bytes as i64);
                     return Some(Reservation {
                         budget: self.clone(),
                         bytes,
@@ -114,7 +110,7 @@ impl Drop for Reservation {
     fn drop(&mut self) {
         let inner = &self.budget.inner;
         inner.used.fetch_sub(self.bytes, Ordering::AcqRel);
-        inner.gauge.add(-(self.bytes as i64));
+        inner.gauge.dec_by(self.bytes as i64);
     }
 }
 
