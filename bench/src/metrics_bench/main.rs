@@ -66,6 +66,14 @@ fn d(i: u64) -> Duration {
 
 const FUSE_OPS: [&str; 3] = ["lookup", "read", "getattr"];
 
+/// The old FUSE path: each operation's counter and histogram, looked up once (as fuse.rs did).
+type OldSeries = (
+    std::sync::Arc<old_registry::Counter>,
+    std::sync::Arc<old_registry::Histogram>,
+);
+static OLD_FUSE: std::sync::OnceLock<std::collections::HashMap<&'static str, OldSeries>> =
+    std::sync::OnceLock::new();
+
 fn main() {
     let n: u64 = std::env::args()
         .nth(1)
@@ -81,15 +89,6 @@ fn main() {
             (op, (c, h))
         })
         .collect();
-    static OLD_FUSE: std::sync::OnceLock<
-        std::collections::HashMap<
-            &'static str,
-            (
-                std::sync::Arc<old_registry::Counter>,
-                std::sync::Arc<old_registry::Histogram>,
-            ),
-        >,
-    > = std::sync::OnceLock::new();
     let _ = OLD_FUSE.set(old_fuse);
 
     type Case = (&'static str, fn(u64), fn(u64));
