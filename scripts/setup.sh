@@ -5,7 +5,7 @@
 #     test writes files the way users do);
 #   - Go-built judges and servers, into $FERRY_TOOLS (default ~/.cache/ferry-tools/bin), built from
 #     the Go module proxy: csi-sanity (the CSI conformance suite), versitygw (an S3 server),
-#     promtool (Prometheus' exposition checker; ~5 min cold on 2 cores, more when sharing them), and
+#     promtool (Prometheus' exposition checker: ~10 CPU-minutes cold, 15-30 min on 2 shared cores), and
 #     through scripts/kube-tools.sh etcd, kube-apiserver, kube-controller-manager, csi-provisioner
 #     and helm (the Kubernetes-level e2e; a cold build takes ~20 min on 2 cores);
 #   - moto (S3 + IAM + STS with IAM enforcement, for the credentials tests) from PyPI into a venv
