@@ -8,7 +8,8 @@
 #   scripts/setup.sh          everything the test suite needs (scripts/test.sh, CI), in addition:
 #     - Debian packages: openssl (the test Kubernetes cluster's certificates), rsync (the SEMANTICS
 #       test writes files the way users do), python3-venv;
-#     - csi-sanity (the CSI conformance suite), and through scripts/kube-tools.sh etcd,
+#     - csi-sanity (the CSI conformance suite), promtool (Prometheus' exposition checker: ~10
+#       CPU-minutes cold, 15-30 min on 2 shared cores), and through scripts/kube-tools.sh etcd,
 #       kube-apiserver, kube-controller-manager, csi-provisioner and helm (the Kubernetes-level e2e;
 #       a cold build takes ~20 min on 2 cores);
 #     - moto (S3 + IAM + STS with IAM enforcement, for the credentials tests) from PyPI into a venv
@@ -25,6 +26,8 @@ esac
 FERRY_TOOLS=${FERRY_TOOLS:-$HOME/.cache/ferry-tools/bin}
 CSI_SANITY_VERSION=v5.4.0
 VERSITYGW_VERSION=v1.7.0
+# Prometheus 3.16.0: its Go module is tagged v0.316.0 (v3 tags are not Go-module versions).
+PROMTOOL_VERSION=v0.316.0
 mkdir -p "$FERRY_TOOLS"
 # Go's build cache for these tools is several GB (kubernetes) and of no use once a tool is stamped:
 # it lives beside the tools and is deleted when setup ends.
@@ -104,6 +107,7 @@ if [ "$demo" = 1 ]; then
   exit 0
 fi
 go_tool csi-sanity "$CSI_SANITY_VERSION" github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity
+go_tool promtool "$PROMTOOL_VERSION" github.com/prometheus/prometheus/cmd/promtool
 # etcd, kube-apiserver, kube-controller-manager, csi-provisioner, helm v4 and v3 (the chart check and
 # the Kubernetes-level e2e)
 FERRY_TOOLS="$FERRY_TOOLS" "$(dirname "$0")/kube-tools.sh"

@@ -10,7 +10,8 @@
 #      pod-level IRSA (moto's STS and S3 with IAM enforced; trace-level logs searched for secrets),
 #      through the real binaries;
 #   5. csi-sanity v5.4.0 against ferry-controller and ferry-node on unix sockets, with test volumes
-#      on the real S3 server;
+#      on the real S3 server; then `promtool check metrics` (Prometheus 3.16.0) on both binaries'
+#      /metrics after they did real work (S3 requests, the node cache, FUSE operations);
 #   6. the Kubernetes-level e2e (`ferry-harness kube`): etcd, kube-apiserver and
 #      kube-controller-manager on loopback, the chart (charts/ferry) rendered and applied,
 #      csi-provisioner against ferry-controller, PVCs bound and published as kubelet would.
@@ -57,6 +58,9 @@ step "driver- and pod-level IRSA (real binaries, moto, kube-apiserver)"
 
 step "csi-sanity $(cat "$FERRY_TOOLS/.csi-sanity.version" 2>/dev/null)"
 "$target/debug/ferry-harness" sanity
+
+step "promtool $(cat "$FERRY_TOOLS/.promtool.version" 2>/dev/null) check metrics on both binaries' /metrics after real work (real binaries)"
+"$target/debug/ferry-harness" metrics
 
 step "Kubernetes e2e: real kube-apiserver $(cat "$FERRY_TOOLS/.kube-apiserver.version" 2>/dev/null), csi-provisioner $(cat "$FERRY_TOOLS/.csi-provisioner.version" 2>/dev/null)"
 "$target/debug/ferry-harness" kube

@@ -3,6 +3,7 @@
 //! csi-provisioner would. [`kube`] is the Kubernetes-level e2e on a real API server.
 
 pub mod kube;
+pub mod metrics_check;
 pub mod takeover;
 
 use std::path::{Path, PathBuf};

@@ -226,12 +226,9 @@ fn mount_context(
             .map_err(|e| anyhow::anyhow!("--memory-budget: {e}"))?;
         ctx.budget = ferry_fs::MemoryBudget::new(bytes);
     }
-    ferry_metrics::global()
-        .gauge(
-            ferry_metrics::names::MEMORY_BUDGET_LIMIT,
-            "The node-wide prefetch memory budget.",
-            &[],
-        )
+    ferry_metrics::metrics()
+        .node
+        .memory_budget_limit
         .set(ctx.budget.limit() as i64);
     if let Some(cfg) = cache {
         let dir = cfg.dir.clone();
@@ -769,26 +766,10 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
 /// Counts mounts taken over from a previous process (`how`: `handover` or `recovery`) and those
 /// that could not be, and records the pause.
 fn record_takeover(how: &'static str, served: usize, failed: usize, pause: Duration) {
-    let reg = ferry_metrics::global();
-    let help = "Mounts taken over from a previous process, by how.";
-    reg.counter(
-        ferry_metrics::names::MOUNTS_TAKEN_OVER,
-        help,
-        &[("how", how)],
-    )
-    .add(served as u64);
-    reg.counter(
-        ferry_metrics::names::MOUNTS_TAKEN_OVER,
-        help,
-        &[("how", "failed")],
-    )
-    .add(failed as u64);
-    reg.gauge(
-        ferry_metrics::names::TAKEOVER_PAUSE,
-        "Milliseconds the last takeover stopped the mounts.",
-        &[],
-    )
-    .set(pause.as_millis() as i64);
+    let m = &ferry_metrics::metrics().node;
+    m.taken_over(how, served as u64);
+    m.taken_over("failed", failed as u64);
+    m.takeover_pause(pause);
     let ms = pause.as_millis() as u64;
     if how == "handover" {
         tracing::info!(served, failed, pause_ms = ms, "handed-over mounts serving");

@@ -57,12 +57,8 @@ pub struct Mounted {
     pub journal: Option<std::fs::File>,
 }
 
-fn mounts_gauge() -> std::sync::Arc<ferry_metrics::Gauge> {
-    ferry_metrics::global().gauge(
-        ferry_metrics::names::MOUNTS,
-        "Live FUSE mounts in this process.",
-        &[],
-    )
+fn mounts_gauge() -> &'static ferry_metrics::Gauge {
+    &ferry_metrics::metrics().node.mounts
 }
 
 /// Live mounts by target path.

@@ -51,7 +51,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime};
 
 use bytes::Bytes;
-use ferry_metrics::names;
 use tokio::sync::{watch, Notify, OnceCell};
 
 pub use block::{BlockKey, FileId, Invalid};
@@ -180,30 +179,17 @@ struct Counters {
 
 /// Counts bytes a warm-up fetched into the cache.
 pub fn warmup_bytes(n: u64) {
-    counter(
-        names::CACHE_WARMUP_BYTES,
-        "Bytes fetched into the node cache by volume warm-ups.",
-    )
-    .add(n);
+    metrics().warmup_bytes.inc_by(n);
 }
 
 /// Counts a finished warm-up by `result` (`ok`, `truncated`, `error`).
 pub fn warmup_done(result: &str) {
-    ferry_metrics::global()
-        .counter(
-            names::CACHE_WARMUPS,
-            "Volume warm-ups finished, by result.",
-            &[("result", result)],
-        )
-        .inc();
+    metrics().warmup_done(result);
 }
 
-fn counter(name: &'static str, help: &'static str) -> Arc<ferry_metrics::Counter> {
-    ferry_metrics::global().counter(name, help, &[])
-}
-
-fn gauge(name: &'static str, help: &'static str) -> Arc<ferry_metrics::Gauge> {
-    ferry_metrics::global().gauge(name, help, &[])
+/// The node cache's metrics (pre-created handles: recording is an atomic add).
+fn metrics() -> &'static ferry_metrics::CacheMetrics {
+    &ferry_metrics::metrics().cache
 }
 
 struct State {
@@ -444,11 +430,7 @@ impl BlockCache {
     /// Counts an open refused because the mount's own credentials were denied the object (its
     /// blocks may be on disk; they are not served to that mount).
     pub fn note_denied(&self) {
-        counter(
-            names::CACHE_DENIED,
-            "Opens through a cached mount refused because its credentials were denied the object.",
-        )
-        .inc();
+        metrics().denied.inc();
     }
 
     /// The file of block `id`.
@@ -500,6 +482,7 @@ impl BlockCache {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Bytes, E>>,
     {
+        metrics().lookups.inc();
         if let Some(data) = self.read(key).await {
             return Ok(data);
         }
@@ -519,7 +502,7 @@ impl BlockCache {
                     return Ok(data);
                 }
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                counter(names::CACHE_MISSES, "Cache block misses (fetches from S3).").inc();
+                metrics().misses.inc();
                 let data = fetch().await?;
                 self.store_in_background(key.clone(), data.clone(), cell.clone());
                 Ok(data)
@@ -529,11 +512,7 @@ impl BlockCache {
         match &result {
             Ok(_) if !ran => {
                 self.counters.joins.fetch_add(1, Ordering::Relaxed);
-                counter(
-                    names::CACHE_JOINS,
-                    "Cache misses that waited for another reader's fetch of the same block.",
-                )
-                .inc();
+                metrics().joins.inc();
             }
             Ok(_) => {}
             Err(_) => self.end_flight(key, &cell),
@@ -613,18 +592,14 @@ impl BlockCache {
         self.counters
             .hit_bytes
             .fetch_add(len as u64, Ordering::Relaxed);
-        counter(names::CACHE_HITS, "Cache block hits.").inc();
-        counter(names::CACHE_HIT_BYTES, "Bytes served from the node cache.").add(len as u64);
+        metrics().hits.inc();
+        metrics().hit_bytes.inc_by(len as u64);
     }
 
     /// Deletes a file that failed its check and counts it (blocking).
     fn drop_corrupt(&self, entry: Entry) {
         self.counters.corrupt.fetch_add(1, Ordering::Relaxed);
-        counter(
-            names::CACHE_CORRUPT,
-            "Cache block or whole-object files that failed their checksum or key check (deleted).",
-        )
-        .inc();
+        metrics().corrupt.inc();
         self.forget(&entry);
         for path in self.entry_paths(&entry) {
             let _ = std::fs::remove_file(path);
@@ -700,11 +675,7 @@ impl BlockCache {
         let file = self.checked_whole(obj, size)?;
         self.lock().lru.touch(&Entry::Object(obj.file_id()));
         self.counters.whole_opens.fetch_add(1, Ordering::Relaxed);
-        counter(
-            names::CACHE_WHOLE_OPENS,
-            "Opens served by handing the kernel a whole cached object (FUSE passthrough).",
-        )
-        .inc();
+        metrics().passthrough_opens.inc();
         Some(file)
     }
 
@@ -915,11 +886,7 @@ impl BlockCache {
             .lock()
             .expect("verify gate") = true;
         self.counters.assembled.fetch_add(1, Ordering::Relaxed);
-        counter(
-            names::CACHE_ASSEMBLED,
-            "Objects whose cached blocks were joined into one whole-object file.",
-        )
-        .inc();
+        metrics().assembled.inc();
         self.publish_size();
         true
     }
@@ -1043,6 +1010,7 @@ impl BlockCache {
         drop(st);
         if stored {
             self.counters.stored.fetch_add(1, Ordering::Relaxed);
+            metrics().fills.inc();
         } else {
             self.skip(key, "no room on the cache's filesystem");
         }
@@ -1117,17 +1085,13 @@ impl BlockCache {
         if !victims.is_empty() {
             let n = victims.len() as u64;
             self.counters.evictions.fetch_add(n, Ordering::Relaxed);
-            counter(names::CACHE_EVICTIONS, "Cache blocks evicted.").add(n);
+            metrics().evictions.inc_by(n);
         }
     }
 
     fn skip(&self, key: &BlockKey, why: &str) {
         self.counters.skipped.fetch_add(1, Ordering::Relaxed);
-        counter(
-            names::CACHE_SKIPPED,
-            "Fetched blocks not stored in the cache (no room, write failed, index not ready).",
-        )
-        .inc();
+        metrics().skipped.inc();
         tracing::debug!(key = %key.key, index = key.index, why, "cache: block not stored");
     }
 
@@ -1136,17 +1100,10 @@ impl BlockCache {
             let st = self.lock();
             (st.lru.bytes(), st.lru.len() as u64 - st.objects, st.objects)
         };
-        gauge(
-            names::CACHE_BYTES,
-            "Bytes of block and whole-object files in the node cache.",
-        )
-        .set(bytes as i64);
-        gauge(names::CACHE_BLOCKS, "Block files in the node cache.").set(blocks as i64);
-        gauge(
-            names::CACHE_OBJECTS,
-            "Whole-object files in the node cache.",
-        )
-        .set(objects as i64);
+        let m = metrics();
+        m.bytes.set(bytes as i64);
+        m.blocks.set(blocks as i64);
+        m.objects.set(objects as i64);
     }
 
     /// Indexes the block and whole-object files already on disk (oldest modification first),

@@ -32,7 +32,7 @@ struct Inner {
     /// Woken when reservations are given back while someone waits.
     freed: Notify,
     /// `ferry_memory_budget_used_bytes`: every reservation adds to it and takes back.
-    gauge: Arc<ferry_metrics::Gauge>,
+    gauge: &'static ferry_metrics::Gauge,
 }
 
 impl fmt::Debug for MemoryBudget {
@@ -59,11 +59,7 @@ impl MemoryBudget {
                 used: AtomicU64::new(0),
                 waiting: AtomicU64::new(0),
                 freed: Notify::new(),
-                gauge: ferry_metrics::global().gauge(
-                    ferry_metrics::names::MEMORY_BUDGET_USED,
-                    "Bytes of the node-wide prefetch memory budget in use.",
-                    &[],
-                ),
+                gauge: &ferry_metrics::metrics().node.memory_budget_used,
             }),
         }
     }
@@ -128,7 +124,7 @@ impl MemoryBudget {
                 Ordering::Relaxed,
             ) {
                 Ok(_) => {
-                    self.inner.gauge.add(bytes as i64);
+                    self.inner.gauge.inc_by(bytes as i64);
                     return Some(Reservation {
                         budget: self.clone(),
                         bytes,
@@ -217,7 +213,7 @@ impl Drop for Reservation {
         }
         let inner = &self.budget.inner;
         inner.used.fetch_sub(self.bytes, Ordering::AcqRel);
-        inner.gauge.add(-(self.bytes as i64));
+        inner.gauge.dec_by(self.bytes as i64);
         if inner.waiting.load(Ordering::Acquire) > 0 {
             inner.freed.notify_waiters();
         }

@@ -171,8 +171,8 @@ impl FuseAdapter {
         self.kernel.clone()
     }
 
-    /// Runs operation `op` on the runtime; it is counted and timed (until its reply) in
-    /// `ferry_fuse_operations_total` / `ferry_fuse_operation_duration_seconds`.
+    /// Runs operation `op` on the runtime; once replied to, it is counted by outcome and timed
+    /// in `ferry_fuse_operations_total` / `ferry_fuse_operation_duration_seconds`.
     fn spawn<F, Fut>(&self, op: &'static str, f: F)
     where
         F: FnOnce(Arc<Fs>) -> Fut,
@@ -221,85 +221,23 @@ impl FuseAdapter {
     }
 }
 
-/// Every operation the adapter serves (the `op` label of its metrics).
-const OPS: [&str; 35] = [
-    "access",
-    "copy_file_range",
-    "create",
-    "fallocate",
-    "flush",
-    "forget",
-    "fsync",
-    "fsyncdir",
-    "getattr",
-    "getxattr",
-    "ioctl",
-    "link",
-    "listxattr",
-    "lookup",
-    "lseek",
-    "mkdir",
-    "mknod",
-    "open",
-    "opendir",
-    "poll",
-    "read",
-    "readdir",
-    "readdirplus",
-    "readlink",
-    "release",
-    "releasedir",
-    "removexattr",
-    "rename",
-    "rmdir",
-    "setattr",
-    "setxattr",
-    "statfs",
-    "symlink",
-    "unlink",
-    "write",
-];
+thread_local! {
+    /// The operation and errno [`errno`] last answered on this thread: the outcome of that
+    /// request, taken by its [`OpTimer`], which drops right after the reply on the same thread.
+    static ANSWERED: std::cell::Cell<Option<(&'static str, i32)>> = const { std::cell::Cell::new(None) };
+}
 
-type OpSeries = (Arc<ferry_metrics::Counter>, Arc<ferry_metrics::Histogram>);
-
-/// Each operation's counter and histogram, looked up in the registry once, not per request.
-static OP_METRICS: std::sync::LazyLock<HashMap<&'static str, OpSeries>> =
-    std::sync::LazyLock::new(|| {
-        let reg = ferry_metrics::global();
-        OPS.iter()
-            .map(|&op| {
-                let labels = [("op", op)];
-                let count = reg.counter(
-                    ferry_metrics::names::FUSE_OPS,
-                    "FUSE operations served, by operation.",
-                    &labels,
-                );
-                let time = reg.histogram(
-                    ferry_metrics::names::FUSE_OP_SECONDS,
-                    "FUSE operation latency in seconds (request to reply), by operation.",
-                    &labels,
-                );
-                (op, (count, time))
-            })
-            .collect()
-    });
-
-/// Counts and times one FUSE operation, from the request to its reply (when dropped).
+/// Counts one FUSE operation by outcome and times it from the request to its reply
+/// (`ferry_fuse_operations_total`, `ferry_fuse_operation_duration_seconds`), when dropped.
 struct OpTimer {
-    series: &'static OpSeries,
+    op: &'static str,
     start: std::time::Instant,
 }
 
 impl OpTimer {
-    /// Counts the operation now (before its reply, so a caller that saw the reply sees the
-    /// count) and times it until dropped.
     fn start(op: &'static str) -> Self {
-        let series = OP_METRICS
-            .get(op)
-            .unwrap_or_else(|| panic!("FUSE operation {op} missing from OPS"));
-        series.0.inc();
         OpTimer {
-            series,
+            op,
             start: std::time::Instant::now(),
         }
     }
@@ -307,13 +245,18 @@ impl OpTimer {
 
 impl Drop for OpTimer {
     fn drop(&mut self) {
-        self.series.1.observe(self.start.elapsed());
+        let errno = ANSWERED
+            .take()
+            .filter(|&(op, _)| op == self.op)
+            .map(|(_, code)| code);
+        ferry_metrics::record_fuse_op(self.op, errno, self.start.elapsed());
     }
 }
 
 /// The errno for `e`, through the one mapping ([`FsError::errno`]); logged by severity.
 fn errno(op: &'static str, e: &FsError) -> Errno {
     let code = e.errno();
+    ANSWERED.set(Some((op, code)));
     if code == libc::EIO || code == libc::ESTALE || code == libc::EACCES {
         tracing::warn!(op, error = %e, "request failed");
     } else {

@@ -14,7 +14,6 @@ use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
 use ferry_cache::{BlockCache, BlockKey};
-use ferry_metrics::names;
 use ferry_store::{get_version, ObjectStore, StoreError, Version};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -243,23 +242,6 @@ impl Part {
     }
 }
 
-/// (hit bytes, wasted bytes) counters, looked up in the registry once.
-static PREFETCH_BYTES: std::sync::LazyLock<[Arc<ferry_metrics::Counter>; 2]> =
-    std::sync::LazyLock::new(|| {
-        let reg = ferry_metrics::global();
-        [
-            (
-                names::PREFETCH_HIT_BYTES,
-                "Prefetched bytes later read by the application.",
-            ),
-            (
-                names::PREFETCH_WASTE_BYTES,
-                "Prefetched bytes dropped unread (random access, close, expiry).",
-            ),
-        ]
-        .map(|(name, help)| reg.counter(name, help, &[]))
-    });
-
 impl Drop for Part {
     fn drop(&mut self) {
         let fetched = match &self.state {
@@ -272,12 +254,12 @@ impl Drop for Part {
             PartState::Failed(_) => false,
         };
         let hit = self.served.min(self.len());
-        let [hits, waste] = &*PREFETCH_BYTES;
+        let m = &ferry_metrics::metrics().node;
         if hit > 0 {
-            hits.add(hit);
+            m.prefetch_hit_bytes.inc_by(hit);
         }
         if fetched && hit < self.len() {
-            waste.add(self.len() - hit);
+            m.prefetch_wasted_bytes.inc_by(self.len() - hit);
         }
     }
 }

@@ -1,20 +1,28 @@
-//! Every metric name Ferry exports, in one place.
+//! Every metric name Ferry exports, in one place: the names as a query sees them (a counter's
+//! `_total` included; the registry strips it where prometheus-client wants the bare family name).
 
-/// S3 requests by operation (`op`) and outcome (`result`: `ok` or an error kind).
+/// S3 requests by operation (`op`) and outcome (`result`: `ok` or an error kind): one per call of
+/// the store, whatever the retries below it.
 pub const S3_REQUESTS: &str = "ferry_s3_requests_total";
-/// S3 request latency in seconds by operation.
+/// S3 request latency in seconds by operation, retries included.
 pub const S3_REQUEST_SECONDS: &str = "ferry_s3_request_duration_seconds";
+/// S3 HTTP attempts by operation (`op`) and HTTP status (`status`: `200`, `503`, ... or
+/// `no_response` for a connect error or timeout): every retry is one more.
+pub const S3_ATTEMPTS: &str = "ferry_s3_attempts_total";
+/// S3 HTTP attempt latency in seconds by operation.
+pub const S3_ATTEMPT_SECONDS: &str = "ferry_s3_attempt_duration_seconds";
 /// Bytes received from S3 (GET bodies).
 pub const S3_BYTES_IN: &str = "ferry_s3_received_bytes_total";
 /// Bytes sent to S3 (PUT and part bodies).
 pub const S3_BYTES_OUT: &str = "ferry_s3_sent_bytes_total";
-/// FUSE operations by operation (`op`) and outcome.
+/// FUSE operations answered, by operation (`op`) and outcome (`outcome`: `ok` or the errno's
+/// name, e.g. `ENOENT`).
 pub const FUSE_OPS: &str = "ferry_fuse_operations_total";
 /// FUSE operation latency in seconds by operation.
 pub const FUSE_OP_SECONDS: &str = "ferry_fuse_operation_duration_seconds";
 /// Live FUSE mounts in this process.
 pub const MOUNTS: &str = "ferry_mounts";
-/// Bytes of the node-wide prefetch memory budget in use.
+/// Bytes of the node-wide memory budget (prefetch and write buffers) in use.
 pub const MEMORY_BUDGET_USED: &str = "ferry_memory_budget_used_bytes";
 /// The node-wide prefetch memory budget.
 pub const MEMORY_BUDGET_LIMIT: &str = "ferry_memory_budget_limit_bytes";
@@ -22,6 +30,9 @@ pub const MEMORY_BUDGET_LIMIT: &str = "ferry_memory_budget_limit_bytes";
 pub const PREFETCH_HIT_BYTES: &str = "ferry_prefetch_hit_bytes_total";
 /// Prefetched bytes discarded unread.
 pub const PREFETCH_WASTE_BYTES: &str = "ferry_prefetch_wasted_bytes_total";
+/// Node cache: block lookups (each ends a hit, a miss or a single-flight join): the hit ratio is
+/// `rate(ferry_cache_hits_total[5m]) / rate(ferry_cache_lookups_total[5m])`.
+pub const CACHE_LOOKUPS: &str = "ferry_cache_lookups_total";
 /// Node cache: blocks served from disk.
 pub const CACHE_HITS: &str = "ferry_cache_hits_total";
 /// Node cache: bytes served from disk.
@@ -30,6 +41,8 @@ pub const CACHE_HIT_BYTES: &str = "ferry_cache_hit_bytes_total";
 pub const CACHE_MISSES: &str = "ferry_cache_misses_total";
 /// Node cache: misses that waited for another reader's fetch of the same block (single flight).
 pub const CACHE_JOINS: &str = "ferry_cache_single_flight_joins_total";
+/// Node cache: fetched blocks written into the cache.
+pub const CACHE_FILLS: &str = "ferry_cache_fills_total";
 /// Node cache: block and whole-object files evicted (budget or free-space floor).
 pub const CACHE_EVICTIONS: &str = "ferry_cache_evictions_total";
 /// Node cache: block or whole-object files that failed their checksum or key check (deleted).
@@ -55,6 +68,6 @@ pub const CACHE_WARMUPS: &str = "ferry_cache_warmups_total";
 /// Mounts this process took over from a previous one, by how (`how`: `handover` from a live
 /// process, `recovery` after one died), and those it could not (`how="failed"`).
 pub const MOUNTS_TAKEN_OVER: &str = "ferry_mounts_taken_over_total";
-/// How long the last takeover stopped the mounts, in milliseconds: from the moment the previous
+/// How long the last takeover stopped the mounts, in seconds: from the moment the previous
 /// process stopped serving (handover) or this one started (recovery) to serving again.
-pub const TAKEOVER_PAUSE: &str = "ferry_takeover_pause_milliseconds";
+pub const TAKEOVER_PAUSE: &str = "ferry_takeover_pause_seconds";

@@ -1,57 +1,113 @@
-//! The `/metrics` endpoint: a minimal HTTP/1.1 server over tokio, one response per connection.
+//! The `/metrics` endpoint, on hyper (HTTP/1.1; already in the tree through tonic).
+//!
+//! A scrape encodes the registry by reading the metrics' atomics: it never blocks a recorder.
+//! Prometheus text (0.0.4) unless the scraper asks for OpenMetrics. An `accept` that fails (e.g.
+//! out of file descriptors, which persists) is retried after a pause that doubles up to a
+//! second, never in a busy loop.
 
+use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
+use std::time::Duration;
 
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, ACCEPT, CONTENT_TYPE};
+use hyper::server::conn::http1;
+use hyper::service::service_fn;
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use tokio::io::{AsyncRead, AsyncWrite};
 use tokio::net::TcpListener;
 
-use crate::global;
+use crate::registry::{OPENMETRICS_CONTENT_TYPE, TEXT_CONTENT_TYPE};
 
-/// Serves `GET /metrics` from the global registry on `addr` until the task is dropped. Returns the
-/// bound address (useful with port 0).
+/// First pause after a failed `accept`; it doubles up to [`MAX_BACKOFF`].
+const MIN_BACKOFF: Duration = Duration::from_millis(10);
+const MAX_BACKOFF: Duration = Duration::from_secs(1);
+/// A connection has this long to send its request head, and this long in all.
+const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
+const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Serves `GET /metrics` from the process-wide registry on `addr` until the task is dropped.
+/// Returns the bound address (useful with port 0).
 pub async fn serve(addr: SocketAddr) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
-    let task = tokio::spawn(async move {
-        loop {
-            let Ok((mut conn, _)) = listener.accept().await else {
-                continue;
-            };
-            tokio::spawn(async move {
-                let mut buf = vec![0u8; 8192];
-                let mut len = 0;
-                // Read the request head (bounded); the body, if any, is ignored.
-                while len < buf.len() {
-                    match tokio::time::timeout(
-                        std::time::Duration::from_secs(5),
-                        conn.read(&mut buf[len..]),
-                    )
-                    .await
-                    {
-                        Ok(Ok(0)) | Err(_) | Ok(Err(_)) => break,
-                        Ok(Ok(n)) => len += n,
-                    }
-                    if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-                        break;
-                    }
-                }
-                let head = String::from_utf8_lossy(&buf[..len]);
-                let (status, body) =
-                    if head.starts_with("GET /metrics ") || head.starts_with("GET / ") {
-                        ("200 OK", global().render())
-                    } else {
-                        ("404 Not Found", "not found: try /metrics\n".to_string())
-                    };
-                let resp = format!(
-                    "HTTP/1.1 {status}\r\nContent-Type: text/plain; version=0.0.4\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-                let _ = conn.write_all(resp.as_bytes()).await;
-                let _ = conn.shutdown().await;
-            });
-        }
-    });
+    let listener = std::sync::Arc::new(listener);
+    let task = tokio::spawn(accept_loop(move || {
+        let l = listener.clone();
+        async move { l.accept().await.map(|(stream, _)| stream) }
+    }));
     Ok((local, task))
+}
+
+/// Accepts connections from `accept` and serves each on its own task; on an error waits
+/// (doubling from [`MIN_BACKOFF`] to [`MAX_BACKOFF`]) before the next `accept`.
+async fn accept_loop<A, F, S>(mut accept: A)
+where
+    A: FnMut() -> F,
+    F: Future<Output = std::io::Result<S>>,
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let mut backoff = MIN_BACKOFF;
+    loop {
+        match accept().await {
+            Ok(stream) => {
+                backoff = MIN_BACKOFF;
+                tokio::spawn(serve_connection(stream));
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, retry_in = ?backoff, "metrics endpoint: accept failed");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(MAX_BACKOFF);
+            }
+        }
+    }
+}
+
+async fn serve_connection<S>(stream: S)
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+{
+    let conn = http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_TIMEOUT)
+        .serve_connection(TokioIo::new(stream), service_fn(handle));
+    match tokio::time::timeout(CONNECTION_TIMEOUT, conn).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => tracing::debug!(error = %e, "metrics endpoint: connection failed"),
+        Err(_) => tracing::debug!("metrics endpoint: connection timed out"),
+    }
+}
+
+async fn handle(req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infallible> {
+    let path_ok = matches!(req.uri().path(), "/metrics" | "/");
+    let method_ok = matches!(*req.method(), Method::GET | Method::HEAD);
+    if !path_ok || !method_ok {
+        let mut resp = Response::new(Full::new(Bytes::from_static(
+            b"not found: try GET /metrics\n",
+        )));
+        *resp.status_mut() = StatusCode::NOT_FOUND;
+        return Ok(resp);
+    }
+    let openmetrics = req
+        .headers()
+        .get_all(ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .any(|v| v.contains("application/openmetrics-text"));
+    let registry = crate::registry();
+    let (body, content_type) = if openmetrics {
+        (registry.encode_openmetrics(), OPENMETRICS_CONTENT_TYPE)
+    } else {
+        (registry.encode_text(), TEXT_CONTENT_TYPE)
+    };
+    let mut resp = Response::new(Full::new(Bytes::from(body)));
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+    Ok(resp)
 }
 
 /// Starts the endpoint from a command-line value: `host:port`, or `off` for none. Returns the bound
@@ -73,26 +129,66 @@ pub async fn start(addr: &str) -> Result<Option<SocketAddr>, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    async fn get(addr: SocketAddr, request: &str) -> String {
+        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+        c.write_all(request.as_bytes()).await.unwrap();
+        let mut resp = String::new();
+        c.read_to_string(&mut resp).await.unwrap();
+        resp
+    }
 
     #[tokio::test]
     async fn answers_metrics_requests() {
-        global()
-            .counter("ferry_test_server_total", "Test.", &[])
-            .inc();
+        crate::metrics().cache.passthrough_opens.inc();
         let (addr, task) = serve("127.0.0.1:0".parse().unwrap()).await.unwrap();
-        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
-        c.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
-            .await
-            .unwrap();
-        let mut resp = String::new();
-        c.read_to_string(&mut resp).await.unwrap();
-        assert!(resp.starts_with("HTTP/1.1 200 OK"), "{resp}");
-        assert!(resp.contains("ferry_test_server_total 1"), "{resp}");
-        let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
-        c.write_all(b"GET /other HTTP/1.1\r\n\r\n").await.unwrap();
-        let mut resp = String::new();
-        c.read_to_string(&mut resp).await.unwrap();
+        // HTTP/1.0 and read to the end, as the benchmarks' scrapers do.
+        let resp = get(addr, "GET /metrics HTTP/1.0\r\nHost: x\r\n\r\n").await;
+        assert!(resp.starts_with("HTTP/1.0 200 OK"), "{resp}");
+        assert!(
+            resp.contains("content-type: text/plain; version=0.0.4"),
+            "{resp}"
+        );
+        assert!(
+            resp.contains("\nferry_cache_passthrough_opens_total "),
+            "{resp}"
+        );
+        let resp = get(
+            addr,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: application/openmetrics-text;version=1.0.0,text/plain;q=0.5\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(
+            resp.contains("content-type: application/openmetrics-text"),
+            "{resp}"
+        );
+        assert!(resp.ends_with("# EOF\n"), "{resp}");
+        let resp = get(
+            addr,
+            "GET /other HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+        )
+        .await;
         assert!(resp.starts_with("HTTP/1.1 404"), "{resp}");
         task.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failing_accept_is_retried_with_a_pause_not_a_spin() {
+        let calls = AtomicUsize::new(0);
+        let looping = accept_loop(|| {
+            let n = calls.fetch_add(1, Ordering::Relaxed);
+            assert!(n < 1000, "accept retried in a busy loop");
+            async {
+                Err::<tokio::net::TcpStream, _>(std::io::Error::from_raw_os_error(libc::EMFILE))
+            }
+        });
+        // A minute of (paused, auto-advanced) time: ~7 doublings from 10 ms, then once a second.
+        assert!(tokio::time::timeout(Duration::from_secs(60), looping)
+            .await
+            .is_err());
+        let n = calls.load(Ordering::Relaxed);
+        assert!((55..=70).contains(&n), "{n} accepts in a minute");
     }
 }

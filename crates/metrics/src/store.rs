@@ -11,9 +11,11 @@ use ferry_store::{
     CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, PutResult, Result, StoreError,
 };
 
-use crate::{global, names};
+use crate::global::metrics;
+use crate::s3::{op_index, record_request};
 
-/// Wraps a store; everything it does is counted in the global registry.
+/// Wraps a store; every call is counted (`ferry_s3_requests_total`, by result) and timed
+/// (`ferry_s3_request_duration_seconds`), retries included; GET and PUT bytes are counted too.
 #[derive(Debug, Clone)]
 pub struct InstrumentedStore {
     inner: Arc<dyn ObjectStore>,
@@ -25,22 +27,22 @@ impl InstrumentedStore {
     }
 }
 
-/// The `result` label of an outcome.
-fn outcome<T>(r: &Result<T>) -> &'static str {
+/// The index of an outcome in [`crate::s3::RESULTS`].
+fn outcome<T>(r: &Result<T>) -> usize {
     match r {
-        Ok(_) => "ok",
+        Ok(_) => 0,
         Err(e) => match e {
-            StoreError::NotFound(_) => "not_found",
-            StoreError::NoSuchBucket(_) => "no_such_bucket",
-            StoreError::AccessDenied(_) => "access_denied",
-            StoreError::PreconditionFailed(_) => "precondition_failed",
-            StoreError::InvalidRequest(_) => "invalid_request",
-            StoreError::Throttled(_) => "throttled",
-            StoreError::Transient(_) => "transient",
-            StoreError::Corrupt(_) => "corrupt",
-            StoreError::Credentials(_) => "credentials",
-            StoreError::CredentialsUnavailable(_) => "credentials_unavailable",
-            StoreError::Other(_) => "other",
+            StoreError::NotFound(_) => 1,
+            StoreError::NoSuchBucket(_) => 2,
+            StoreError::AccessDenied(_) => 3,
+            StoreError::PreconditionFailed(_) => 4,
+            StoreError::InvalidRequest(_) => 5,
+            StoreError::Throttled(_) => 6,
+            StoreError::Transient(_) => 7,
+            StoreError::Corrupt(_) => 8,
+            StoreError::Credentials(_) => 9,
+            StoreError::CredentialsUnavailable(_) => 10,
+            StoreError::Other(_) => 11,
         },
     }
 }
@@ -48,40 +50,16 @@ fn outcome<T>(r: &Result<T>) -> &'static str {
 async fn timed<T>(op: &'static str, fut: impl Future<Output = Result<T>>) -> Result<T> {
     let start = Instant::now();
     let r = fut.await;
-    let reg = global();
-    reg.histogram(
-        names::S3_REQUEST_SECONDS,
-        "S3 request latency in seconds, by operation.",
-        &[("op", op)],
-    )
-    .observe(start.elapsed());
-    reg.counter(
-        names::S3_REQUESTS,
-        "S3 requests by operation and outcome.",
-        &[("op", op), ("result", outcome(&r))],
-    )
-    .inc();
+    record_request(op_index(op), outcome(&r), start.elapsed());
     r
 }
 
 fn bytes_in(n: usize) {
-    global()
-        .counter(
-            names::S3_BYTES_IN,
-            "Bytes received from S3 in GET bodies.",
-            &[],
-        )
-        .add(n as u64);
+    metrics().s3.received_bytes.inc_by(n as u64);
 }
 
 fn bytes_out(n: usize) {
-    global()
-        .counter(
-            names::S3_BYTES_OUT,
-            "Bytes sent to S3 in PUT and part bodies.",
-            &[],
-        )
-        .add(n as u64);
+    metrics().s3.sent_bytes.inc_by(n as u64);
 }
 
 #[async_trait]
@@ -200,35 +178,34 @@ impl ObjectStore for InstrumentedStore {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::s3::RESULTS;
     use ferry_store::MemoryStore;
+
+    #[test]
+    fn outcome_names_line_up() {
+        let r: Result<()> = Err(StoreError::Credentials("x".into()));
+        assert_eq!(RESULTS[outcome(&r)], "credentials");
+        let r: Result<()> = Err(StoreError::NotFound("x".into()));
+        assert_eq!(RESULTS[outcome(&r)], "not_found");
+    }
 
     #[tokio::test]
     async fn counts_requests_outcomes_and_bytes() {
         let mem = Arc::new(MemoryStore::new());
         mem.create_bucket("m");
         let s = InstrumentedStore::new(mem);
-        let before_in = global().counter(names::S3_BYTES_IN, "", &[]).get();
+        let before_in = metrics().s3.received_bytes.get();
         s.put("m", "k", Bytes::from_static(b"hello")).await.unwrap();
         s.get_range("m", "k", 0..5, None).await.unwrap();
         assert!(s.head("m", "missing").await.is_err());
-        let reg = global();
-        assert!(
-            reg.counter(names::S3_REQUESTS, "", &[("op", "put"), ("result", "ok")])
-                .get()
-                >= 1
-        );
-        assert!(
-            reg.counter(
-                names::S3_REQUESTS,
-                "",
-                &[("op", "head"), ("result", "not_found")]
-            )
-            .get()
-                >= 1
-        );
-        assert!(reg.counter(names::S3_BYTES_IN, "", &[]).get() >= before_in + 5);
-        assert!(reg
-            .render()
-            .contains("ferry_s3_request_duration_seconds_bucket{op=\"get\""));
+        assert!(metrics().s3.received_bytes.get() >= before_in + 5);
+        let text = crate::registry().encode_text();
+        for want in [
+            "ferry_s3_requests_total{op=\"put\",result=\"ok\"}",
+            "ferry_s3_requests_total{op=\"head\",result=\"not_found\"}",
+            "ferry_s3_request_duration_seconds_bucket{op=\"get\"",
+        ] {
+            assert!(text.contains(want), "{want} missing from\n{text}");
+        }
     }
 }

@@ -1,5 +1,5 @@
 //! `ferry-harness`: the README's demo (`demo`), the node restart check (`restart`), the csi-sanity
-//! run (`sanity`), all against the real binaries, a real S3 server on loopback and real FUSE mounts,
+//! run (`sanity`), promtool on both binaries' metrics (`metrics`), all against the real binaries, a real S3 server on loopback and real FUSE mounts,
 //! and the Kubernetes-level e2e (`kube`) on a real API server with the real csi-provisioner.
 
 use std::collections::HashMap;
@@ -78,6 +78,9 @@ enum Cmd {
         #[arg(last = true)]
         extra: Vec<String>,
     },
+    /// Both binaries' /metrics after real work (S3, node cache, FUSE) checked by
+    /// `promtool check metrics` (see ferry_e2e::metrics_check).
+    Metrics,
     /// The Kubernetes-level e2e: the chart applied to a real API server, csi-provisioner against
     /// ferry-controller, PVCs bound and published as kubelet would (see ferry_e2e::kube).
     Kube {
@@ -126,6 +129,7 @@ fn main() -> Result<()> {
                 .await
             }
             Cmd::DriverIrsa => driver_irsa().await,
+            Cmd::Metrics => ferry_e2e::metrics_check::run().await,
             Cmd::Kube {
                 kubeconfig,
                 chart,

@@ -269,11 +269,23 @@ pub fn cases(default: u32) -> u32 {
 /// The sum of every series of metric `name` in the process-wide registry whose labels contain
 /// `labels`.
 pub fn metric(name: &str, labels: &str) -> f64 {
-    ferry_metrics::global()
-        .render()
+    ferry_metrics::render()
         .lines()
         .filter(|l| !l.starts_with('#'))
         .filter(|l| l.split(['{', ' ']).next() == Some(name) && l.contains(labels))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
+}
+
+/// Polls `done` (every millisecond, for at most 10 s) until it holds; panics naming `what` if it
+/// never does. For what a mount records just after answering the kernel (operation metrics).
+pub fn wait_until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
 }
