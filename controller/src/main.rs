@@ -50,8 +50,7 @@ struct Args {
     log: String,
 }
 
-/// How long one Kubernetes API answer may take (csi-provisioner's own CreateVolume timeout is
-/// longer, so a stuck API server surfaces as this error, not as a timeout of the whole call).
+/// How long one Kubernetes API answer may take.
 const KUBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// The current context of the kubeconfig at `path`.

@@ -161,6 +161,7 @@ pub async fn run(opts: Options) -> Result<()> {
     };
     let config = load_kubeconfig(&kubeconfig).await?;
     let server = config.cluster_url.to_string();
+    let server = server.trim_end_matches('/').to_string();
     let kube = Client::try_from(config)?;
     let git_version = kube.apiserver_version().await?.git_version;
     println!("    API server {git_version} at {server}");
