@@ -384,8 +384,8 @@ const TAKEN: &str = "mount taken over";
 
 /// Seconds since the epoch of an RFC 3339 timestamp (`2026-12-01T18:55:00.303916Z`).
 fn parse_utc(ts: &str) -> Option<f64> {
-    let t = ferry_kube::time::parse_rfc3339(ts)?;
-    Some(t.duration_since(UNIX_EPOCH).ok()?.as_secs_f64())
+    let t: k8s_openapi::jiff::Timestamp = ts.parse().ok()?;
+    Some(t.as_nanosecond() as f64 / 1e9)
 }
 
 fn strip_ansi(line: &str) -> String {

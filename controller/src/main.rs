@@ -50,6 +50,18 @@ struct Args {
     log: String,
 }
 
+/// How long one Kubernetes API answer may take.
+const KUBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// The current context of the kubeconfig at `path`.
+async fn kubeconfig(path: &std::path::Path) -> anyhow::Result<kube::Config> {
+    let file = kube::config::Kubeconfig::read_from(path)
+        .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+    kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
+        .await
+        .with_context(|| format!("kubeconfig {}", path.display()))
+}
+
 fn parse_allowed_endpoints(s: &str) -> Result<AllowedEndpoints, String> {
     AllowedEndpoints::parse(s).map_err(|e| e.to_string())
 }
@@ -82,17 +94,20 @@ async fn main() -> anyhow::Result<()> {
     );
     tracing::info!(allowed = %stores.allowed_endpoints(), "volumes may name these S3 endpoints");
     let kube = if let Some(path) = &args.kubeconfig {
-        Some(ferry_kube::Config::from_kubeconfig(path, None)?)
+        Some(kubeconfig(path).await?)
     } else if std::env::var_os("KUBERNETES_SERVICE_HOST").is_some() {
-        Some(ferry_kube::Config::in_cluster()?)
+        Some(kube::Config::incluster().context("in-cluster Kubernetes configuration")?)
     } else {
         None
     };
     let mut controller = ControllerService::new(stores.clone());
     match kube {
-        Some(config) => {
-            tracing::info!(server = %config.server, source = %config.source, "reading PVC annotations from the Kubernetes API");
-            controller = controller.with_pvcs(Arc::new(ferry_kube::Client::new(config)?));
+        Some(mut config) => {
+            config.read_timeout = Some(KUBE_TIMEOUT);
+            tracing::info!(server = %config.cluster_url, "reading PVC annotations from the Kubernetes API");
+            let client =
+                kube::Client::try_from(config).context("building the Kubernetes API client")?;
+            controller = controller.with_pvcs(Arc::new(client));
         }
         None => tracing::warn!(
             "no Kubernetes API configured (--kubeconfig, or run in a pod): the {} PVC annotation is not read",

@@ -28,16 +28,21 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
 use bytes::Bytes;
-use ferry_kube::apply::describe;
-use ferry_kube::client::query;
-use ferry_kube::{Client, Config, DryRun};
 use ferry_proto::csi::v1 as pb;
 use ferry_s3::S3Store;
 use ferry_store::{ListRequest, ObjectStore};
-use ferry_testkit::kube::{tool_path, KubeCluster, KubeClusterOptions};
+use ferry_testkit::apply::{apply, describe, parse_documents, DryRun};
+use ferry_testkit::kube::{
+    create_token, load_kubeconfig, tool_path, KubeCluster, KubeClusterOptions, ServiceAccountToken,
+};
 use ferry_volume::keys;
 use futures::TryStreamExt;
+use k8s_openapi::api::core::v1::{Event, Namespace, PersistentVolume, PersistentVolumeClaim};
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::api::{DeleteParams, ListParams};
+use kube::{Api, Client};
 use pb::volume_capability::access_mode::Mode;
+use secrecy::ExposeSecret;
 use serde_json::{json, Value};
 
 use crate::{mount_capability, Plugin};
@@ -156,14 +161,16 @@ pub async fn run(opts: Options) -> Result<()> {
             (Some(c), k)
         }
     };
-    let kube = Client::new(Config::from_kubeconfig(&kubeconfig, None)?)?;
-    let version = kube.get("/version").await?;
-    let git_version = version["gitVersion"].as_str().unwrap_or("?").to_string();
-    println!("    API server {} at {}", git_version, kube.server());
+    let config = load_kubeconfig(&kubeconfig).await?;
+    let server = config.cluster_url.to_string();
+    let server = server.trim_end_matches('/').to_string();
+    let kube = Client::try_from(config)?;
+    let git_version = kube.apiserver_version().await?.git_version;
+    println!("    API server {git_version} at {server}");
 
     let ns = format!("ferry-e2e-{}", std::process::id());
     let namespace = json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
-    kube.apply(&namespace, &ns, FIELD_MANAGER, DryRun::No)
+    apply(&kube, &namespace, &ns, FIELD_MANAGER, DryRun::No)
         .await
         .context("creating the test namespace")?;
     let result = steps(
@@ -177,12 +184,14 @@ pub async fn run(opts: Options) -> Result<()> {
     .await;
     // Clean up what we created on someone else's cluster (our own one goes away entirely).
     if cluster.is_none() {
+        let classes: Api<StorageClass> = Api::all(kube.clone());
         for sc in ["delete", "retain", "datasets"] {
-            let _ = kube
-                .delete(&format!("/apis/storage.k8s.io/v1/storageclasses/{ns}-{sc}"))
+            let _ = classes
+                .delete(&format!("{ns}-{sc}"), &DeleteParams::default())
                 .await;
         }
-        let _ = kube.delete(&format!("/api/v1/namespaces/{ns}")).await;
+        let namespaces: Api<Namespace> = Api::all(kube.clone());
+        let _ = namespaces.delete(&ns, &DeleteParams::default()).await;
     }
     if let (Err(_), Some(c)) = (&result, &mut cluster) {
         println!("    control plane logs kept: {}", c.keep_dir().display());
@@ -258,7 +267,7 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
     // The pod's service account, whose token kubelet would hand the driver.
     let sa = json!({"apiVersion": "v1", "kind": "ServiceAccount",
         "metadata": {"name": "trainer", "namespace": ns}});
-    kube.apply(&sa, ns, FIELD_MANAGER, DryRun::No).await?;
+    apply(kube, &sa, ns, FIELD_MANAGER, DryRun::No).await?;
 
     say("StorageClasses: delete (k8s/${pvc.namespace}/${pvc.name}/${pv.name}), retain (k8s/${pvc.namespace}/${pvc.name}), datasets (basePrefix datasets)");
     for (suffix, base, template, policy) in [
@@ -285,7 +294,7 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
                 keys::DELETE_POLICY: policy,
             },
         });
-        kube.apply(&sc, ns, FIELD_MANAGER, DryRun::No).await?;
+        apply(kube, &sc, ns, FIELD_MANAGER, DryRun::No).await?;
     }
 
     // --- deletePolicy: delete, through a real mount -------------------------------------------
@@ -301,10 +310,7 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
     )
     .await?;
     let pv = wait_bound(kube, ns, "train", &provisioner).await?;
-    let pv_name = pv["metadata"]["name"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
+    let pv_name = pv.metadata.name.clone().unwrap_or_default();
     let prefix = pv_prefix(&pv)?;
     println!(
         "    bound to {pv_name} after {:.1} s; prefix {prefix}",
@@ -314,16 +320,13 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
         prefix == format!("k8s/{ns}/train/{pv_name}/"),
         "PV {pv_name}: prefix {prefix:?} does not follow the template k8s/${{pvc.namespace}}/${{pvc.name}}/${{pv.name}}"
     );
+    let driver = pv_csi(&pv)?.driver.clone();
     ensure!(
-        pv["spec"]["csi"]["driver"] == ferry_volume::DRIVER_NAME,
-        "PV {pv_name}: driver {}",
-        pv["spec"]["csi"]["driver"]
+        driver == ferry_volume::DRIVER_NAME,
+        "PV {pv_name}: driver {driver}"
     );
 
-    let token = kube
-        .create_token(ns, "trainer", &["sts.amazonaws.com"], 3600)
-        .await
-        .context("TokenRequest for the pod's service account")?;
+    let token = create_token(kube, ns, "trainer", &["sts.amazonaws.com"], 3600).await?;
     let target = plugin.target_path("pod-train", &pv_name)?;
     say(&format!(
         "NodePublishVolume (as kubelet) at {}",
@@ -399,10 +402,7 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
     )
     .await?;
     let pv = wait_bound(kube, ns, "notes", &provisioner).await?;
-    let pv_name = pv["metadata"]["name"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
+    let pv_name = pv.metadata.name.clone().unwrap_or_default();
     let prefix = pv_prefix(&pv)?;
     ensure!(
         prefix == format!("k8s/{ns}/notes/"),
@@ -436,10 +436,7 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
     )
     .await?;
     let pv = wait_bound(kube, ns, "imagenet", &provisioner).await?;
-    let pv_name = pv["metadata"]["name"]
-        .as_str()
-        .unwrap_or_default()
-        .to_string();
+    let pv_name = pv.metadata.name.clone().unwrap_or_default();
     let prefix = pv_prefix(&pv)?;
     ensure!(
         prefix == "datasets/imagenet/train/",
@@ -502,6 +499,8 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
         Some("k8s/shared/"),
     )
     .await?;
+    let events: Api<Event> = Api::namespaced(kube.clone(), ns);
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(kube.clone(), ns);
     for (pvc, value, why) in [
         (
             "outside",
@@ -515,17 +514,15 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
             BIND_TIMEOUT,
             || async {
                 provisioner.check_alive()?;
-                let events = kube
-                    .list(&format!(
-                        "/api/v1/namespaces/{ns}/events?fieldSelector={}",
-                        query(&format!(
-                            "involvedObject.kind=PersistentVolumeClaim,involvedObject.name={pvc}"
-                        ))
-                    ))
-                    .await?;
+                let events = events
+                    .list(&ListParams::default().fields(&format!(
+                        "involvedObject.kind=PersistentVolumeClaim,involvedObject.name={pvc}"
+                    )))
+                    .await?
+                    .items;
                 let found = events.iter().find_map(|e| {
-                    let m = e["message"].as_str().unwrap_or_default();
-                    (e["reason"] == "ProvisioningFailed"
+                    let m = e.message.as_deref().unwrap_or_default();
+                    (e.reason.as_deref() == Some("ProvisioningFailed")
                         && m.contains(keys::EXISTING_PREFIX_ANNOTATION))
                     .then(|| m.to_string())
                 });
@@ -537,21 +534,19 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
             msg.contains("InvalidArgument") && msg.contains(value) && msg.contains(why),
             "PVC {pvc}: the event does not name the code, the prefix and the reason: {msg}"
         );
-        let phase = kube
-            .get(&format!(
-                "/api/v1/namespaces/{ns}/persistentvolumeclaims/{pvc}"
-            ))
-            .await?["status"]["phase"]
-            .clone();
-        ensure!(phase == "Pending", "PVC {pvc} is {phase}, not Pending");
+        let phase = pvcs.get(pvc).await?.status.and_then(|s| s.phase);
+        ensure!(
+            phase.as_deref() == Some("Pending"),
+            "PVC {pvc} is {phase:?}, not Pending"
+        );
         println!("    {pvc}: {msg}");
     }
 
     provisioner.check_alive()?;
-    plugin.check_logs_for_secrets(&[token.token.expose()])?;
+    plugin.check_logs_for_secrets(&[token.token.expose_secret()])?;
     let prov_log = std::fs::read_to_string(&provisioner.log).unwrap_or_default();
     ensure!(
-        !prov_log.contains(token.token.expose()),
+        !prov_log.contains(token.token.expose_secret()),
         "csi-provisioner's log contains the service account token"
     );
     Ok(())
@@ -561,7 +556,7 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
 /// is also dry-run against a kube-apiserver started with `--emulated-version` of it.
 pub const MIN_KUBE_VERSION: &str = "1.33";
 
-/// Renders the chart, sends every object as a server-side dry run, then (if `apply`) applies it.
+/// Renders the chart, sends every object as a server-side dry run, then (if `persist`) applies it.
 /// With `check_min_version`, also renders it for [`MIN_KUBE_VERSION`] and dry-runs it against a
 /// second API server emulating that version.
 async fn chart(
@@ -569,7 +564,7 @@ async fn chart(
     kube: &Client,
     ns: &str,
     kube_version: &str,
-    apply: bool,
+    persist: bool,
     check_min_version: bool,
 ) -> Result<()> {
     say(&format!("helm template {}", opts.chart.display()));
@@ -588,13 +583,11 @@ async fn chart(
             controller_manager: false,
         })
         .await?;
-        let old_kube = old.client()?;
+        let old_kube = old.client().await?;
         let result = async {
             let namespace =
                 json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}});
-            old_kube
-                .apply(&namespace, ns, FIELD_MANAGER, DryRun::No)
-                .await?;
+            apply(&old_kube, &namespace, ns, FIELD_MANAGER, DryRun::No).await?;
             let objects = render(&opts.chart, ns, &format!("{MIN_KUBE_VERSION}.0"))?;
             dry_run(&old_kube, &objects, ns).await?;
             Ok::<_, anyhow::Error>(objects.len())
@@ -613,9 +606,9 @@ async fn chart(
             }
         }
     }
-    if apply {
+    if persist {
         for o in &objects {
-            kube.apply(o, ns, FIELD_MANAGER, DryRun::No)
+            apply(kube, o, ns, FIELD_MANAGER, DryRun::No)
                 .await
                 .with_context(|| format!("applying {}", describe(o)))?;
         }
@@ -653,7 +646,7 @@ fn render(chart: &Path, ns: &str, version: &str) -> Result<Vec<Value>> {
             String::from_utf8_lossy(&out.stderr)
         );
     }
-    let objects = ferry_kube::parse_documents(&String::from_utf8_lossy(&out.stdout))?;
+    let objects = parse_documents(&String::from_utf8_lossy(&out.stdout))?;
     ensure!(!objects.is_empty(), "the chart rendered no objects");
     Ok(objects)
 }
@@ -662,8 +655,8 @@ fn render(chart: &Path, ns: &str, version: &str) -> Result<Vec<Value>> {
 async fn dry_run(kube: &Client, objects: &[Value], ns: &str) -> Result<()> {
     let mut failures = Vec::new();
     for o in objects {
-        if let Err(e) = kube.apply(o, ns, FIELD_MANAGER, DryRun::All).await {
-            failures.push(format!("  {}: {e}", describe(o)));
+        if let Err(e) = apply(kube, o, ns, FIELD_MANAGER, DryRun::All).await {
+            failures.push(format!("  {e}"));
         }
     }
     if !failures.is_empty() {
@@ -697,31 +690,32 @@ async fn create_pvc(
     if let Some(p) = existing_prefix {
         pvc["metadata"]["annotations"] = json!({ keys::EXISTING_PREFIX_ANNOTATION: p });
     }
-    kube.apply(&pvc, ns, FIELD_MANAGER, DryRun::No)
+    apply(kube, &pvc, ns, FIELD_MANAGER, DryRun::No)
         .await
         .with_context(|| format!("creating PVC {ns}/{name}"))?;
     Ok(())
 }
 
 /// Waits for PVC `ns/name` to be Bound and returns its PV.
-async fn wait_bound(kube: &Client, ns: &str, name: &str, provisioner: &Proc) -> Result<Value> {
+async fn wait_bound(
+    kube: &Client,
+    ns: &str,
+    name: &str,
+    provisioner: &Proc,
+) -> Result<PersistentVolume> {
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(kube.clone(), ns);
     let pv_name = wait_for(&format!("PVC {ns}/{name} Bound"), BIND_TIMEOUT, || async {
         provisioner.check_alive()?;
-        let pvc = kube
-            .get(&format!(
-                "/api/v1/namespaces/{ns}/persistentvolumeclaims/{name}"
-            ))
-            .await?;
-        let phase = pvc["status"]["phase"].as_str().unwrap_or("?").to_string();
-        match pvc["spec"]["volumeName"].as_str() {
-            Some(pv) if phase == "Bound" => Ok(Ok(pv.to_string())),
+        let pvc = pvcs.get(name).await?;
+        let phase = pvc.status.and_then(|s| s.phase).unwrap_or("?".into());
+        match pvc.spec.and_then(|s| s.volume_name) {
+            Some(pv) if phase == "Bound" => Ok(Ok(pv)),
             _ => Ok(Err(format!("phase {phase}"))),
         }
     })
     .await?;
-    Ok(kube
-        .get(&format!("/api/v1/persistentvolumes/{pv_name}"))
-        .await?)
+    let pvs: Api<PersistentVolume> = Api::all(kube.clone());
+    Ok(pvs.get(&pv_name).await?)
 }
 
 /// Deletes PVC `ns/name` and waits until its PV is gone (csi-provisioner called DeleteVolume).
@@ -732,66 +726,63 @@ async fn delete_pvc_and_wait(
     pv: &str,
     provisioner: &Proc,
 ) -> Result<()> {
-    kube.delete(&format!(
-        "/api/v1/namespaces/{ns}/persistentvolumeclaims/{name}"
-    ))
-    .await?;
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(kube.clone(), ns);
+    pvcs.delete(name, &DeleteParams::default()).await?;
+    let pvs: Api<PersistentVolume> = Api::all(kube.clone());
     wait_for(&format!("PV {pv} deleted"), DELETE_TIMEOUT, || async {
         provisioner.check_alive()?;
-        Ok(
-            match kube
-                .get_opt(&format!("/api/v1/persistentvolumes/{pv}"))
-                .await?
-            {
-                None => Ok(()),
-                Some(v) => Err(format!(
-                    "phase {}",
-                    v["status"]["phase"].as_str().unwrap_or("?")
-                )),
-            },
-        )
+        Ok(match pvs.get_opt(pv).await? {
+            None => Ok(()),
+            Some(v) => Err(format!(
+                "phase {}",
+                v.status.and_then(|s| s.phase).unwrap_or("?".into())
+            )),
+        })
     })
     .await
 }
 
-fn pv_handle(pv: &Value) -> Result<String> {
-    pv["spec"]["csi"]["volumeHandle"]
-        .as_str()
-        .map(str::to_string)
-        .context("the PV has no spec.csi.volumeHandle")
+/// The CSI source of a PV.
+fn pv_csi(pv: &PersistentVolume) -> Result<&k8s_openapi::api::core::v1::CSIPersistentVolumeSource> {
+    pv.spec
+        .as_ref()
+        .and_then(|s| s.csi.as_ref())
+        .context("the PV has no spec.csi")
 }
 
-fn pv_prefix(pv: &Value) -> Result<String> {
-    pv["spec"]["csi"]["volumeAttributes"][keys::PREFIX]
-        .as_str()
-        .map(str::to_string)
+fn pv_handle(pv: &PersistentVolume) -> Result<String> {
+    Ok(pv_csi(pv)?.volume_handle.clone())
+}
+
+fn pv_prefix(pv: &PersistentVolume) -> Result<String> {
+    pv_csi(pv)?
+        .volume_attributes
+        .as_ref()
+        .and_then(|a| a.get(keys::PREFIX))
+        .cloned()
         .context("the PV's volumeAttributes carry no prefix")
 }
 
 /// The NodePublishVolume kubelet sends for `pv` in pod `pod` (CSIDriver `podInfoOnMount` and
 /// `tokenRequests` on): the PV's attributes, pod info, and the service account token.
 fn publish_request(
-    pv: &Value,
+    pv: &PersistentVolume,
     target: &Path,
     ns: &str,
     pod: &str,
-    token: &ferry_kube::ServiceAccountToken,
+    token: &ServiceAccountToken,
     mode: Mode,
 ) -> Result<pb::NodePublishVolumeRequest> {
-    let mut ctx: HashMap<String, String> = pv["spec"]["csi"]["volumeAttributes"]
-        .as_object()
+    let mut ctx: HashMap<String, String> = pv_csi(pv)?
+        .volume_attributes
+        .clone()
         .context("the PV has no volumeAttributes")?
-        .iter()
-        .filter_map(|(k, v)| v.as_str().map(|v| (k.clone(), v.to_string())))
+        .into_iter()
         .collect();
-    let expiry = token
-        .expiration
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or_default();
+    // The expiry as kubelet writes it: Kubernetes' RFC 3339 form of the TokenRequest's answer.
     let tokens = json!({ "sts.amazonaws.com": {
-        "token": token.token.expose(),
-        "expirationTimestamp": rfc3339(expiry),
+        "token": token.token.expose_secret(),
+        "expirationTimestamp": token.expiration,
     }});
     for (k, v) in [
         (keys::POD_NAME, pod.to_string()),
@@ -806,10 +797,12 @@ fn publish_request(
     ] {
         ctx.insert(k.to_string(), v);
     }
-    let flags: Vec<&str> = pv["spec"]["mountOptions"]
-        .as_array()
-        .map(|a| a.iter().filter_map(Value::as_str).collect())
+    let options = pv
+        .spec
+        .as_ref()
+        .and_then(|s| s.mount_options.clone())
         .unwrap_or_default();
+    let flags: Vec<&str> = options.iter().map(String::as_str).collect();
     Ok(pb::NodePublishVolumeRequest {
         volume_id: pv_handle(pv)?,
         target_path: target.display().to_string(),
@@ -818,27 +811,6 @@ fn publish_request(
         volume_context: ctx,
         ..Default::default()
     })
-}
-
-/// `YYYY-MM-DDTHH:MM:SSZ` of a Unix time (civil-from-days, Howard Hinnant's algorithm).
-fn rfc3339(secs: u64) -> String {
-    let days = (secs / 86_400) as i64;
-    let rem = secs % 86_400;
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
 }
 
 async fn read_object(s3: &S3Store, key: &str) -> Result<Bytes> {
@@ -859,22 +831,4 @@ async fn count(s3: &S3Store, prefix: &str) -> Result<usize> {
         .try_fold(0, |n, page| async move { Ok(n + page.objects.len()) })
         .await?;
     Ok(n)
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn rfc3339_round_trips_through_the_client_parser() {
-        for secs in [0u64, 951_868_800, 1_796_030_400, 4_102_444_799] {
-            let s = super::rfc3339(secs);
-            let back = ferry_kube::time::parse_rfc3339(&s).unwrap();
-            assert_eq!(
-                back.duration_since(std::time::UNIX_EPOCH)
-                    .unwrap()
-                    .as_secs(),
-                secs,
-                "{s}"
-            );
-        }
-    }
 }

@@ -8,7 +8,7 @@
 //! secrets.
 //!
 //! The pods' ServiceAccounts live in a real kube-apiserver (testkit's `KubeCluster`), read by the
-//! node through ferry-kube as in production, and their tokens come from its TokenRequest API for
+//! node through kube as in production, and their tokens come from its TokenRequest API for
 //! the audiences the CSIDriver declares. moto does not verify web identity tokens; the Pod
 //! Identity stand-in accepts only the tokens associated with a role.
 
@@ -27,15 +27,16 @@ use ferry_creds::{
 };
 use ferry_csi::stores::S3Stores;
 use ferry_e2e::{mount_capability, ControllerClient, NodeClient};
-use ferry_kube::DryRun;
 use ferry_node::accounts::KubeServiceAccounts;
 use ferry_node::mounts::MountTable;
 use ferry_node::{NodeConfig, NodeService, PodAuth};
 use ferry_proto::csi::v1 as pb;
-use ferry_testkit::kube::KubeCluster;
+use ferry_testkit::apply::{apply, DryRun};
+use ferry_testkit::kube::{create_token, KubeCluster};
 use ferry_testkit::{MotoServer, PodIdentityAgent};
 use ferry_volume::{keys, Endpoint, MetadataTtl};
 use pb::volume_capability::access_mode::Mode;
+use secrecy::ExposeSecret;
 use tonic::transport::Channel;
 use tonic::Code;
 
@@ -75,7 +76,7 @@ struct Env {
     _moto: MotoServer,
     agent: PodIdentityAgent,
     _cluster: KubeCluster,
-    kube: ferry_kube::Client,
+    kube: kube::Client,
     dir: tempfile::TempDir,
     ctrl: ControllerClient<Channel>,
     node: NodeClient<Channel>,
@@ -121,9 +122,9 @@ impl Env {
         };
         let stores = Arc::new(S3Stores::new(defaults));
         let cluster = KubeCluster::start().await.unwrap_or_else(|e| panic!("{e}"));
-        let kube = cluster.client().unwrap();
+        let kube = cluster.client().await.unwrap();
         let ns = serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ml"}});
-        kube.apply(&ns, "default", "ferry-test", DryRun::No)
+        apply(&kube, &ns, "default", "ferry-test", DryRun::No)
             .await
             .unwrap();
         let mut provider = ProviderSettings::load(None).await;
@@ -134,7 +135,7 @@ impl Env {
             .build();
         let pod_auth = PodAuth {
             // The node reads ServiceAccounts with its own client, as in production.
-            accounts: Arc::new(KubeServiceAccounts(cluster.client().unwrap())),
+            accounts: Arc::new(KubeServiceAccounts(cluster.client().await.unwrap())),
             cache: PodCredentialCache::new(provider),
             settings: PodSettings {
                 pod_identity_agent_url: agent.url(),
@@ -173,21 +174,17 @@ impl Env {
         }
         let sa = serde_json::json!({"apiVersion": "v1", "kind": "ServiceAccount",
             "metadata": {"name": name, "namespace": "ml", "annotations": annotations}});
-        self.kube
-            .apply(&sa, "ml", "ferry-test", DryRun::No)
+        apply(&self.kube, &sa, "ml", "ferry-test", DryRun::No)
             .await
             .unwrap();
     }
 
     /// A token for `ml/<sa>` from the TokenRequest API, as kubelet gets for `tokenRequests`.
     async fn token(&self, sa: &str, audience: &str) -> String {
-        self.kube
-            .create_token("ml", sa, &[audience], 3600)
+        let t = create_token(&self.kube, "ml", sa, &[audience], 3600)
             .await
-            .unwrap()
-            .token
-            .expose()
-            .to_string()
+            .unwrap();
+        t.token.expose_secret().to_string()
     }
 
     /// kubelet's tokens value for a pod of `ml/<sa>`: one token per declared audience.

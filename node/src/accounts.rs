@@ -1,12 +1,14 @@
-//! [`KubeServiceAccounts`]: the pods' ServiceAccount annotations from the Kubernetes API (ferry-kube),
+//! [`KubeServiceAccounts`]: the pods' ServiceAccount annotations from the Kubernetes API (kube),
 //! for `authenticationSource: pod`. The node plugin's RBAC needs only `get` on `serviceaccounts`.
 
 use std::collections::HashMap;
 
 use ferry_creds::{CredsError, ServiceAccounts};
+use k8s_openapi::api::core::v1::ServiceAccount;
+use kube::Api;
 
-/// Reads ServiceAccounts with a ferry-kube client.
-pub struct KubeServiceAccounts(pub ferry_kube::Client);
+/// Reads ServiceAccounts with a kube client.
+pub struct KubeServiceAccounts(pub kube::Client);
 
 #[async_trait::async_trait]
 impl ServiceAccounts for KubeServiceAccounts {
@@ -15,17 +17,74 @@ impl ServiceAccounts for KubeServiceAccounts {
         namespace: &str,
         name: &str,
     ) -> Result<HashMap<String, String>, CredsError> {
-        match self.0.get_service_account(namespace, name).await {
-            Ok(a) => Ok(a.into_iter().collect()),
-            Err(e) if e.is_not_found() => Err(CredsError::Invalid(format!(
+        // kube builds the URL path from these as they are: keep them to one path segment each.
+        if !is_path_segment(namespace) || !is_path_segment(name) {
+            return Err(CredsError::Unavailable(format!(
+                "reading service account {namespace}/{name}: not a valid namespace and name"
+            )));
+        }
+        let accounts: Api<ServiceAccount> = Api::namespaced(self.0.clone(), namespace);
+        let e = match accounts.get(name).await {
+            Ok(sa) => {
+                return Ok(sa
+                    .metadata
+                    .annotations
+                    .unwrap_or_default()
+                    .into_iter()
+                    .collect())
+            }
+            Err(e) => e,
+        };
+        Err(match &e {
+            kube::Error::Api(s) if s.code == 404 => CredsError::Invalid(format!(
                 "service account {namespace}/{name} does not exist"
-            ))),
-            Err(e) if e.status() == Some(403) => Err(CredsError::Unavailable(format!(
-                "the node plugin may not read service account {namespace}/{name} (its RBAC needs get on serviceaccounts): {e}"
-            ))),
-            Err(e) => Err(CredsError::Unavailable(format!(
-                "reading service account {namespace}/{name}: {e}"
-            ))),
+            )),
+            kube::Error::Api(s) if s.code == 403 => CredsError::Unavailable(format!(
+                "the node plugin may not read service account {namespace}/{name} (its RBAC needs get on serviceaccounts): {}",
+                describe(&e)
+            )),
+            _ => CredsError::Unavailable(format!(
+                "reading service account {namespace}/{name}: {}",
+                describe(&e)
+            )),
+        })
+    }
+}
+
+/// A namespace or object name that stays one URL path segment.
+fn is_path_segment(s: &str) -> bool {
+    !(s.is_empty() || s == "." || s == ".." || s.contains(['/', '?', '#', '%']))
+}
+
+/// A Kubernetes API error as a user reads it: the API server's status, reason and message, or the
+/// transport failure with its causes ("connection refused" is not hidden behind "client error").
+fn describe(e: &kube::Error) -> String {
+    if let kube::Error::Api(s) = e {
+        return format!("HTTP {} {}: {}", s.code, s.reason, s.message);
+    }
+    let mut out = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        let c_text = c.to_string();
+        // kube's variants print their source too: don't say it twice.
+        if !out.ends_with(&c_text) {
+            out.push_str(": ");
+            out.push_str(&c_text);
+        }
+        cause = c.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_stay_one_path_segment() {
+        assert!(is_path_segment("trainer"));
+        for bad in ["", "a/b", "a?b", "..", "a%2F", "a#b"] {
+            assert!(!is_path_segment(bad), "{bad}");
         }
     }
 }

@@ -1,6 +1,6 @@
 //! `ferry-node`: the CSI node plugin (`serve`) and a standalone `mount` command.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -81,8 +81,8 @@ struct ServeArgs {
     #[arg(long, env = "FERRY_POD_IDENTITY_AGENT_URL", default_value = ferry_creds::DEFAULT_POD_IDENTITY_AGENT_URL)]
     pod_identity_agent_url: String,
     /// Kubeconfig for the Kubernetes API (ServiceAccount reads for `authenticationSource: pod`);
-    /// default: `$KUBECONFIG`, else in-cluster, else `~/.kube/config`. Without any, pod-level
-    /// volumes are refused.
+    /// default: `$KUBECONFIG` (its files merged), else `~/.kube/config`, else in-cluster. Without
+    /// any, pod-level volumes are refused.
     #[arg(long)]
     kubeconfig: Option<PathBuf>,
     /// Pod-level credentials are renewed this many seconds before they expire.
@@ -310,26 +310,43 @@ fn daemonize() -> anyhow::Result<()> {
     }
 }
 
+/// How long one Kubernetes API answer may take.
+const KUBE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The current context of the kubeconfig at `path`.
+async fn kubeconfig(path: &Path) -> anyhow::Result<kube::Config> {
+    let file = kube::config::Kubeconfig::read_from(path)
+        .with_context(|| format!("reading kubeconfig {}", path.display()))?;
+    kube::Config::from_custom_kubeconfig(file, &kube::config::KubeConfigOptions::default())
+        .await
+        .with_context(|| format!("kubeconfig {}", path.display()))
+}
+
 /// What `authenticationSource: pod` volumes need: the Kubernetes API (ServiceAccount reads), the
 /// STS client settings and the Pod Identity agent. `None` when no Kubernetes configuration is
 /// found (such volumes are then refused with FailedPrecondition); an explicit `--kubeconfig` that
 /// does not load is an error.
 async fn pod_auth(a: &ServeArgs) -> anyhow::Result<Option<PodAuth>> {
-    let client = match ferry_kube::Client::infer(a.kubeconfig.as_deref()) {
-        Ok(c) => c,
-        Err(e) if a.kubeconfig.is_some() => return Err(e).context("loading --kubeconfig"),
-        Err(e) => {
-            tracing::warn!(error = %e, "no Kubernetes API access: authenticationSource: pod volumes will be refused");
-            return Ok(None);
-        }
+    let mut config = match &a.kubeconfig {
+        Some(path) => kubeconfig(path).await.context("loading --kubeconfig")?,
+        None => match kube::Config::infer().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "no Kubernetes API access: authenticationSource: pod volumes will be refused");
+                return Ok(None);
+            }
+        },
     };
+    config.read_timeout = Some(KUBE_TIMEOUT);
+    let server = config.cluster_url.to_string();
+    let client = kube::Client::try_from(config).context("building the Kubernetes API client")?;
     let http = match &a.ca_bundle {
         Some(p) => Some(ferry_s3::https_client_with_ca_bundle(p).map_err(anyhow::Error::msg)?),
         None => None,
     };
     let mut provider = ferry_creds::ProviderSettings::load(http).await;
     provider.refresh_before = Duration::from_secs(a.credential_refresh_before);
-    tracing::info!(server = %client.server(), "pod-level credentials enabled");
+    tracing::info!(%server, "pod-level credentials enabled");
     Ok(Some(PodAuth {
         accounts: Arc::new(ferry_node::accounts::KubeServiceAccounts(client)),
         cache: ferry_creds::PodCredentialCache::new(provider),

@@ -13,7 +13,7 @@ pub struct PodRef {
     pub service_account: String,
 }
 
-/// Reads a ServiceAccount's annotations (ferry-kube in the node plugin).
+/// Reads a ServiceAccount's annotations (the Kubernetes API in the node plugin).
 #[async_trait::async_trait]
 pub trait ServiceAccounts: Send + Sync + 'static {
     /// The annotations of `namespace/name`; a missing ServiceAccount is [`CredsError::Invalid`].

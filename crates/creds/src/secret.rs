@@ -1,14 +1,31 @@
-//! Values that must never be printed: [`Secret`] (ferry-kube's), and [`StaticKeys`] read from a
-//! Kubernetes Secret.
+//! Values that must never be printed: [`Secret`], and [`StaticKeys`] read from a Kubernetes
+//! Secret.
 
 use std::collections::{BTreeSet, HashMap};
 use std::fmt;
 
 use crate::CredsError;
 
-/// A string that never prints (`Debug` shows `<redacted>`, no `Display`): ferry-kube's, so a
-/// token read from the Kubernetes API and one passed to STS are one type.
-pub use ferry_kube::Secret;
+/// A credential (token, key, password): `Debug` shows `<redacted>`, no `Display`, read only
+/// through [`Secret::expose`].
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(s: impl Into<String>) -> Self {
+        Secret(s.into())
+    }
+    /// The secret itself: pass it on, never log it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("<redacted>")
+    }
+}
 
 /// Secret keys for the access key id, in the order they are looked up: Ferry's own names first,
 /// then the names Mountpoint's S3 CSI driver uses (`key_id`, `access_key`), so its Secrets work

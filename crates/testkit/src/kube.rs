@@ -9,7 +9,7 @@
 //!
 //! The API server accepts service account tokens for the audiences in [`API_AUDIENCES`] (its own
 //! issuer, `sts.amazonaws.com` for IRSA, `pods.eks.amazonaws.com` for EKS Pod Identity), so
-//! TokenRequest can issue what kubelet would hand a CSI driver.
+//! TokenRequest can issue what kubelet would hand a CSI driver ([`create_token`]).
 
 use std::fs::File;
 use std::net::{SocketAddr, TcpStream};
@@ -17,8 +17,15 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use ferry_kube::{Client, Config};
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::ServiceAccount;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+use kube::api::PostParams;
+use kube::config::{KubeConfigOptions, Kubeconfig};
+use kube::{Api, Client, Config};
+use secrecy::SecretString;
 
+use crate::apply::describe_error;
 use crate::{free_port, read_log};
 
 /// The service account issuer of the test cluster.
@@ -224,8 +231,8 @@ impl KubeCluster {
         args.extend(emulated);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         cluster.spawn("kube-apiserver", &apiserver, &args)?;
-        let client = cluster.client()?;
         cluster.write_kubeconfig(&pki)?;
+        let client = cluster.client().await?;
         cluster.wait_ready(&client).await?;
         cluster
             .startup
@@ -284,24 +291,14 @@ impl KubeCluster {
         read_log(&self.path.join(format!("{name}.log")))
     }
 
+    /// The admin configuration: the current context of [`KubeCluster::kubeconfig`].
+    pub async fn config(&self) -> Result<Config> {
+        load_kubeconfig(&self.kubeconfig).await
+    }
+
     /// An admin client.
-    pub fn client(&self) -> Result<Client> {
-        let pki = self.path.join("pki");
-        let read =
-            |f: &str| std::fs::read(pki.join(f)).map_err(|e| setup(&format!("reading pki/{f}"), e));
-        Client::new(Config {
-            server: self.server(),
-            ca_pem: Some(read("ca.crt")?),
-            auth: ferry_kube::Auth::ClientCert {
-                cert_pem: read("admin.crt")?,
-                key_pem: ferry_kube::Secret::new(
-                    String::from_utf8(read("admin.key")?).unwrap_or_default(),
-                ),
-            },
-            namespace: "default".into(),
-            source: "KubeCluster admin".into(),
-        })
-        .map_err(|e| setup("building the admin client", e))
+    pub async fn client(&self) -> Result<Client> {
+        Client::try_from(self.config().await?).map_err(|e| setup("building the admin client", e))
     }
 
     fn write_kubeconfig(&self, pki: &Path) -> Result<()> {
@@ -385,9 +382,12 @@ impl KubeCluster {
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
             self.check_alive()?;
-            let last = match client.readyz().await {
-                Ok(()) => return Ok(()),
-                Err(e) => e.to_string(),
+            let readyz = http::Request::get("/readyz")
+                .body(Vec::new())
+                .expect("a static request");
+            let last = match client.request_text(readyz).await {
+                Ok(_) => return Ok(()),
+                Err(e) => describe_error(&e),
             };
             if Instant::now() > deadline {
                 return Err(self.not_ready(
@@ -405,13 +405,11 @@ impl KubeCluster {
         let deadline = Instant::now() + READY_TIMEOUT;
         loop {
             self.check_alive()?;
-            let last = match client
-                .get_opt("/api/v1/namespaces/default/serviceaccounts/default")
-                .await
-            {
+            let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), "default");
+            let last = match accounts.get_opt("default").await {
                 Ok(Some(_)) => return Ok(()),
                 Ok(None) => "no default ServiceAccount yet".to_string(),
-                Err(e) => e.to_string(),
+                Err(e) => describe_error(&e),
             };
             if Instant::now() > deadline {
                 return Err(self.not_ready(
@@ -432,6 +430,74 @@ impl Drop for KubeCluster {
             let _ = child.wait();
         }
     }
+}
+
+/// The current context of the kubeconfig at `path` (ours, or another cluster's for the e2e).
+pub async fn load_kubeconfig(path: &Path) -> Result<Config> {
+    let step = |what: &str| format!("{what} kubeconfig {}", path.display());
+    let file = Kubeconfig::read_from(path).map_err(|e| setup(&step("reading"), e))?;
+    Config::from_custom_kubeconfig(file, &KubeConfigOptions::default())
+        .await
+        .map_err(|e| setup(&step("loading"), e))
+}
+
+/// A token issued by the TokenRequest API. `Debug` does not show the token.
+#[derive(Debug, Clone)]
+pub struct ServiceAccountToken {
+    pub token: SecretString,
+    /// When the API server says it expires (it may shorten or lengthen what was asked).
+    pub expiration: Time,
+}
+
+/// A TokenRequest that failed, naming the service account.
+#[derive(Debug, thiserror::Error)]
+#[error("TokenRequest for service account {namespace}/{service_account}: {reason}")]
+pub struct TokenRequestError {
+    pub namespace: String,
+    pub service_account: String,
+    pub reason: String,
+}
+
+/// A token for `namespace/service_account` from the TokenRequest API (the `token` subresource),
+/// for `audiences`, valid for `expiration_seconds`: what kubelet hands a CSI driver for the
+/// CSIDriver's `tokenRequests`.
+pub async fn create_token(
+    client: &Client,
+    namespace: &str,
+    service_account: &str,
+    audiences: &[&str],
+    expiration_seconds: i64,
+) -> std::result::Result<ServiceAccountToken, TokenRequestError> {
+    let fail = |reason: String| TokenRequestError {
+        namespace: namespace.to_string(),
+        service_account: service_account.to_string(),
+        reason,
+    };
+    let request = TokenRequest {
+        spec: Some(TokenRequestSpec {
+            audiences: Some(audiences.iter().map(|a| a.to_string()).collect()),
+            expiration_seconds: Some(expiration_seconds),
+            ..Default::default()
+        }),
+        ..Default::default()
+    };
+    let accounts: Api<ServiceAccount> = Api::namespaced(client.clone(), namespace);
+    let answer = accounts
+        .create_token_request(service_account, &PostParams::default(), &request)
+        .await
+        .map_err(|e| fail(describe_error(&e)))?;
+    let status = answer.status.unwrap_or_default();
+    let token = status
+        .token
+        .filter(|t| !t.is_empty())
+        .ok_or_else(|| fail("the answer has no status.token".into()))?;
+    let expiration = status
+        .expiration_timestamp
+        .ok_or_else(|| fail("the answer has no status.expirationTimestamp".into()))?;
+    Ok(ServiceAccountToken {
+        token: SecretString::from(token),
+        expiration,
+    })
 }
 
 fn tool(name: &str) -> Result<PathBuf> {

@@ -1,6 +1,7 @@
 //! Test helpers shared by the workspace's integration tests: [`S3Server`] runs a real S3 server
 //! (versitygw) on loopback for the duration of a test, [`FaultProxy`] breaks chosen responses on
-//! the way to it, [`kube::KubeCluster`] runs a real Kubernetes control plane, [`MotoServer`] moto
+//! the way to it, [`kube::KubeCluster`] runs a real Kubernetes control plane ([`apply`] applies
+//! manifests to it), [`MotoServer`] moto
 //! (S3 that enforces signatures and IAM policies, STS, IAM) and [`PodIdentityAgent`] an EKS Pod
 //! Identity agent stand-in for the credentials tests, and [`init_tracing`] sets up logging.
 //!
@@ -24,6 +25,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+pub mod apply;
 pub mod kube;
 
 use ferry_s3::{S3Config, S3Credentials, S3Options, S3Store};

@@ -314,7 +314,7 @@ async fn driver_irsa() -> Result<()> {
     let cluster = ferry_testkit::kube::KubeCluster::start()
         .await
         .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let kube = cluster.client().map_err(|e| anyhow::anyhow!("{e}"))?;
+    let kube = cluster.client().await?;
     // The projected token as EKS mounts it: a private directory, a 0600 file.
     let private = tempfile::Builder::new().prefix("ferry-irsa-").tempdir()?;
     let token_dir = private.path().join("eks.amazonaws.com/serviceaccount");
@@ -425,9 +425,15 @@ async fn driver_irsa() -> Result<()> {
     let apply = |obj: serde_json::Value| {
         let kube = kube.clone();
         async move {
-            kube.apply(&obj, "ml", "ferry-harness", ferry_kube::DryRun::No)
-                .await
-                .map_err(|e| anyhow::anyhow!("{e}"))
+            ferry_testkit::apply::apply(
+                &kube,
+                &obj,
+                "ml",
+                "ferry-harness",
+                ferry_testkit::apply::DryRun::No,
+            )
+            .await
+            .map(drop)
         }
     };
     apply(serde_json::json!({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": "ml"}}))
@@ -466,11 +472,8 @@ async fn driver_irsa() -> Result<()> {
     for round in 0..2 {
         let mut tokens = Vec::new();
         for aud in ["sts.amazonaws.com", "pods.eks.amazonaws.com"] {
-            let t = kube
-                .create_token("ml", "reader", &[aud], 3600)
-                .await
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
-            tokens.push(t.token.expose().to_string());
+            let t = ferry_testkit::kube::create_token(&kube, "ml", "reader", &[aud], 3600).await?;
+            tokens.push(secrecy::ExposeSecret::expose_secret(&t.token).to_string());
         }
         node.node_publish_volume(pb::NodePublishVolumeRequest {
             volume_id: "pv-pod".into(),
