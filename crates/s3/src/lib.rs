@@ -300,7 +300,9 @@ impl S3Store {
             .region()
             .map(|r| r.to_string())
             .unwrap_or_else(|| "us-east-1".into());
-        let endpoint_id = match shared.endpoint_url() {
+        // The one endpoint URL of the client, the raw GET path and the cache key.
+        let endpoint_url = s3_endpoint_url(&shared);
+        let endpoint_id = match &endpoint_url {
             Some(url) => url.to_owned(),
             None => format!("aws:{region}"),
         };
@@ -316,7 +318,9 @@ impl S3Store {
             base: opts.time_source.clone().unwrap_or_default(),
             skew: Arc::new(ClockSkew::default()),
         };
-        let s3 = aws_sdk_s3::config::Builder::from(&shared)
+        let mut s3 = aws_sdk_s3::config::Builder::from(&shared);
+        s3.set_endpoint_url(endpoint_url.clone());
+        let s3 = s3
             .force_path_style(cfg.force_path_style)
             .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
             .response_checksum_validation(ResponseChecksumValidation::WhenRequired)
@@ -333,7 +337,7 @@ impl S3Store {
             (true, Some(credentials)) => {
                 let endpoint = raw_get::EndpointConfig {
                     region: region.clone(),
-                    endpoint_url: shared.endpoint_url().map(str::to_owned),
+                    endpoint_url,
                     force_path_style: cfg.force_path_style,
                     use_fips: shared.use_fips().unwrap_or(false),
                     use_dual_stack: shared.use_dual_stack().unwrap_or(false),
@@ -624,6 +628,25 @@ impl S3Store {
         )
         .await
     }
+}
+
+/// The S3 endpoint URL as the SDK's S3 client would take it from `shared`: one given in code, else
+/// `AWS_ENDPOINT_URL_S3` (or the profile's `s3.endpoint_url`), else `AWS_ENDPOINT_URL`. It is set
+/// explicitly on the client so that the raw GET path and [`S3Store::endpoint_id`] use the same.
+fn s3_endpoint_url(shared: &aws_config::SdkConfig) -> Option<String> {
+    if shared.get_origin("endpoint_url").is_client_config() {
+        return shared.endpoint_url().map(str::to_owned);
+    }
+    let key = aws_types::service_config::ServiceConfigKey::builder()
+        .service_id("S3")
+        .env("AWS_ENDPOINT_URL")
+        .profile("endpoint_url")
+        .build()
+        .expect("all fields set");
+    shared
+        .service_config()
+        .and_then(|c| c.load_config(key))
+        .or_else(|| shared.endpoint_url().map(str::to_owned))
 }
 
 /// The SDK timeouts for attempts of at most `attempt`.
