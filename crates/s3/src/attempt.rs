@@ -1,21 +1,25 @@
 //! [`Attempt`]: what one HTTP attempt reports to [`crate::S3Config::on_attempt`], on both request
-//! paths; and the SDK interceptor that reports the SDK path's attempts and feeds their responses'
-//! `Date` to the raw path's [`ClockSkew`].
+//! paths; the SDK interceptor that reports the SDK path's attempts, feeds their responses' `Date`
+//! to the one [`crate::skew::ClockSkew`] and marks responses to requests signed far off the
+//! server's time ([`SignedOff`]); and the SDK retry classifier that retries a 403 so marked.
 
 use std::fmt;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use aws_sdk_s3::config::interceptors::{
-    BeforeDeserializationInterceptorContextRef, BeforeTransmitInterceptorContextRef,
-    FinalizerInterceptorContextRef,
+    BeforeDeserializationInterceptorContextMut, BeforeTransmitInterceptorContextRef,
+    FinalizerInterceptorContextRef, InterceptorContext,
 };
+use aws_sdk_s3::config::retry::{ClassifyRetry, RetryAction};
 use aws_sdk_s3::config::{ConfigBag, Intercept, RuntimeComponents};
 use aws_smithy_runtime_api::box_error::BoxError;
 use aws_smithy_runtime_api::client::orchestrator::Metadata;
+use aws_smithy_runtime_api::client::retries::classifiers::RetryClassifierPriority;
 use aws_smithy_types::config_bag::{Storable, StoreReplace};
+use aws_smithy_types::retry::ErrorKind;
 
-use crate::skew::ClockSkew;
+use crate::skew::{CorrectedClock, SignedOff};
 
 /// One HTTP attempt of an S3 request: the operation (`"GetObject"`, `"ListObjectsV2"`, ...), the
 /// response status (`None`: no HTTP response — a connection failure or a timeout) and the time
@@ -52,11 +56,12 @@ fn op_label(name: &str) -> &'static str {
 }
 
 /// When the current attempt's request went out: the monotonic clock for [`Attempt::elapsed`], the
-/// client's `TimeSource` for the skew.
+/// node's own clock for the skew, and the skew it was signed with.
 #[derive(Debug, Clone, Copy)]
 struct Sent {
     at: Instant,
-    time: Option<SystemTime>,
+    time: SystemTime,
+    applied: i64,
 }
 
 impl Storable for Sent {
@@ -66,7 +71,7 @@ impl Storable for Sent {
 /// Reports every attempt of the SDK path to the hook and records the skew its response shows.
 pub(crate) struct AttemptInterceptor {
     pub hook: Option<OnAttempt>,
-    pub skew: Arc<ClockSkew>,
+    pub clock: CorrectedClock,
 }
 
 impl fmt::Debug for AttemptInterceptor {
@@ -85,27 +90,34 @@ impl Intercept for AttemptInterceptor {
     fn read_before_transmit(
         &self,
         _ctx: &BeforeTransmitInterceptorContextRef<'_>,
-        rc: &RuntimeComponents,
+        _rc: &RuntimeComponents,
         cfg: &mut ConfigBag,
     ) -> Result<(), BoxError> {
-        let time = rc.time_source().map(|t| t.now());
+        // Signed just before, at the clock corrected by this skew.
         cfg.interceptor_state().store_put(Sent {
             at: Instant::now(),
-            time,
+            time: self.clock.base.now(),
+            applied: self.clock.skew.get(),
         });
         Ok(())
     }
 
-    fn read_before_deserialization(
+    fn modify_before_deserialization(
         &self,
-        ctx: &BeforeDeserializationInterceptorContextRef<'_>,
-        rc: &RuntimeComponents,
+        ctx: &mut BeforeDeserializationInterceptorContextMut<'_>,
+        _rc: &RuntimeComponents,
         cfg: &mut ConfigBag,
     ) -> Result<(), BoxError> {
-        let sent = cfg.load::<Sent>().and_then(|s| s.time);
-        let now = rc.time_source().map(|t| t.now());
-        if let (Some(sent), Some(now)) = (sent, now) {
-            self.skew.record(sent, now, ctx.response().headers());
+        let Some(sent) = cfg.load::<Sent>().copied() else {
+            return Ok(());
+        };
+        let now = self.clock.base.now();
+        let measured = self
+            .clock
+            .skew
+            .record(sent.time, now, ctx.response().headers());
+        if let Some(off) = SignedOff::of(sent.applied, measured) {
+            ctx.response_mut().add_extension(off);
         }
         Ok(())
     }
@@ -132,6 +144,32 @@ impl Intercept for AttemptInterceptor {
             });
         }
         Ok(())
+    }
+}
+
+/// Retries, for the operations the SDK retries itself, a 403 to a request signed far off the
+/// server's time ([`SignedOff`]): the next attempt is signed at the server's time. (GETs and LISTs
+/// get the same from the error table.) The SDK's own classifier for this is off with its skew
+/// correction.
+#[derive(Debug)]
+pub(crate) struct SkewRetry;
+
+impl ClassifyRetry for SkewRetry {
+    fn classify_retry(&self, ctx: &InterceptorContext) -> RetryAction {
+        match ctx.response() {
+            Some(r) if r.status().as_u16() == 403 && r.extension::<SignedOff>().is_some() => {
+                RetryAction::retryable_error(ErrorKind::ServerError)
+            }
+            _ => RetryAction::NoActionIndicated,
+        }
+    }
+
+    fn name(&self) -> &'static str {
+        "FerrySkewRetry"
+    }
+
+    fn priority(&self) -> RetryClassifierPriority {
+        RetryClassifierPriority::run_after(RetryClassifierPriority::http_status_code_classifier())
     }
 }
 

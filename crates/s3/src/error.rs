@@ -7,7 +7,7 @@
 //! | `NoSuchBucket`; a bare 404 to a bucket request (HeadBucket has no body) | NoSuchBucket | `NoSuchBucket` |
 //! | `NoSuchKey`, `NotFound`, `NoSuchUpload`, other 404 | NotFound | `NotFound` |
 //! | `AccessDenied`, `InvalidAccessKeyId`, `SignatureDoesNotMatch`, `ExpiredToken`, `InvalidToken`, `TokenRefreshRequired`, `AllAccessDisabled`, 401, 403 | AccessDenied | `AccessDenied` |
-//! | `RequestTimeTooSkewed` | Skewed (retried: the next attempt signs with the server's clock) | `Transient` |
+//! | `RequestTimeTooSkewed`; any 403 to a request signed more than 4 min off the time its response shows (HeadObject and HeadBucket get a bare 403) | Skewed (retried: the next attempt signs with the server's clock) | `Transient` |
 //! | `PreconditionFailed`, 412 | PreconditionFailed | `PreconditionFailed` |
 //! | `InvalidRange`, 416, other 400 | InvalidRequest | `InvalidRequest` |
 //! | `SlowDown`, `Throttling*`, `RequestLimitExceeded`, `TooManyRequests*`, `ServiceUnavailable`, 429, 503 | Throttled | `Throttled` |
@@ -19,6 +19,12 @@
 //!
 //! Codes come before statuses: a 403 `RequestTimeTooSkewed` is a clock problem, not a refusal.
 //! Which kinds are retried is [`crate::retry`]'s.
+//!
+//! `ExpiredToken` and `TokenRefreshRequired` are refusals (EACCES), not retried: the identity cache
+//! both paths share judges expiry by the server's time ([`crate::skew`]: the client's clock is
+//! corrected by the measured skew) and renews credentials before it, so they mean a provider that
+//! hands out expired credentials, which asking again would not change (the cache cannot be told
+//! to drop an identity).
 //!
 //! Credentials: the SDK's [`CredentialsError`] variants are the contract. ferry-creds' pod-level
 //! provider reports a refusal (STS or the Pod Identity agent said no, a bad token) as
@@ -33,6 +39,8 @@ use aws_credential_types::provider::error::CredentialsError;
 use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
 use aws_sdk_s3::operation::RequestId;
 use ferry_store::StoreError;
+
+use crate::skew::SignedOff;
 
 /// The [`StoreError`] variant a failure maps to, and what the retry policy looks at.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,6 +107,15 @@ impl Failure {
                 .unwrap_or_default()
         );
         Failure::new(classify(Some(status), code), detail)
+    }
+
+    /// A 403 to a request signed far off the server's time ([`SignedOff`] on its response) is a
+    /// clock problem until the next attempt, signed at the server's time, shows otherwise.
+    pub fn signed_off(mut self, status: u16, off: Option<SignedOff>) -> Failure {
+        if status == 403 && off.is_some() {
+            self.kind = Kind::Skewed;
+        }
+        self
     }
 
     /// The [`StoreError`] for a request about `target`.
@@ -223,7 +240,8 @@ where
                 ctx.err().code(),
                 ctx.err().message(),
                 ctx.err().meta().request_id(),
-            );
+            )
+            .signed_off(status, ctx.raw().extension::<SignedOff>().copied());
             // A 2xx the SDK could not read (a body cut off or garbled): a server in trouble.
             if f.kind == Kind::Other && (200..300).contains(&status) {
                 f.kind = Kind::Transient;
@@ -241,6 +259,7 @@ where
                 kind,
                 format!("{target}: {} (HTTP {status})", error_chain(&err)),
             )
+            .signed_off(status, ctx.raw().extension::<SignedOff>().copied())
         }
         SdkError::TimeoutError(_) | SdkError::DispatchFailure(_) => {
             Failure::new(Kind::Transient, format!("{target}: {}", error_chain(&err)))

@@ -17,9 +17,10 @@
 //!   SDK's default trailing checksums. Integrity of reads rests on TLS plus the length checks here.
 //! - Errors: one table (`error.rs`) maps S3 codes, HTTP statuses, transport and credentials failures
 //!   of both paths onto [`StoreError`]; messages keep the code, the status and the request id.
-//! - Clock skew: the SDK corrects its signing time from responses' `Date`; the raw path makes the
-//!   same correction from the same responses (`skew.rs`). [`S3Options::time_source`] sets the
-//!   clock of both.
+//! - Clock skew: the client's clock is the node's corrected by the skew responses' `Date` shows, on
+//!   both paths (`skew.rs`); requests are signed and credentials judged expired by it, and a 403
+//!   to a request signed more than 4 minutes off is retried. [`S3Options::time_source`] sets the
+//!   node's clock.
 //! - Per-attempt reports: [`S3Config::on_attempt`] is called once per HTTP attempt on both paths
 //!   ([`Attempt`]).
 
@@ -56,7 +57,7 @@ pub use attempt::{Attempt, OnAttempt};
 use crate::error::{delete_error, map_sdk_error, sdk_failure, Failure, Kind, Target};
 use crate::get::{check_version, read_checked};
 use crate::retry::RetryPolicy;
-use crate::skew::ClockSkew;
+use crate::skew::{ClockSkew, CorrectedClock};
 
 use ferry_store::{
     CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, PutResult, Result, StoreError,
@@ -129,8 +130,9 @@ pub struct S3Options {
     /// GETs are signed and sent without the SDK's orchestrator (see `raw_get`), on the SDK
     /// client's own HTTP connector; the SDK path serves them when off. Default on.
     pub raw_get: bool,
-    /// The clock requests are signed with (the SDK's `TimeSource`, shared by the raw GET path);
-    /// `None` = the system clock. For tests of a node whose clock is off.
+    /// The node's clock, which the client corrects by the skew S3's responses show before signing
+    /// or judging credentials' expiry (`skew.rs`); `None` = the system clock. For tests of a node
+    /// whose clock is off.
     pub time_source: Option<SharedTimeSource>,
 }
 
@@ -298,7 +300,9 @@ impl S3Store {
             .region()
             .map(|r| r.to_string())
             .unwrap_or_else(|| "us-east-1".into());
-        let endpoint_id = match shared.endpoint_url() {
+        // The one endpoint URL of the client, the raw GET path and the cache key.
+        let endpoint_url = s3_endpoint_url(&shared);
+        let endpoint_id = match &endpoint_url {
             Some(url) => url.to_owned(),
             None => format!("aws:{region}"),
         };
@@ -307,22 +311,33 @@ impl S3Store {
         let identity_cache = shared
             .identity_cache()
             .unwrap_or_else(|| IdentityCache::lazy().build());
-        let skew = Arc::new(ClockSkew::default());
-        let s3 = aws_sdk_s3::config::Builder::from(&shared)
+        // The client's clock is the node's corrected by the skew measured on both paths (the SDK's
+        // own correction off: it would apply the skew twice), for signing and for credential
+        // expiry alike (`skew.rs`).
+        let clock = CorrectedClock {
+            base: opts.time_source.clone().unwrap_or_default(),
+            skew: Arc::new(ClockSkew::default()),
+        };
+        let mut s3 = aws_sdk_s3::config::Builder::from(&shared);
+        s3.set_endpoint_url(endpoint_url.clone());
+        let s3 = s3
             .force_path_style(cfg.force_path_style)
             .request_checksum_calculation(RequestChecksumCalculation::WhenRequired)
             .response_checksum_validation(ResponseChecksumValidation::WhenRequired)
             .identity_cache(identity_cache.clone())
+            .time_source(clock.clone())
+            .disable_clock_skew_correction(true)
+            .retry_classifier(attempt::SkewRetry)
             .interceptor(attempt::AttemptInterceptor {
                 hook: cfg.on_attempt.clone(),
-                skew: skew.clone(),
+                clock: clock.clone(),
             })
             .build();
         let raw_get = match (opts.raw_get, shared.credentials_provider()) {
             (true, Some(credentials)) => {
                 let endpoint = raw_get::EndpointConfig {
                     region: region.clone(),
-                    endpoint_url: shared.endpoint_url().map(str::to_owned),
+                    endpoint_url,
                     force_path_style: cfg.force_path_style,
                     use_fips: shared.use_fips().unwrap_or(false),
                     use_dual_stack: shared.use_dual_stack().unwrap_or(false),
@@ -333,7 +348,7 @@ impl S3Store {
                         config: &s3,
                         credentials,
                         identity_cache,
-                        skew,
+                        clock,
                         hook: cfg.on_attempt.clone(),
                     },
                     opts.clone(),
@@ -613,6 +628,25 @@ impl S3Store {
         )
         .await
     }
+}
+
+/// The S3 endpoint URL as the SDK's S3 client would take it from `shared`: one given in code, else
+/// `AWS_ENDPOINT_URL_S3` (or the profile's `s3.endpoint_url`), else `AWS_ENDPOINT_URL`. It is set
+/// explicitly on the client so that the raw GET path and [`S3Store::endpoint_id`] use the same.
+fn s3_endpoint_url(shared: &aws_config::SdkConfig) -> Option<String> {
+    if shared.get_origin("endpoint_url").is_client_config() {
+        return shared.endpoint_url().map(str::to_owned);
+    }
+    let key = aws_types::service_config::ServiceConfigKey::builder()
+        .service_id("S3")
+        .env("AWS_ENDPOINT_URL")
+        .profile("endpoint_url")
+        .build()
+        .expect("all fields set");
+    shared
+        .service_config()
+        .and_then(|c| c.load_config(key))
+        .or_else(|| shared.endpoint_url().map(str::to_owned))
 }
 
 /// The SDK timeouts for attempts of at most `attempt`.

@@ -13,8 +13,9 @@
 //! What it shares with the SDK path, so the two cannot drift apart:
 //! - credentials: the SDK client's identity cache and credentials provider (the same cache
 //!   partition: a refresh by either path serves both);
-//! - time: the client's `TimeSource`, corrected by the clock skew the responses of both paths show
-//!   ([`crate::skew`]), so a node whose clock is off signs GETs as the SDK signs everything else;
+//! - time: the client's `TimeSource`, the node's clock corrected by the skew the responses of both
+//!   paths show ([`crate::skew`]): GETs are signed, and credentials judged expired, by the same
+//!   corrected clock as everything else;
 //! - errors: the one error table ([`crate::error`]); the error body is read with the SDK's XML
 //!   parser (`aws-smithy-xml`);
 //! - retries: one attempt here is one attempt of the one retry policy ([`crate::retry`]);
@@ -36,7 +37,7 @@ use aws_sigv4::http_request::{
     UriPathNormalizationMode,
 };
 use aws_sigv4::sign::v4;
-use aws_smithy_async::time::SharedTimeSource;
+use aws_smithy_async::time::{SharedTimeSource, TimeSource};
 use aws_smithy_runtime::client::retries::strategy::NeverRetryStrategy;
 use aws_smithy_runtime_api::client::auth::static_resolver::StaticAuthSchemeOptionResolver;
 use aws_smithy_runtime_api::client::auth::AuthSchemeId;
@@ -61,7 +62,7 @@ use percent_encoding::utf8_percent_encode;
 use crate::attempt::{Attempt, OnAttempt};
 use crate::error::{credentials_failure_of, error_chain, Failure, Kind};
 use crate::get::{check_version, conditions, read_checked};
-use crate::skew::ClockSkew;
+use crate::skew::{CorrectedClock, SignedOff};
 use crate::S3Options;
 
 /// At most this much of an error response's body is read (for its `<Code>`).
@@ -91,7 +92,8 @@ pub(crate) struct Shared<'a> {
     pub config: &'a aws_sdk_s3::Config,
     pub credentials: SharedCredentialsProvider,
     pub identity_cache: SharedIdentityCache,
-    pub skew: Arc<ClockSkew>,
+    /// The client's `TimeSource` (corrected) and the node's clock it corrects.
+    pub clock: CorrectedClock,
     pub hook: Option<OnAttempt>,
 }
 
@@ -100,10 +102,9 @@ pub(crate) struct RawGet {
     connector: SharedHttpConnector,
     identity: SharedIdentityResolver,
     identity_cache: SharedIdentityCache,
-    /// What the identity cache needs from a client: its time source and sleep.
+    /// What the identity cache needs from a client: its time source (corrected) and sleep.
     components: RuntimeComponents,
-    time: SharedTimeSource,
-    skew: Arc<ClockSkew>,
+    clock: CorrectedClock,
     hook: Option<OnAttempt>,
     endpoint: EndpointConfig,
     resolver: DefaultResolver,
@@ -130,7 +131,7 @@ impl RawGet {
         let http_client = cfg
             .http_client()
             .ok_or("the SDK client has no HTTP client")?;
-        let time = cfg.time_source().unwrap_or_default();
+        let time = SharedTimeSource::new(shared.clock.clone());
         let sleep = cfg
             .sleep_impl()
             .ok_or("the SDK client has no async sleep")?;
@@ -161,8 +162,7 @@ impl RawGet {
             identity,
             identity_cache: shared.identity_cache,
             components,
-            time,
-            skew: shared.skew,
+            clock: shared.clock,
             hook: shared.hook,
             endpoint,
             resolver: DefaultResolver::new(),
@@ -187,8 +187,9 @@ impl RawGet {
             .resolve_cached_identity(self.identity.clone(), &self.components, &ConfigBag::base())
             .await
             .map_err(|e| credentials_failure_of(what(), &*e))?;
+        let applied = self.clock.skew.get();
         let req = self.request(endpoint, key, range, pin, &identity, &what)?;
-        let (sent_at, sent) = (Instant::now(), self.time.now());
+        let (sent_at, sent) = (Instant::now(), self.clock.base.now());
         let resp = tokio::time::timeout(self.opts.attempt_timeout, self.connector.call(req)).await;
         if let Some(hook) = &self.hook {
             hook(Attempt {
@@ -224,8 +225,12 @@ impl RawGet {
                 ))
             }
         };
-        self.skew.record(sent, self.time.now(), resp.headers());
-        self.response(resp, range, pin, &what).await
+        let measured = self
+            .clock
+            .skew
+            .record(sent, self.clock.base.now(), resp.headers());
+        let off = SignedOff::of(applied, measured);
+        self.response(resp, range, pin, off, &what).await
     }
 
     /// The signed request.
@@ -263,18 +268,20 @@ impl RawGet {
         let mut req = req
             .body(SdkBody::empty())
             .map_err(|e| Failure::new(Kind::InvalidRequest, format!("{}: {e}", what())))?;
-        let at = self.skew.apply(self.time.now());
+        let at = self.clock.now();
         sign_request(&mut req, identity, &endpoint.signing_region, at)
             .map_err(|e| other(&format_args!("signing: {e}")))?;
         HttpRequest::try_from(req).map_err(|e| other(&e))
     }
 
-    /// The body of a 2xx response, checked; or the failure an error response says.
+    /// The body of a 2xx response, checked; or the failure an error response says (`off`: the
+    /// request was signed far off the server's time).
     async fn response(
         &self,
         resp: HttpResponse,
         range: &Range<u64>,
         pin: Option<Version<'_>>,
+        off: Option<SignedOff>,
         what: &(dyn Fn() -> String + Sync),
     ) -> Result<Bytes, Failure> {
         let status = resp.status().as_u16();
@@ -319,7 +326,8 @@ impl RawGet {
             err.code.as_deref(),
             err.message.as_deref(),
             request_id.as_deref().or(err.request_id.as_deref()),
-        ))
+        )
+        .signed_off(status, off))
     }
 
     /// The bucket's endpoint, resolved once by the SDK's resolver; `None` when the SDK path must

@@ -9,10 +9,12 @@
 //!
 //! Retried: [`Kind::Throttled`], [`Kind::Transient`] (5xx, timeouts, connection failures,
 //! unreadable responses), [`Kind::Corrupt`] (a body shorter or longer than it should be) and
-//! [`Kind::Skewed`] (`RequestTimeTooSkewed`: the response's `Date` has been recorded, so the next
-//! attempt signs with the server's time; see [`crate::skew`]). Everything else fails at once, and
-//! so do credential failures (the provider has its own retries, and the identity cache asks it
-//! again on the next request).
+//! [`Kind::Skewed`] (`RequestTimeTooSkewed`, or a 403 to a request signed more than 4 minutes off:
+//! the response's `Date` has been recorded, so the next attempt signs with the server's time; see
+//! [`crate::skew`]). Everything else fails at once, and so do credential failures (the provider
+//! has its own retries, and the identity cache asks it again on the next request) and
+//! `ExpiredToken` (the identity cache judges expiry by the corrected clock; see [`crate::error`]).
+//! Operations the SDK retries itself retry the same 403s (`attempt::SkewRetry`).
 //!
 //! So a single range read costs at most `max_attempts × (attempt_timeout + body_timeout)` plus the
 //! backoffs (each at most `max_backoff`): with the defaults 5 × (30 s + 120 s) + (1 + 2 + 4 + 8) s

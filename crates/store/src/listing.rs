@@ -22,6 +22,7 @@
 //! caught where a page is out of order or starts before the previous one ended; the listing is
 //! then made again page by page, in the server's order, so no entry is lost.
 
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use std::future::Future;
@@ -30,17 +31,19 @@ use futures::future::{try_join, try_join_all, BoxFuture, FutureExt};
 use futures::{Stream, TryStreamExt};
 use tokio::sync::Semaphore;
 
-use crate::{ListPage, ListRequest, ObjectInfo, ObjectStore, Result};
+use crate::{ListPage, ListRequest, ObjectInfo, ObjectStore, Result, StoreError};
 
 /// The pages of one sequential listing, in the server's order: `req` first, then each next page
 /// with the continuation token of the page before, until a page has none. The first error ends
 /// the stream. (`start_after` applies to the first request only; S3 ignores it beside a token.)
+/// A server that hands out a continuation token it handed out before (a listing that would never
+/// end) ends it with [`StoreError::Corrupt`].
 pub fn list_pages<'a>(
     store: &'a dyn ObjectStore,
     bucket: &'a str,
     req: ListRequest<'a>,
 ) -> impl Stream<Item = Result<ListPage>> + Send + 'a {
-    pages(req, move |req| store.list(bucket, req))
+    pages(bucket, req, move |req| store.list(bucket, req))
 }
 
 /// What a page says about the next one.
@@ -54,25 +57,43 @@ impl Paged for ListPage {
     }
 }
 
-/// The paging loop behind [`list_pages`], for any `fetch` of one page.
-fn pages<'a, P, F, Fut>(first: ListRequest<'a>, fetch: F) -> impl Stream<Item = Result<P>> + 'a
+/// The paging loop behind [`list_pages`], for any `fetch` of one page. Every token is used once:
+/// a page that hands out one already used (itself, or one before it) is an error, not a loop.
+fn pages<'a, P, F, Fut>(
+    bucket: &'a str,
+    first: ListRequest<'a>,
+    fetch: F,
+) -> impl Stream<Item = Result<P>> + 'a
 where
     P: Paged + 'a,
     F: Fn(ListRequest<'a>) -> Fut + 'a,
     Fut: Future<Output = Result<P>> + 'a,
 {
-    futures::stream::try_unfold((Some(first), fetch), |(req, fetch)| async move {
-        let Some(req) = req else {
-            return Ok(None);
-        };
-        let page = fetch(req.clone()).await?;
-        let next = page.next_token().map(|token| ListRequest {
-            continuation: Some(token.to_owned()),
-            start_after: None,
-            ..req
-        });
-        Ok(Some((page, (next, fetch))))
-    })
+    let used: HashSet<String> = first.continuation.iter().cloned().collect();
+    futures::stream::try_unfold(
+        (Some(first), fetch, used),
+        move |(req, fetch, mut used)| async move {
+            let Some(req) = req else {
+                return Ok(None);
+            };
+            let page = fetch(req.clone()).await?;
+            let next = match page.next_token() {
+                None => None,
+                Some(token) if !used.insert(token.to_owned()) => {
+                    return Err(StoreError::Corrupt(format!(
+                    "LIST {bucket}/{}: the server handed out the continuation token {token:?} a second time (the listing would never end)",
+                    req.prefix
+                )));
+                }
+                Some(token) => Some(ListRequest {
+                    continuation: Some(token.to_owned()),
+                    start_after: None,
+                    ..req
+                }),
+            };
+            Ok(Some((page, (next, fetch, used))))
+        },
+    )
 }
 
 /// How [`list_all`] lists.
@@ -321,7 +342,7 @@ impl<'a> Lister<'a> {
             continuation: Some(token),
             max_keys: self.opts.page_size,
         };
-        let pages = pages(req, |req| self.fetch(req));
+        let pages = pages(self.bucket, req, |req| self.fetch(req));
         futures::pin_mut!(pages);
         while !self.unordered.load(Ordering::Relaxed) {
             let Some(page) = pages.try_next().await? else {
@@ -645,6 +666,56 @@ mod tests {
             now: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
             walk_order: false,
+        }
+    }
+
+    /// A server whose truncated pages hand out the same token again (or cycle through tokens)
+    /// would be listed forever: the listing fails with `Corrupt` instead.
+    #[tokio::test]
+    async fn a_repeated_continuation_token_ends_the_listing_with_an_error() {
+        // The tokens the pages hand out (then none), the pages listed, whether it fails.
+        for (tokens, ok_pages, repeats) in [
+            (&["t1", "t1"][..], 1, true),
+            (&["t1", "t2", "t1"][..], 2, true),
+            (&["t1", "t2", "t3"][..], 4, false),
+        ] {
+            let calls = Arc::new(AtomicUsize::new(0));
+            let fetch = move |_req: ListRequest<'static>| {
+                let i = calls.fetch_add(1, Ordering::SeqCst);
+                let token = tokens.get(i).map(|t| t.to_string());
+                async move {
+                    Ok(ListPage {
+                        next_token: token,
+                        ..ListPage::default()
+                    })
+                }
+            };
+            let first = ListRequest {
+                prefix: "p/",
+                delimiter: None,
+                start_after: None,
+                continuation: None,
+                max_keys: None,
+            };
+            let stream = pages("b", first, fetch);
+            futures::pin_mut!(stream);
+            let mut got = 0;
+            let end = loop {
+                match stream.try_next().await {
+                    Ok(Some(_)) => got += 1,
+                    Ok(None) => break None,
+                    Err(e) => break Some(e),
+                }
+                assert!(got < 10, "{tokens:?}: the listing never ends");
+            };
+            assert_eq!(got, ok_pages, "{tokens:?}");
+            match end {
+                Some(StoreError::Corrupt(m)) if repeats => {
+                    assert!(m.contains("b/p/") && m.contains("t1"), "{m}");
+                }
+                None if !repeats => {}
+                other => panic!("{tokens:?}: {other:?}"),
+            }
         }
     }
 
