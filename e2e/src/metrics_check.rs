@@ -66,6 +66,7 @@ pub async fn run() -> Result<()> {
             &[
                 "ferry_s3_requests_total{",
                 "ferry_s3_request_duration_seconds_count{",
+                "ferry_s3_attempts_total{",
             ][..],
         ),
         (
@@ -74,6 +75,9 @@ pub async fn run() -> Result<()> {
                 "ferry_s3_requests_total{op=\"get\",result=\"ok\"}",
                 "ferry_s3_requests_total{op=\"put\",result=\"ok\"}",
                 "ferry_s3_request_duration_seconds_bucket{op=\"get\"",
+                // every HTTP attempt, from ferry-s3's hook (a ranged GET answers 206)
+                "ferry_s3_attempts_total{op=\"get\",status=\"20",
+                "ferry_s3_attempt_duration_seconds_count{op=\"get\"}",
                 "ferry_cache_lookups_total ",
                 "ferry_cache_misses_total ",
                 "ferry_cache_fills_total ",

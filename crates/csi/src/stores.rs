@@ -120,7 +120,10 @@ impl S3Stores {
             region: e.region,
             force_path_style: e.force_path_style,
             credentials: self.credentials.clone(),
-            on_attempt: None,
+            // Every HTTP attempt (retries included) in `ferry_s3_attempts_total{op,status}`.
+            on_attempt: Some(Arc::new(|a: ferry_s3::Attempt| {
+                ferry_metrics::record_s3_attempt(a.op, a.status, a.elapsed)
+            })),
         }
     }
 
