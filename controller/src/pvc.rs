@@ -4,6 +4,7 @@
 //!
 //! [`EXISTING_PREFIX_ANNOTATION`]: ferry_volume::keys::EXISTING_PREFIX_ANNOTATION
 
+use ferry_csi::kube_api::{describe, is_path_segment};
 use std::collections::BTreeMap;
 
 use ferry_csi::CsiError;
@@ -57,31 +58,6 @@ impl PvcAnnotations for kube::Client {
     }
 }
 
-/// A namespace or object name that stays one URL path segment.
-fn is_path_segment(s: &str) -> bool {
-    !(s.is_empty() || s == "." || s == ".." || s.contains(['/', '?', '#', '%']))
-}
-
-/// A Kubernetes API error as a user reads it: the API server's status, reason and message, or the
-/// transport failure with its causes ("connection refused" is not hidden behind "client error").
-fn describe(e: &kube::Error) -> String {
-    if let kube::Error::Api(s) = e {
-        return format!("HTTP {} {}: {}", s.code, s.reason, s.message);
-    }
-    let mut out = e.to_string();
-    let mut cause = std::error::Error::source(e);
-    while let Some(c) = cause {
-        let c_text = c.to_string();
-        // kube's variants print their source too: don't say it twice.
-        if !out.ends_with(&c_text) {
-            out.push_str(": ");
-            out.push_str(&c_text);
-        }
-        cause = c.source();
-    }
-    out
-}
-
 #[async_trait::async_trait]
 impl PvcAnnotations for BTreeMap<(String, String), BTreeMap<String, String>> {
     async fn annotations(
@@ -92,18 +68,5 @@ impl PvcAnnotations for BTreeMap<(String, String), BTreeMap<String, String>> {
         self.get(&(namespace.to_string(), name.to_string()))
             .cloned()
             .ok_or_else(|| CsiError::NotFound(format!("PVC {namespace}/{name} not found")))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_stay_one_path_segment() {
-        assert!(is_path_segment("ok-name.1"));
-        for bad in ["", "a/b", "a?b", "..", "a%2F", "a#b"] {
-            assert!(!is_path_segment(bad), "{bad}");
-        }
     }
 }

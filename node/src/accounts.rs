@@ -1,6 +1,7 @@
 //! [`KubeServiceAccounts`]: the pods' ServiceAccount annotations from the Kubernetes API (kube),
 //! for `authenticationSource: pod`. The node plugin's RBAC needs only `get` on `serviceaccounts`.
 
+use ferry_csi::kube_api::{describe, is_path_segment};
 use std::collections::HashMap;
 
 use ferry_creds::{CredsError, ServiceAccounts};
@@ -48,43 +49,5 @@ impl ServiceAccounts for KubeServiceAccounts {
                 describe(&e)
             )),
         })
-    }
-}
-
-/// A namespace or object name that stays one URL path segment.
-fn is_path_segment(s: &str) -> bool {
-    !(s.is_empty() || s == "." || s == ".." || s.contains(['/', '?', '#', '%']))
-}
-
-/// A Kubernetes API error as a user reads it: the API server's status, reason and message, or the
-/// transport failure with its causes ("connection refused" is not hidden behind "client error").
-fn describe(e: &kube::Error) -> String {
-    if let kube::Error::Api(s) = e {
-        return format!("HTTP {} {}: {}", s.code, s.reason, s.message);
-    }
-    let mut out = e.to_string();
-    let mut cause = std::error::Error::source(e);
-    while let Some(c) = cause {
-        let c_text = c.to_string();
-        // kube's variants print their source too: don't say it twice.
-        if !out.ends_with(&c_text) {
-            out.push_str(": ");
-            out.push_str(&c_text);
-        }
-        cause = c.source();
-    }
-    out
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn names_stay_one_path_segment() {
-        assert!(is_path_segment("trainer"));
-        for bad in ["", "a/b", "a?b", "..", "a%2F", "a#b"] {
-            assert!(!is_path_segment(bad), "{bad}");
-        }
     }
 }

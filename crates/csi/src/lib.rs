@@ -6,6 +6,7 @@
 //! - [`error`]: the one place where Ferry errors become gRPC statuses;
 //! - [`capability`]: volume capability checks both services share;
 //! - [`inflight`]: one operation per volume or target at a time;
+//! - [`kube_api`]: Kubernetes object names and API errors, for the controller's and node's reads;
 //! - [`stores`]: one S3 client per endpoint a volume names.
 
 pub mod capability;
@@ -13,6 +14,7 @@ pub mod endpoint;
 pub mod error;
 pub mod identity;
 pub mod inflight;
+pub mod kube_api;
 pub mod log;
 pub mod stores;
 

@@ -1,0 +1,41 @@
+//! What both binaries need when they read Kubernetes objects (the controller its PVCs, the node
+//! its ServiceAccounts): names that stay one URL path segment, and API errors as a user reads them.
+
+/// A namespace or object name that stays one URL path segment (kube puts names into paths as
+/// they are).
+pub fn is_path_segment(s: &str) -> bool {
+    !(s.is_empty() || s == "." || s == ".." || s.contains(['/', '?', '#', '%']))
+}
+
+/// A Kubernetes API error as a user reads it: the API server's status, reason and message, or the
+/// transport failure with its causes ("connection refused" is not hidden behind "client error").
+pub fn describe(e: &kube::Error) -> String {
+    if let kube::Error::Api(s) = e {
+        return format!("HTTP {} {}: {}", s.code, s.reason, s.message);
+    }
+    let mut out = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        let c_text = c.to_string();
+        // kube's variants print their source too: don't say it twice.
+        if !out.ends_with(&c_text) {
+            out.push_str(": ");
+            out.push_str(&c_text);
+        }
+        cause = c.source();
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_stay_one_path_segment() {
+        assert!(is_path_segment("ok-name.1"));
+        for bad in ["", "a/b", "a?b", "..", ".", "a%2F", "a#b"] {
+            assert!(!is_path_segment(bad), "{bad}");
+        }
+    }
+}
