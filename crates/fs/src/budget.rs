@@ -4,10 +4,13 @@
 //!
 //! Reservations are RAII ([`Reservation`] gives its bytes back when dropped). Prefetching never
 //! waits ([`MemoryBudget::try_reserve`]): when the budget is exhausted it shrinks or stops and reads
-//! fetch only what they need. A writer waits ([`MemoryBudget::reserve`]) until its buffer fits, and
-//! while writers wait, prefetching may not take the memory they wait for. A writer never waits while
-//! holding part of the budget ([`BufferCharge::grow_to`] gives back what it holds first), so writers
-//! cannot deadlock one another.
+//! fetch only what they need. A writer waits ([`MemoryBudget::reserve`]) for its buffer to fit, and
+//! while writers wait, prefetching may not take the memory they wait for — but only for a bounded
+//! time: then it takes the memory over the limit (counted, so prefetching stays stopped until usage
+//! falls back). The bound is what keeps writers from deadlocking: memory held by buffers of files
+//! that only the waiting process would close, or by a paused reader's prefetch, comes back only
+//! when that process moves on. The count stays true throughout (a waiting writer keeps what it
+//! holds).
 
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -79,20 +82,44 @@ impl MemoryBudget {
         self.take(bytes, true)
     }
 
-    /// Reserves `bytes`, waiting until they fit. A request larger than the whole budget is cut to
-    /// the budget (it waits for an idle budget and takes all of it).
-    pub async fn reserve(&self, bytes: u64) -> Reservation {
-        let bytes = bytes.min(self.inner.limit);
+    /// Reserves `bytes`, waiting up to `max_wait` for them to fit; after that they are taken over
+    /// the limit.
+    pub async fn reserve(&self, bytes: u64, max_wait: std::time::Duration) -> Reservation {
         if let Some(r) = self.take(bytes, true) {
             return r;
         }
+        match tokio::time::timeout(max_wait, self.wait_for(bytes)).await {
+            Ok(r) => r,
+            Err(_) => {
+                tracing::debug!(
+                    bytes,
+                    used = self.used(),
+                    limit = self.limit(),
+                    "memory budget exhausted: a write buffer goes over it"
+                );
+                self.force(bytes)
+            }
+        }
+    }
+
+    /// Takes `bytes` whatever the limit.
+    fn force(&self, bytes: u64) -> Reservation {
+        self.inner.used.fetch_add(bytes, Ordering::SeqCst);
+        self.inner.gauge.inc_by(bytes as i64);
+        Reservation {
+            budget: self.clone(),
+            bytes,
+        }
+    }
+
+    async fn wait_for(&self, bytes: u64) -> Reservation {
         struct Waiting<'a>(&'a Inner, u64);
         impl Drop for Waiting<'_> {
             fn drop(&mut self) {
-                self.0.waiting.fetch_sub(self.1, Ordering::AcqRel);
+                self.0.waiting.fetch_sub(self.1, Ordering::SeqCst);
             }
         }
-        self.inner.waiting.fetch_add(bytes, Ordering::AcqRel);
+        self.inner.waiting.fetch_add(bytes, Ordering::SeqCst);
         let _waiting = Waiting(&self.inner, bytes);
         loop {
             // Registered before the attempt, so a release between the two is not missed.
@@ -111,7 +138,7 @@ impl MemoryBudget {
         loop {
             let mut new = used.checked_add(bytes)?;
             if behind_waiters {
-                new = new.checked_add(self.inner.waiting.load(Ordering::Acquire))?;
+                new = new.checked_add(self.inner.waiting.load(Ordering::SeqCst))?;
             }
             if new > self.inner.limit {
                 return None;
@@ -120,7 +147,7 @@ impl MemoryBudget {
             match self.inner.used.compare_exchange_weak(
                 used,
                 new,
-                Ordering::AcqRel,
+                Ordering::SeqCst,
                 Ordering::Relaxed,
             ) {
                 Ok(_) => {
@@ -164,20 +191,35 @@ impl BufferCharge {
         self.0.as_ref().map_or(0, Reservation::bytes)
     }
 
-    /// Makes the charge at least `bytes`, waiting for the budget if need be. It first tries to
-    /// add the difference; failing that, it gives back what it holds and waits for the whole
-    /// amount, so a waiting writer never holds memory another writer needs.
-    pub async fn grow_to(&mut self, budget: &MemoryBudget, bytes: u64) {
+    /// Makes the charge at least `bytes`, waiting up to `max_wait` for the budget (then going over
+    /// it; see [`MemoryBudget::reserve`]).
+    pub async fn grow_to(
+        &mut self,
+        budget: &MemoryBudget,
+        bytes: u64,
+        max_wait: std::time::Duration,
+    ) {
         let have = self.bytes();
         if bytes <= have {
             return;
         }
-        match (&mut self.0, budget.try_reserve(bytes - have)) {
-            (Some(r), Some(more)) => r.absorb(more),
-            (None, Some(more)) => self.0 = Some(more),
-            (_, None) => {
-                self.0 = None;
-                self.0 = Some(budget.reserve(bytes).await);
+        let more = budget.reserve(bytes - have, max_wait).await;
+        match &mut self.0 {
+            Some(r) => r.absorb(more),
+            None => self.0 = Some(more),
+        }
+    }
+
+    /// Gives back what the charge holds beyond `bytes`.
+    pub fn shrink_to(&mut self, bytes: u64) {
+        if let Some(r) = &mut self.0 {
+            if r.bytes > bytes {
+                let excess = Reservation {
+                    budget: r.budget.clone(),
+                    bytes: r.bytes - bytes,
+                };
+                r.bytes = bytes;
+                drop(excess);
             }
         }
     }
@@ -212,9 +254,9 @@ impl Drop for Reservation {
             return;
         }
         let inner = &self.budget.inner;
-        inner.used.fetch_sub(self.bytes, Ordering::AcqRel);
+        inner.used.fetch_sub(self.bytes, Ordering::SeqCst);
         inner.gauge.dec_by(self.bytes as i64);
-        if inner.waiting.load(Ordering::Acquire) > 0 {
+        if inner.waiting.load(Ordering::SeqCst) > 0 {
             inner.freed.notify_waiters();
         }
     }
@@ -308,13 +350,15 @@ mod tests {
         assert_eq!(b.used(), 0);
     }
 
+    const LONG: std::time::Duration = std::time::Duration::from_secs(3600);
+
     #[tokio::test]
     async fn a_waiting_reservation_gets_freed_memory_and_a_cancelled_wait_leaves_nothing() {
         let b = MemoryBudget::new(100);
         let held = b.try_reserve(80).expect("fits");
         let waiter = {
             let b = b.clone();
-            tokio::spawn(async move { b.reserve(50).await })
+            tokio::spawn(async move { b.reserve(50, LONG).await })
         };
         while b.try_reserve(1).is_some() {
             tokio::task::yield_now().await;
@@ -326,28 +370,34 @@ mod tests {
         assert_eq!((got.bytes(), b.used()), (50, 50));
 
         // A wait that is given up (its future dropped) stops counting.
-        let cancelled = tokio::time::timeout(std::time::Duration::from_millis(1), b.reserve(60));
+        let cancelled =
+            tokio::time::timeout(std::time::Duration::from_millis(1), b.reserve(60, LONG));
         assert!(cancelled.await.is_err());
         assert!(b.try_reserve(50).is_some(), "nothing waits any more");
-        // More than the whole budget is cut to the budget once it is idle.
+        // What does not fit in time is taken over the limit, and counted.
         drop(got);
-        assert_eq!(b.reserve(1000).await.bytes(), 100);
+        let over = b.reserve(1000, std::time::Duration::ZERO).await;
+        assert_eq!((over.bytes(), b.used()), (1000, 1000));
+        assert!(b.try_reserve(1).is_none());
+        drop(over);
+        assert_eq!(b.used(), 0);
     }
 
     #[tokio::test]
     async fn a_buffer_charge_grows_and_a_copy_holds_nothing() {
         let b = MemoryBudget::new(100);
         let mut c = BufferCharge::default();
-        c.grow_to(&b, 30).await;
-        c.grow_to(&b, 60).await;
-        c.grow_to(&b, 10).await;
+        c.grow_to(&b, 30, LONG).await;
+        c.grow_to(&b, 60, LONG).await;
+        c.grow_to(&b, 10, LONG).await;
         assert_eq!((c.bytes(), b.used()), (60, 60));
         let copy = c.clone();
         assert_eq!((copy.bytes(), b.used()), (0, 60));
-        // Growing past what is free gives back what it holds, then waits for the whole amount.
+        // Growing past what is free waits (keeping what it holds) until memory comes back.
+        c.shrink_to(60);
         let other = b.try_reserve(30).expect("fits");
         let grow = tokio::spawn(async move {
-            c.grow_to(&b.clone(), 90).await;
+            c.grow_to(&b.clone(), 90, LONG).await;
             (c, b)
         });
         tokio::task::yield_now().await;

@@ -1619,15 +1619,18 @@ async fn write_buffers_are_charged_to_the_budget_until_the_upload_completes() {
         "3 MiB buffered, {} charged",
         budget.used()
     );
-    // Past a part: the part is uploaded, the charge stays at the buffer's high-water mark
-    // (at most a part plus one write).
-    for i in 0..6u64 {
+    // Up to a part: the charge grows with the buffer (at most a part plus one write).
+    for i in 0..4u64 {
         fs.write(o.fh, (3 << 20) + i * (1 << 20), &data(1 << 20, 2))
             .await
             .unwrap();
     }
-    assert!(budget.used() >= PART_SIZE as u64);
+    assert!(budget.used() >= 7 << 20);
     assert!(budget.used() <= (PART_SIZE + (1 << 20)) as u64);
+    // Past a part: the part is uploaded and the charge shrinks back to what is left buffered.
+    fs.write(o.fh, 7 << 20, &data(2 << 20, 2)).await.unwrap();
+    assert!(budget.used() >= 1 << 20);
+    assert!(budget.used() < 4 << 20, "{} still charged", budget.used());
     fs.flush(o.fh, || PID).await.unwrap();
     assert_eq!(budget.used(), 0, "given back when the upload completed");
     fs.release(o.fh).await.unwrap();
@@ -1642,7 +1645,7 @@ async fn write_buffers_are_charged_to_the_budget_until_the_upload_completes() {
     assert!(mem.get_object(B, "g").is_none());
 }
 
-#[tokio::test]
+#[tokio::test(start_paused = true)]
 async fn a_writer_waits_for_the_budget_and_prefetch_does_not_take_what_it_waits_for() {
     let (mem, store) = faulty();
     let budget = MemoryBudget::new(10 << 20);
@@ -1668,7 +1671,11 @@ async fn a_writer_waits_for_the_budget_and_prefetch_does_not_take_what_it_waits_
         tokio::task::yield_now().await;
     }
     assert!(!writer.is_finished(), "b waits while a holds the budget");
-    assert_eq!(budget.used(), charged, "b holds nothing while it waits");
+    assert_eq!(
+        budget.used(),
+        charged,
+        "b's first charge is what it waits for"
+    );
     assert!(
         budget.try_reserve(1).is_none(),
         "prefetch may not take memory a writer waits for"
@@ -1684,4 +1691,30 @@ async fn a_writer_waits_for_the_budget_and_prefetch_does_not_take_what_it_waits_
     assert_eq!(budget.used(), 0);
     assert_eq!(mem.get_object(B, "a").unwrap().len(), 7 << 20);
     assert_eq!(mem.get_object(B, "b").unwrap().len(), 4 << 20);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_writer_that_cannot_get_memory_goes_over_the_budget_after_a_bounded_wait() {
+    let (mem, store) = faulty();
+    let budget = MemoryBudget::new(1 << 20);
+    let fs = writable_with_budget(store, budget.clone());
+    // A paused reader's prefetch (or buffers of files only this process would close) holds it all.
+    let held = budget.try_reserve(1 << 20).expect("fits");
+    let (_, o) = fs.create(ROOT_INO, n("f"), PID).await.unwrap();
+    let start = tokio::time::Instant::now();
+    assert_eq!(fs.write(o.fh, 0, &data(100, 1)).await.unwrap(), 100);
+    assert!(
+        start.elapsed() >= super::upload::WRITE_BUDGET_WAIT,
+        "it waited for the budget first"
+    );
+    assert!(
+        budget.used() > budget.limit(),
+        "over the limit, and counted"
+    );
+    assert!(budget.try_reserve(1).is_none(), "prefetching stays stopped");
+    fs.flush(o.fh, || PID).await.unwrap();
+    fs.release(o.fh).await.unwrap();
+    drop(held);
+    assert_eq!(budget.used(), 0);
+    assert_eq!(mem.get_object(B, "f").unwrap().len(), 100);
 }

@@ -6,6 +6,10 @@ use super::*;
 
 /// The first charge of a write buffer to the memory budget (a small file's whole buffer).
 const WRITE_CHARGE_MIN: u64 = 64 << 10;
+/// How long a write waits for the memory budget before its buffer goes over it: long enough for
+/// other uploads to finish a part, short enough that memory held by files only the waiting
+/// process would close (or by a paused reader's prefetch) never stops it for good.
+pub(crate) const WRITE_BUDGET_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Fs {
     /// `create`: a new local file and a write handle; the object appears when the upload
@@ -107,21 +111,26 @@ impl Fs {
         self.charge_buffer(w, w.pending.len() + data.len()).await;
         w.pending.extend_from_slice(data);
         w.written += len;
-        while w.pending.len() >= PART_SIZE {
-            let rest = w.pending.split_off(PART_SIZE);
-            let part = std::mem::replace(&mut w.pending, rest);
-            if let Err(e) = self.upload_part(w, part).await {
-                self.fail_write(w).await;
-                return Err(e);
+        if w.pending.len() >= PART_SIZE {
+            while w.pending.len() >= PART_SIZE {
+                let rest = w.pending.split_off(PART_SIZE);
+                let part = std::mem::replace(&mut w.pending, rest);
+                if let Err(e) = self.upload_part(w, part).await {
+                    self.fail_write(w).await;
+                    return Err(e);
+                }
             }
+            // The uploaded parts' memory is free again; the charge follows the buffer.
+            w.memory
+                .shrink_to((w.pending.capacity() as u64).max(WRITE_CHARGE_MIN));
         }
         self.set_local_size(w.ino, w.written);
         u32::try_from(len).map_err(|_| FsError::InvalidArgument("write larger than 4 GiB"))
     }
 
-    /// Charges `w`'s buffer to the memory budget for `need` bytes, waiting for the budget if need
-    /// be. The charge grows by doubling (from [`WRITE_CHARGE_MIN`]) and stays at its high-water
-    /// mark — at most a part plus one write — until the upload completes or fails.
+    /// Charges `w`'s buffer to the memory budget for `need` bytes, waiting for the budget (at most
+    /// [`WRITE_BUDGET_WAIT`]) if need be. The charge grows by doubling (from [`WRITE_CHARGE_MIN`]),
+    /// to at most a part plus one write, and shrinks back to the buffer once a part is uploaded.
     async fn charge_buffer(&self, w: &mut WriteHandle, need: usize) {
         let need = need as u64;
         let have = w.memory.bytes();
@@ -129,7 +138,9 @@ impl Fs {
             return;
         }
         let target = need.max((have * 2).clamp(WRITE_CHARGE_MIN, PART_SIZE as u64));
-        w.memory.grow_to(&self.budget, target).await;
+        w.memory
+            .grow_to(&self.budget, target, WRITE_BUDGET_WAIT)
+            .await;
     }
 
     pub(super) async fn upload_part(
