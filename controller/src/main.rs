@@ -50,9 +50,6 @@ struct Args {
     log: String,
 }
 
-/// How long one Kubernetes API answer may take.
-const KUBE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
-
 /// The current context of the kubeconfig at `path`.
 async fn kubeconfig(path: &std::path::Path) -> anyhow::Result<kube::Config> {
     let file = kube::config::Kubeconfig::read_from(path)
@@ -103,7 +100,7 @@ async fn main() -> anyhow::Result<()> {
     let mut controller = ControllerService::new(stores.clone());
     match kube {
         Some(mut config) => {
-            config.read_timeout = Some(KUBE_TIMEOUT);
+            ferry_csi::kube_api::tune(&mut config);
             tracing::info!(server = %config.cluster_url, "reading PVC annotations from the Kubernetes API");
             let client =
                 kube::Client::try_from(config).context("building the Kubernetes API client")?;

@@ -4,7 +4,7 @@
 //!
 //! [`EXISTING_PREFIX_ANNOTATION`]: ferry_volume::keys::EXISTING_PREFIX_ANNOTATION
 
-use ferry_csi::kube_api::{describe, is_path_segment};
+use ferry_csi::kube_api::{describe, is_path_segment, REQUEST_TIMEOUT};
 use std::collections::BTreeMap;
 
 use ferry_csi::CsiError;
@@ -39,7 +39,14 @@ impl PvcAnnotations for kube::Client {
             )));
         }
         let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(self.clone(), namespace);
-        match pvcs.get(name).await {
+        let got = tokio::time::timeout(REQUEST_TIMEOUT, pvcs.get(name)).await;
+        let Ok(got) = got else {
+            return Err(CsiError::Unavailable(format!(
+                "{what}: no answer within {} s",
+                REQUEST_TIMEOUT.as_secs()
+            )));
+        };
+        match got {
             Ok(pvc) => Ok(pvc.metadata.annotations.unwrap_or_default()),
             Err(e) => {
                 let msg = format!("{what}: {}", describe(&e));

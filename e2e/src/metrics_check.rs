@@ -93,7 +93,12 @@ pub async fn run() -> Result<()> {
         let saved = plugin.dir.path().join(format!("{name}.metrics"));
         std::fs::write(&saved, &text)?;
         for w in wanted {
-            if !text.lines().any(|l| l.starts_with(w) && !l.ends_with(" 0")) {
+            // A wanted text ending in a value ("ferry_mounts 1") is the whole line.
+            let matches = |l: &str| match w.ends_with(|c: char| c.is_ascii_digit()) {
+                true => l == *w,
+                false => l.starts_with(w) && !l.ends_with(" 0"),
+            };
+            if !text.lines().any(matches) {
                 let nonzero: Vec<&str> = text
                     .lines()
                     .filter(|l| !l.starts_with('#') && !l.ends_with(" 0"))

@@ -1,7 +1,7 @@
 //! [`KubeServiceAccounts`]: the pods' ServiceAccount annotations from the Kubernetes API (kube),
 //! for `authenticationSource: pod`. The node plugin's RBAC needs only `get` on `serviceaccounts`.
 
-use ferry_csi::kube_api::{describe, is_path_segment};
+use ferry_csi::kube_api::{describe, is_path_segment, REQUEST_TIMEOUT};
 use std::collections::HashMap;
 
 use ferry_creds::{CredsError, ServiceAccounts};
@@ -25,7 +25,14 @@ impl ServiceAccounts for KubeServiceAccounts {
             )));
         }
         let accounts: Api<ServiceAccount> = Api::namespaced(self.0.clone(), namespace);
-        let e = match accounts.get(name).await {
+        let got = tokio::time::timeout(REQUEST_TIMEOUT, accounts.get(name)).await;
+        let Ok(got) = got else {
+            return Err(CredsError::Unavailable(format!(
+                "reading service account {namespace}/{name}: no answer within {} s",
+                REQUEST_TIMEOUT.as_secs()
+            )));
+        };
+        let e = match got {
             Ok(sa) => {
                 return Ok(sa
                     .metadata

@@ -310,9 +310,6 @@ fn daemonize() -> anyhow::Result<()> {
     }
 }
 
-/// How long one Kubernetes API answer may take.
-const KUBE_TIMEOUT: Duration = Duration::from_secs(30);
-
 /// The current context of the kubeconfig at `path`.
 async fn kubeconfig(path: &Path) -> anyhow::Result<kube::Config> {
     let file = kube::config::Kubeconfig::read_from(path)
@@ -337,7 +334,7 @@ async fn pod_auth(a: &ServeArgs) -> anyhow::Result<Option<PodAuth>> {
             }
         },
     };
-    config.read_timeout = Some(KUBE_TIMEOUT);
+    ferry_csi::kube_api::tune(&mut config);
     let server = config.cluster_url.to_string();
     let client = kube::Client::try_from(config).context("building the Kubernetes API client")?;
     let http = match &a.ca_bundle {
