@@ -8,6 +8,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -43,6 +44,9 @@ pub async fn serve(addr: SocketAddr) -> std::io::Result<(SocketAddr, tokio::task
     Ok((local, task))
 }
 
+/// Most connections the endpoint serves at once.
+const MAX_CONNECTIONS: usize = 16;
+
 /// Accepts connections from `accept` and serves each on its own task; on an error waits
 /// (doubling from [`MIN_BACKOFF`] to [`MAX_BACKOFF`]) before the next `accept`.
 async fn accept_loop<A, F, S>(mut accept: A)
@@ -52,11 +56,20 @@ where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
     let mut backoff = MIN_BACKOFF;
+    // Connections served at once: a scraper flood must not take the descriptors the process's
+    // mounts, cache and CSI socket need (it waits in the listen backlog instead).
+    let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
     loop {
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
         match accept().await {
             Ok(stream) => {
                 backoff = MIN_BACKOFF;
-                tokio::spawn(serve_connection(stream));
+                tokio::spawn(async move {
+                    serve_connection(stream).await;
+                    drop(slot);
+                });
             }
             Err(e) => {
                 tracing::warn!(error = %e, retry_in = ?backoff, "metrics endpoint: accept failed");
@@ -97,7 +110,13 @@ async fn handle(req: Request<Incoming>) -> Result<Response<Full<Bytes>>, Infalli
         .get_all(ACCEPT)
         .iter()
         .filter_map(|v| v.to_str().ok())
-        .any(|v| v.contains("application/openmetrics-text"));
+        .flat_map(|v| v.split(','))
+        .any(|v| {
+            // `application/openmetrics-text; version=1.0.0; q=0.9`, but not with `q=0`
+            let mut parts = v.split(';').map(str::trim);
+            parts.next() == Some("application/openmetrics-text")
+                && !parts.any(|p| matches!(p, "q=0" | "q=0.0" | "q=0.00" | "q=0.000"))
+        });
     let registry = crate::registry();
     let (body, content_type) = if openmetrics {
         (registry.encode_openmetrics(), OPENMETRICS_CONTENT_TYPE)
@@ -165,6 +184,16 @@ mod tests {
             "{resp}"
         );
         assert!(resp.ends_with("# EOF\n"), "{resp}");
+        // Refused with q=0: the text format.
+        let resp = get(
+            addr,
+            "GET /metrics HTTP/1.1\r\nHost: x\r\nAccept: text/plain, application/openmetrics-text; q=0\r\nConnection: close\r\n\r\n",
+        )
+        .await;
+        assert!(
+            resp.contains("content-type: text/plain; version=0.0.4"),
+            "{resp}"
+        );
         let resp = get(
             addr,
             "GET /other HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
