@@ -8,6 +8,7 @@
 //! point, so the client asks again then. A failed refresh keeps serving the previous credentials
 //! while they are still valid.
 
+use ferry_store::error_chain;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, SystemTime};
@@ -379,20 +380,6 @@ where
         }
         _ => CredsError::Unavailable(format!("assuming {id}: {}", error_chain(&e))),
     }
-}
-
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        let m = c.to_string();
-        if !s.contains(&m) {
-            s.push_str(": ");
-            s.push_str(&m);
-        }
-        cur = c.source();
-    }
-    s
 }
 
 impl ProvideCredentials for PodCredentials {

@@ -25,18 +25,8 @@ pub fn describe(e: &kube::Error) -> String {
     if let kube::Error::Api(s) = e {
         return format!("HTTP {} {}: {}", s.code, s.reason, s.message);
     }
-    let mut out = e.to_string();
-    let mut cause = std::error::Error::source(e);
-    while let Some(c) = cause {
-        let c_text = c.to_string();
-        // kube's variants print their source too: don't say it twice.
-        if !out.ends_with(&c_text) {
-            out.push_str(": ");
-            out.push_str(&c_text);
-        }
-        cause = c.source();
-    }
-    out
+    // kube's variants print their source too: the chain leaves repeats out.
+    ferry_store::error_chain(e)
 }
 
 #[cfg(test)]

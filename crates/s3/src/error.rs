@@ -295,20 +295,7 @@ pub(crate) fn delete_error(
         .into_store_error(Target::Object(bucket, key))
 }
 
-/// Every message of an error's source chain, joined with ": ", repeats left out.
-pub(crate) fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = err.to_string();
-    let mut cur = err.source();
-    while let Some(e) = cur {
-        let msg = e.to_string();
-        if !out.contains(&msg) {
-            out.push_str(": ");
-            out.push_str(&msg);
-        }
-        cur = e.source();
-    }
-    out
-}
+pub(crate) use ferry_store::error_chain;
 
 #[cfg(test)]
 mod tests {

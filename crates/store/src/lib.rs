@@ -406,3 +406,19 @@ impl<T: ObjectStore + ?Sized> ObjectStore for Arc<T> {
         (**self).delete_many(bucket, keys).await
     }
 }
+
+/// An error as a user reads it: its message and every message of its source chain, joined with
+/// ": ", repeats left out ("connection refused" is not hidden behind "dispatch failure").
+pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = err.to_string();
+    let mut cur = err.source();
+    while let Some(e) = cur {
+        let msg = e.to_string();
+        if !out.contains(&msg) {
+            out.push_str(": ");
+            out.push_str(&msg);
+        }
+        cur = e.source();
+    }
+    out
+}

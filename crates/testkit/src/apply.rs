@@ -43,18 +43,7 @@ pub fn describe_error(e: &kube::Error) -> String {
     if let kube::Error::Api(s) = e {
         return format!("HTTP {} {}: {}", s.code, s.reason, s.message);
     }
-    let mut out = e.to_string();
-    let mut cause = std::error::Error::source(e);
-    while let Some(c) = cause {
-        let c_text = c.to_string();
-        // kube's variants print their source too: don't say it twice.
-        if !out.ends_with(&c_text) {
-            out.push_str(": ");
-            out.push_str(&c_text);
-        }
-        cause = c.source();
-    }
-    out
+    ferry_store::error_chain(e)
 }
 
 /// The objects of a multi-document YAML stream (`---` separated, empty documents skipped,
