@@ -94,7 +94,10 @@ pub async fn run() -> Result<()> {
         std::fs::write(&saved, &text)?;
         for w in wanted {
             // A wanted text ending in a value ("ferry_mounts 1") is the whole line.
-            let matches = |l: &str| match w.ends_with(|c: char| c.is_ascii_digit()) {
+            let whole = w
+                .rsplit_once(' ')
+                .is_some_and(|(_, v)| !v.is_empty() && v.bytes().all(|b| b.is_ascii_digit()));
+            let matches = |l: &str| match whole {
                 true => l == *w,
                 false => l.starts_with(w) && !l.ends_with(" 0"),
             };
