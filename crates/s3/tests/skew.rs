@@ -37,6 +37,19 @@ impl TimeSource for Skewed {
     }
 }
 
+/// versitygw with bucket [`BUCKET`] holding `k` = `hello`, written with a correct clock.
+async fn server_with_object() -> S3Server {
+    let server = S3Server::start();
+    server.create_bucket(BUCKET).await;
+    server
+        .store()
+        .await
+        .put(BUCKET, "k", "hello".into())
+        .await
+        .unwrap();
+    server
+}
+
 async fn skewed_store(server: &S3Server, raw_get: bool, ahead: bool, attempts: u32) -> S3Store {
     let opts = S3Options {
         raw_get,
@@ -51,14 +64,7 @@ async fn skewed_store(server: &S3Server, raw_get: bool, ahead: bool, attempts: u
 
 #[tokio::test]
 async fn a_node_twenty_minutes_off_reads_on_both_get_paths() {
-    let server = S3Server::start();
-    server.create_bucket(BUCKET).await;
-    server
-        .store()
-        .await
-        .put(BUCKET, "k", "hello".into())
-        .await
-        .unwrap();
+    let server = server_with_object().await;
     for raw_get in [true, false] {
         for ahead in [true, false] {
             let case = format!("raw path {raw_get}, clock ahead {ahead}");
@@ -96,14 +102,7 @@ async fn a_node_twenty_minutes_off_reads_on_both_get_paths() {
 /// (`ferry-node mount` starts with a HeadBucket).
 #[tokio::test]
 async fn heads_from_a_node_twenty_minutes_off_are_retried_not_denied() {
-    let server = S3Server::start();
-    server.create_bucket(BUCKET).await;
-    server
-        .store()
-        .await
-        .put(BUCKET, "k", "hello".into())
-        .await
-        .unwrap();
+    let server = server_with_object().await;
     for ahead in [true, false] {
         let s = skewed_store(&server, true, ahead, 3).await;
         s.head_bucket(BUCKET)
@@ -152,14 +151,7 @@ impl ProvideCredentials for ShortLived {
 
 #[tokio::test]
 async fn credentials_expire_by_the_servers_clock_on_both_paths() {
-    let server = S3Server::start();
-    server.create_bucket(BUCKET).await;
-    server
-        .store()
-        .await
-        .put(BUCKET, "k", "hello".into())
-        .await
-        .unwrap();
+    let server = server_with_object().await;
     for raw_get in [true, false] {
         let calls = Arc::new(AtomicUsize::new(0));
         let provider = SharedCredentialsProvider::new(ShortLived {
