@@ -157,6 +157,28 @@ async fn short_body_per_content_range_is_retried_then_corrupt() {
 /// Broken bodies and failed requests draw on one budget of attempts, on both paths: a GET whose
 /// responses alternate between a short body and a 503 makes `max_attempts` requests, not
 /// `max_attempts` requests per body attempt. Each attempt is reported once, with its status.
+/// A hook that records each attempt's operation and status.
+type Seen = Arc<std::sync::Mutex<Vec<(&'static str, Option<u16>)>>>;
+fn recording_hook() -> (ferry_s3::OnAttempt, Seen) {
+    let seen: Seen = Arc::default();
+    let hook: ferry_s3::OnAttempt = {
+        let seen = seen.clone();
+        Arc::new(move |a: ferry_s3::Attempt| seen.lock().unwrap().push((a.op, a.status)))
+    };
+    (hook, seen)
+}
+
+/// `max_attempts` attempts with millisecond backoffs, on the raw GET path or the SDK's.
+fn quick_retries(max_attempts: u32, raw_get: bool) -> S3Options {
+    S3Options {
+        max_attempts,
+        initial_backoff: Duration::from_millis(1),
+        max_backoff: Duration::from_millis(5),
+        raw_get,
+        ..S3Options::default()
+    }
+}
+
 #[tokio::test]
 async fn body_and_request_failures_share_one_budget_of_attempts() {
     for raw in [true, false] {
@@ -164,19 +186,8 @@ async fn body_and_request_failures_share_one_budget_of_attempts() {
         let slow = s3_error("503 Slow Down", "SlowDown");
         let script = [short, slow].into_iter().cycle().take(20).collect();
         let (addr, n) = serve(script, None).await;
-        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let hook: ferry_s3::OnAttempt = {
-            let seen = seen.clone();
-            Arc::new(move |a: ferry_s3::Attempt| seen.lock().unwrap().push((a.op, a.status)))
-        };
-        let opts = S3Options {
-            max_attempts: 4,
-            initial_backoff: Duration::from_millis(1),
-            max_backoff: Duration::from_millis(5),
-            raw_get: raw,
-            ..S3Options::default()
-        };
-        let s = store_reporting(addr, opts, Some(hook)).await;
+        let (hook, seen) = recording_hook();
+        let s = store_reporting(addr, quick_retries(4, raw), Some(hook)).await;
         let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
         assert!(matches!(e, StoreError::Throttled(_)), "raw {raw}: {e:?}");
         assert_eq!(n.load(Ordering::SeqCst), 4, "raw {raw}: requests");
@@ -199,19 +210,8 @@ async fn an_attempt_without_a_response_is_reported_without_a_status() {
     // Nothing listens on port 1.
     let addr: SocketAddr = "127.0.0.1:1".parse().unwrap();
     for raw in [true, false] {
-        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
-        let hook: ferry_s3::OnAttempt = {
-            let seen = seen.clone();
-            Arc::new(move |a: ferry_s3::Attempt| seen.lock().unwrap().push((a.op, a.status)))
-        };
-        let opts = S3Options {
-            max_attempts: 2,
-            initial_backoff: Duration::from_millis(1),
-            max_backoff: Duration::from_millis(5),
-            raw_get: raw,
-            ..S3Options::default()
-        };
-        let s = store_reporting(addr, opts, Some(hook)).await;
+        let (hook, seen) = recording_hook();
+        let s = store_reporting(addr, quick_retries(2, raw), Some(hook)).await;
         let e = s.get_range("b", "k", 0..10, None).await.unwrap_err();
         assert!(matches!(e, StoreError::Transient(_)), "raw {raw}: {e:?}");
         assert_eq!(
