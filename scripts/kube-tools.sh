@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the Kubernetes-level judges from the Go module proxy into $FERRY_TOOLS (default
 # ~/.cache/ferry-tools/bin), each once per version (a stamp file remembers the version):
-#   etcd v3.6.14, kube-apiserver and kube-controller-manager v1.36.3, csi-provisioner v6.3.0, helm v4 and helm v3.
+#   etcd v3.6.14, kube-apiserver, kube-controller-manager, kube-scheduler and kubelet v1.36.3, csi-provisioner v6.3.0, helm v4 and helm v3.
 # Modules whose go.mod carries `replace` directives cannot be `go install`ed; they are built from a
 # throwaway wrapper module under $FERRY_TOOLS/../src that copies the upstream module→module replaces
 # and turns kubernetes' local ./staging replaces into the published k8s.io/X v0.N.M modules.
@@ -85,6 +85,10 @@ wrapped etcd go.etcd.io/etcd/server/v3 "$ETCD_VERSION" go.etcd.io/etcd/server/v3
 wrapped kube-apiserver k8s.io/kubernetes "$KUBE_VERSION" k8s.io/kubernetes/cmd/kube-apiserver \
   "v0.${KUBE_VERSION#v1.}" "$kube_ldflags"
 wrapped kube-controller-manager k8s.io/kubernetes "$KUBE_VERSION" k8s.io/kubernetes/cmd/kube-controller-manager \
+  "v0.${KUBE_VERSION#v1.}" "$kube_ldflags"
+wrapped kube-scheduler k8s.io/kubernetes "$KUBE_VERSION" k8s.io/kubernetes/cmd/kube-scheduler \
+  "v0.${KUBE_VERSION#v1.}" "$kube_ldflags"
+wrapped kubelet k8s.io/kubernetes "$KUBE_VERSION" k8s.io/kubernetes/cmd/kubelet \
   "v0.${KUBE_VERSION#v1.}" "$kube_ldflags"
 wrapped csi-provisioner github.com/kubernetes-csi/external-provisioner/v6 "$PROVISIONER_VERSION" \
   github.com/kubernetes-csi/external-provisioner/v6/cmd/csi-provisioner "" "-s -w -X main.version=$PROVISIONER_VERSION"

@@ -7,7 +7,8 @@
 #       (default ~/.cache/ferry-tools/bin).
 #   scripts/setup.sh          everything the test suite needs (scripts/test.sh, CI), in addition:
 #     - Debian packages: openssl (the test Kubernetes cluster's certificates), rsync (the SEMANTICS
-#       test writes files the way users do), python3-venv;
+#       test writes files the way users do), python3-venv, containerd, runc and
+#       containernetworking-plugins (the e2e's one-node cluster runs real pods);
 #     - csi-sanity (the CSI conformance suite), promtool (Prometheus' exposition checker: ~10
 #       CPU-minutes cold, 15-30 min on 2 shared cores), and through scripts/kube-tools.sh etcd,
 #       kube-apiserver, kube-controller-manager, csi-provisioner and helm (the Kubernetes-level e2e;
@@ -54,6 +55,11 @@ install_debian_packages() {
     command -v openssl >/dev/null || missing+=(openssl)
     command -v rsync >/dev/null || missing+=(rsync) # the SEMANTICS test writes with rsync
     command -v python3 >/dev/null && python3 -c "import ensurepip" 2>/dev/null || missing+=(python3-venv)
+    # the one-node cluster of the Kubernetes e2e: containerd + runc run kubelet's pods, the CNI
+    # loopback plugin gives pods a network namespace with only lo
+    command -v containerd >/dev/null || missing+=(containerd)
+    command -v runc >/dev/null || missing+=(runc)
+    [ -x /usr/lib/cni/loopback ] || missing+=(containernetworking-plugins)
   fi
   if [ ${#missing[@]} -gt 0 ]; then
     log "apt-get install ${missing[*]}"

@@ -581,6 +581,7 @@ async fn chart(
         let mut old = KubeCluster::start_with(KubeClusterOptions {
             emulated_version: Some(MIN_KUBE_VERSION.into()),
             controller_manager: false,
+            ..Default::default()
         })
         .await?;
         let old_kube = old.client().await?;

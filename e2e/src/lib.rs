@@ -4,6 +4,7 @@
 
 pub mod kube;
 pub mod metrics_check;
+pub mod node;
 pub mod takeover;
 
 use std::path::{Path, PathBuf};

@@ -186,6 +186,7 @@ async fn emulated_version_serves_the_older_api_surface() {
     let old = KubeCluster::start_with(KubeClusterOptions {
         emulated_version: Some("1.33".into()),
         controller_manager: false,
+        ..Default::default()
     })
     .await
     .unwrap_or_else(|e| panic!("{e}"));
@@ -205,6 +206,7 @@ async fn emulated_version_serves_the_older_api_surface() {
     let new = KubeCluster::start_with(KubeClusterOptions {
         emulated_version: None,
         controller_manager: false,
+        ..Default::default()
     })
     .await
     .unwrap_or_else(|e| panic!("{e}"));

@@ -36,6 +36,10 @@ pub const API_AUDIENCES: &[&str] = &[ISSUER, "sts.amazonaws.com", "pods.eks.amaz
 /// PVCs for external provisioners with `volume.kubernetes.io/storage-provisioner`) and the
 /// protection finalizers' controllers, which let deleted PVCs and PVs go away.
 pub const CONTROLLERS: &str = "persistentvolume-binder-controller,persistentvolume-protection-controller,persistentvolumeclaim-protection-controller,serviceaccount-controller";
+/// What a cluster running pods adds: DaemonSets, Deployments and their ReplicaSets, the garbage
+/// collector (owned objects go with their owner), the `kube-root-ca.crt` ConfigMap every pod's
+/// service account volume mounts, and the TTL controller kubelet's ConfigMap cache reads.
+pub const WORKLOAD_CONTROLLERS: &str = "daemonset-controller,deployment-controller,replicaset-controller,garbage-collector-controller,root-ca-certificate-publisher-controller,ttl-controller";
 
 /// How long the control plane may take to become ready (a loaded 2-core machine is slow).
 pub const READY_TIMEOUT: Duration = Duration::from_secs(180);
@@ -91,6 +95,9 @@ pub struct KubeClusterOptions {
     pub emulated_version: Option<String>,
     /// Start kube-controller-manager (the PV controllers); not needed for pure API checks.
     pub controller_manager: bool,
+    /// Also run what workloads need ([`WORKLOAD_CONTROLLERS`] in the controller manager, and
+    /// kube-scheduler): for a cluster with a node ([`crate::kubelet::KubeNode`]).
+    pub workloads: bool,
 }
 
 impl Default for KubeClusterOptions {
@@ -98,6 +105,7 @@ impl Default for KubeClusterOptions {
         KubeClusterOptions {
             emulated_version: None,
             controller_manager: true,
+            workloads: false,
         }
     }
 }
@@ -153,6 +161,11 @@ impl KubeCluster {
         let apiserver = tool("kube-apiserver")?;
         let kcm = if options.controller_manager {
             Some(tool("kube-controller-manager")?)
+        } else {
+            None
+        };
+        let scheduler = if options.workloads {
+            Some(tool("kube-scheduler")?)
         } else {
             None
         };
@@ -227,6 +240,11 @@ impl KubeCluster {
             "--allow-privileged=true".to_string(),
             "--profiling=false".to_string(),
             "--enable-priority-and-fairness=false".to_string(),
+            // Logs and exec reach a kubelet at the node's InternalIP, which for the e2e's node
+            // is 127.0.0.1; the admin certificate authenticates the API server to it.
+            "--kubelet-preferred-address-types=InternalIP,Hostname".to_string(),
+            format!("--kubelet-client-certificate={}", p("admin.crt")),
+            format!("--kubelet-client-key={}", p("admin.key")),
         ];
         args.extend(emulated);
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
@@ -244,12 +262,18 @@ impl KubeCluster {
         };
         let t0 = Instant::now();
         let kubeconfig = cluster.kubeconfig.display().to_string();
+        let controllers = if options.workloads {
+            format!("{CONTROLLERS},{WORKLOAD_CONTROLLERS}")
+        } else {
+            CONTROLLERS.to_string()
+        };
         cluster.spawn(
             "kube-controller-manager",
             &kcm,
             &[
                 &format!("--kubeconfig={kubeconfig}"),
-                &format!("--controllers={CONTROLLERS}"),
+                &format!("--controllers={controllers}"),
+                &format!("--root-ca-file={}", p("ca.crt")),
                 "--leader-elect=false",
                 "--secure-port=0",
                 "--use-service-account-credentials=false",
@@ -260,6 +284,24 @@ impl KubeCluster {
         cluster
             .startup
             .push(("kube-controller-manager".into(), t0.elapsed()));
+
+        // kube-scheduler: places the chart's DaemonSet and Deployment pods on the node.
+        if let Some(scheduler) = scheduler {
+            let t0 = Instant::now();
+            cluster.spawn(
+                "kube-scheduler",
+                &scheduler,
+                &[
+                    &format!("--kubeconfig={kubeconfig}"),
+                    "--leader-elect=false",
+                    "--secure-port=0",
+                    "--profiling=false",
+                ],
+            )?;
+            cluster
+                .startup
+                .push(("kube-scheduler".into(), t0.elapsed()));
+        }
         Ok(cluster)
     }
 
@@ -284,6 +326,45 @@ impl KubeCluster {
             let _ = d.keep();
         }
         &self.path
+    }
+
+    /// The cluster's CA certificate (it signs the API server's serving certificate and every
+    /// client certificate).
+    pub fn ca_certificate(&self) -> PathBuf {
+        self.path.join("pki/ca.crt")
+    }
+
+    /// A new client certificate signed by the cluster's CA, for `subject` (an openssl `-subj`,
+    /// e.g. `/O=system:nodes/CN=system:node:127.0.0.1`), as `(certificate, key)` in the pki dir.
+    pub fn issue_client_certificate(
+        &self,
+        name: &str,
+        subject: &str,
+    ) -> Result<(PathBuf, PathBuf)> {
+        let pki = self.path.join("pki");
+        issue(&pki, name, subject, "client.ext")?;
+        Ok((
+            pki.join(format!("{name}.crt")),
+            pki.join(format!("{name}.key")),
+        ))
+    }
+
+    /// Writes a kubeconfig at `path` for this cluster with a client certificate.
+    pub fn write_kubeconfig_for(
+        &self,
+        path: &Path,
+        user: &str,
+        cert: &Path,
+        key: &Path,
+    ) -> Result<()> {
+        let text = format!(
+            "apiVersion: v1\nkind: Config\ncurrent-context: ferry-test\nclusters:\n- name: ferry-test\n  cluster:\n    server: {}\n    certificate-authority: {}\ncontexts:\n- name: ferry-test\n  context:\n    cluster: ferry-test\n    user: {user}\nusers:\n- name: {user}\n  user:\n    client-certificate: {}\n    client-key: {}\n",
+            self.server(),
+            self.ca_certificate().display(),
+            cert.display(),
+            key.display(),
+        );
+        std::fs::write(path, text).map_err(|e| setup(&format!("writing {}", path.display()), e))
     }
 
     /// A component's log so far.
@@ -528,18 +609,53 @@ fn openssl(dir: &Path, args: &[&str]) -> Result<()> {
     Ok(())
 }
 
+const EC_KEY: [&str; 5] = [
+    "-newkey",
+    "ec",
+    "-pkeyopt",
+    "ec_paramgen_curve:P-256",
+    "-nodes",
+];
+
+/// `<name>.crt` and `<name>.key` in `dir`, for `subject`, signed by `ca.crt` with the extensions
+/// of `ext` (a file in `dir`).
+fn issue(dir: &Path, name: &str, subject: &str, ext: &str) -> Result<()> {
+    let (key, csr, crt) = (
+        format!("{name}.key"),
+        format!("{name}.csr"),
+        format!("{name}.crt"),
+    );
+    let mut req = vec!["req", "-new"];
+    req.extend(EC_KEY);
+    req.extend(["-keyout", &key, "-out", &csr, "-subj", subject]);
+    openssl(dir, &req)?;
+    openssl(
+        dir,
+        &[
+            "x509",
+            "-req",
+            "-in",
+            &csr,
+            "-CA",
+            "ca.crt",
+            "-CAkey",
+            "ca.key",
+            "-CAcreateserial",
+            "-days",
+            "7",
+            "-out",
+            &crt,
+            "-extfile",
+            ext,
+        ],
+    )
+}
+
 /// A CA, the API server's serving certificate (127.0.0.1, localhost), the admin client
 /// certificate (`system:masters`), and the RSA service account signing key.
 fn generate_pki(dir: &Path) -> Result<()> {
-    let ec = [
-        "-newkey",
-        "ec",
-        "-pkeyopt",
-        "ec_paramgen_curve:P-256",
-        "-nodes",
-    ];
     let mut ca = vec!["req", "-x509"];
-    ca.extend(ec);
+    ca.extend(EC_KEY);
     ca.extend([
         "-keyout",
         "ca.key",
@@ -569,35 +685,7 @@ fn generate_pki(dir: &Path) -> Result<()> {
         ("server", "/CN=kube-apiserver", "server.ext"),
         ("admin", "/O=system:masters/CN=ferry-admin", "client.ext"),
     ] {
-        let (key, csr, crt) = (
-            format!("{name}.key"),
-            format!("{name}.csr"),
-            format!("{name}.crt"),
-        );
-        let mut req = vec!["req", "-new"];
-        req.extend(ec);
-        req.extend(["-keyout", &key, "-out", &csr, "-subj", subj]);
-        openssl(dir, &req)?;
-        openssl(
-            dir,
-            &[
-                "x509",
-                "-req",
-                "-in",
-                &csr,
-                "-CA",
-                "ca.crt",
-                "-CAkey",
-                "ca.key",
-                "-CAcreateserial",
-                "-days",
-                "7",
-                "-out",
-                &crt,
-                "-extfile",
-                ext,
-            ],
-        )?;
+        issue(dir, name, subj, ext)?;
     }
     openssl(
         dir,
