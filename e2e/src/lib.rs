@@ -1,7 +1,9 @@
 //! End-to-end harness: runs the real `ferry-controller` and `ferry-node` binaries against a real S3
 //! server (versitygw on loopback) and talks CSI to them over their unix sockets, as kubelet and
-//! csi-provisioner would. [`kube`] is the Kubernetes-level e2e on a real API server.
+//! csi-provisioner would. [`kube`] is the Kubernetes-level e2e on a real API server; [`image`] builds
+//! its container images without a Docker daemon.
 
+pub mod image;
 pub mod kube;
 pub mod metrics_check;
 pub mod node;

@@ -1,6 +1,7 @@
 //! `ferry-harness`: the README's demo (`demo`), the node restart check (`restart`), the csi-sanity
 //! run (`sanity`), promtool on both binaries' metrics (`metrics`), all against the real binaries, a real S3 server on loopback and real FUSE mounts,
-//! and the Kubernetes-level e2e (`kube`) on a real API server with the real csi-provisioner.
+//! and the Kubernetes-level e2e (`kube`) on a real API server with the real csi-provisioner; `images`
+//! builds the e2e's container images without Docker (see ferry_e2e::image).
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
@@ -97,6 +98,30 @@ enum Cmd {
         #[arg(long)]
         apply_chart: bool,
     },
+    /// Build the e2e's container images without a Docker daemon, as OCI image archives in --out:
+    /// localhost/ferry:<tag> (the Dockerfile's runtime stage: the three binaries from --bins, the
+    /// runtime stage's apt-get packages, glibc and libgcc, all of the host's Debian release, fetched
+    /// with `apt-get download` into $HOME/.cache/ferry-tools/debs), localhost/csi-provisioner:v6.3.0
+    /// (from $FERRY_TOOLS), localhost/ferry-e2e-busybox:<version> and localhost/ferry-e2e-pause:<version>
+    /// (Debian's busybox-static). Each image's shared libraries are checked to resolve inside it.
+    /// With --import, `ctr -n k8s.io images import` each archive and check `ctr images ls`.
+    Images {
+        /// Where ferry-controller, ferry-node and ferry-fd-holder are (default: next to this binary).
+        #[arg(long)]
+        bins: Option<PathBuf>,
+        /// Tag of the Ferry image; repeat it for more names of the same image.
+        #[arg(long = "tag", default_value = "e2e")]
+        tags: Vec<String>,
+        /// Output directory (archives, blobs, unpacked root filesystems).
+        #[arg(long)]
+        out: PathBuf,
+        /// Import the archives into containerd (namespace k8s.io).
+        #[arg(long)]
+        import: bool,
+        /// containerd's socket for --import.
+        #[arg(long, default_value = "/run/containerd/containerd.sock")]
+        containerd_address: PathBuf,
+    },
 }
 
 fn main() -> Result<()> {
@@ -143,8 +168,50 @@ fn main() -> Result<()> {
                 })
                 .await
             }
+            Cmd::Images {
+                bins,
+                tags,
+                out,
+                import,
+                containerd_address,
+            } => images(bins, tags, out, import.then_some(containerd_address)),
         }
     })
+}
+
+fn images(
+    bins: Option<PathBuf>,
+    tags: Vec<String>,
+    out: PathBuf,
+    import: Option<PathBuf>,
+) -> Result<()> {
+    use ferry_e2e::image;
+    let bins = match bins {
+        Some(b) => b,
+        None => bin_dir()?,
+    };
+    let tags: Vec<&str> = tags.iter().map(String::as_str).collect();
+    let opts = image::Options::new(&bins, &tags, &out);
+    let started = std::time::Instant::now();
+    let images = image::build_all(&opts)?;
+    for i in &images {
+        println!(
+            "{}  {}  layer {:.1} MiB  {}",
+            i.names.join(", "),
+            i.digest,
+            i.layer_size as f64 / (1 << 20) as f64,
+            i.archive.display()
+        );
+    }
+    say(&format!(
+        "built in {:.1} s",
+        started.elapsed().as_secs_f64()
+    ));
+    if let Some(address) = import {
+        image::import(&images, &address)?;
+        say(&format!("imported into {}", address.display()));
+    }
+    Ok(())
 }
 
 fn say(s: &str) {
