@@ -12,7 +12,8 @@
 #   4. helm v4 and v3 render the same objects, and the default manifests hold what the driver
 #      relies on (CSIDriver fields, provisioner flags, privileged node with Bidirectional kubelet
 #      dir and /dev/fuse, the memory limit wired to the budget, the handover and fd holder wiring,
-#      ...), and no token-creating RBAC.
+#      the built-in kubelet registration and /healthz, ...), and no token-creating RBAC; the
+#      optional sidecars, hostNetwork and the API server override render where asked for only.
 # Applying the manifests to an API server is the Kubernetes e2e's job, not this script's.
 # Needs `helm` (v4) and `helm3` (v3) on PATH or in $FERRY_TOOLS (default ~/.cache/ferry-tools/bin),
 # where scripts/kube-tools.sh builds them. Needs no cluster.
@@ -82,6 +83,14 @@ for h in helm helm3; do
   if "$h" template "$RELEASE" "$CHART" --set node.terminationGracePeriodSeconds=30 >/dev/null 2>&1; then
     fail "$h accepted a grace period that does not exceed the handover wait (30s)"
   fi
+  if "$h" template "$RELEASE" "$CHART" --set node.hostNetwork=true --set controller.hostNetwork=true \
+    --set controller.healthPort=9808 --set controller.metricsPort=9811 >/dev/null 2>&1; then
+    fail "$h accepted the same health port for node and controller pods both on the host network"
+  fi
+  if "$h" template "$RELEASE" "$CHART" --set node.hostNetwork=true --set controller.hostNetwork=true \
+    >/dev/null 2>&1; then
+    fail "$h accepted the same metrics port for node and controller pods both on the host network"
+  fi
 
   step "$h: the allowed endpoints reach both binaries, with the StorageClasses' own"
   # Only a StorageClass's endpoint: the default (aws) plus it, path and mount-option form alike.
@@ -126,7 +135,10 @@ resource: limits.memory
 name: FERRY_MEMORY_BUDGET
 name: FERRY_CACHE_DIR
 - --kubelet-registration-path=/var/lib/kubelet/plugins/s3.csi.ferry.dev/csi.sock
-- --health-port=9808
+- --registration-dir=/registration
+path: /var/lib/kubelet/plugins_registry
+- --health-addr=:9808
+- --health-addr=:9807
 - --node-id=$(NODE_ID)
 fieldPath: spec.nodeName
 fieldPath: metadata.uid
@@ -137,7 +149,6 @@ name: FERRY_HANDOVER_WAIT
 command: ["ferry-fd-holder"]
 - --socket=/holder/holder.sock
 mountPath: /holder
-- --http-endpoint=:9809
 readOnlyRootFilesystem: true
 runAsNonRoot: true
 WANT
@@ -148,6 +159,29 @@ fi
 ! grep -q 'holder' <(grep -v '^[[:space:]]*#' "$OUT/helm-minimal.yaml") || fail "node.fdHolder.enabled=false still wires a holder"
 grep -q 'FERRY_NO_CACHE_PASSTHROUGH' "$OUT/helm-all-features.yaml" || fail "node.cache.passthrough=false does not reach the node plugin"
 ! grep -q 'FERRY_NO_CACHE_PASSTHROUGH' "$OUT/helm-defaults.yaml" || fail "passthrough must be on by default"
+
+step "built-in registration and health by default; sidecars, hostNetwork, API override on request"
+D=$OUT/defaults-no-comments.yaml
+A=$OUT/all-features-no-comments.yaml
+grep -v '^[[:space:]]*#' "$OUT/helm-all-features.yaml" >"$A"
+! grep -qE 'csi-node-driver-registrar|sig-storage/livenessprobe' "$D" || fail "the defaults must not run the registrar or livenessprobe sidecars"
+! grep -qE 'hostNetwork|KUBERNETES_SERVICE_HOST' "$D" || fail "the defaults must stay off the host network and use the kubernetes Service"
+[ "$(grep -c 'path: /healthz' "$D")" = 2 ] || fail "both pods need a liveness probe on /healthz"
+grep -qF -- '- --http-endpoint=:9809' "$A" || fail "sidecars.nodeDriverRegistrar.enabled does not run the registrar"
+grep -qF -- '- --health-port=9808' "$A" || fail "sidecars.livenessProbe.enabled does not run livenessprobe"
+! grep -qE -- '--registration-dir|--health-addr' "$A" ||
+  fail "with the sidecars on, the built-in registration and /healthz must be off (they would fight over the socket and port)"
+[ "$(grep -c 'hostNetwork: true' "$A")" = 2 ] || fail "node.hostNetwork/controller.hostNetwork do not reach both pods"
+[ "$(grep -c 'dnsPolicy: ClusterFirstWithHostNet' "$A")" = 2 ] || fail "hostNetwork pods need dnsPolicy ClusterFirstWithHostNet"
+# ferry-controller, csi-provisioner and ferry-node.
+[ "$(grep -c 'name: KUBERNETES_SERVICE_HOST' "$A")" = 3 ] || fail "kubernetesApi.host does not reach every API client"
+grep -qF 'value: "6443"' "$A" || fail "kubernetesApi.port does not reach the API clients"
+# On the host network no pod declares a port: it would be a hostPort that keeps the new pod of an
+# update from being scheduled beside the old one. The controller's old pod stops first.
+! grep -q 'containerPort' "$A" || fail "a pod on the host network must not declare containerPorts"
+awk '/^kind: Deployment/{d=1} /^---/{d=0} d' "$A" | grep -q 'maxSurge: 0' ||
+  fail "a controller on the host network must stop an old pod before its replacement starts"
+grep -qF -- '- --health-port=9807' "$A" || fail "the controller's livenessprobe sidecar must serve controller.healthPort"
 
 step "the rendered objects"
 for v in defaults all-features minimal; do

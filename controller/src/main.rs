@@ -37,6 +37,10 @@ struct Args {
     /// Address of the Prometheus `/metrics` endpoint; `off` disables it.
     #[arg(long, env = "FERRY_METRICS_ADDR", default_value = "0.0.0.0:9810")]
     metrics_addr: String,
+    /// Address of the `/healthz` endpoint (`host:port` or `:port`): 200 while the CSI Probe is
+    /// ready (the default credentials can reach S3), else 503 with the reason. `off` disables it.
+    #[arg(long, env = "FERRY_HEALTH_ADDR", default_value = "off")]
+    health_addr: String,
     /// PEM file of CA certificates to trust besides the system's (S3 and STS endpoints with a
     /// private CA).
     #[arg(long, env = "AWS_CA_BUNDLE")]
@@ -119,6 +123,10 @@ async fn main() -> anyhow::Result<()> {
             Box::pin(async move { stores.check_default_credentials().await })
         }),
     );
+    ferry_metrics::health::start_health(&args.health_addr, identity.health_check())
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let shutdown = ferry_csi::endpoint::shutdown_signal();
     let incoming = ferry_csi::endpoint::bind(&socket)
         .with_context(|| format!("binding CSI socket {}", socket.display()))?;
     tracing::info!(
@@ -131,7 +139,7 @@ async fn main() -> anyhow::Result<()> {
         .layer(ferry_csi::log::RpcLogLayer)
         .add_service(IdentityServer::new(identity))
         .add_service(ControllerServer::new(controller))
-        .serve_with_incoming_shutdown(incoming, ferry_csi::endpoint::shutdown_signal())
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await
         .context("serving gRPC")?;
     let _ = std::fs::remove_file(&socket);

@@ -5,6 +5,7 @@
 //! - [`holder`]: the fd holder's protocol and client (fds of live mounts kept across a restart);
 //! - [`accounts`]: ServiceAccount reads through the Kubernetes API (pod-level credentials);
 //! - [`mounts`]: the table of live mounts, one FUSE session each, all in this process;
+//! - [`registration`]: kubelet plugin registration (the socket in `plugins_registry`);
 //! - [`targetpath`]: kubelet target-path checks;
 //! - [`size`]: byte sizes and the memory budget on the command line;
 //! - [`mountinfo`] (from `ferry-fs`): what the kernel says is mounted where.
@@ -13,6 +14,7 @@ pub mod accounts;
 pub mod handover;
 pub mod keeper;
 pub mod mounts;
+pub mod registration;
 pub mod service;
 pub mod size;
 pub mod targetpath;

@@ -7,6 +7,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use clap::{Args, Parser, Subcommand};
 use ferry_cache::{BlockCache, CacheConfig};
+use ferry_csi::endpoint::OwnedSocket;
 use ferry_csi::identity::IdentityService;
 use ferry_csi::pb::identity_server::IdentityServer;
 use ferry_csi::pb::node_server::NodeServer;
@@ -14,6 +15,7 @@ use ferry_csi::pb::plugin_capability::service::Type as PluginCap;
 use ferry_csi::stores::{S3Stores, Stores};
 use ferry_node::handover::{self, MountRecord, StateDir};
 use ferry_node::mounts::{MountCredentials, MountTable, Published};
+use ferry_node::registration::{self, RegistrationService, RegistrationState};
 use ferry_node::size::{parse_budget, parse_size, BudgetSpec};
 use ferry_node::{NodeConfig, NodeService, PodAuth};
 use ferry_volume::{
@@ -72,6 +74,22 @@ struct ServeArgs {
     /// Address of the Prometheus `/metrics` endpoint; `off` disables it.
     #[arg(long, env = "FERRY_METRICS_ADDR", default_value = "0.0.0.0:9810")]
     metrics_addr: String,
+    /// Address of the `/healthz` endpoint (`host:port` or `:port`): 200 while the CSI Probe is
+    /// ready and kubelet has not refused the registration, else 503 with the reason. Bound, like
+    /// the metrics endpoint, only once this process owns the node's mounts. `off` disables it.
+    #[arg(long, env = "FERRY_HEALTH_ADDR", default_value = "off")]
+    health_addr: String,
+    /// Kubelet's plugin registration directory (`<kubelet-root>/plugins_registry`, as mounted in
+    /// this container): register the driver with kubelet through a socket there, as
+    /// node-driver-registrar would. Unset: no registration (outside Kubernetes, or with the
+    /// sidecar).
+    #[arg(long, env = "FERRY_REGISTRATION_DIR")]
+    registration_dir: Option<PathBuf>,
+    /// The CSI socket's path as kubelet on the host sees it (e.g.
+    /// `/var/lib/kubelet/plugins/s3.csi.ferry.dev/csi.sock`), which kubelet is told at
+    /// registration. Default: the --csi-endpoint path.
+    #[arg(long, env = "FERRY_KUBELET_REGISTRATION_PATH")]
+    kubelet_registration_path: Option<PathBuf>,
     /// PEM file of CA certificates to trust besides the system's (S3 and STS endpoints with a
     /// private CA).
     #[arg(long, env = "AWS_CA_BUNDLE")]
@@ -621,6 +639,16 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if a.node_id.is_empty() {
         bail!("--node-id (NODE_ID) must not be empty");
     }
+    let kubelet_endpoint = a
+        .kubelet_registration_path
+        .clone()
+        .unwrap_or_else(|| socket.clone());
+    if !kubelet_endpoint.is_absolute() {
+        bail!(
+            "--kubelet-registration-path {} must be an absolute path",
+            kubelet_endpoint.display()
+        );
+    }
     let state = StateDir(a.state_dir.clone().unwrap_or_else(|| {
         socket
             .parent()
@@ -676,6 +704,22 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         vec![PluginCap::ControllerService],
         Box::new(|| Box::pin(async { fuse_device_usable() })),
     );
+    // After the takeover, like the metrics endpoint: during an update the old and the new node
+    // pod may share the host's network.
+    let registration = RegistrationState::default();
+    {
+        let (probe, registration) = (identity.health_check(), registration.clone());
+        let check: ferry_metrics::health::Check = Arc::new(move || {
+            let (probe, registration) = (probe.clone(), registration.clone());
+            Box::pin(async move {
+                probe().await?;
+                registration.health()
+            })
+        });
+        ferry_metrics::health::start_health(&a.health_addr, check)
+            .await
+            .map_err(anyhow::Error::msg)?;
+    }
     let recovering = std::time::Instant::now();
     if handed_at.is_none() && keeper.enabled() {
         // No live owner: whatever the holder keeps is a dead process's.
@@ -726,16 +770,56 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             .name("handover".into())
             .spawn(move || serve_handovers(listener, node, rt, state, lock))?;
     }
-    let incoming = ferry_csi::endpoint::bind(&socket)
+    let shutdown = ferry_csi::endpoint::shutdown_signal();
+    let (csi_socket, incoming) = OwnedSocket::bind(&socket)
         .with_context(|| format!("binding CSI socket {}", socket.display()))?;
+    // Last, once the CSI socket is there: kubelet calls NodeGetInfo on it as soon as it sees the
+    // registration socket. Binding it anew (a successor after a handover, a restart) makes kubelet
+    // register the plugin again.
+    let (stop_registration, registration_stopped) = tokio::sync::oneshot::channel::<()>();
+    let registration_socket = match &a.registration_dir {
+        Some(dir) => {
+            let path = registration::socket_path(dir, ferry_volume::DRIVER_NAME);
+            let service = RegistrationService {
+                driver: ferry_volume::DRIVER_NAME.to_string(),
+                endpoint: kubelet_endpoint.display().to_string(),
+                state: registration.clone(),
+            };
+            let stopped = async {
+                let _ = registration_stopped.await;
+            };
+            Some(
+                registration::serve(&path, service, stopped).with_context(|| {
+                    format!("binding the registration socket {}", path.display())
+                })?,
+            )
+        }
+        None => None,
+    };
     tracing::info!(endpoint = %socket.display(), node_id = %a.node_id, version = ferry_csi::VERSION, "ferry-node serving");
     tonic::transport::Server::builder()
         .layer(ferry_csi::log::RpcLogLayer)
         .add_service(IdentityServer::new(identity))
         .add_service(NodeServer::new(node))
-        .serve_with_incoming_shutdown(incoming, ferry_csi::endpoint::shutdown_signal())
+        .serve_with_incoming_shutdown(incoming, shutdown)
         .await
         .context("serving gRPC")?;
+    // The CSI services are gone: kubelet unregisters the plugin when its socket goes (as with
+    // node-driver-registrar on SIGTERM). Only our own socket: a successor's stays.
+    if let Some(reg) = &registration_socket {
+        match reg.remove() {
+            Ok(true) => {
+                tracing::info!(socket = %reg.path().display(), "registration socket removed")
+            }
+            Ok(false) => {
+                tracing::info!(socket = %reg.path().display(), "registration socket is another process's now; left alone")
+            }
+            Err(e) => {
+                tracing::warn!(socket = %reg.path().display(), error = %e, "removing the registration socket failed")
+            }
+        }
+    }
+    let _ = stop_registration.send(());
     if !mounts.is_empty() && a.handover_wait > 0 {
         // A successor that connects meanwhile takes the mounts and this process exits there.
         tracing::info!(
@@ -745,7 +829,9 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         );
         tokio::time::sleep(Duration::from_secs(a.handover_wait)).await;
     }
-    let _ = std::fs::remove_file(&socket);
+    if let Err(e) = csi_socket.remove() {
+        tracing::warn!(socket = %socket.display(), error = %e, "removing the CSI socket failed");
+    }
     if let Some(cache) = &cache {
         // Blocks fetched just before the signal are still being written: finish them.
         cache.settle().await;

@@ -231,3 +231,54 @@ fn generated_paths_exist() {
     let _ = crate::csi::v1::node_client::NodeClient::<tonic::transport::Channel>::new;
     assert_eq!(crate::CSI_SPEC_VERSION, "1.11.0");
 }
+
+/// Kubelet's registration messages: field numbers pinned against hand-encoded bytes, and the
+/// gRPC method paths kubelet calls.
+#[test]
+fn plugin_registration_wire_format() {
+    use crate::pluginregistration::{PluginInfo, RegistrationStatus};
+    let info = PluginInfo {
+        r#type: "CSIPlugin".into(),
+        name: "d".into(),
+        endpoint: "/s".into(),
+        supported_versions: vec!["1.0.0".into()],
+    };
+    let mut want = len_field(1, b"CSIPlugin");
+    want.extend(len_field(2, b"d"));
+    want.extend(len_field(3, b"/s"));
+    want.extend(len_field(4, b"1.0.0"));
+    assert_eq!(info.encode_to_vec(), want);
+    let status = RegistrationStatus::decode(
+        [vec![key(1, VARINT), 1], len_field(2, b"no")]
+            .concat()
+            .as_slice(),
+    )
+    .unwrap();
+    assert!(status.plugin_registered);
+    assert_eq!(status.error, "no");
+    use crate::pluginregistration::registration_server::RegistrationServer;
+    use tonic::server::NamedService;
+    struct Unused;
+    #[tonic::async_trait]
+    impl crate::pluginregistration::registration_server::Registration for Unused {
+        async fn get_info(
+            &self,
+            _: tonic::Request<crate::pluginregistration::InfoRequest>,
+        ) -> Result<tonic::Response<PluginInfo>, tonic::Status> {
+            unreachable!()
+        }
+        async fn notify_registration_status(
+            &self,
+            _: tonic::Request<RegistrationStatus>,
+        ) -> Result<
+            tonic::Response<crate::pluginregistration::RegistrationStatusResponse>,
+            tonic::Status,
+        > {
+            unreachable!()
+        }
+    }
+    assert_eq!(
+        <RegistrationServer<Unused> as NamedService>::NAME,
+        "pluginregistration.Registration"
+    );
+}

@@ -107,13 +107,38 @@ mount option, as scheme://host[:port]); it is set only when that adds to the def
 {{- end }}
 {{- end -}}
 
-{{/* --metrics-addr of both binaries. */}}
+{{/* --metrics-addr of both binaries: the context is (dict "ctx" $ "port" <port>). */}}
 {{- define "ferry.metricsAddr" -}}
-{{- if .Values.metrics.enabled -}}
-{{- printf "0.0.0.0:%d" (int .Values.metrics.port) -}}
+{{- if .ctx.Values.metrics.enabled -}}
+{{- printf "0.0.0.0:%d" (int .port) -}}
 {{- else -}}
 off
 {{- end -}}
+{{- end -}}
+
+{{/* The controller's /metrics port: controller.metricsPort, else metrics.port. */}}
+{{- define "ferry.controllerMetricsPort" -}}
+{{- .Values.controller.metricsPort | default .Values.metrics.port | int -}}
+{{- end -}}
+
+{{/* KUBERNETES_SERVICE_HOST/PORT of every container that talks to the API server, when
+kubernetesApi.host is set (a cluster whose pods reach the API server elsewhere than through the
+kubernetes Service, e.g. only on the node's loopback). */}}
+{{- define "ferry.kubeApiEnv" -}}
+{{- with .Values.kubernetesApi.host }}
+- name: KUBERNETES_SERVICE_HOST
+  value: {{ . | quote }}
+- name: KUBERNETES_SERVICE_PORT
+  value: {{ $.Values.kubernetesApi.port | default "443" | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* hostNetwork and its DNS policy for a pod spec: the context is the component's values. */}}
+{{- define "ferry.hostNetwork" -}}
+{{- if .hostNetwork }}
+hostNetwork: true
+dnsPolicy: ClusterFirstWithHostNet
+{{- end }}
 {{- end -}}
 
 {{/* The kubelet directory without a trailing slash. */}}

@@ -1,4 +1,5 @@
-//! The CSI endpoint: a unix socket named `unix:///path` (or a bare path).
+//! The CSI endpoint: a unix socket named `unix:///path` (or a bare path); and [`OwnedSocket`], a
+//! socket file removed at the end only while it is still the one this process bound.
 
 use std::io;
 use std::path::{Path, PathBuf};
@@ -34,14 +35,77 @@ pub fn bind(path: &Path) -> io::Result<UnixListenerStream> {
     Ok(UnixListenerStream::new(UnixListener::bind(path)?))
 }
 
-/// Resolves on SIGTERM or SIGINT.
-pub async fn shutdown_signal() {
+/// A unix socket file this process bound, known by its device, inode and change time: a
+/// successor that binds the same path afterwards (unlink + bind: a new file) keeps its socket when
+/// this process removes "its own" on the way out. The change time is part of the identity because
+/// a new file often gets the inode number the unlinked one freed.
+#[derive(Debug)]
+pub struct OwnedSocket {
+    path: PathBuf,
+    id: FileId,
+}
+
+/// Device, inode, and change time (seconds, nanoseconds) of a file.
+type FileId = (u64, u64, i64, i64);
+
+impl OwnedSocket {
+    /// Binds `path` like [`bind`] (a stale file there is removed first) and remembers which file
+    /// it created.
+    pub fn bind(path: &Path) -> io::Result<(OwnedSocket, UnixListenerStream)> {
+        let incoming = bind(path)?;
+        let id = file_id(path)?;
+        Ok((
+            OwnedSocket {
+                path: path.to_path_buf(),
+                id,
+            },
+            incoming,
+        ))
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Whether `path` still names the socket this process bound (not removed, not replaced).
+    pub fn is_ours(&self) -> bool {
+        file_id(&self.path).is_ok_and(|id| id == self.id)
+    }
+
+    /// Removes the socket file if it is still ours; `Ok(false)` when it is gone or another
+    /// process's (left alone).
+    pub fn remove(&self) -> io::Result<bool> {
+        if !self.is_ours() {
+            return Ok(false);
+        }
+        // The path could be replaced between the check and the unlink; ferry-node's handover
+        // keeps that from happening (a successor binds only once this process has exited).
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+fn file_id(path: &Path) -> io::Result<FileId> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::symlink_metadata(path)?;
+    Ok((m.dev(), m.ino(), m.ctime(), m.ctime_nsec()))
+}
+
+/// Resolves on SIGTERM or SIGINT. The handlers are installed by this call, not when the future is
+/// first polled: call it before announcing that the process serves, so a SIGTERM sent right after
+/// that is not the default action (an exit without cleanup).
+pub fn shutdown_signal() -> impl std::future::Future<Output = ()> + Send + 'static {
     use tokio::signal::unix::{signal, SignalKind};
     let mut term = signal(SignalKind::terminate()).expect("install SIGTERM handler");
     let mut int = signal(SignalKind::interrupt()).expect("install SIGINT handler");
-    tokio::select! {
-        _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
-        _ = int.recv() => tracing::info!("SIGINT received, shutting down"),
+    async move {
+        tokio::select! {
+            _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
+            _ = int.recv() => tracing::info!("SIGINT received, shutting down"),
+        }
     }
 }
 
@@ -65,6 +129,23 @@ mod tests {
         );
         assert!(parse("tcp://127.0.0.1:10000").is_err());
         assert!(parse("unix://relative.sock").is_err());
+    }
+
+    #[tokio::test]
+    async fn an_owned_socket_is_removed_only_while_it_is_ours() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("reg.sock");
+        let (old, _old_incoming) = OwnedSocket::bind(&path).unwrap();
+        assert!(old.is_ours());
+        // A successor takes the path over: unlink + bind.
+        let (new, _new_incoming) = OwnedSocket::bind(&path).unwrap();
+        assert!(!old.is_ours());
+        assert!(!old.remove().unwrap(), "removed the successor's socket");
+        assert!(path.exists());
+        assert!(new.is_ours());
+        assert!(new.remove().unwrap());
+        assert!(!path.exists());
+        assert!(!new.remove().unwrap());
     }
 
     #[tokio::test]

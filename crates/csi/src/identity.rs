@@ -27,6 +27,13 @@ impl IdentityService {
             ready: Arc::new(ready),
         }
     }
+
+    /// The check behind Probe, for the health endpoint (`ferry_metrics::health`): `Err(reason)`
+    /// when Probe answers not ready.
+    pub fn health_check(&self) -> ferry_metrics::health::Check {
+        let ready = self.ready.clone();
+        Arc::new(move || ready())
+    }
 }
 
 #[tonic::async_trait]

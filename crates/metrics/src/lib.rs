@@ -6,11 +6,13 @@
 //! - [`record_s3_attempt`] (one S3 HTTP attempt, by operation and status) and
 //!   [`record_fuse_op`] (one answered FUSE operation, by operation and outcome);
 //! - [`serve`] / [`start`]: the `/metrics` HTTP endpoint;
+//! - [`health`]: the `/healthz` endpoint (its own listener, so it does not need metrics on);
 //! - [`InstrumentedStore`]: an [`ferry_store::ObjectStore`] wrapper that counts S3 requests,
 //!   outcomes, bytes and latency per call of the store.
 
 mod fuse;
 mod global;
+pub mod health;
 pub mod names;
 mod registry;
 mod s3;

@@ -1,4 +1,5 @@
-//! The `/metrics` endpoint, on hyper (HTTP/1.1; already in the tree through tonic).
+//! The `/metrics` endpoint, on hyper (HTTP/1.1; already in the tree through tonic), and the
+//! connection handling it shares with the health endpoint ([`crate::health`]).
 //!
 //! A scrape encodes the registry by reading the metrics' atomics: it never blocks a recorder.
 //! Prometheus text (0.0.4) unless the scraper asks for OpenMetrics. An `accept` that fails (e.g.
@@ -8,6 +9,7 @@
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,16 +33,37 @@ const MAX_BACKOFF: Duration = Duration::from_secs(1);
 const HEADER_TIMEOUT: Duration = Duration::from_secs(5);
 const CONNECTION_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The answer to one request of an endpoint.
+pub(crate) type Reply = Pin<Box<dyn Future<Output = Response<Full<Bytes>>> + Send>>;
+
+/// What an endpoint does with a request.
+pub(crate) type Handler = Arc<dyn Fn(Request<Incoming>) -> Reply + Send + Sync>;
+
 /// Serves `GET /metrics` from the process-wide registry on `addr` until the task is dropped.
 /// Returns the bound address (useful with port 0).
 pub async fn serve(addr: SocketAddr) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
+    serve_with(
+        addr,
+        Arc::new(|req| Box::pin(async move { handle(req).await.unwrap_or_else(|e| match e {}) })),
+    )
+    .await
+}
+
+/// Serves `handler` on `addr` until the task is dropped; returns the bound address.
+pub(crate) async fn serve_with(
+    addr: SocketAddr,
+    handler: Handler,
+) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
     let listener = TcpListener::bind(addr).await?;
     let local = listener.local_addr()?;
     let listener = std::sync::Arc::new(listener);
-    let task = tokio::spawn(accept_loop(move || {
-        let l = listener.clone();
-        async move { l.accept().await.map(|(stream, _)| stream) }
-    }));
+    let task = tokio::spawn(accept_loop(
+        move || {
+            let l = listener.clone();
+            async move { l.accept().await.map(|(stream, _)| stream) }
+        },
+        handler,
+    ));
     Ok((local, task))
 }
 
@@ -49,7 +72,7 @@ const MAX_CONNECTIONS: usize = 16;
 
 /// Accepts connections from `accept` and serves each on its own task; on an error waits
 /// (doubling from [`MIN_BACKOFF`] to [`MAX_BACKOFF`]) before the next `accept`.
-async fn accept_loop<A, F, S>(mut accept: A)
+async fn accept_loop<A, F, S>(mut accept: A, handler: Handler)
 where
     A: FnMut() -> F,
     F: Future<Output = std::io::Result<S>>,
@@ -66,8 +89,9 @@ where
         match accept().await {
             Ok(stream) => {
                 backoff = MIN_BACKOFF;
+                let handler = handler.clone();
                 tokio::spawn(async move {
-                    serve_connection(stream).await;
+                    serve_connection(stream, handler).await;
                     drop(slot);
                 });
             }
@@ -80,14 +104,18 @@ where
     }
 }
 
-async fn serve_connection<S>(stream: S)
+async fn serve_connection<S>(stream: S, handler: Handler)
 where
     S: AsyncRead + AsyncWrite + Unpin + Send + 'static,
 {
+    let service = service_fn(move |req| {
+        let reply = handler(req);
+        async move { Ok::<_, Infallible>(reply.await) }
+    });
     let conn = http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(HEADER_TIMEOUT)
-        .serve_connection(TokioIo::new(stream), service_fn(handle));
+        .serve_connection(TokioIo::new(stream), service);
     match tokio::time::timeout(CONNECTION_TIMEOUT, conn).await {
         Ok(Ok(())) => {}
         Ok(Err(e)) => tracing::debug!(error = %e, "metrics endpoint: connection failed"),
@@ -146,12 +174,12 @@ pub async fn start(addr: &str) -> Result<Option<SocketAddr>, String> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-    async fn get(addr: SocketAddr, request: &str) -> String {
+    pub(crate) async fn get(addr: SocketAddr, request: &str) -> String {
         let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
         c.write_all(request.as_bytes()).await.unwrap();
         let mut resp = String::new();
@@ -206,13 +234,16 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_failing_accept_is_retried_with_a_pause_not_a_spin() {
         let calls = AtomicUsize::new(0);
-        let looping = accept_loop(|| {
-            let n = calls.fetch_add(1, Ordering::Relaxed);
-            assert!(n < 1000, "accept retried in a busy loop");
-            async {
-                Err::<tokio::net::TcpStream, _>(std::io::Error::from_raw_os_error(libc::EMFILE))
-            }
-        });
+        let looping = accept_loop(
+            || {
+                let n = calls.fetch_add(1, Ordering::Relaxed);
+                assert!(n < 1000, "accept retried in a busy loop");
+                async {
+                    Err::<tokio::net::TcpStream, _>(std::io::Error::from_raw_os_error(libc::EMFILE))
+                }
+            },
+            Arc::new(|_| unreachable!("no connection is accepted")),
+        );
         // A minute of (paused, auto-advanced) time: ~7 doublings from 10 ms, then once a second.
         assert!(tokio::time::timeout(Duration::from_secs(60), looping)
             .await

@@ -1,0 +1,106 @@
+//! The real `ferry-controller`'s `/healthz`: 200 while the CSI Probe is ready (the default
+//! credentials resolve), 503 with the reason when they do not.
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// An upper bound for the process to start on a loaded machine; never a measurement.
+const PATIENCE: Duration = Duration::from_secs(60);
+
+struct Controller(Child);
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Starts ferry-controller with `env` (and nothing else of this environment: no AWS settings, no
+/// Kubernetes API) and returns it with its health address.
+fn start(dir: &std::path::Path, env: &[(&str, &str)]) -> (Controller, std::net::SocketAddr) {
+    let child = Command::new(env!("CARGO_BIN_EXE_ferry-controller"))
+        .arg(format!(
+            "--csi-endpoint=unix://{}",
+            dir.join("csi.sock").display()
+        ))
+        .args([
+            "--metrics-addr=off",
+            "--health-addr=127.0.0.1:0",
+            "--region=us-east-1",
+        ])
+        .env_clear()
+        .env("HOME", dir)
+        .env("NO_COLOR", "1")
+        .env("AWS_EC2_METADATA_DISABLED", "true")
+        .env("AWS_CONFIG_FILE", dir.join("no-config"))
+        .env("AWS_SHARED_CREDENTIALS_FILE", dir.join("no-credentials"))
+        .envs(env.iter().copied())
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("starting ferry-controller");
+    // Owned (killed and reaped on drop) from here on, whatever happens below.
+    let mut controller = Controller(child);
+    let stderr = controller.0.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            eprintln!("ferry-controller: {line}");
+            let _ = tx.send(line);
+        }
+    });
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = rx
+            .recv_timeout(left)
+            .unwrap_or_else(|e| panic!("ferry-controller did not serve /healthz: {e}"));
+        if line.contains("health at /healthz") {
+            let addr = line
+                .split_whitespace()
+                .find_map(|w| w.strip_prefix("addr="))
+                .expect("the health line names its address");
+            return (controller, addr.parse().unwrap());
+        }
+    }
+}
+
+fn healthz(addr: std::net::SocketAddr) -> (u16, String) {
+    let mut c = std::net::TcpStream::connect(addr).unwrap();
+    c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .unwrap();
+    let mut resp = String::new();
+    c.read_to_string(&mut resp).unwrap();
+    let code = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP response: {resp}"));
+    let body = resp
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
+    (code, body)
+}
+
+#[test]
+fn healthz_is_the_probe() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_ok, addr) = start(
+        &dir.path().join("with-credentials"),
+        &[
+            ("AWS_ACCESS_KEY_ID", "AKIDFERRYTEST"),
+            ("AWS_SECRET_ACCESS_KEY", "ferry-test-secret"),
+        ],
+    );
+    assert_eq!(healthz(addr), (200, "ok\n".to_string()));
+
+    let (_no_credentials, addr) = start(&dir.path().join("without"), &[]);
+    let (code, body) = healthz(addr);
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("credentials"), "{body}");
+}
