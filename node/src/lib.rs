@@ -5,12 +5,14 @@
 //! - [`holder`]: the fd holder's protocol and client (fds of live mounts kept across a restart);
 //! - [`accounts`]: ServiceAccount reads through the Kubernetes API (pod-level credentials);
 //! - [`mounts`]: the table of live mounts, one FUSE session each, all in this process;
-//! - [`registration`]: kubelet plugin registration (the socket in `plugins_registry`);
+//! - [`registration`]: kubelet plugin registration (the socket in `plugins_registry`), behind
+//!   [`authority`], which makes kubelet's requests acceptable to h2;
 //! - [`targetpath`]: kubelet target-path checks;
 //! - [`size`]: byte sizes and the memory budget on the command line;
 //! - [`mountinfo`] (from `ferry-fs`): what the kernel says is mounted where.
 
 pub mod accounts;
+pub mod authority;
 pub mod handover;
 pub mod keeper;
 pub mod mounts;

@@ -137,6 +137,11 @@ pub fn serve(
     let socket = Arc::new(socket);
     *service.state.socket.lock().expect("socket lock") = Some(socket.clone());
     tracing::info!(socket = %path.display(), endpoint = %service.endpoint, "kubelet plugin registration socket bound");
+    // Every connection through the :authority rewriter (see crate::authority): kubelet's
+    // registration client sends the socket path there, which h2 refuses.
+    let incoming = futures::StreamExt::map(incoming, |conn| {
+        conn.map(crate::authority::localhost_authority)
+    });
     tokio::spawn(async move {
         let served = tonic::transport::Server::builder()
             .layer(ferry_csi::log::RpcLogLayer)
