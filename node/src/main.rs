@@ -421,6 +421,7 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
             endpoint: Endpoint::default(),
             authentication: AuthenticationSource::Driver,
             sts_region: None,
+            mountpoint_v2: Default::default(),
             options: MountOptions {
                 read_only: a.read_only,
                 allow_delete: a.allow_delete,

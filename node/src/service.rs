@@ -25,7 +25,7 @@ use ferry_csi::stores::{StoreCredentials, Stores};
 use ferry_csi::CsiError;
 use ferry_fs::{MetadataTtl as FsTtl, MountConfig};
 use ferry_store::StoreError;
-use ferry_volume::{keys, AuthenticationSource, MetadataTtl, VolumeSpec};
+use ferry_volume::{keys, AuthenticationSource, MetadataTtl, NodeCache, VolumeSpec};
 use tonic::{Request, Response, Status};
 use tracing::{info, instrument, warn};
 
@@ -637,6 +637,15 @@ impl Inner {
             pod_uid = targetpath::pod_uid(&self.config.kubelet_root, &target).unwrap_or("-"),
             "published"
         );
+        let node_cache = match &self.mount_context.cache {
+            Some(c) => NodeCache::On {
+                max_size: c.config().max_size,
+            },
+            None => NodeCache::Off,
+        };
+        for n in published.spec.migration_notices(node_cache) {
+            warn!(volume_id = %quote(volume_id), attribute = %n.attribute, "Mountpoint v2 attribute not applied as v2 would: {}", n.message);
+        }
         let request = prost::Message::encode_to_vec(&req);
         if let Some(journal) = &journal {
             self.keeper.keep(&handle, journal, &request);
@@ -1097,6 +1106,7 @@ mod tests {
                 options: MountOptions::default(),
                 authentication: AuthenticationSource::Driver,
                 sts_region: None,
+                mountpoint_v2: Default::default(),
             },
             read_only: false,
             mount_group: None,

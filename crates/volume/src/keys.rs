@@ -30,6 +30,23 @@ pub const AUTHENTICATION_SOURCE: &str = "authenticationSource";
 /// Volume attribute: the STS region (and so regional endpoint) for `authenticationSource: pod`.
 pub const STS_REGION: &str = "stsRegion";
 
+/// Mountpoint's driver v2 (volume attributes of its static PVs; see [`crate::mountpoint_v2`]).
+/// `cache` also takes v2's `emptyDir` and `ephemeral`: the node cache.
+pub const CACHE_EMPTY_DIR_SIZE_LIMIT: &str = "cacheEmptyDirSizeLimit";
+pub const CACHE_EMPTY_DIR_MEDIUM: &str = "cacheEmptyDirMedium";
+pub const CACHE_EPHEMERAL_STORAGE_CLASS_NAME: &str = "cacheEphemeralStorageClassName";
+pub const CACHE_EPHEMERAL_STORAGE_RESOURCE_REQUEST: &str = "cacheEphemeralStorageResourceRequest";
+pub const MOUNTPOINT_POD_SERVICE_ACCOUNT_NAME: &str = "mountpointPodServiceAccountName";
+pub const MOUNTPOINT_CONTAINER_RESOURCES_REQUESTS_CPU: &str =
+    "mountpointContainerResourcesRequestsCpu";
+pub const MOUNTPOINT_CONTAINER_RESOURCES_REQUESTS_MEMORY: &str =
+    "mountpointContainerResourcesRequestsMemory";
+pub const MOUNTPOINT_CONTAINER_RESOURCES_LIMITS_CPU: &str = "mountpointContainerResourcesLimitsCpu";
+pub const MOUNTPOINT_CONTAINER_RESOURCES_LIMITS_MEMORY: &str =
+    "mountpointContainerResourcesLimitsMemory";
+/// `mountpointEnv.NAME`: an environment variable of v2's mount-s3 process.
+pub const MOUNTPOINT_ENV_PREFIX: &str = "mountpointEnv.";
+
 /// Keys csi-provisioner adds with `--extra-create-metadata`.
 pub const PVC_NAME: &str = "csi.storage.k8s.io/pvc/name";
 pub const PVC_NAMESPACE: &str = "csi.storage.k8s.io/pvc/namespace";

@@ -4,11 +4,13 @@
 //! volume id, the volume context, PV mount options in Mountpoint's syntax — is turned into typed,
 //! validated values here, so the gRPC services only deal with well-formed volumes. Every key is a
 //! constant in [`keys`]. Errors name the offending key or option. [`allowed`] is the operator's
-//! list of the endpoints a volume may name.
+//! list of the endpoints a volume may name. [`mountpoint_v2`] maps the attributes only Mountpoint's
+//! driver v2 knows.
 
 pub mod allowed;
 pub mod id;
 pub mod keys;
+pub mod mountpoint_v2;
 pub mod options;
 pub mod params;
 pub mod quote;
@@ -17,6 +19,7 @@ pub mod validate;
 
 pub use allowed::{AllowedEndpoints, EndpointRefused};
 pub use id::VolumeId;
+pub use mountpoint_v2::{MountpointV2, NodeCache, Notice};
 pub use options::{MetadataTtl, MountOptions};
 pub use params::{DeletePolicy, StorageClassParams};
 pub use quote::quote;

@@ -3,6 +3,7 @@
 
 use std::collections::HashMap;
 
+use crate::mountpoint_v2::{self, MountpointV2, NodeCache, Notice};
 use crate::{keys, validate, Endpoint, MountOptions, VolumeError, VolumeId};
 
 /// A fully described mount: bucket, prefix, endpoint and options.
@@ -17,6 +18,8 @@ pub struct VolumeSpec {
     pub authentication: AuthenticationSource,
     /// `stsRegion`: the STS region for pod-level IRSA.
     pub sts_region: Option<String>,
+    /// The attributes only Mountpoint's driver v2 knows (a migrated PV's).
+    pub mountpoint_v2: MountpointV2,
 }
 
 /// The `authenticationSource` volume attribute.
@@ -96,15 +99,25 @@ impl VolumeSpec {
         let mut endpoint = Endpoint::default();
         let mut authentication = AuthenticationSource::Driver;
         let mut sts_region = None;
+        let mut v2 = MountpointV2::default();
         let mut sorted: Vec<_> = context.iter().collect();
         sorted.sort();
         for (k, v) in sorted {
-            if crate::apply_location(WHAT, k, v, &mut bucket, &mut endpoint)? {
+            if crate::apply_location(WHAT, k, v, &mut bucket, &mut endpoint)? || v2.apply(k, v)? {
                 continue;
             }
             match k.as_str() {
                 keys::PREFIX => prefix = Some(validate::prefix(k, v, true)?),
-                keys::CACHE => no_cache = Some(crate::options::parse_cache(WHAT, v)?),
+                // Mountpoint v2's local caches are the node cache; `""` is v2's "no cache type",
+                // the default here.
+                keys::CACHE => match mountpoint_v2::parse_local_cache(v) {
+                    Some(c) => {
+                        v2.local_cache = Some(c);
+                        no_cache = Some(false);
+                    }
+                    None if v.is_empty() => {}
+                    None => no_cache = Some(parse_cache_attribute(v)?),
+                },
                 keys::PREFETCH_ON_MOUNT => warm_up = crate::options::parse_warm_up(WHAT, v)?,
                 keys::AUTHENTICATION_SOURCE => authentication = authentication_source(WHAT, k, v)?,
                 keys::STS_REGION => {
@@ -150,8 +163,31 @@ impl VolumeSpec {
             options,
             authentication,
             sts_region,
+            mountpoint_v2: v2,
         })
     }
+
+    /// One notice per Mountpoint v2 attribute of this volume that Ferry accepted without applying
+    /// it as v2 would, worded for this node's cache. Empty for a volume written for Ferry.
+    pub fn migration_notices(&self, node_cache: NodeCache) -> Vec<Notice> {
+        self.mountpoint_v2
+            .notices(!self.options.no_cache, node_cache)
+    }
+}
+
+/// The `cache` attribute's Ferry values, with an error that also names v2's.
+fn parse_cache_attribute(v: &str) -> Result<bool, VolumeError> {
+    crate::options::parse_cache(WHAT, v).map_err(|_| {
+        VolumeError::invalid(
+            WHAT,
+            keys::CACHE,
+            format!(
+                "{}: must be \"node\" (the default), \"none\" (keep this volume out of the node \
+                 cache), or Mountpoint v2's \"emptyDir\" or \"ephemeral\" (the node cache)",
+                crate::quote(v)
+            ),
+        )
+    })
 }
 
 #[cfg(test)]
