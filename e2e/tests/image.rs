@@ -150,9 +150,11 @@ fn the_e2e_images_are_built_run_and_imported() {
             .args(args);
         c
     };
+    // `--cgroup=`: no cgroup (ctr's default, /k8s.io/<id>, would leave /k8s.io on the host).
     let out = run(&mut ctr(&[
         "run",
         "--rm",
+        "--cgroup=",
         &busybox.names[0],
         "ferry-images-bb",
         "sh",
@@ -162,10 +164,16 @@ fn the_e2e_images_are_built_run_and_imported() {
     let out = String::from_utf8(out.stdout).unwrap();
     assert!(out.starts_with("ba7816bf"), "{out}");
     let pause = find(&images, image::PAUSE_REPO);
-    let mut task = ctr(&["run", "--rm", &pause.names[0], "ferry-images-pause"])
-        .stdout(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut task = ctr(&[
+        "run",
+        "--rm",
+        "--cgroup=",
+        &pause.names[0],
+        "ferry-images-pause",
+    ])
+    .stdout(Stdio::null())
+    .spawn()
+    .unwrap();
     // The trap is set once the shell has started its `sleep`: two processes in the task.
     loop {
         let ps = ctr(&["task", "ps", "ferry-images-pause"]).output().unwrap();
