@@ -118,7 +118,9 @@ fn header_fragment(flags: u8, payload: &[u8]) -> io::Result<&[u8]> {
     let mut start = 0;
     let mut end = payload.len();
     if flags & PADDED != 0 {
-        let pad = *payload.first().ok_or_else(|| invalid("empty padded frame"))? as usize;
+        let pad = *payload
+            .first()
+            .ok_or_else(|| invalid("empty padded frame"))? as usize;
         start = 1;
         end = end
             .checked_sub(pad)
@@ -216,12 +218,15 @@ mod tests {
         let second = client.encode([
             (&b":method"[..], &b"POST"[..]),
             (b":scheme", b"http"),
-            (b":path", b"/pluginregistration.Registration/NotifyRegistrationStatus"),
+            (
+                b":path",
+                b"/pluginregistration.Registration/NotifyRegistrationStatus",
+            ),
             (b":authority", &path[..]),
         ]);
         let mut input = PREFACE.to_vec();
         input.extend(frame(0x4, 0, 0, &[])); // SETTINGS, passed through
-        // HEADERS split in two: padded, with priority, then a CONTINUATION.
+                                             // HEADERS split in two: padded, with priority, then a CONTINUATION.
         let (a, b) = first.split_at(first.len() / 2);
         let mut padded = vec![3u8];
         padded.extend([0, 0, 0, 0, 16]);
@@ -238,7 +243,10 @@ mod tests {
         let got = frames(&out[PREFACE.len()..]);
         assert_eq!(got.len(), 4);
         assert_eq!((got[0].0, got[0].3.len()), (0x4, 0));
-        assert_eq!((got[2].0, got[2].1, &got[2].3[..]), (0x0, END_STREAM, &[0u8, 0, 0, 0, 0][..]));
+        assert_eq!(
+            (got[2].0, got[2].1, &got[2].3[..]),
+            (0x0, END_STREAM, &[0u8, 0, 0, 0, 0][..])
+        );
         let mut server = Decoder::new();
         for (i, path_header) in [(1, "GetInfo"), (3, "NotifyRegistrationStatus")] {
             let (kind, flags, stream, block) = &got[if i == 1 { 1 } else { 3 }];
