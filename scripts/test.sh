@@ -14,7 +14,10 @@
 #      /metrics after they did real work (S3 requests, the node cache, FUSE operations);
 #   6. the Kubernetes-level e2e (`ferry-harness kube`): etcd, kube-apiserver and
 #      kube-controller-manager on loopback, the chart (charts/ferry) rendered and applied,
-#      csi-provisioner against ferry-controller, PVCs bound and published as kubelet would.
+#      csi-provisioner against ferry-controller, PVCs bound and published as kubelet would;
+#   7. the real-node e2e (`ferry-harness node`): kube-scheduler, containerd + kubelet on loopback,
+#      images built without Docker, `helm install charts/ferry`, real pods reading and writing
+#      through PVCs, kubelet restarted and the node DaemonSet rolled under a reading pod.
 # Must run as root (FUSE mounts). Exits non-zero on the first failing step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -64,3 +67,6 @@ step "promtool $(cat "$FERRY_TOOLS/.promtool.version" 2>/dev/null) check metrics
 
 step "Kubernetes e2e: real kube-apiserver $(cat "$FERRY_TOOLS/.kube-apiserver.version" 2>/dev/null), csi-provisioner $(cat "$FERRY_TOOLS/.csi-provisioner.version" 2>/dev/null)"
 "$target/debug/ferry-harness" kube
+
+step "Kubernetes on a real node: kubelet $(cat "$FERRY_TOOLS/.kubelet.version" 2>/dev/null) + containerd $(containerd --version 2>/dev/null | awk '{print $3}'), helm install, real pods"
+"$target/debug/ferry-harness" node

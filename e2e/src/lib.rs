@@ -7,6 +7,7 @@ pub mod image;
 pub mod kube;
 pub mod metrics_check;
 pub mod node;
+pub mod realnode;
 pub mod takeover;
 
 use std::path::{Path, PathBuf};

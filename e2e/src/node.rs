@@ -3,7 +3,7 @@
 //! node named `127.0.0.1` (its InternalIP), so pods really run and CSI drivers really mount.
 //!
 //! Start it in two steps: [`KubeNode::start_containerd`] (then import images, see
-//! [`KubeNode::ctr`]: nothing can be pulled here, and the sandbox image must be present before the
+//! [`crate::image::import`]: nothing can be pulled here, and the sandbox image must be present before the
 //! first pod), then [`KubeNode::start_kubelet`].
 //!
 //! kubelet changes the host; [`KubeNode`] undoes it on drop, failed test or not:
@@ -215,20 +215,6 @@ impl KubeNode {
             .stdin(Stdio::null())
             .output()
             .map_err(|e| setup("running ctr", e))
-    }
-
-    /// Imports an OCI image archive into containerd's `k8s.io` namespace (where kubelet's images
-    /// live).
-    pub fn import_image(&self, archive: &Path) -> Result<()> {
-        let archive = archive.display().to_string();
-        let out = self.ctr(&["images", "import", "--all-platforms", &archive])?;
-        if !out.status.success() {
-            return Err(setup(
-                &format!("ctr images import {archive}"),
-                String::from_utf8_lossy(&out.stderr),
-            ));
-        }
-        Ok(())
     }
 
     /// Writes kubelet's configuration and credentials for `cluster`, starts kubelet and waits

@@ -38,8 +38,10 @@ pub const API_AUDIENCES: &[&str] = &[ISSUER, "sts.amazonaws.com", "pods.eks.amaz
 pub const CONTROLLERS: &str = "persistentvolume-binder-controller,persistentvolume-protection-controller,persistentvolumeclaim-protection-controller,serviceaccount-controller";
 /// What a cluster running pods adds: DaemonSets, Deployments and their ReplicaSets, the garbage
 /// collector (owned objects go with their owner), the `kube-root-ca.crt` ConfigMap every pod's
-/// service account volume mounts, and the TTL controller kubelet's ConfigMap cache reads.
-pub const WORKLOAD_CONTROLLERS: &str = "daemonset-controller,deployment-controller,replicaset-controller,garbage-collector-controller,root-ca-certificate-publisher-controller,ttl-controller";
+/// service account volume mounts, the TTL controller kubelet's ConfigMap cache reads, and the node
+/// lifecycle controller, which lifts the `node.kubernetes.io/not-ready` taint kubelet registers a
+/// node with (without it no pod without a toleration is ever scheduled).
+pub const WORKLOAD_CONTROLLERS: &str = "daemonset-controller,deployment-controller,replicaset-controller,garbage-collector-controller,root-ca-certificate-publisher-controller,ttl-controller,node-lifecycle-controller";
 
 /// How long the control plane may take to become ready (a loaded 2-core machine is slow).
 pub const READY_TIMEOUT: Duration = Duration::from_secs(180);

@@ -122,6 +122,15 @@ enum Cmd {
         #[arg(long, default_value = "/run/containerd/containerd.sock")]
         containerd_address: PathBuf,
     },
+    /// The real-node e2e: a one-node cluster on loopback (etcd, kube-apiserver,
+    /// kube-controller-manager, kube-scheduler, containerd + kubelet), images built without a
+    /// Docker daemon, `helm install` of the chart, and real pods reading and writing through PVCs
+    /// (see ferry_e2e::realnode). Needs root; leaves the host as it found it.
+    Node {
+        /// The Helm chart to install.
+        #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../charts/ferry"))]
+        chart: PathBuf,
+    },
 }
 
 fn main() -> Result<()> {
@@ -175,6 +184,13 @@ fn main() -> Result<()> {
                 import,
                 containerd_address,
             } => images(bins, tags, out, import.then_some(containerd_address)),
+            Cmd::Node { chart } => {
+                ferry_e2e::realnode::run(ferry_e2e::realnode::Options {
+                    chart,
+                    bins: bin_dir()?,
+                })
+                .await
+            }
         }
     })
 }
