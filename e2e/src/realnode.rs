@@ -13,7 +13,8 @@
 //! 4. Scenarios with real pods, every byte checked with sha256: a dynamic RWX PVC written by one
 //!    pod and read by another, then deleted with `deletePolicy: delete`; a static ROX PV in
 //!    Mountpoint's format (with v2-only attributes) read by 3 pods at once; an existing dataset
-//!    through a dynamic PVC; a non-root pod with `fsGroup`; pod deletion ending the FUSE
+//!    through a dynamic PVC; pod-level identity (kubelet's token, STS on moto, EACCES for a role
+//!    that may not read); a non-root pod with `fsGroup`; pod deletion ending the FUSE
 //!    connection; kubelet restarted under a reading pod; the node DaemonSet rolled to a new image
 //!    tag under a reading pod.
 //!
@@ -102,6 +103,9 @@ struct Env {
     kube: Client,
     s3: S3Store,
     s3_server: S3Server,
+    /// S3 with IAM enforced and STS, for pod-level identity (scenario d).
+    moto: ferry_testkit::MotoServer,
+    moto_roles: std::collections::HashMap<String, String>,
     node: KubeNode,
     kubeconfig: PathBuf,
     chart: PathBuf,
@@ -131,6 +135,8 @@ pub async fn run(opts: Options) -> Result<()> {
     let s3_server = S3Server::start();
     s3_server.create_bucket(BUCKET).await;
     let s3 = S3Store::new(s3_server.s3_config()).await?;
+    let moto = ferry_testkit::MotoServer::start();
+    let moto_roles = moto_setup(&moto);
     let mut cluster = KubeCluster::start_with(KubeClusterOptions {
         workloads: true,
         ..Default::default()
@@ -166,6 +172,8 @@ pub async fn run(opts: Options) -> Result<()> {
         kube: kube.clone(),
         s3,
         s3_server,
+        moto,
+        moto_roles,
         node,
         kubeconfig: cluster.kubeconfig().to_path_buf(),
         chart: opts.chart.clone(),
@@ -202,6 +210,7 @@ async fn scenarios(env: &mut Env, cluster: &KubeCluster, images: &Images) -> Res
     dynamic_rwx(env).await?;
     static_rox(env, &mini).await?;
     existing_dataset(env, &imagenet).await?;
+    pod_identity(env).await?;
     non_root(env).await?;
     unpublish_on_delete(env).await?;
     kubelet_restart(env).await?;
@@ -476,6 +485,115 @@ async fn unpublish_on_delete(env: &Env) -> Result<()> {
         conn.display()
     );
     println!("    target removed, {} gone", conn.display());
+    Ok(())
+}
+
+const MOTO_BUCKET: &str = "ferry-pod-identity";
+const MOTO_TEXT: &str = "read with the pod's own role\n";
+
+/// moto: a bucket with one object; role `pod-reader` may list and read it, role `pod-lister`
+/// may only list it.
+fn moto_setup(moto: &ferry_testkit::MotoServer) -> std::collections::HashMap<String, String> {
+    let list = format!(
+        r#"{{"Effect": "Allow", "Action": ["s3:ListBucket"], "Resource": ["arn:aws:s3:::{MOTO_BUCKET}"]}}"#
+    );
+    let read = format!(
+        r#"{{"Effect": "Allow", "Action": ["s3:GetObject"], "Resource": ["arn:aws:s3:::{MOTO_BUCKET}/*"]}}"#
+    );
+    moto.setup(
+        &[(MOTO_BUCKET, &[("data/hello.txt", MOTO_TEXT)])],
+        &[],
+        &[
+            ("pod-reader", &format!("[{list}, {read}]")),
+            ("pod-lister", &format!("[{list}]")),
+        ],
+    )
+    .roles
+}
+
+/// d. Pod-level identity: kubelet's tokenRequests token reaches Ferry, STS (moto) gives the pod's
+/// role's credentials; a pod whose role may read reads, a pod whose role may only list gets
+/// EACCES — after the first pod's read, so never bytes from the node cache.
+async fn pod_identity(env: &Env) -> Result<()> {
+    say("d. pod-level identity: kubelet's token → STS (moto) → the pod's role; a role that may not read gets EACCES");
+    for (sa, role) in [("reader", "pod-reader"), ("lister", "pod-lister")] {
+        let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
+            Api::namespaced(env.kube.clone(), NS);
+        accounts
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({"metadata": {"name": sa, "namespace": NS,
+                    "annotations": {"eks.amazonaws.com/role-arn": env.moto_roles[role]}}}))?,
+            )
+            .await
+            .with_context(|| format!("creating ServiceAccount {sa}"))?;
+    }
+    let pv = json!({
+        "apiVersion": "v1", "kind": "PersistentVolume",
+        "metadata": {"name": "pod-identity"},
+        "spec": {
+            "capacity": {"storage": "1Gi"},
+            "accessModes": ["ReadOnlyMany"],
+            "storageClassName": "",
+            "claimRef": {"namespace": NS, "name": "pod-identity"},
+            "mountOptions": ["prefix data/"],
+            "csi": {
+                "driver": ferry_volume::DRIVER_NAME,
+                "volumeHandle": "pod-identity",
+                "volumeAttributes": {
+                    "bucketName": MOTO_BUCKET,
+                    "endpointUrl": env.moto.endpoint_url(),
+                    "forcePathStyle": "true",
+                    "region": "us-east-1",
+                    "authenticationSource": "pod",
+                },
+            },
+        },
+    });
+    let pvs: Api<PersistentVolume> = Api::all(env.kube.clone());
+    pvs.create(&PostParams::default(), &serde_json::from_value(pv)?)
+        .await?;
+    let pvc = json!({
+        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "pod-identity", "namespace": NS},
+        "spec": {"accessModes": ["ReadOnlyMany"], "storageClassName": "",
+                 "resources": {"requests": {"storage": "1Gi"}}, "volumeName": "pod-identity"},
+    });
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(env.kube.clone(), NS);
+    pvcs.create(&PostParams::default(), &serde_json::from_value(pvc)?)
+        .await?;
+    wait_bound(env, "pod-identity").await?;
+    let claims = [("pod-identity", "/data", true)];
+    let mut reader = pod_manifest(env, "identity-reader", "cat /data/hello.txt", &claims, None);
+    reader["spec"]["serviceAccountName"] = json!("reader");
+    let pods: Api<Pod> = Api::namespaced(env.kube.clone(), NS);
+    pods.create(&PostParams::default(), &serde_json::from_value(reader)?)
+        .await?;
+    let pod = wait_pod_done(env, "identity-reader").await?;
+    let log = expect_succeeded(env, &pod).await?;
+    ensure!(
+        log == MOTO_TEXT,
+        "pod identity-reader read {log:?}, not the object"
+    );
+    let mut lister = pod_manifest(
+        env,
+        "identity-lister",
+        "ls /data && if cat /data/hello.txt > /tmp/got 2> /tmp/err; then echo \"read: $(cat /tmp/got)\"; exit 1; fi; \
+         cat /tmp/err; grep -q 'Permission denied' /tmp/err",
+        &claims,
+        None,
+    );
+    lister["spec"]["serviceAccountName"] = json!("lister");
+    pods.create(&PostParams::default(), &serde_json::from_value(lister)?)
+        .await?;
+    let pod = wait_pod_done(env, "identity-lister").await?;
+    let log = expect_succeeded(env, &pod).await?;
+    println!(
+        "    role pod-reader read the object; role pod-lister listed it and got: {}",
+        log.lines().last().unwrap_or_default()
+    );
+    delete_pod(env, "identity-reader").await?;
+    delete_pod(env, "identity-lister").await?;
     Ok(())
 }
 
@@ -856,6 +974,8 @@ fn values(env: &Env, cluster: &KubeCluster, images: &Images) -> Value {
     let secret_env = json!([
         {"name": "AWS_REGION", "value": env.s3_server.region()},
         {"name": "AWS_EC2_METADATA_DISABLED", "value": "true"},
+        // Pod-level identity: STS is moto (AssumeRoleWithWebIdentity).
+        {"name": "AWS_ENDPOINT_URL_STS", "value": env.moto.endpoint_url()},
         {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3-keys", "key": "access-key"}}},
         {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {"name": "s3-keys", "key": "secret-key"}}},
     ]);
@@ -867,6 +987,8 @@ fn values(env: &Env, cluster: &KubeCluster, images: &Images) -> Value {
             "endpointUrl": env.s3_server.endpoint_url(),
             "region": env.s3_server.region(),
             "forcePathStyle": true,
+            // moto, for the pod-identity volume.
+            "allowedEndpoints": [env.moto.endpoint_url()],
         },
         // On the host network every port is the host's: free ones, so nothing else on this
         // machine can clash.
