@@ -27,10 +27,23 @@ const PRIORITY: u8 = 0x20;
 /// The smallest SETTINGS_MAX_FRAME_SIZE a peer may announce; our frames never exceed it.
 const MAX_FRAME: usize = 16_384;
 /// A header block larger than this is refused (kubelet's are a few hundred bytes).
-const MAX_BLOCK: usize = 1 << 20;
+const MAX_BLOCK: usize = 64 * 1024;
+/// The largest decoded header list (names + values + 32 bytes each, as RFC 7541 counts them):
+/// hyper's default, so nothing h2 would accept is refused here, and a block of references to one
+/// large table entry cannot expand without bound.
+const MAX_HEADER_LIST: usize = 16 * 1024;
+/// The dynamic table size h2 announces (SETTINGS_HEADER_TABLE_SIZE default): a client's size
+/// update above it is an error, as it would be for h2.
+const TABLE_SIZE: usize = 4096;
+/// How long a connection may stay silent (kubelet's calls take milliseconds): a stuck or idle
+/// client does not hold its tasks forever.
+const IDLE: std::time::Duration = std::time::Duration::from_secs(60);
+/// Connections served at once; more wait for their turn in the accept queue.
+pub const MAX_CONNECTIONS: usize = 16;
 
 /// Serves `client` through a rewriter; the returned stream is what the gRPC server reads.
-pub fn localhost_authority<S>(client: S) -> DuplexStream
+/// `permit` (one of [`MAX_CONNECTIONS`]) is held until the client's side ends.
+pub fn localhost_authority<S>(client: S, permit: tokio::sync::OwnedSemaphorePermit) -> DuplexStream
 where
     S: AsyncRead + AsyncWrite + Send + Unpin + 'static,
 {
@@ -38,6 +51,7 @@ where
     let (mut from_client, mut to_client) = tokio::io::split(client);
     let (mut from_server, mut to_server) = tokio::io::split(ours);
     tokio::spawn(async move {
+        let _permit = permit;
         if let Err(e) = rewrite(&mut from_client, &mut to_server).await {
             tracing::debug!(error = %e, "registration connection: client side ended");
         }
@@ -57,18 +71,19 @@ where
     W: AsyncWrite + Unpin,
 {
     let mut preface = [0u8; PREFACE.len()];
-    input.read_exact(&mut preface).await?;
+    timed(input.read_exact(&mut preface)).await?;
     if preface != PREFACE {
         return Err(invalid("not an HTTP/2 connection preface"));
     }
     out.write_all(&preface).await?;
     let mut decoder = Decoder::new();
+    decoder.set_max_allowed_table_size(TABLE_SIZE);
     let mut encoder = Encoder::new();
     // A HEADERS frame whose block continues in CONTINUATION frames: (stream, flags, block).
     let mut pending: Option<(u32, u8, Vec<u8>)> = None;
     loop {
         let mut head = [0u8; 9];
-        match input.read_exact(&mut head).await {
+        match timed(input.read_exact(&mut head)).await {
             Ok(_) => {}
             Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
             Err(e) => return Err(e),
@@ -80,7 +95,7 @@ where
             return Err(invalid("frame too large"));
         }
         let mut payload = vec![0u8; len];
-        input.read_exact(&mut payload).await?;
+        timed(input.read_exact(&mut payload)).await?;
         let block_done = match (kind, pending.as_mut()) {
             (HEADERS, None) => {
                 let fragment = header_fragment(flags, &payload)?;
@@ -103,14 +118,42 @@ where
         };
         if block_done {
             let (stream, flags, block) = pending.take().expect("a pending block");
-            let headers = decoder
-                .decode(&block)
-                .map_err(|e| invalid(&format!("HPACK: {e}")))?;
-            let headers = with_localhost(headers);
+            let headers = decode(&mut decoder, &block)?;
+            // Only a request's block carries :authority; a trailer block passes as it came.
+            let headers = if headers.iter().any(|(n, _)| n == b":method") {
+                with_localhost(headers)
+            } else {
+                headers
+            };
             let encoded = encoder.encode(headers.iter().map(|(n, v)| (&n[..], &v[..])));
             write_block(out, stream, flags & END_STREAM, &encoded).await?;
         }
     }
+}
+
+/// A header block decoded, refused once the list passes [`MAX_HEADER_LIST`].
+fn decode(decoder: &mut Decoder, block: &[u8]) -> io::Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    let mut headers = Vec::new();
+    let mut size = 0usize;
+    decoder
+        .decode_with_cb(block, |n, v| {
+            size = size.saturating_add(n.len() + v.len() + 32);
+            if size <= MAX_HEADER_LIST {
+                headers.push((n.into_owned(), v.into_owned()));
+            }
+        })
+        .map_err(|e| invalid(&format!("HPACK: {e}")))?;
+    if size > MAX_HEADER_LIST {
+        return Err(invalid("header list too large"));
+    }
+    Ok(headers)
+}
+
+/// `read` bounded by [`IDLE`].
+async fn timed<T>(read: impl std::future::Future<Output = io::Result<T>>) -> io::Result<T> {
+    tokio::time::timeout(IDLE, read)
+        .await
+        .map_err(|_| io::Error::new(io::ErrorKind::TimedOut, "the client was idle"))?
 }
 
 /// The header block fragment of a HEADERS frame: padding and priority fields removed.
@@ -266,6 +309,27 @@ mod tests {
                 Some(format!("/pluginregistration.Registration/{path_header}"))
             );
         }
+    }
+
+    #[tokio::test]
+    async fn trailers_pass_without_an_authority_and_a_header_bomb_is_refused() {
+        let mut client = Encoder::new();
+        let trailers = client.encode([(&b"grpc-status"[..], &b"0"[..])]);
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, END_HEADERS | END_STREAM, 1, &trailers));
+        let mut out = Vec::new();
+        rewrite(&mut &input[..], &mut out).await.unwrap();
+        let got = frames(&out[PREFACE.len()..]);
+        let headers = Decoder::new().decode(&got[0].3).unwrap();
+        assert_eq!(headers, vec![(b"grpc-status".to_vec(), b"0".to_vec())]);
+
+        // One 3 KB table entry referenced 20,000 times: 60 MB decoded, were it not refused.
+        let mut bomb = client.encode([(&b"x-big"[..], &[b'a'; 3000][..])]);
+        bomb.extend(std::iter::repeat_n(0xbe_u8, 20_000)); // indexed: dynamic entry 62
+        let mut input = PREFACE.to_vec();
+        input.extend(frame(HEADERS, END_HEADERS, 3, &bomb));
+        let err = rewrite(&mut &input[..], &mut Vec::new()).await.unwrap_err();
+        assert!(err.to_string().contains("too large"), "{err}");
     }
 
     #[tokio::test]

@@ -778,7 +778,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     // registration socket. Binding it anew (a successor after a handover, a restart) makes kubelet
     // register the plugin again.
     let (stop_registration, registration_stopped) = tokio::sync::oneshot::channel::<()>();
-    let registration_socket = match &a.registration_dir {
+    match &a.registration_dir {
         Some(dir) => {
             let path = registration::socket_path(dir, ferry_volume::DRIVER_NAME);
             let service = RegistrationService {
@@ -789,14 +789,11 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             let stopped = async {
                 let _ = registration_stopped.await;
             };
-            Some(
-                registration::serve(&path, service, stopped).with_context(|| {
-                    format!("binding the registration socket {}", path.display())
-                })?,
-            )
+            registration::serve(&path, service, stopped)
+                .with_context(|| format!("binding the registration socket {}", path.display()))?;
         }
-        None => None,
-    };
+        None => {}
+    }
     tracing::info!(endpoint = %socket.display(), node_id = %a.node_id, version = ferry_csi::VERSION, "ferry-node serving");
     tonic::transport::Server::builder()
         .layer(ferry_csi::log::RpcLogLayer)
@@ -807,18 +804,15 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         .context("serving gRPC")?;
     // The CSI services are gone: kubelet unregisters the plugin when its socket goes (as with
     // node-driver-registrar on SIGTERM). Only our own socket: a successor's stays.
-    if let Some(reg) = &registration_socket {
-        match reg.remove() {
-            Ok(true) => {
-                tracing::info!(socket = %reg.path().display(), "registration socket removed")
-            }
-            Ok(false) => {
-                tracing::info!(socket = %reg.path().display(), "registration socket is another process's now; left alone")
-            }
-            Err(e) => {
-                tracing::warn!(socket = %reg.path().display(), error = %e, "removing the registration socket failed")
-            }
+    match registration.remove_socket() {
+        Ok(None) => {}
+        Ok(Some((path, true))) => {
+            tracing::info!(socket = %path.display(), "registration socket removed")
         }
+        Ok(Some((path, false))) => {
+            tracing::info!(socket = %path.display(), "registration socket is another process's now; left alone")
+        }
+        Err(e) => tracing::warn!(error = %e, "removing the registration socket failed"),
     }
     let _ = stop_registration.send(());
     if !mounts.is_empty() && a.handover_wait > 0 {

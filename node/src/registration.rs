@@ -10,10 +10,12 @@
 //!
 //! The socket is `<registration-dir>/<driver>-reg.sock`. It is bound (a stale one removed) only
 //! after this process owns the node's mounts, so a successor's new socket tells kubelet to
-//! register again; on the way out it is removed only while the path still names our socket (see
-//! [`ferry_csi::endpoint::OwnedSocket`]).
+//! register again; bound again if another process removes it (see [`serve`]); on the way out it
+//! is removed only while the path still names our socket (see
+//! [`ferry_csi::endpoint::OwnedSocket`]). Each connection goes through [`crate::authority`].
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use ferry_csi::endpoint::OwnedSocket;
@@ -49,6 +51,8 @@ pub enum Verdict {
 pub struct RegistrationState {
     verdict: Arc<Mutex<Verdict>>,
     socket: Arc<Mutex<Option<Arc<OwnedSocket>>>>,
+    /// Set on the way out: the socket is not bound again once removed.
+    stopping: Arc<AtomicBool>,
 }
 
 impl Default for RegistrationState {
@@ -56,6 +60,7 @@ impl Default for RegistrationState {
         RegistrationState {
             verdict: Arc::new(Mutex::new(Verdict::Pending)),
             socket: Arc::default(),
+            stopping: Arc::default(),
         }
     }
 }
@@ -67,6 +72,18 @@ impl RegistrationState {
 
     fn set(&self, v: Verdict) {
         *self.verdict.lock().expect("verdict lock") = v;
+    }
+
+    /// On the way out: removes the registration socket if the path still names the one this
+    /// process bound last (kubelet then unregisters the plugin, as with node-driver-registrar on
+    /// SIGTERM; a successor's socket stays), and binds none again. `Ok(None)` when none was bound.
+    pub fn remove_socket(&self) -> std::io::Result<Option<(PathBuf, bool)>> {
+        self.stopping.store(true, Ordering::SeqCst);
+        let socket = self.socket.lock().expect("socket lock").clone();
+        match socket {
+            Some(s) => Ok(Some((s.path().to_path_buf(), s.remove()?))),
+            None => Ok(None),
+        }
     }
 
     /// `Err(reason)` when kubelet refused the plugin, or when the registration socket this
@@ -125,34 +142,91 @@ impl Registration for RegistrationService {
     }
 }
 
+/// How often [`serve`] checks that the registration socket is still there.
+pub const WATCH: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Binds the registration socket (replacing whatever file is at its path, so kubelet sees a new
-/// socket and registers again) and serves `service` on it until `shutdown` resolves. Returns the
-/// socket, to remove on the way out with [`OwnedSocket::remove`].
+/// socket and registers again) and serves `service` on it until `shutdown` resolves.
+///
+/// While it serves, the path is checked every [`WATCH`]: a socket file removed by another
+/// process is bound again, so kubelet registers the plugin again. That happens on the first
+/// upgrade from a chart that ran node-driver-registrar: the old pod's registrar, stopping after the
+/// new pod bound the socket, removes the path whoever bound it. A path that names someone else's
+/// socket is left alone (a successor's). Remove the socket on the way out with
+/// [`RegistrationState::remove_socket`].
 pub fn serve(
     path: &Path,
     service: RegistrationService,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
-) -> std::io::Result<Arc<OwnedSocket>> {
+) -> std::io::Result<()> {
+    let mut current = bind_and_serve(path, &service)?;
+    let path = path.to_path_buf();
+    tokio::spawn(async move {
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                _ = &mut shutdown => break,
+                _ = tokio::time::sleep(WATCH) => {}
+            }
+            let gone = std::fs::symlink_metadata(&path)
+                .is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound);
+            if !gone || service.state.stopping.load(Ordering::SeqCst) {
+                continue;
+            }
+            tracing::warn!(socket = %path.display(), "the registration socket was removed by another process; binding it again so kubelet registers the plugin");
+            match bind_and_serve(&path, &service) {
+                Ok(next) => {
+                    let _ = std::mem::replace(&mut current, next).send(());
+                }
+                Err(e) => {
+                    tracing::error!(socket = %path.display(), error = %e, "binding the registration socket again failed")
+                }
+            }
+        }
+        let _ = current.send(());
+    });
+    Ok(())
+}
+
+/// Binds `path`, records the socket in the service's state and serves on it until the returned
+/// sender fires (or is dropped).
+fn bind_and_serve(
+    path: &Path,
+    service: &RegistrationService,
+) -> std::io::Result<tokio::sync::oneshot::Sender<()>> {
     let (socket, incoming) = OwnedSocket::bind(path)?;
-    let socket = Arc::new(socket);
-    *service.state.socket.lock().expect("socket lock") = Some(socket.clone());
+    *service.state.socket.lock().expect("socket lock") = Some(Arc::new(socket));
     tracing::info!(socket = %path.display(), endpoint = %service.endpoint, "kubelet plugin registration socket bound");
     // Every connection through the :authority rewriter (see crate::authority): kubelet's
     // registration client sends the socket path there, which h2 refuses.
-    let incoming = futures::StreamExt::map(incoming, |conn| {
-        conn.map(crate::authority::localhost_authority)
+    let slots = Arc::new(tokio::sync::Semaphore::new(
+        crate::authority::MAX_CONNECTIONS,
+    ));
+    let incoming = futures::StreamExt::then(incoming, move |conn| {
+        let slots = slots.clone();
+        async move {
+            let permit = slots
+                .acquire_owned()
+                .await
+                .expect("the semaphore is never closed");
+            conn.map(|c| crate::authority::localhost_authority(c, permit))
+        }
     });
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let service = service.clone();
     tokio::spawn(async move {
         let served = tonic::transport::Server::builder()
             .layer(ferry_csi::log::RpcLogLayer)
             .add_service(RegistrationServer::new(service))
-            .serve_with_incoming_shutdown(incoming, shutdown)
+            .serve_with_incoming_shutdown(incoming, async {
+                let _ = stopped.await;
+            })
             .await;
         if let Err(e) = served {
             tracing::error!(error = %e, "serving the registration socket failed");
         }
     });
-    Ok(socket)
+    Ok(stop)
 }
 
 #[cfg(test)]

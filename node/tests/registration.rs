@@ -310,3 +310,27 @@ async fn a_stopping_owner_removes_its_own_socket() {
     assert!(node.wait_exit().success());
     assert!(!reg_socket.exists());
 }
+
+/// The first upgrade from a chart that ran node-driver-registrar: the old pod's registrar removes
+/// the registration socket the new ferry-node bound. It is bound again, and answers kubelet.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_socket_removed_by_another_process_is_bound_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let (reg_socket, _) = paths(dir.path());
+    let mut node = Node::start(dir.path());
+    std::fs::remove_file(&reg_socket).unwrap();
+    node.wait_log("binding it again");
+    let deadline = Instant::now() + PATIENCE;
+    while !reg_socket.exists() {
+        assert!(Instant::now() < deadline, "the socket was not bound again");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    get_info(&reg_socket).await;
+    node.terminate();
+    node.wait_log("registration socket removed");
+    assert!(node.wait_exit().success());
+    assert!(
+        !reg_socket.exists(),
+        "the socket bound again was left behind"
+    );
+}
