@@ -778,21 +778,18 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     // registration socket. Binding it anew (a successor after a handover, a restart) makes kubelet
     // register the plugin again.
     let (stop_registration, registration_stopped) = tokio::sync::oneshot::channel::<()>();
-    match &a.registration_dir {
-        Some(dir) => {
-            let path = registration::socket_path(dir, ferry_volume::DRIVER_NAME);
-            let service = RegistrationService {
-                driver: ferry_volume::DRIVER_NAME.to_string(),
-                endpoint: kubelet_endpoint.display().to_string(),
-                state: registration.clone(),
-            };
-            let stopped = async {
-                let _ = registration_stopped.await;
-            };
-            registration::serve(&path, service, stopped)
-                .with_context(|| format!("binding the registration socket {}", path.display()))?;
-        }
-        None => {}
+    if let Some(dir) = &a.registration_dir {
+        let path = registration::socket_path(dir, ferry_volume::DRIVER_NAME);
+        let service = RegistrationService {
+            driver: ferry_volume::DRIVER_NAME.to_string(),
+            endpoint: kubelet_endpoint.display().to_string(),
+            state: registration.clone(),
+        };
+        let stopped = async {
+            let _ = registration_stopped.await;
+        };
+        registration::serve(&path, service, stopped)
+            .with_context(|| format!("binding the registration socket {}", path.display()))?;
     }
     tracing::info!(endpoint = %socket.display(), node_id = %a.node_id, version = ferry_csi::VERSION, "ferry-node serving");
     tonic::transport::Server::builder()
