@@ -262,6 +262,10 @@ impl MountpointV2 {
         if let Some(c) = self.local_cache {
             let key = format!("{}: {}", keys::CACHE, c.as_str());
             match (cached, node_cache) {
+                (false, _) if self.empty_dir_memory && c == LocalCache::EmptyDir => notice(
+                    &key,
+                    "with cacheEmptyDirMedium \"Memory\": mounted uncached".to_string(),
+                ),
                 (false, _) => notice(
                     &key,
                     "the mount option \"cache none\" keeps this volume out of the node cache: \
@@ -302,9 +306,9 @@ impl MountpointV2 {
             let message = match empty_dir {
                 false => unused("emptyDir"),
                 true => {
-                    "\"Memory\": the node cache keeps blocks in its directory (--cache-dir), not \
-                     in tmpfs; the kernel's page cache keeps hot blocks in memory. Set \"cache: \
-                     none\" instead if this volume's data must not be written to the node's disk"
+                    "\"Memory\": v2 kept this cache off the node's disk, and Ferry's node cache \
+                     is on disk (--cache-dir): the volume reads uncached (the kernel's page \
+                     cache keeps hot data in memory)"
                         .to_string()
                 }
             };
@@ -511,10 +515,13 @@ mod tests {
         )
         .unwrap();
         assert!(s.mountpoint_v2.empty_dir_memory);
+        // Never written to the node's disk: uncached.
+        assert!(s.options.no_cache);
         let n = notices(&s, ON);
         assert!(
-            n[1].starts_with("cacheEmptyDirMedium: \"Memory\": the node cache keeps blocks")
-                && n[1].contains("\"cache: none\""),
+            n.iter().any(|n| n.starts_with(
+                "cacheEmptyDirMedium: \"Memory\": v2 kept this cache off the node's disk"
+            ) && n.contains("reads uncached")),
             "{n:?}"
         );
         refused(

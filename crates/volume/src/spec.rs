@@ -153,6 +153,11 @@ impl VolumeSpec {
             options.endpoint_url.clone(),
         )?;
         endpoint.force_path_style |= options.force_path_style;
+        // v2's `Memory` medium keeps the volume's data off the node's disk; the node cache is on
+        // disk, so such a volume reads uncached (the kernel's page cache still holds hot data).
+        if v2.empty_dir_memory && v2.local_cache == Some(mountpoint_v2::LocalCache::EmptyDir) {
+            no_cache = Some(true);
+        }
         // Either one opting out keeps the volume out of the node cache.
         options.no_cache = no_cache.unwrap_or(false) || options.no_cache;
         options.warm_up = warm_up;
