@@ -375,6 +375,19 @@ impl Plugin {
             let _ = child.wait();
         }
         self.children.clear();
+        // ferry-node leaves its mounts when it stops (a successor may take them over): those a
+        // step left under this plugin's directory are detached, so no dead FUSE mount outlives
+        // the harness.
+        let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+        let mut ours: Vec<String> = ferry_fs::mountinfo::parse(&text)
+            .into_iter()
+            .map(|m| m.mount_point)
+            .filter(|m| Path::new(m).starts_with(self.dir.path()))
+            .collect();
+        ours.sort_by_key(|m| std::cmp::Reverse(m.len()));
+        for m in ours {
+            let _ = nix::mount::umount2(m.as_str(), nix::mount::MntFlags::MNT_DETACH);
+        }
     }
 }
 
