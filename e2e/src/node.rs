@@ -10,8 +10,8 @@
 //! - sysctls it sets at every start ([`KUBELET_SYSCTLS`]) are restored to what they were;
 //! - its pods' containers are killed and removed, containerd and its shims stopped;
 //! - every mount below the node's directory (kubelet's shared bind mount of its root dir, pods'
-//!   secret and token tmpfs, CSI drivers' mounts) and the network namespaces containerd made are
-//!   unmounted;
+//!   secret and token tmpfs, CSI drivers' mounts) is unmounted (pods run on the host network:
+//!   containerd makes no network namespace);
 //! - the cgroups it made are removed: pods go below a cgroup root of our own
 //!   (`/ferry-node-<pid>` in every hierarchy), created before and removed after;
 //! - host directories it creates whatever its flags say (`/var/lib/kubelet/device-plugins`,
@@ -47,17 +47,12 @@ pub const KUBELET_SYSCTLS: &[&str] = &[
 ];
 
 /// Host paths kubelet or containerd create whatever they are told; removed at the end when they
-/// were not there before.
+/// were not there before and hold no mount. (`/run/containerd` only without a containerd socket
+/// in it: a system containerd started meanwhile keeps its directory.)
 const HOST_PATHS: &[&str] = &[
     "/var/lib/kubelet",
     "/var/log/containers",
     "/var/log/pods",
-    "/run/netns",
-    "/var/run/netns",
-    "/etc/cni",
-    "/opt/cni",
-    "/etc/kubernetes",
-    "/usr/libexec/kubernetes",
     "/run/containerd",
 ];
 
@@ -79,7 +74,6 @@ pub struct KubeNode {
     kubelet_args: Vec<String>,
     sysctls: Vec<(String, String)>,
     host_paths_before: BTreeSet<String>,
-    netns_before: BTreeSet<String>,
     cgroup_root: String,
     /// kubelet's port, for its API (logs, exec through the API server).
     pub kubelet_port: u16,
@@ -103,6 +97,20 @@ impl KubeNode {
     pub async fn start_containerd(options: &KubeNodeOptions) -> Result<KubeNode> {
         let containerd = which("containerd")?;
         which("runc")?;
+        // kubelet writes /var/lib/kubelet/device-plugins whatever its --root-dir: on a machine
+        // that is already a Kubernetes node it would disturb the real kubelet.
+        if let Some(pid) = running("kubelet") {
+            return Err(setup(
+                "checking the host",
+                format!("a kubelet is already running here (pid {pid}): run the real-node e2e on a machine that is not a Kubernetes node"),
+            ));
+        }
+        if Path::new("/var/lib/kubelet/device-plugins/kubelet.sock").exists() {
+            return Err(setup(
+                "checking the host",
+                "/var/lib/kubelet/device-plugins/kubelet.sock exists: this machine is (or was) a Kubernetes node; run the real-node e2e elsewhere",
+            ));
+        }
         if !Path::new(CNI_BIN_DIR).join("loopback").exists() {
             return Err(setup(
                 "finding the CNI loopback plugin",
@@ -131,7 +139,6 @@ impl KubeNode {
                 .filter(|p| Path::new(p).exists())
                 .map(|p| p.to_string())
                 .collect(),
-            netns_before: netns_entries(),
             cgroup_root: format!("/ferry-node-{}", std::process::id()),
             kubelet_port: 0,
             startup: Vec::new(),
@@ -432,18 +439,21 @@ impl KubeNode {
         for m in &ours {
             let _ = nix::mount::umount2(m.as_str(), nix::mount::MntFlags::MNT_DETACH);
         }
-        for ns in netns_entries().difference(&self.netns_before) {
-            let _ = nix::mount::umount2(ns.as_str(), nix::mount::MntFlags::MNT_DETACH);
-            let _ = std::fs::remove_file(ns);
-        }
         for h in Self::cgroup_hierarchies() {
             remove_cgroup_tree(&h.join(self.cgroup_root.trim_start_matches('/')));
         }
         for (k, v) in &self.sysctls {
             let _ = std::fs::write(Path::new("/proc/sys").join(k), v);
         }
+        let mounts = mount_points();
         for p in HOST_PATHS {
-            if !self.host_paths_before.contains(*p) && Path::new(p).exists() {
+            let holds_mount = mounts.iter().any(|m| Path::new(m).starts_with(p));
+            let foreign = *p == "/run/containerd" && Path::new(p).join("containerd.sock").exists();
+            if !self.host_paths_before.contains(*p)
+                && Path::new(p).exists()
+                && !holds_mount
+                && !foreign
+            {
                 let _ = std::fs::remove_dir_all(p);
             }
         }
@@ -577,16 +587,13 @@ fn mount_points() -> Vec<String> {
         .collect()
 }
 
-fn netns_entries() -> BTreeSet<String> {
-    let mut set = BTreeSet::new();
-    for dir in ["/run/netns", "/var/run/netns"] {
-        if let Ok(entries) = std::fs::read_dir(dir) {
-            for e in entries.flatten() {
-                set.insert(e.path().display().to_string());
-            }
-        }
-    }
-    set
+/// The pid of a process whose command name is `name`, if one runs.
+fn running(name: &str) -> Option<i32> {
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|p| {
+        let pid = p.file_name().to_string_lossy().parse::<i32>().ok()?;
+        let comm = std::fs::read_to_string(p.path().join("comm")).ok()?;
+        (comm.trim() == name).then_some(pid)
+    })
 }
 
 /// containerd 1.6 puts shim sockets under /run/containerd whatever its state dir; a shim of ours

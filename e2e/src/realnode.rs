@@ -473,6 +473,7 @@ async fn unpublish_on_delete(env: &Env) -> Result<()> {
         "{} does not exist for a live mount",
         conn.display()
     );
+    let fds_before = fuse_fds();
     delete_pod(env, "sleeper").await?;
     ensure!(
         !target.exists(),
@@ -484,7 +485,16 @@ async fn unpublish_on_delete(env: &Env) -> Result<()> {
         "{} is still there: the FUSE connection leaked",
         conn.display()
     );
-    println!("    target removed, {} gone", conn.display());
+    // The mount's /dev/fuse descriptors are closed too (ferry-node's and the fd holder's copy).
+    let fds_after = fuse_fds();
+    ensure!(
+        fds_after < fds_before,
+        "ferry-node and ferry-fd-holder hold {fds_after} /dev/fuse descriptors after the unmount, {fds_before} before"
+    );
+    println!(
+        "    target removed, {} gone, /dev/fuse descriptors in ferry-node and the fd holder {fds_before} → {fds_after}",
+        conn.display()
+    );
     Ok(())
 }
 
@@ -598,10 +608,52 @@ async fn pod_identity(env: &Env) -> Result<()> {
 }
 
 /// A reader that checks the dataset over and over until the harness creates `stop` in its control
-/// directory (a hostPath), then prints how many passes it made; any failed read exits 1.
+/// directory (a hostPath), writing the number of passes done there after each one, then prints
+/// it; any failed read exits 1.
 const READ_LOOP: &str = "n=0; while [ ! -e /control/stop ]; do \
     (cd /data && sha256sum -c -s SHA256SUMS) || { echo \"read failed in pass $n\"; exit 1; }; \
-    n=$((n + 1)); done; echo \"passes: $n\"";
+    n=$((n + 1)); echo $n > /control/passes.new && mv /control/passes.new /control/passes; \
+    done; echo \"passes: $n\"";
+
+/// The passes the reader with `control` has finished so far.
+fn passes(control: &Path) -> u64 {
+    std::fs::read_to_string(control.join("passes"))
+        .ok()
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0)
+}
+
+/// Waits until the reader has finished two more passes than `from`: whole passes over the dataset
+/// after the event the caller waited for, not only before it.
+async fn two_more_passes(env: &Env, name: &str, control: &Path, from: u64) -> Result<u64> {
+    let pods: Api<Pod> = Api::namespaced(env.kube.clone(), NS);
+    wait_for(
+        &format!("pod {name} to read the dataset twice more"),
+        POD_TIMEOUT,
+        || async {
+            let p = pods.get(name).await?;
+            let phase = p
+                .status
+                .as_ref()
+                .and_then(|s| s.phase.clone())
+                .unwrap_or_default();
+            if phase != "Running" {
+                bail!(
+                    "pod {name} stopped reading ({}):\n{}",
+                    pod_state(&p),
+                    pod_log(env, name).await
+                );
+            }
+            let n = passes(control);
+            Ok(if n >= from + 2 {
+                Ok(n)
+            } else {
+                Err(format!("{n} passes"))
+            })
+        },
+    )
+    .await
+}
 
 /// Starts the looping reader `name` on the `imagenet` PVC and waits until it has started reading.
 async fn start_reader(env: &Env, name: &str) -> Result<PathBuf> {
@@ -643,11 +695,35 @@ async fn kubelet_restart(env: &mut Env) -> Result<()> {
     say("g. kubelet restarted (kill -9, start) while a pod reads");
     let control = start_reader(env, "reader-g").await?;
     let kube = env.kube.clone();
+    let restarted = k8s_openapi::jiff::Timestamp::now();
     env.node.restart_kubelet(&kube).await?;
-    // A few passes after kubelet is back, through its volume reconstruction.
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let passes = stop_reader(env, "reader-g", &control).await?;
-    println!("    the pod read the dataset {passes} times across the restart, no failed read");
+    // The new kubelet is up once it renewed the node's Lease (the Node stays Ready meanwhile).
+    let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
+        Api::namespaced(kube.clone(), "kube-node-lease");
+    wait_for(
+        "the restarted kubelet to renew its Lease",
+        POD_TIMEOUT,
+        || async {
+            let renewed = leases
+                .get(NODE_NAME)
+                .await?
+                .spec
+                .and_then(|s| s.renew_time)
+                .map(|t| t.0);
+            Ok(match renewed {
+                Some(t) if t > restarted => Ok(()),
+                other => Err(format!("renewed at {other:?}")),
+            })
+        },
+    )
+    .await?;
+    let at_restart = passes(&control);
+    let after = two_more_passes(env, "reader-g", &control, at_restart).await?;
+    let total = stop_reader(env, "reader-g", &control).await?;
+    println!(
+        "    {total} passes over the dataset, {} of them after the new kubelet renewed its Lease; no failed read",
+        total.max(after) - at_restart
+    );
     Ok(())
 }
 
@@ -705,8 +781,43 @@ async fn rolling_update(env: &Env, images: &Images) -> Result<()> {
         })
     })
     .await?;
-    let passes = stop_reader(env, "reader-h", &control).await?;
-    println!("    new node pod runs {next}; the pod read the dataset {passes} times across the update, 0 failed reads");
+    // The new node pod took the live mount over from the old one (not a crash recovery).
+    let new_pod = pods
+        .list(&ListParams::default().labels("app.kubernetes.io/component=node"))
+        .await?
+        .items
+        .into_iter()
+        .next()
+        .and_then(|p| p.metadata.name)
+        .context("no node pod")?;
+    let system: Api<Pod> = Api::namespaced(env.kube.clone(), SYSTEM_NS);
+    let log = system
+        .logs(
+            &new_pod,
+            &LogParams {
+                container: Some("ferry-node".into()),
+                ..Default::default()
+            },
+        )
+        .await?;
+    let log = strip_ansi(&log);
+    let handed = log
+        .lines()
+        .find(|l| l.contains("mounts handed over"))
+        .with_context(|| {
+            format!("{new_pod} did not take the mounts over from the old pod:\n{log}")
+        })?;
+    ensure!(
+        !handed.contains("mounts=0"),
+        "{new_pod} took no mount over: {handed}"
+    );
+    let at_rollout = passes(&control);
+    two_more_passes(env, "reader-h", &control, at_rollout).await?;
+    let total = stop_reader(env, "reader-h", &control).await?;
+    println!(
+        "    {new_pod} ({next}) took the mounts over; {total} passes over the dataset, {} after the old pod was gone; 0 failed reads",
+        total - at_rollout
+    );
     Ok(())
 }
 
@@ -1191,6 +1302,41 @@ fn free_port() -> u16 {
         .and_then(|l| l.local_addr())
         .map(|a| a.port())
         .expect("binding 127.0.0.1:0")
+}
+
+/// `s` without terminal colour escapes (`ESC [ ... m`).
+fn strip_ansi(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    let mut chars = s.chars();
+    while let Some(c) = chars.next() {
+        if c == '\x1b' {
+            for c in chars.by_ref() {
+                if c == 'm' {
+                    break;
+                }
+            }
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// How many `/dev/fuse` descriptors ferry-node and ferry-fd-holder processes hold.
+fn fuse_fds() -> usize {
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    procs
+        .flatten()
+        .filter(|p| {
+            std::fs::read_to_string(p.path().join("comm"))
+                .is_ok_and(|c| matches!(c.trim(), "ferry-node" | "ferry-fd-holder"))
+        })
+        .filter_map(|p| std::fs::read_dir(p.path().join("fd")).ok())
+        .flat_map(|fds| fds.flatten())
+        .filter(|fd| std::fs::read_link(fd.path()).is_ok_and(|l| l == Path::new("/dev/fuse")))
+        .count()
 }
 
 /// sha256 of `data`, hex, as `sha256sum` prints it.

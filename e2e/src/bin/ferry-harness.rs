@@ -185,11 +185,19 @@ fn main() -> Result<()> {
                 containerd_address,
             } => images(bins, tags, out, import.then_some(containerd_address)),
             Cmd::Node { chart } => {
-                ferry_e2e::realnode::run(ferry_e2e::realnode::Options {
+                let run = ferry_e2e::realnode::run(ferry_e2e::realnode::Options {
                     chart,
                     bins: bin_dir()?,
-                })
-                .await
+                });
+                // Interrupted (Ctrl-C, a CI timeout's SIGTERM): the run is dropped, and with it
+                // the node — pods, containerd, kubelet and what kubelet changed on the host.
+                let mut term =
+                    tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+                tokio::select! {
+                    r = run => r,
+                    _ = tokio::signal::ctrl_c() => bail!("interrupted (SIGINT); the node and the cluster were stopped and the host restored"),
+                    _ = term.recv() => bail!("interrupted (SIGTERM); the node and the cluster were stopped and the host restored"),
+                }
             }
         }
     })
