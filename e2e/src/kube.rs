@@ -347,7 +347,7 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
     std::fs::write(target.join("model.ckpt"), &written).context("writing through the mount")?;
     let key = format!("{prefix}model.ckpt");
     ensure!(
-        read_object(&s3, &key).await? == written,
+        read_object(&s3, BUCKET, &key).await? == written,
         "s3://{BUCKET}/{key} does not hold the bytes written through the mount"
     );
     let uploaded = Bytes::from_static(b"uploaded through S3\n");
@@ -381,11 +381,11 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
     say("deleting PVC train: DeleteVolume must empty its prefix and nothing else");
     delete_pvc_and_wait(kube, ns, "train", &pv_name, &provisioner).await?;
     ensure!(
-        count(&s3, &prefix).await? == 0,
+        count(&s3, BUCKET, &prefix).await? == 0,
         "deletePolicy delete: objects left under {prefix}"
     );
     ensure!(
-        count(&s3, &format!("k8s/{ns}/outside.txt")).await? == 1,
+        count(&s3, BUCKET, &format!("k8s/{ns}/outside.txt")).await? == 1,
         "deletePolicy delete removed an object outside the volume's prefix"
     );
     println!("    {prefix} is empty; k8s/{ns}/outside.txt kept");
@@ -412,7 +412,7 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
         .await?;
     delete_pvc_and_wait(kube, ns, "notes", &pv_name, &provisioner).await?;
     ensure!(
-        count(&s3, &prefix).await? == 1,
+        count(&s3, BUCKET, &prefix).await? == 1,
         "deletePolicy retain: {prefix}keep.txt is gone"
     );
     println!("    {prefix}keep.txt kept after the PV was deleted");
@@ -475,7 +475,7 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
     .await?;
     delete_pvc_and_wait(kube, ns, "imagenet", &pv_name, &provisioner).await?;
     ensure!(
-        count(&s3, "datasets/imagenet/train/").await? == 3,
+        count(&s3, BUCKET, "datasets/imagenet/train/").await? == 3,
         "the dataset was touched by deleting its PVC"
     );
     println!("    PVC deleted, dataset kept");
@@ -671,7 +671,8 @@ async fn dry_run(kube: &Client, objects: &[Value], ns: &str) -> Result<()> {
     Ok(())
 }
 
-async fn create_pvc(
+/// Creates PVC `ns/name` of `class` (annotated with an existing prefix if given).
+pub(crate) async fn create_pvc(
     kube: &Client,
     ns: &str,
     name: &str,
@@ -755,7 +756,7 @@ fn pv_handle(pv: &PersistentVolume) -> Result<String> {
     Ok(pv_csi(pv)?.volume_handle.clone())
 }
 
-fn pv_prefix(pv: &PersistentVolume) -> Result<String> {
+pub(crate) fn pv_prefix(pv: &PersistentVolume) -> Result<String> {
     pv_csi(pv)?
         .volume_attributes
         .as_ref()
@@ -814,21 +815,22 @@ fn publish_request(
     })
 }
 
-async fn read_object(s3: &S3Store, key: &str) -> Result<Bytes> {
-    let info = s3.head(BUCKET, key).await?;
+/// The whole object `bucket/key`.
+pub(crate) async fn read_object(s3: &S3Store, bucket: &str, key: &str) -> Result<Bytes> {
+    let info = s3.head(bucket, key).await?;
     if info.size == 0 {
         return Ok(Bytes::new());
     }
-    Ok(s3.get_range(BUCKET, key, 0..info.size, None).await?)
+    Ok(s3.get_range(bucket, key, 0..info.size, None).await?)
 }
 
-/// How many objects there are under `prefix` (or at the key `prefix`).
-async fn count(s3: &S3Store, prefix: &str) -> Result<usize> {
+/// How many objects there are under `prefix` (or at the key `prefix`) in `bucket`.
+pub(crate) async fn count(s3: &S3Store, bucket: &str, prefix: &str) -> Result<usize> {
     let req = ListRequest {
         prefix,
         ..ListRequest::default()
     };
-    let n = ferry_store::list_pages(s3, BUCKET, req)
+    let n = ferry_store::list_pages(s3, bucket, req)
         .try_fold(0, |n, page| async move { Ok(n + page.objects.len()) })
         .await?;
     Ok(n)

@@ -246,9 +246,9 @@ async fn upload_dataset(env: &Env, prefix: &str, seed: u64, count: usize) -> Res
 /// nothing else.
 async fn dynamic_rwx(env: &Env) -> Result<()> {
     say("a. dynamic RWX PVC: pod A writes, pod B reads; deleting the PVC empties its prefix only");
-    create_pvc(env, "shared", "scratch", "ReadWriteMany", None).await?;
+    crate::kube::create_pvc(&env.kube, NS, "shared", "scratch", "ReadWriteMany", None).await?;
     let pv = wait_bound(env, "shared").await?;
-    let prefix = pv_prefix(&pv)?;
+    let prefix = crate::kube::pv_prefix(&pv)?;
     let writer = run_pod(
         env,
         "writer",
@@ -262,12 +262,14 @@ async fn dynamic_rwx(env: &Env) -> Result<()> {
     .await?;
     expect_succeeded(env, &writer).await?;
     // Every byte pod A wrote is in S3, as its checksums say.
-    let sums = read_object(env, &format!("{prefix}run/SHA256SUMS")).await?;
+    let sums =
+        crate::kube::read_object(&env.s3, BUCKET, &format!("{prefix}run/SHA256SUMS")).await?;
     let sums = String::from_utf8(sums.to_vec())?;
     let mut n = 0;
     for line in sums.lines() {
         let (sum, name) = line.split_once("  ").context("a SHA256SUMS line")?;
-        let data = read_object(env, &format!("{prefix}run/{name}")).await?;
+        let data =
+            crate::kube::read_object(&env.s3, BUCKET, &format!("{prefix}run/{name}")).await?;
         ensure!(
             sha256_hex(&data) == sum,
             "s3://{BUCKET}/{prefix}run/{name}: not the bytes pod writer wrote"
@@ -298,11 +300,11 @@ async fn dynamic_rwx(env: &Env) -> Result<()> {
     let pv_name = pv.metadata.name.clone().unwrap_or_default();
     delete_pvc_and_wait(env, "shared", &pv_name).await?;
     ensure!(
-        count(env, &prefix).await? == 0,
+        crate::kube::count(&env.s3, BUCKET, &prefix).await? == 0,
         "deletePolicy delete: objects left under {prefix}"
     );
     ensure!(
-        count(env, "k8s/ml/outside.txt").await? == 1,
+        crate::kube::count(&env.s3, BUCKET, "k8s/ml/outside.txt").await? == 1,
         "deletePolicy delete removed k8s/ml/outside.txt, outside the volume's prefix"
     );
     println!("    PVC deleted: {prefix} is empty, k8s/ml/outside.txt kept");
@@ -379,8 +381,9 @@ async fn static_rox(env: &Env, files: &[String]) -> Result<()> {
 /// c. An existing dataset through a dynamic PVC (the existing-prefix annotation).
 async fn existing_dataset(env: &Env, files: &[String]) -> Result<()> {
     say("c. an existing dataset through a dynamic PVC (s3.csi.ferry.dev/existing-prefix)");
-    create_pvc(
-        env,
+    crate::kube::create_pvc(
+        &env.kube,
+        NS,
         "imagenet",
         "datasets",
         "ReadOnlyMany",
@@ -389,9 +392,9 @@ async fn existing_dataset(env: &Env, files: &[String]) -> Result<()> {
     .await?;
     let pv = wait_bound(env, "imagenet").await?;
     ensure!(
-        pv_prefix(&pv)? == "datasets/imagenet/",
+        crate::kube::pv_prefix(&pv)? == "datasets/imagenet/",
         "the PV's prefix is {:?}, not the annotated dataset",
-        pv_prefix(&pv)?
+        crate::kube::pv_prefix(&pv)?
     );
     let pod = run_pod(
         env,
@@ -414,7 +417,7 @@ async fn existing_dataset(env: &Env, files: &[String]) -> Result<()> {
 /// the pod writes and reads them.
 async fn non_root(env: &Env) -> Result<()> {
     say("e. runAsUser 1000, fsGroup 2000: the pod writes and reads, files owned 0:2000");
-    create_pvc(env, "team", "scratch", "ReadWriteMany", None).await?;
+    crate::kube::create_pvc(&env.kube, NS, "team", "scratch", "ReadWriteMany", None).await?;
     wait_bound(env, "team").await?;
     let pod = run_pod(
         env,
@@ -972,33 +975,6 @@ async fn delete_pod(env: &Env, name: &str) -> Result<()> {
     .await
 }
 
-async fn create_pvc(
-    env: &Env,
-    name: &str,
-    class: &str,
-    mode: &str,
-    existing_prefix: Option<&str>,
-) -> Result<()> {
-    let mut pvc = json!({
-        "apiVersion": "v1", "kind": "PersistentVolumeClaim",
-        "metadata": {"name": name, "namespace": NS},
-        "spec": {
-            "accessModes": [mode],
-            "storageClassName": class,
-            "resources": {"requests": {"storage": "1Gi"}},
-        },
-    });
-    if let Some(p) = existing_prefix {
-        pvc["metadata"]["annotations"] =
-            json!({ ferry_volume::keys::EXISTING_PREFIX_ANNOTATION: p });
-    }
-    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(env.kube.clone(), NS);
-    pvcs.create(&PostParams::default(), &serde_json::from_value(pvc)?)
-        .await
-        .with_context(|| format!("creating PVC {name}"))?;
-    Ok(())
-}
-
 async fn wait_bound(env: &Env, name: &str) -> Result<PersistentVolume> {
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(env.kube.clone(), NS);
     let pv = wait_for(&format!("PVC {name} Bound"), INSTALL_TIMEOUT, || async {
@@ -1037,36 +1013,6 @@ async fn delete_pvc_and_wait(env: &Env, name: &str, pv: &str) -> Result<()> {
         })
     })
     .await
-}
-
-fn pv_prefix(pv: &PersistentVolume) -> Result<String> {
-    pv.spec
-        .as_ref()
-        .and_then(|s| s.csi.as_ref())
-        .and_then(|c| c.volume_attributes.as_ref())
-        .and_then(|a| a.get(ferry_volume::keys::PREFIX))
-        .cloned()
-        .context("the PV's volumeAttributes carry no prefix")
-}
-
-async fn read_object(env: &Env, key: &str) -> Result<Bytes> {
-    let info = env.s3.head(BUCKET, key).await?;
-    if info.size == 0 {
-        return Ok(Bytes::new());
-    }
-    Ok(env.s3.get_range(BUCKET, key, 0..info.size, None).await?)
-}
-
-async fn count(env: &Env, prefix: &str) -> Result<usize> {
-    let req = ferry_store::ListRequest {
-        prefix,
-        ..Default::default()
-    };
-    use futures::TryStreamExt;
-    let n = ferry_store::list_pages(&env.s3, BUCKET, req)
-        .try_fold(0, |n, page| async move { Ok(n + page.objects.len()) })
-        .await?;
-    Ok(n)
 }
 
 /// The chart's values for this node: the locally built images, and what a cluster whose only
