@@ -1,7 +1,7 @@
 //! The real `ferry-controller`'s `/healthz`: 200 while the CSI Probe is ready (the default
 //! credentials resolve), 503 with the reason when they do not.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -68,25 +68,6 @@ fn start(dir: &std::path::Path, env: &[(&str, &str)]) -> (Controller, std::net::
     }
 }
 
-fn healthz(addr: std::net::SocketAddr) -> (u16, String) {
-    let mut c = std::net::TcpStream::connect(addr).unwrap();
-    c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .unwrap();
-    let mut resp = String::new();
-    c.read_to_string(&mut resp).unwrap();
-    let code = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("not an HTTP response: {resp}"));
-    let body = resp
-        .split("\r\n\r\n")
-        .nth(1)
-        .unwrap_or_default()
-        .to_string();
-    (code, body)
-}
-
 #[test]
 fn healthz_is_the_probe() {
     let dir = tempfile::tempdir().unwrap();
@@ -97,10 +78,10 @@ fn healthz_is_the_probe() {
             ("AWS_SECRET_ACCESS_KEY", "ferry-test-secret"),
         ],
     );
-    assert_eq!(healthz(addr), (200, "ok\n".to_string()));
+    assert_eq!(ferry_testkit::healthz(addr), (200, "ok\n".to_string()));
 
     let (_no_credentials, addr) = start(&dir.path().join("without"), &[]);
-    let (code, body) = healthz(addr);
+    let (code, body) = ferry_testkit::healthz(addr);
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("credentials"), "{body}");
 }

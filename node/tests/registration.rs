@@ -2,7 +2,7 @@
 //! (temporary) `plugins_registry`, the `/healthz` endpoint, and the registration socket across a
 //! handover and a shutdown.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::mpsc;
@@ -139,26 +139,6 @@ impl Drop for Node {
     }
 }
 
-/// `GET /healthz`: the status code and the body.
-fn healthz(addr: std::net::SocketAddr) -> (u16, String) {
-    let mut c = std::net::TcpStream::connect(addr).unwrap();
-    c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        .unwrap();
-    let mut resp = String::new();
-    c.read_to_string(&mut resp).unwrap();
-    let code = resp
-        .split_whitespace()
-        .nth(1)
-        .and_then(|c| c.parse().ok())
-        .unwrap_or_else(|| panic!("not an HTTP response: {resp}"));
-    let body = resp
-        .split("\r\n\r\n")
-        .nth(1)
-        .unwrap_or_default()
-        .to_string();
-    (code, body)
-}
-
 async fn client(socket: &Path) -> RegistrationClient<Channel> {
     let socket = socket.to_path_buf();
     let channel = Endpoint::try_from("http://[::]:50051")
@@ -218,7 +198,10 @@ async fn kubelet_registers_the_plugin_and_a_refusal_fails_healthz() {
     assert_eq!(info.supported_versions, vec!["1.0.0".to_string()]);
 
     // Healthy before kubelet's verdict and after a success.
-    assert_eq!(healthz(node.health), (200, "ok\n".to_string()));
+    assert_eq!(
+        ferry_testkit::healthz(node.health),
+        (200, "ok\n".to_string())
+    );
     kubelet
         .notify_registration_status(RegistrationStatus {
             plugin_registered: true,
@@ -226,7 +209,10 @@ async fn kubelet_registers_the_plugin_and_a_refusal_fails_healthz() {
         })
         .await
         .unwrap();
-    assert_eq!(healthz(node.health), (200, "ok\n".to_string()));
+    assert_eq!(
+        ferry_testkit::healthz(node.health),
+        (200, "ok\n".to_string())
+    );
 
     // A refusal: logged at error with kubelet's words, and /healthz says why it fails.
     kubelet
@@ -242,7 +228,7 @@ async fn kubelet_registers_the_plugin_and_a_refusal_fails_healthz() {
         line.contains("already registered by another plugin"),
         "{line}"
     );
-    let (code, body) = healthz(node.health);
+    let (code, body) = ferry_testkit::healthz(node.health);
     assert_eq!(code, 503, "{body}");
     assert!(
         body.contains("already registered by another plugin"),
@@ -257,7 +243,10 @@ async fn kubelet_registers_the_plugin_and_a_refusal_fails_healthz() {
         })
         .await
         .unwrap();
-    assert_eq!(healthz(node.health), (200, "ok\n".to_string()));
+    assert_eq!(
+        ferry_testkit::healthz(node.health),
+        (200, "ok\n".to_string())
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -285,7 +274,7 @@ async fn a_successor_registers_anew_and_a_stopping_owner_leaves_anothers_socket(
     // its shutdown leaves the other socket alone.
     std::fs::remove_file(&reg_socket).unwrap();
     let other = std::os::unix::net::UnixListener::bind(&reg_socket).unwrap();
-    let (code, body) = healthz(new.health);
+    let (code, body) = ferry_testkit::healthz(new.health);
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("gone or another process's"), "{body}");
     new.terminate();

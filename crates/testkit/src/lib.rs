@@ -386,6 +386,27 @@ impl Drop for S3Server {
 }
 
 /// A port that was free a moment ago.
+/// `GET /healthz` on `addr` (HTTP/1.1, one connection): the status code and the body.
+pub fn healthz(addr: SocketAddr) -> (u16, String) {
+    use std::io::Write;
+    let mut c = TcpStream::connect(addr).expect("connecting to the health endpoint");
+    c.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        .expect("sending GET /healthz");
+    let mut resp = String::new();
+    c.read_to_string(&mut resp).expect("reading the answer");
+    let code = resp
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP response: {resp}"));
+    let body = resp
+        .split("\r\n\r\n")
+        .nth(1)
+        .unwrap_or_default()
+        .to_string();
+    (code, body)
+}
+
 fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
