@@ -15,7 +15,9 @@
 //! - the cgroups it made are removed: pods go below a cgroup root of our own
 //!   (`/ferry-node-<pid>` in every hierarchy), created before and removed after;
 //! - host directories it creates whatever its flags say (`/var/lib/kubelet/device-plugins`,
-//!   `/var/log/containers`, ...) are removed when they did not exist before.
+//!   `/var/log/containers`, ...) are removed when they did not exist before and hold no mount;
+//! - it refuses to start on a machine where a kubelet runs (kubelet writes
+//!   `/var/lib/kubelet/device-plugins` whatever its `--root-dir`).
 //!
 //! kubelet runs with a `PATH` without `/usr/sbin` and `/sbin`, so it finds no `iptables` and
 //! leaves the host's rules alone.
