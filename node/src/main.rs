@@ -659,7 +659,14 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
     if let Ok(uid) = std::env::var("POD_UID") {
         if state.retired(&uid).exists() {
             tracing::info!(pod_uid = %uid, "this pod handed its mounts to a newer one; idle until stopped");
-            ferry_csi::endpoint::shutdown_signal().await;
+            let stop = ferry_csi::endpoint::shutdown_signal();
+            // Healthy while it waits to be deleted (kubelet would otherwise restart it over and
+            // over). On the host network the newer pod holds the port: nothing to answer then.
+            let retired: ferry_metrics::health::Check = Arc::new(|| Box::pin(async { Ok(()) }));
+            if let Err(e) = ferry_metrics::health::start_health(&a.health_addr, retired).await {
+                tracing::info!(error = %e, "no /healthz while retired");
+            }
+            stop.await;
             return Ok(());
         }
     }

@@ -32,6 +32,12 @@ fn paths(dir: &Path) -> (PathBuf, PathBuf) {
 impl Node {
     /// Starts it and waits until it has bound its registration socket.
     fn start(dir: &Path) -> Node {
+        Node::start_as(dir, None)
+    }
+
+    /// [`Node::start`] as the container of pod `pod_uid` (`POD_UID`); a pod that handed its
+    /// mounts over only idles, so then it waits for that instead of the sockets.
+    fn start_as(dir: &Path, pod_uid: Option<&str>) -> Node {
         let (reg_socket, registry) = paths(dir);
         std::fs::create_dir_all(&registry).unwrap();
         std::fs::create_dir_all(dir.join("kubelet")).unwrap();
@@ -53,6 +59,7 @@ impl Node {
             .env("HOME", dir)
             .env("NO_COLOR", "1")
             .env("FERRY_LOG", "info")
+            .envs(pod_uid.map(|u| ("POD_UID", u)))
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -89,6 +96,9 @@ impl Node {
             }
             if line.contains("ferry-node serving") {
                 assert!(reg_socket.exists(), "serving without a registration socket");
+                serving = true;
+            }
+            if pod_uid.is_some() && line.contains("idle until stopped") {
                 serving = true;
             }
         }
@@ -322,4 +332,20 @@ async fn a_socket_removed_by_another_process_is_bound_again() {
         !reg_socket.exists(),
         "the socket bound again was left behind"
     );
+}
+
+/// A node pod that handed its mounts to a newer one idles until deleted; its /healthz answers 200
+/// meanwhile, so kubelet does not restart it over and over.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_retired_pod_is_healthy_while_it_idles() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("state")).unwrap();
+    std::fs::write(dir.path().join("state/retired-old-pod"), b"").unwrap();
+    let (reg_socket, _) = paths(dir.path());
+    let mut node = Node::start_as(dir.path(), Some("old-pod"));
+    let (code, body) = ferry_testkit::healthz(node.health);
+    assert_eq!((code, body.trim()), (200, "ok"));
+    assert!(!reg_socket.exists(), "a retired pod registered the plugin");
+    node.terminate();
+    assert!(node.wait_exit().success());
 }
