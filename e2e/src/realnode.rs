@@ -1051,7 +1051,7 @@ fn values(env: &Env, cluster: &KubeCluster, images: &Images) -> Value {
         // machine can clash.
         "metrics": {"port": free_port()},
         "controller": {
-            // One replica: two on one host-network node would share their ports.
+            // One replica: on the host network the chart allows one per node.
             "replicas": 1,
             "hostNetwork": true,
             "metricsPort": free_port(),
