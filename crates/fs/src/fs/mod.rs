@@ -164,6 +164,23 @@ struct FsState {
     changes: u64,
 }
 
+impl FsState {
+    /// Tables as given; every per-process cache (small objects, order, probes) empty.
+    fn new(inodes: InodeTable, handles: HandleTable, io: HashMap<Ino, IoModes>) -> Self {
+        FsState {
+            inodes,
+            handles,
+            hidden_logged: HashSet::new(),
+            small: SmallObjects::default(),
+            order: HashMap::new(),
+            io,
+            probes: HashMap::new(),
+            probed: HashSet::new(),
+            changes: 0,
+        }
+    }
+}
+
 /// Most directories remembered as probed.
 const PROBED_MAX: usize = 4096;
 
@@ -266,26 +283,14 @@ impl Fs {
         budget: MemoryBudget,
         prefetch: PrefetchConfig,
     ) -> Self {
-        Fs {
+        Fs::assemble(
             store,
             cfg,
-            mount_time: now_secs(),
-            state: Mutex::new(FsState {
-                inodes: InodeTable::new(),
-                handles: HandleTable::default(),
-                hidden_logged: HashSet::new(),
-                small: SmallObjects::default(),
-                order: HashMap::new(),
-                io: HashMap::new(),
-                probes: HashMap::new(),
-                probed: HashSet::new(),
-                changes: 0,
-            }),
+            now_secs(),
+            FsState::new(InodeTable::new(), HandleTable::default(), HashMap::new()),
             budget,
             prefetch,
-            cache: None,
-            proofs: Arc::new(Proofs::default()),
-        }
+        )
     }
 
     /// Rebuilds a filesystem from [`Fs::snapshot`] (caches start expired, nothing prefetched).
@@ -305,21 +310,34 @@ impl Fs {
                 }
             }
         }
+        Fs::assemble(
+            store,
+            snap.config,
+            snap.mount_time,
+            FsState::new(
+                snap.inodes,
+                HandleTable::restore(snap.next_fh, snap.handles),
+                io,
+            ),
+            budget,
+            prefetch,
+        )
+    }
+
+    /// The filesystem around `state`: no node cache, no access proofs yet.
+    fn assemble(
+        store: Arc<dyn ObjectStore>,
+        cfg: MountConfig,
+        mount_time: SystemTime,
+        state: FsState,
+        budget: MemoryBudget,
+        prefetch: PrefetchConfig,
+    ) -> Self {
         Fs {
             store,
-            cfg: snap.config,
-            mount_time: snap.mount_time,
-            state: Mutex::new(FsState {
-                inodes: snap.inodes,
-                handles: HandleTable::restore(snap.next_fh, snap.handles),
-                hidden_logged: HashSet::new(),
-                small: SmallObjects::default(),
-                order: HashMap::new(),
-                io,
-                probes: HashMap::new(),
-                probed: HashSet::new(),
-                changes: 0,
-            }),
+            cfg,
+            mount_time,
+            state: Mutex::new(state),
             budget,
             prefetch,
             cache: None,

@@ -581,14 +581,20 @@ impl Fs {
         Ok(child_path(&p.path, name))
     }
 
-    /// `unlink` (needs `allow_delete`): deletes the key.
-    pub async fn unlink(&self, parent: Ino, name: &OsStr) -> Result<(), FsError> {
+    /// `EROFS` on a read-only mount, `EPERM` without `allow_delete`.
+    fn may_delete(&self) -> Result<(), FsError> {
         if self.cfg.read_only {
             return Err(FsError::ReadOnly);
         }
         if !self.cfg.allow_delete {
             return Err(FsError::NotPermitted("deletes are disabled on this mount"));
         }
+        Ok(())
+    }
+
+    /// `unlink` (needs `allow_delete`): deletes the key.
+    pub async fn unlink(&self, parent: Ino, name: &OsStr) -> Result<(), FsError> {
+        self.may_delete()?;
         let name = lookup_name(name)?;
         let found = self.find_child(parent, name).await?;
         let (key, live) = {
@@ -675,12 +681,7 @@ impl Fs {
     /// `rmdir` (needs `allow_delete`): only if nothing (no key at all, hidden ones included) is
     /// below it; deletes its marker if it has one.
     pub async fn rmdir(&self, parent: Ino, name: &OsStr) -> Result<(), FsError> {
-        if self.cfg.read_only {
-            return Err(FsError::ReadOnly);
-        }
-        if !self.cfg.allow_delete {
-            return Err(FsError::NotPermitted("deletes are disabled on this mount"));
-        }
+        self.may_delete()?;
         let name = lookup_name(name)?;
         let found = self.find_child(parent, name).await?;
         let (dprefix, live) = {
