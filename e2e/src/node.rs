@@ -23,7 +23,6 @@
 //! leaves the host's rules alone.
 
 use std::collections::BTreeSet;
-use std::fs::File;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -286,25 +285,13 @@ impl KubeNode {
     }
 
     fn spawn_kubelet(&mut self) -> Result<()> {
-        let kubelet = kubelet_bin()?;
-        let log = self.path.join("kubelet.log");
-        let file = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log)
-            .map_err(|e| setup("opening kubelet.log", e))?;
-        let err = file
-            .try_clone()
-            .map_err(|e| setup("cloning kubelet.log", e))?;
-        let child = Command::new(kubelet)
-            .args(&self.kubelet_args)
-            // No /usr/sbin, /sbin: kubelet finds no iptables and leaves the host's rules alone.
-            .env("PATH", "/usr/local/bin:/usr/bin:/bin")
-            .stdin(Stdio::null())
-            .stdout(file)
-            .stderr(err)
-            .spawn()
-            .map_err(|e| setup("starting kubelet", e))?;
+        let child = spawn_logged(
+            &self.path.join("kubelet.log"),
+            Command::new(kubelet_bin()?)
+                .args(&self.kubelet_args)
+                // No /usr/sbin, /sbin: kubelet finds no iptables and leaves the host's rules alone.
+                .env("PATH", "/usr/local/bin:/usr/bin:/bin"),
+        )?;
         self.kubelet = Some(child);
         Ok(())
     }
@@ -567,8 +554,13 @@ fn which(name: &str) -> Result<PathBuf> {
         })
 }
 
+/// Spawns `cmd` with stdout and stderr appended to `log` (a restarted kubelet continues its log).
 fn spawn_logged(log: &Path, cmd: &mut Command) -> Result<Child> {
-    let f = File::create(log).map_err(|e| setup(&format!("creating {}", log.display()), e))?;
+    let f = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| setup(&format!("opening {}", log.display()), e))?;
     let err = f.try_clone().map_err(|e| setup("cloning a log file", e))?;
     cmd.stdin(Stdio::null())
         .stdout(f)

@@ -249,7 +249,7 @@ async fn dynamic_rwx(env: &Env) -> Result<()> {
     crate::kube::create_pvc(&env.kube, NS, "shared", "scratch", "ReadWriteMany", None).await?;
     let pv = wait_bound(env, "shared").await?;
     let prefix = crate::kube::pv_prefix(&pv)?;
-    let writer = run_pod(
+    run_pod(
         env,
         "writer",
         "set -e; mkdir -p /data/run; cd /data/run; \
@@ -260,7 +260,6 @@ async fn dynamic_rwx(env: &Env) -> Result<()> {
         None,
     )
     .await?;
-    expect_succeeded(env, &writer).await?;
     // Every byte pod A wrote is in S3, as its checksums say.
     let sums =
         crate::kube::read_object(&env.s3, BUCKET, &format!("{prefix}run/SHA256SUMS")).await?;
@@ -278,7 +277,7 @@ async fn dynamic_rwx(env: &Env) -> Result<()> {
     }
     ensure!(n == 7, "SHA256SUMS lists {n} files, not 7:\n{sums}");
     println!("    pod writer wrote 7 files; S3 holds the same bytes (sha256)");
-    let reader = run_pod(
+    run_pod(
         env,
         "reader",
         "cd /data/run && sha256sum -c SHA256SUMS",
@@ -286,7 +285,6 @@ async fn dynamic_rwx(env: &Env) -> Result<()> {
         None,
     )
     .await?;
-    expect_succeeded(env, &reader).await?;
     println!("    pod reader checked every byte through its own mount");
     delete_pod(env, "writer").await?;
     delete_pod(env, "reader").await?;
@@ -365,8 +363,7 @@ async fn static_rox(env: &Env, files: &[String]) -> Result<()> {
         .await?;
     }
     for name in names {
-        let pod = wait_pod_done(env, name).await?;
-        expect_succeeded(env, &pod).await?;
+        succeeded(env, name).await?;
     }
     println!(
         "    3 pods read {} files at once, every byte checked; writes refused",
@@ -396,7 +393,7 @@ async fn existing_dataset(env: &Env, files: &[String]) -> Result<()> {
         "the PV's prefix is {:?}, not the annotated dataset",
         crate::kube::pv_prefix(&pv)?
     );
-    let pod = run_pod(
+    run_pod(
         env,
         "imagenet",
         "cd /data && sha256sum -c SHA256SUMS && ! touch /data/new 2>/dev/null",
@@ -404,7 +401,6 @@ async fn existing_dataset(env: &Env, files: &[String]) -> Result<()> {
         None,
     )
     .await?;
-    expect_succeeded(env, &pod).await?;
     println!(
         "    {} files of datasets/imagenet/ checked through the PVC",
         files.len()
@@ -419,7 +415,7 @@ async fn non_root(env: &Env) -> Result<()> {
     say("e. runAsUser 1000, fsGroup 2000: the pod writes and reads, files owned 0:2000");
     crate::kube::create_pvc(&env.kube, NS, "team", "scratch", "ReadWriteMany", None).await?;
     wait_bound(env, "team").await?;
-    let pod = run_pod(
+    let log = run_pod(
         env,
         "team",
         "set -e; id; echo written-by-1000 > /data/own.txt; mkdir /data/dir; \
@@ -429,7 +425,6 @@ async fn non_root(env: &Env) -> Result<()> {
         Some(json!({"runAsUser": 1000, "runAsGroup": 3000, "fsGroup": 2000, "runAsNonRoot": true})),
     )
     .await?;
-    let log = expect_succeeded(env, &pod).await?;
     for want in ["file 0 2000 664", "dir 0 2000 775"] {
         ensure!(
             log.contains(want),
@@ -579,11 +574,8 @@ async fn pod_identity(env: &Env) -> Result<()> {
     let claims = [("pod-identity", "/data", true)];
     let mut reader = pod_manifest(env, "identity-reader", "cat /data/hello.txt", &claims, None);
     reader["spec"]["serviceAccountName"] = json!("reader");
-    let pods: Api<Pod> = Api::namespaced(env.kube.clone(), NS);
-    pods.create(&PostParams::default(), &serde_json::from_value(reader)?)
-        .await?;
-    let pod = wait_pod_done(env, "identity-reader").await?;
-    let log = expect_succeeded(env, &pod).await?;
+    create(env, reader).await?;
+    let log = succeeded(env, "identity-reader").await?;
     ensure!(
         log == MOTO_TEXT,
         "pod identity-reader read {log:?}, not the object"
@@ -597,10 +589,8 @@ async fn pod_identity(env: &Env) -> Result<()> {
         None,
     );
     lister["spec"]["serviceAccountName"] = json!("lister");
-    pods.create(&PostParams::default(), &serde_json::from_value(lister)?)
-        .await?;
-    let pod = wait_pod_done(env, "identity-lister").await?;
-    let log = expect_succeeded(env, &pod).await?;
+    create(env, lister).await?;
+    let log = succeeded(env, "identity-lister").await?;
     println!(
         "    role pod-reader read the object; role pod-lister listed it and got: {}",
         log.lines().last().unwrap_or_default()
@@ -635,11 +625,7 @@ async fn two_more_passes(env: &Env, name: &str, control: &Path, from: u64) -> Re
         POD_TIMEOUT,
         || async {
             let p = pods.get(name).await?;
-            let phase = p
-                .status
-                .as_ref()
-                .and_then(|s| s.phase.clone())
-                .unwrap_or_default();
+            let phase = phase(&p);
             if phase != "Running" {
                 bail!(
                     "pod {name} stopped reading ({}):\n{}",
@@ -671,10 +657,7 @@ async fn start_reader(env: &Env, name: &str) -> Result<PathBuf> {
         .as_array_mut()
         .expect("volumeMounts")
         .push(json!({"name": "control", "mountPath": "/control"}));
-    let pods: Api<Pod> = Api::namespaced(env.kube.clone(), NS);
-    pods.create(&PostParams::default(), &serde_json::from_value(pod)?)
-        .await
-        .with_context(|| format!("creating pod {name}"))?;
+    create(env, pod).await?;
     wait_running(env, name).await?;
     Ok(control)
 }
@@ -682,8 +665,7 @@ async fn start_reader(env: &Env, name: &str) -> Result<PathBuf> {
 /// Stops the looping reader and returns its number of passes; fails if any read failed.
 async fn stop_reader(env: &Env, name: &str, control: &Path) -> Result<u64> {
     std::fs::write(control.join("stop"), b"")?;
-    let pod = wait_pod_done(env, name).await?;
-    let log = expect_succeeded(env, &pod).await?;
+    let log = succeeded(env, name).await?;
     let passes = log
         .lines()
         .find_map(|l| l.strip_prefix("passes: "))
@@ -868,6 +850,19 @@ fn pod_manifest(
     pod
 }
 
+/// Creates the pod `manifest` in the test namespace.
+async fn create(env: &Env, manifest: Value) -> Result<()> {
+    let name = manifest["metadata"]["name"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string();
+    let pods: Api<Pod> = Api::namespaced(env.kube.clone(), NS);
+    pods.create(&PostParams::default(), &serde_json::from_value(manifest)?)
+        .await
+        .with_context(|| format!("creating pod {name}"))?;
+    Ok(())
+}
+
 async fn create_pod(
     env: &Env,
     name: &str,
@@ -875,35 +870,40 @@ async fn create_pod(
     claims: &[(&str, &str, bool)],
     security: Option<Value>,
 ) -> Result<()> {
-    let pod = pod_manifest(env, name, script, claims, security);
-    let pods: Api<Pod> = Api::namespaced(env.kube.clone(), NS);
-    pods.create(&PostParams::default(), &serde_json::from_value(pod)?)
-        .await
-        .with_context(|| format!("creating pod {name}"))?;
-    Ok(())
+    create(env, pod_manifest(env, name, script, claims, security)).await
 }
 
-/// Creates a pod and waits until it ended.
+/// Creates a pod, waits until it ended and returns its log; fails unless it Succeeded.
 async fn run_pod(
     env: &Env,
     name: &str,
     script: &str,
     claims: &[(&str, &str, bool)],
     security: Option<Value>,
-) -> Result<Pod> {
+) -> Result<String> {
     create_pod(env, name, script, claims, security).await?;
-    wait_pod_done(env, name).await
+    succeeded(env, name).await
+}
+
+/// Waits until pod `name` ended and returns its log; fails with its state and log unless it
+/// Succeeded.
+async fn succeeded(env: &Env, name: &str) -> Result<String> {
+    let pod = wait_pod_done(env, name).await?;
+    let log = pod_log(env, name).await;
+    let phase = phase(&pod);
+    ensure!(
+        phase == "Succeeded",
+        "pod {name}: {}\n--- its log ---\n{log}",
+        pod_state(&pod)
+    );
+    Ok(log)
 }
 
 async fn wait_pod_done(env: &Env, name: &str) -> Result<Pod> {
     let pods: Api<Pod> = Api::namespaced(env.kube.clone(), NS);
     wait_for(&format!("pod {name} to end"), POD_TIMEOUT, || async {
         let p = pods.get(name).await?;
-        let phase = p
-            .status
-            .as_ref()
-            .and_then(|s| s.phase.clone())
-            .unwrap_or_default();
+        let phase = phase(&p);
         Ok(if phase == "Succeeded" || phase == "Failed" {
             Ok(p)
         } else {
@@ -917,11 +917,7 @@ async fn wait_running(env: &Env, name: &str) -> Result<Pod> {
     let pods: Api<Pod> = Api::namespaced(env.kube.clone(), NS);
     wait_for(&format!("pod {name} Running"), POD_TIMEOUT, || async {
         let p = pods.get(name).await?;
-        let phase = p
-            .status
-            .as_ref()
-            .and_then(|s| s.phase.clone())
-            .unwrap_or_default();
+        let phase = phase(&p);
         if phase == "Failed" || phase == "Succeeded" {
             bail!(
                 "pod {name} ended ({}) before the test was done with it:\n{}",
@@ -943,23 +939,6 @@ async fn pod_log(env: &Env, name: &str) -> String {
     pods.logs(name, &LogParams::default())
         .await
         .unwrap_or_else(|e| format!("(no log: {e})"))
-}
-
-/// The pod's log; fails with its state and log unless it Succeeded.
-async fn expect_succeeded(env: &Env, pod: &Pod) -> Result<String> {
-    let name = pod.metadata.name.clone().unwrap_or_default();
-    let log = pod_log(env, &name).await;
-    let phase = pod
-        .status
-        .as_ref()
-        .and_then(|s| s.phase.clone())
-        .unwrap_or_default();
-    ensure!(
-        phase == "Succeeded",
-        "pod {name}: {}\n--- its log ---\n{log}",
-        pod_state(pod)
-    );
-    Ok(log)
 }
 
 /// Deletes a pod and waits until it is gone (kubelet unpublished its volumes).
@@ -1208,6 +1187,14 @@ async fn wait_chart_pods(env: &Env) -> Result<()> {
         },
     )
     .await
+}
+
+/// A pod's phase (`Pending`, `Running`, `Succeeded`, `Failed`; empty before it has one).
+fn phase(p: &Pod) -> String {
+    p.status
+        .as_ref()
+        .and_then(|s| s.phase.clone())
+        .unwrap_or_default()
 }
 
 /// A pod's phase and, for containers not running, why.
