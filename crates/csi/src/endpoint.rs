@@ -23,16 +23,42 @@ pub fn parse(endpoint: &str) -> Result<PathBuf, String> {
 
 /// Binds the socket, replacing a stale socket file left by a previous process and creating the
 /// parent directory.
+///
+/// The socket appears at `path` already listening: it is bound under a hidden name beside it and
+/// renamed into place. bind(2) creates the file before listen(2) makes it accept, so a client that
+/// connects as soon as the file appears (kubelet's plugin watcher reacts to the create event)
+/// would otherwise be refused now and then. Kubelet's watcher ignores names starting with a dot.
 pub fn bind(path: &Path) -> io::Result<UnixListenerStream> {
     if let Some(parent) = path.parent() {
         std::fs::create_dir_all(parent)?;
     }
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e),
+    let hidden = hidden_name(path);
+    // sun_path holds 107 bytes and a NUL; a path too long for the hidden name is bound in place.
+    let staged = hidden.filter(|h| h.as_os_str().len() < 108);
+    let at = staged.as_deref().unwrap_or(path);
+    remove_if_present(at)?;
+    let listener = UnixListener::bind(at)?;
+    if let Some(h) = &staged {
+        if let Err(e) = std::fs::rename(h, path) {
+            let _ = std::fs::remove_file(h);
+            return Err(e);
+        }
     }
-    Ok(UnixListenerStream::new(UnixListener::bind(path)?))
+    Ok(UnixListenerStream::new(listener))
+}
+
+/// `<dir>/.<name>.<pid>`: where [`bind`] binds before renaming.
+fn hidden_name(path: &Path) -> Option<PathBuf> {
+    let name = path.file_name()?.to_str()?;
+    Some(path.with_file_name(format!(".{name}.{}", std::process::id())))
+}
+
+fn remove_if_present(path: &Path) -> io::Result<()> {
+    match std::fs::remove_file(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
 }
 
 /// A unix socket file this process bound, known by its device, inode and change time: a
@@ -154,6 +180,13 @@ mod tests {
         let path = dir.path().join("sub/csi.sock");
         let first = bind(&path).unwrap();
         drop(first);
-        bind(&path).unwrap();
+        let _second = bind(&path).unwrap();
+        // Listening from the moment the file appears, and nothing left under the hidden name.
+        std::os::unix::net::UnixStream::connect(&path).unwrap();
+        let names: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, ["csi.sock"]);
     }
 }
