@@ -527,6 +527,22 @@ impl BlockCache {
         }
     }
 
+    /// Stores block `key`, fetched by a caller outside [`Self::get_or_fetch`], on a blocking
+    /// thread (write-behind: the caller does not wait for the disk). Nothing happens if the block
+    /// is already on disk.
+    pub fn offer(self: &Arc<Self>, key: BlockKey, data: Bytes) {
+        if data.is_empty() || self.contains(&key) {
+            return;
+        }
+        self.writes.fetch_add(1, Ordering::AcqRel);
+        let cache = self.clone();
+        tokio::task::spawn_blocking(move || {
+            cache.store(&key, &data);
+            cache.writes.fetch_sub(1, Ordering::AcqRel);
+            cache.writes_done.notify_waiters();
+        });
+    }
+
     /// Writes the block on a blocking thread, then ends its flight (late joiners take the bytes
     /// from the flight until the file is there).
     fn store_in_background(
@@ -547,6 +563,11 @@ impl BlockCache {
 
     /// The block from disk, if intact; a bad file is deleted and counted.
     async fn read(self: &Arc<Self>, key: &BlockKey) -> Option<Bytes> {
+        // A miss the index already knows costs no blocking hop (until the index is rebuilt at
+        // start, the disk is asked).
+        if self.is_ready() && !self.contains(key) {
+            return None;
+        }
         let id = key.file_id();
         let path = self.block_path(&id);
         let file = tokio::task::spawn_blocking(move || std::fs::read(path))

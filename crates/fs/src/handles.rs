@@ -43,8 +43,9 @@ pub struct ReadHandle {
     pub size: u64,
     /// Where a sequential reader's next read starts.
     pub next_offset: u64,
-    /// Reads may be served from the node cache: this mount's own credentials showed access to
-    /// this version (`etag`) at open.
+    /// Reads go through the node cache (the mount has one and the version an ETag). A read is
+    /// served cached bytes only while this mount's proofs show access to the version; otherwise
+    /// it proves access first (`prefetch::fetch`).
     #[serde(default)]
     pub cached: bool,
     /// The kernel reads this handle straight from the node cache's whole file (FUSE

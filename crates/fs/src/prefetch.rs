@@ -19,6 +19,7 @@ use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
 use crate::budget::{MemoryBudget, PrefetchConfig, Reservation};
+use crate::proofs::Proofs;
 
 /// One ranged GET of `range` of `version`, retried once if the body is short.
 pub async fn fetch_exact(
@@ -51,8 +52,10 @@ pub struct CacheUse {
     /// The mount's endpoint (part of every block key).
     pub endpoint: String,
     /// This mount's credentials have shown access to the source's version (a HEAD or GET with
-    /// them returned its ETag within the metadata TTL). When `false`, [`fetch`] HEADs first.
+    /// them returned its ETag within the proof's lifetime). When `false`, [`fetch`] proves it.
     pub proven: bool,
+    /// Where [`fetch`] records a proof (the mount's store's [`Proofs`]).
+    pub proofs: Arc<Proofs>,
 }
 
 /// Where a GET to read from lives.
@@ -76,8 +79,11 @@ pub struct Source {
 /// else one [`fetch_exact`].
 ///
 /// A cached block is served only to a mount whose own credentials showed access to this object
-/// version: if the source is not `proven`, a HEAD with the mount's store must return the same ETag
-/// first (a denied HEAD is the caller's `EACCES`, another ETag `ESTALE`).
+/// version. If the source is not `proven`: when every block is on disk, a HEAD with the mount's
+/// store must return the same ETag first (a denied HEAD is the caller's `EACCES`, another ETag
+/// `ESTALE`); otherwise the blocks are fetched with the mount's own store (no single-flight join
+/// with another mount's GET), that GET is the proof, and the blocks go to the cache behind it. A
+/// first read thus costs no round trip more than without the cache.
 pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError> {
     let (Some(c), Some(etag)) = (&src.cache, src.etag.as_deref()) else {
         let version = Version::of(src.etag.as_deref(), src.last_modified, src.size);
@@ -93,7 +99,13 @@ pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError>
         )
         .await;
     }
+    let bs = c.cache.block_size();
+    let (first, last) = (range.start / bs, (range.end - 1) / bs);
     if !c.proven {
+        let on_disk = (first..=last).all(|i| c.cache.contains(&block_key(src, c, etag, i)));
+        if !on_disk {
+            return fetch_and_prove(src, c, etag, range, first..last + 1).await;
+        }
         let info = src.store.head(&src.bucket, &src.key).await?;
         if info.etag.as_deref() != Some(etag) {
             return Err(StoreError::PreconditionFailed(format!(
@@ -101,9 +113,8 @@ pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError>
                 src.key, info.etag
             )));
         }
+        c.proofs.prove(&src.bucket, &src.key, etag);
     }
-    let bs = c.cache.block_size();
-    let (first, last) = (range.start / bs, (range.end - 1) / bs);
     let blocks =
         futures::future::try_join_all((first..=last).map(|i| cached_block(src, c, etag, i)))
             .await?;
@@ -129,6 +140,52 @@ pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError>
     Ok(out.freeze())
 }
 
+fn block_key(src: &Source, c: &CacheUse, etag: &str, index: u64) -> BlockKey {
+    BlockKey {
+        endpoint: c.endpoint.clone(),
+        bucket: src.bucket.clone(),
+        key: src.key.clone(),
+        etag: etag.to_owned(),
+        index,
+    }
+}
+
+/// `range` of an unproven source: its whole `blocks` fetched with one GET of the mount's own
+/// store (the proof), handed to the cache to store in the background.
+async fn fetch_and_prove(
+    src: &Source,
+    c: &CacheUse,
+    etag: &str,
+    range: Range<u64>,
+    blocks: Range<u64>,
+) -> Result<Bytes, StoreError> {
+    let bs = c.cache.block_size();
+    let base = blocks.start * bs;
+    let stop = src.size.min(blocks.end * bs);
+    let data = fetch_exact(
+        &*src.store,
+        &src.bucket,
+        &src.key,
+        base..stop,
+        Version::ETag(etag),
+    )
+    .await?;
+    c.proofs.prove(&src.bucket, &src.key, etag);
+    for i in blocks {
+        let (s, e) = (i * bs - base, src.size.min((i + 1) * bs) - base);
+        c.cache.offer(
+            block_key(src, c, etag, i),
+            data.slice(s as usize..e as usize),
+        );
+    }
+    let (from, to) = ((range.start - base) as usize, (range.end - base) as usize);
+    if from == 0 && to == data.len() {
+        return Ok(data);
+    }
+    // A copy, so the part holds (and the memory budget counts) only what it asked for.
+    Ok(Bytes::copy_from_slice(&data[from..to]))
+}
+
 /// Block `index` of `src` from the node cache, or fetched (and stored) on a miss.
 async fn cached_block(
     src: &Source,
@@ -139,13 +196,7 @@ async fn cached_block(
     let bs = c.cache.block_size();
     let start = index * bs;
     let end = src.size.min(start + bs);
-    let key = BlockKey {
-        endpoint: c.endpoint.clone(),
-        bucket: src.bucket.clone(),
-        key: src.key.clone(),
-        etag: etag.to_owned(),
-        index,
-    };
+    let key = block_key(src, c, etag, index);
     let data = c
         .cache
         .get_or_fetch(&key, || {

@@ -5,7 +5,16 @@
 //! that use the very same store (the node plugin keeps one client per endpoint and identity) have
 //! the same credentials, so they share one [`Proofs`]: many pods of one identity on a node prove
 //! each object once, not once per pod. Each mount still honours its own metadata TTL: a proof is
-//! valid for a mount while `proven_at + its TTL` has not passed.
+//! valid for a mount while `proven_at + min(its TTL, PROOF_LIFETIME)` has not passed.
+//!
+//! Why [`PROOF_LIFETIME`] bounds it: a proof stands for an access check S3 would make on every
+//! GET. It can only be wrong when the identity's permission to read was taken away after the
+//! check (another identity never uses it, and it names one version: a changed object has another
+//! ETag). With a mount whose metadata never expires (read-only datasets), an unbounded proof
+//! would keep serving the node cache's bytes to a revoked identity for the mount's life; ten
+//! minutes bounds that, as the kernel's page cache does for bytes a mount already read, at one
+//! access check (a HEAD, or the GET that fetches the data anyway) per version and identity every
+//! ten minutes.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, Weak};
@@ -15,6 +24,9 @@ use ferry_store::ObjectStore;
 
 use crate::config::MetadataTtl;
 use crate::inode::Validity;
+
+/// The longest a proof lets mounts skip the access check (see the module's documentation).
+pub const PROOF_LIFETIME: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Most remembered proofs per store; past it, the oldest half is dropped (re-proved by a HEAD).
 const PROOFS_MAX: usize = 1 << 20;
@@ -39,11 +51,27 @@ impl Proofs {
         map.insert((bucket.to_owned(), key.to_owned(), etag.to_owned()), now);
     }
 
-    /// Whether these credentials proved access to `bucket/key` at `etag` within `ttl`.
+    /// Whether these credentials proved access to `bucket/key` at `etag` within `ttl` (and
+    /// within [`PROOF_LIFETIME`]).
     pub fn is_proven(&self, bucket: &str, key: &str, etag: &str, ttl: MetadataTtl) -> bool {
+        self.is_proven_at(bucket, key, etag, ttl, Instant::now())
+    }
+
+    fn is_proven_at(
+        &self,
+        bucket: &str,
+        key: &str,
+        etag: &str,
+        ttl: MetadataTtl,
+        now: Instant,
+    ) -> bool {
+        let lifetime = match ttl {
+            MetadataTtl::Indefinite => PROOF_LIFETIME,
+            MetadataTtl::Duration(d) => d.min(PROOF_LIFETIME),
+        };
         let map = self.map.lock().expect("proofs lock");
         map.get(&(bucket.to_owned(), key.to_owned(), etag.to_owned()))
-            .is_some_and(|at| Validity::new(ttl, *at).is_valid(Instant::now()))
+            .is_some_and(|at| Validity::new(MetadataTtl::Duration(lifetime), *at).is_valid(now))
     }
 
     pub fn len(&self) -> usize {
@@ -118,6 +146,15 @@ mod tests {
         );
         assert!(!pb.is_proven("bk", "k", "\"e1\"", forever));
         assert!(!pa.is_proven("bk", "k", "\"e1\"", MetadataTtl::Duration(Duration::ZERO)));
+        // Even a mount whose metadata never expires checks access again after the lifetime.
+        let later = Instant::now() + PROOF_LIFETIME + Duration::from_secs(1);
+        assert!(!pa.is_proven_at("bk", "k", "\"e1\"", forever, later));
+        assert!(pa.is_proven(
+            "bk",
+            "k",
+            "\"e1\"",
+            MetadataTtl::Duration(PROOF_LIFETIME * 10)
+        ));
         // A dropped store's book goes with it.
         drop((a, pa, pa2));
         let c: Arc<dyn ObjectStore> = Arc::new(MemoryStore::new());

@@ -317,3 +317,77 @@ async fn a_small_random_read_on_a_cold_cache_fetches_the_one_block_it_touches() 
     assert_eq!(store.stats().get, 1, "a hit");
     fs.release(o.fh).await.unwrap();
 }
+
+#[tokio::test]
+async fn a_version_known_from_a_listing_costs_no_head_its_first_get_proves_access() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache(dir.path());
+    cache.ready().await;
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    let body = data((3 * BS + 17) as usize, 11);
+    store.insert(B, "shard", body.clone());
+    let registry = crate::proofs::ProofRegistry::default();
+    let shared: Arc<dyn ObjectStore> = Arc::new(store.clone());
+    let pod = || mount(shared.clone(), &cache, |_| {}).with_proofs(registry.for_store(&shared));
+    let a = pod();
+    assert!(list_root(&a).await.contains(&"shard".to_owned()));
+    // Opened from the listing's ETag: the GETs that fetch the blocks are the proof, as many
+    // requests as without the cache.
+    assert_eq!(read_all(&a, "shard", 128 << 10).await.unwrap(), body);
+    let s = store.stats();
+    assert_eq!(s.head, 0, "no HEAD to prove access");
+    assert_eq!(s.get_bytes, body.len() as u64, "each byte fetched once");
+    cache.settle().await;
+    // Another pod of the same identity is served the cached blocks on a's proof.
+    let b = pod();
+    assert!(list_root(&b).await.contains(&"shard".to_owned()));
+    assert_eq!(read_all(&b, "shard", 128 << 10).await.unwrap(), body);
+    let again = store.stats();
+    assert_eq!((again.head, again.get), (0, s.get), "b read from the cache");
+}
+
+#[tokio::test]
+async fn a_denied_mount_gets_eacces_on_its_first_read_of_cached_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache(dir.path());
+    cache.ready().await;
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    let body = data((32 * BS) as usize, 12);
+    store.insert(B, "secret.bin", body.clone());
+    // The allowed pod reads one block only (a random read): cached as a block, the object not
+    // whole (the open of a whole object HEADs, for passthrough; see the test above that).
+    let allowed = mount(Arc::new(store.clone()), &cache, |_| {});
+    let ino = ino_of(&allowed, "secret.bin").await.unwrap();
+    let o = allowed.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    let at = 20 * BS;
+    let got = allowed.read(o.fh, at, 4096).await.unwrap();
+    assert_eq!(&got[..], &body[at as usize..at as usize + 4096]);
+    allowed.release(o.fh).await.unwrap();
+    cache.settle().await;
+
+    let denied_store = FaultyStore::new(store.clone(), 1);
+    for op in [Op::Head, Op::Get] {
+        denied_store.fail_next(
+            op,
+            u64::MAX,
+            StoreError::AccessDenied("403 AccessDenied".into()),
+        );
+    }
+    let denied = mount(Arc::new(denied_store), &cache, |_| {});
+    assert!(list_root(&denied).await.contains(&"secret.bin".to_owned()));
+    let ino = ino_of(&denied, "secret.bin").await.unwrap();
+    let o = denied.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    let hits = cache.stats().hits;
+    // The cached block: a HEAD first. The block not cached: its own GET.
+    for offset in [at, 0] {
+        let err = denied.read(o.fh, offset, 4096).await.unwrap_err();
+        assert_eq!(err.errno(), libc::EACCES, "offset {offset}");
+    }
+    assert_eq!(
+        cache.stats().hits,
+        hits,
+        "no cached byte reached the denied mount"
+    );
+}

@@ -75,10 +75,15 @@ impl Fs {
             let key = file_key(&self.cfg.prefix, &inode.path);
             let fresh = inode.valid.is_valid(Instant::now())
                 && inode.meta.as_ref().is_some_and(|m| m.etag.is_some());
-            // With the node cache, a version this mount has not proven access to (e.g. known only
-            // from a LIST, which needs no read permission) is HEADed with its own credentials.
+            // With the node cache, a version whose whole file could be handed to the kernel at
+            // this open (passthrough: no read of ours checks anything) is served only once this
+            // mount proved access to it (a version known only from a LIST, which needs no read
+            // permission, is HEADed with its own credentials). Any other open proves access on
+            // its first read (see `prefetch::fetch`): no round trip here.
             let usable = |m: &ObjectMeta| match (&self.cache, m.etag.as_deref()) {
-                (Some(_), Some(etag)) => self.is_proven(&key, etag),
+                (Some(cache), Some(etag)) if cache.has_whole(&self.object_key(&key, etag)) => {
+                    self.is_proven(&key, etag)
+                }
                 _ => true,
             };
             let cached = fresh
@@ -128,20 +133,22 @@ impl Fs {
         }
         if let (true, Some(cache), Some(etag)) = (handle.cached, &self.cache, &handle.etag) {
             // Read to its end, the object becomes one file the kernel can read directly.
-            cache.want_whole(
-                ObjectKey {
-                    endpoint: self.cfg.endpoint.clone(),
-                    bucket: self.cfg.bucket.clone(),
-                    key: handle.key.clone(),
-                    etag: etag.clone(),
-                },
-                handle.size,
-            );
+            cache.want_whole(self.object_key(&handle.key, etag), handle.size);
         }
         self.prefetch_following(&mut st, parent, &name);
         st.io.entry(ino).or_default().cached += 1;
         let fh = st.handles.insert(Handle::Read(handle));
         Ok(Opened { fh, keep_cache })
+    }
+
+    /// The node cache's name of `key` at `etag` on this mount's endpoint and bucket.
+    fn object_key(&self, key: &str, etag: &str) -> ObjectKey {
+        ObjectKey {
+            endpoint: self.cfg.endpoint.clone(),
+            bucket: self.cfg.bucket.clone(),
+            key: key.to_owned(),
+            etag: etag.to_owned(),
+        }
     }
 
     /// While an open proves access with a HEAD: gets the node cache's whole file of the version
@@ -183,12 +190,11 @@ impl Fs {
             if !r.cached || r.passthrough || r.size == 0 || !st.passthrough_allowed(r.ino) {
                 return None;
             }
-            let obj = ObjectKey {
-                endpoint: self.cfg.endpoint.clone(),
-                bucket: self.cfg.bucket.clone(),
-                key: r.key.clone(),
-                etag: r.etag.clone()?,
-            };
+            let etag = r.etag.as_deref()?;
+            if !self.is_proven(&r.key, etag) {
+                return None;
+            }
+            let obj = self.object_key(&r.key, etag);
             Some((r.ino, obj, r.size))
         };
         let (ino, obj, size) = read_handle(&self.lock())?;
@@ -325,7 +331,11 @@ impl Fs {
 
     /// [`Self::source`] of a read handle: its version as pinned at open.
     pub(super) fn handle_source(&self, r: &ReadHandle) -> Source {
-        self.source_at(&r.key, r.etag.as_deref(), r.last_modified, r.size, r.cached)
+        let proven = r.cached
+            && r.etag
+                .as_deref()
+                .is_some_and(|etag| self.is_proven(&r.key, etag));
+        self.source_at(&r.key, r.etag.as_deref(), r.last_modified, r.size, proven)
     }
 
     pub(super) fn source_at(
@@ -347,6 +357,7 @@ impl Fs {
                 cache: cache.clone(),
                 endpoint: self.cfg.endpoint.clone(),
                 proven,
+                proofs: self.proofs.clone(),
             }),
         }
     }
