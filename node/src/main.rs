@@ -68,7 +68,8 @@ struct ServeArgs {
     /// Default: `aws`. The --endpoint-url is always allowed.
     #[arg(long, env = "FERRY_ALLOWED_ENDPOINTS", value_parser = parse_allowed_endpoints)]
     allowed_endpoints: Option<AllowedEndpoints>,
-    /// Metadata TTL for volumes without a `metadata-ttl` option: seconds, `indefinite` or `minimal`.
+    /// Metadata TTL for writable volumes without a `metadata-ttl` option: seconds, `indefinite` or
+    /// `minimal` (a volume published read-only defaults to `indefinite`).
     #[arg(long, env = "FERRY_METADATA_TTL", default_value = "1", value_parser = parse_ttl)]
     metadata_ttl: MetadataTtl,
     /// Address of the Prometheus `/metrics` endpoint; `off` disables it.
@@ -187,7 +188,8 @@ struct MountArgs {
     /// Permission bits of directories, octal.
     #[arg(long, value_parser = parse_mode)]
     dir_mode: Option<u16>,
-    /// How long metadata is trusted: seconds, `indefinite` or `minimal`.
+    /// How long metadata is trusted: seconds, `indefinite` or `minimal` (default 1 s; with
+    /// `--read-only`, `indefinite`).
     #[arg(long, value_parser = parse_ttl)]
     metadata_ttl: Option<MetadataTtl>,
     /// Stay in the foreground until unmounted or interrupted.

@@ -117,7 +117,14 @@ pub fn mount_config(p: &Published, default_ttl: MetadataTtl) -> MountConfig {
             0o755
         }),
         allow_other: true,
-        metadata_ttl: fs_ttl(o.metadata_ttl.unwrap_or(default_ttl)),
+        metadata_ttl: fs_ttl(o.metadata_ttl.unwrap_or(if p.read_only {
+            // Read-only datasets are immutable by default: a pod cannot change them through
+            // this mount, and ML jobs re-read the same files every epoch. A `metadata-ttl`
+            // mount option (PV or StorageClass) says otherwise.
+            MetadataTtl::Indefinite
+        } else {
+            default_ttl
+        })),
         fs_name: ferry_fs::config::fs_name(&p.spec.bucket, &p.spec.prefix),
         endpoint: p.spec.endpoint.endpoint_url.clone().unwrap_or_default(),
         node_cache: !o.no_cache,
@@ -1162,6 +1169,27 @@ mod tests {
         // One that was there before is never removed.
         drop(CreatedDir::make(&t).unwrap());
         assert!(t.is_dir());
+    }
+
+    #[test]
+    fn a_read_only_volume_keeps_its_metadata_unless_a_mount_option_says_otherwise() {
+        use ferry_fs::MetadataTtl as Fs;
+        let one = MetadataTtl::Seconds(1);
+        let mut p = published("data", String::new());
+        assert_eq!(
+            mount_config(&p, one).metadata_ttl,
+            Fs::Duration(Duration::from_secs(1))
+        );
+        p.read_only = true;
+        assert_eq!(mount_config(&p, one).metadata_ttl, Fs::Indefinite);
+        p.spec.options.metadata_ttl = Some(MetadataTtl::Seconds(60));
+        assert_eq!(
+            mount_config(&p, one).metadata_ttl,
+            Fs::Duration(Duration::from_secs(60))
+        );
+        p.read_only = false;
+        p.spec.options.metadata_ttl = Some(MetadataTtl::Indefinite);
+        assert_eq!(mount_config(&p, one).metadata_ttl, Fs::Indefinite);
     }
 
     #[test]
