@@ -106,6 +106,10 @@ pub struct ListAll<'a> {
     pub concurrency: usize,
     /// `max_keys` of each request; `None` leaves the page size to the server (1,000 on S3).
     pub page_size: Option<u32>,
+    /// The listing's first page, already fetched by the caller (the same prefix and delimiter,
+    /// no `start_after`, the same page size): the listing goes on from it instead of asking for
+    /// it again.
+    pub first_page: Option<&'a ListPage>,
 }
 
 impl<'a> ListAll<'a> {
@@ -116,6 +120,7 @@ impl<'a> ListAll<'a> {
             delimiter: Some("/"),
             concurrency,
             page_size: None,
+            first_page: None,
         }
     }
 }
@@ -166,10 +171,20 @@ pub async fn list_all(store: &dyn ObjectStore, bucket: &str, opts: ListAll<'_>) 
 impl Lister<'_> {
     /// Every page, one after the other, as the server orders them.
     async fn sequential(&self) -> Result<Listed> {
+        let mut start = Listed::default();
+        let mut continuation = None;
+        if let Some(first) = self.opts.first_page {
+            start.objects.clone_from(&first.objects);
+            start.common_prefixes.clone_from(&first.common_prefixes);
+            match &first.next_token {
+                Some(token) => continuation = Some(token.clone()),
+                None => return Ok(start),
+            }
+        }
         let req = ListRequest {
             prefix: self.opts.prefix,
             delimiter: self.opts.delimiter,
-            continuation: None,
+            continuation,
             max_keys: self.opts.page_size,
             start_after: None,
         };
@@ -177,7 +192,7 @@ impl Lister<'_> {
             .inspect_ok(|_| {
                 self.requests.fetch_add(1, Ordering::Relaxed);
             })
-            .try_fold(Listed::default(), |mut listed, page| async move {
+            .try_fold(start, |mut listed, page| async move {
                 listed.objects.extend(page.objects);
                 listed.common_prefixes.extend(page.common_prefixes);
                 Ok(listed)
@@ -237,8 +252,11 @@ struct Lister<'a> {
 }
 
 impl<'a> Lister<'a> {
-    /// The first page of the listing after `start_after`.
+    /// The first page of the listing after `start_after` (the caller's, for the whole listing).
     async fn page(&self, start_after: Option<&str>) -> Result<Page> {
+        if let (None, Some(first)) = (start_after, self.opts.first_page) {
+            return Ok(self.sorted(first.clone()));
+        }
         self.fetch(ListRequest {
             prefix: self.opts.prefix,
             delimiter: self.opts.delimiter,
@@ -260,6 +278,11 @@ impl<'a> Lister<'a> {
             self.requests.fetch_add(1, Ordering::Relaxed);
             self.store.list(self.bucket, req).await?
         };
+        Ok(self.sorted(page))
+    }
+
+    /// A page's entries merged into one sorted run; a page out of byte order is noted.
+    fn sorted(&self, page: ListPage) -> Page {
         if !page.objects.is_sorted_by(|a, b| a.key < b.key)
             || !page.common_prefixes.is_sorted_by(|a, b| a < b)
         {
@@ -268,10 +291,10 @@ impl<'a> Lister<'a> {
         let mut entries: Vec<Entry> = page.objects.into_iter().map(Entry::Object).collect();
         entries.extend(page.common_prefixes.into_iter().map(Entry::Prefix));
         entries.sort_by(|a, b| a.name().cmp(b.name()));
-        Ok(Page {
+        Page {
             entries,
             next_token: page.next_token,
-        })
+        }
     }
 
     /// The entries that sort in `(start, end]` (`None`: unbounded), listed from `start` on. An
@@ -755,6 +778,7 @@ mod tests {
             delimiter,
             concurrency: 1,
             page_size: Some(page),
+            first_page: None,
         };
         list_all(store, B, opts).await.unwrap()
     }
@@ -817,10 +841,19 @@ mod tests {
                 let store = Arc::new(store_with(&keys).await);
                 let delimiter = delimiter.then_some("/");
                 let seq = sequential(&*store, "p/", delimiter, page).await;
-                let opts = ListAll { prefix: "p/", delimiter, concurrency, page_size: Some(page) };
+                let opts = ListAll { prefix: "p/", delimiter, concurrency, page_size: Some(page), first_page: None };
                 let par = list_all(&*store, B, opts).await.unwrap();
                 prop_assert_eq!(names_of(&par), names_of(&seq));
                 prop_assert!(store.peak.load(Ordering::SeqCst) <= concurrency);
+                // Going on from a first page the caller already has: the same listing, one
+                // LIST fewer than on its own.
+                let first = store
+                    .list(B, ListRequest { prefix: "p/", delimiter, max_keys: Some(page), ..Default::default() })
+                    .await
+                    .unwrap();
+                let from_first = list_all(&*store, B, ListAll { first_page: Some(&first), ..opts }).await.unwrap();
+                prop_assert_eq!(names_of(&from_first), names_of(&seq));
+                prop_assert_eq!(from_first.requests + 1, par.requests.max(1));
                 Ok(())
             })?;
         }

@@ -162,7 +162,27 @@ struct FsState {
     /// Bumped by every change this mount makes to the namespace: a probe that started before
     /// one is not adopted (its listing may predate the change).
     changes: u64,
+    /// The first listing page of directories a lookup found in S3 (its LIST proving the
+    /// directory asks for a whole page): the next listing goes on from it (bounded: the oldest
+    /// goes past [`FIRST_PAGES_MAX`]).
+    first_pages: HashMap<Ino, FirstPage>,
 }
+
+/// A directory's first listing page, taken by a lookup's LIST.
+#[derive(Debug)]
+struct FirstPage {
+    page: ferry_store::ListPage,
+    /// The directory's prefix the page lists.
+    prefix: String,
+    /// When the LIST was sent.
+    at: Instant,
+    /// [`FsState::changes`] when the LIST was sent: a change through this mount since then
+    /// discards the page.
+    changes: u64,
+}
+
+/// Most first pages kept (each up to 1,000 entries).
+const FIRST_PAGES_MAX: usize = 32;
 
 impl FsState {
     /// Tables as given; every per-process cache (small objects, order, probes) empty.
@@ -177,6 +197,7 @@ impl FsState {
             probes: HashMap::new(),
             probed: HashSet::new(),
             changes: 0,
+            first_pages: HashMap::new(),
         }
     }
 }
@@ -234,6 +255,8 @@ enum Found {
         kind: Kind,
         meta: Option<ObjectMeta>,
         valid: Validity,
+        /// A directory's first listing page, when the lookup listed it.
+        first_page: Option<Box<FirstPage>>,
     },
 }
 

@@ -7,12 +7,14 @@ use super::*;
 impl Fs {
     // ----- lookup / getattr -------------------------------------------------------------------
 
-    /// HEAD `path` and LIST `path/` (one key) concurrently. A directory wins over a file; when the
-    /// LIST proves a directory, a failed HEAD does not matter.
+    /// HEAD `path` and LIST `path/` concurrently. A directory wins over a file; when the LIST
+    /// proves a directory, a failed HEAD does not matter. The LIST asks for a whole page (no
+    /// dearer than one key when the name is a file): a directory's page comes back with it, so
+    /// listing the directory next (`ls -la`) costs one round trip fewer.
     pub(super) async fn remote_lookup(
         &self,
         path: &str,
-    ) -> Result<Option<(Kind, Option<ObjectMeta>)>, FsError> {
+    ) -> Result<Option<(Kind, Option<ObjectMeta>, Option<ferry_store::ListPage>)>, FsError> {
         let key = file_key(&self.cfg.prefix, path);
         if key.len() > KEY_MAX {
             return Ok(None);
@@ -21,7 +23,6 @@ impl Fs {
         let list_req = ListRequest {
             prefix: &dir,
             delimiter: Some("/"),
-            max_keys: Some(1),
             ..Default::default()
         };
         let (head, list) = futures::join!(
@@ -30,12 +31,12 @@ impl Fs {
         );
         let page = list?;
         if !page.objects.is_empty() || !page.common_prefixes.is_empty() {
-            return Ok(Some((Kind::Dir, None)));
+            return Ok(Some((Kind::Dir, None, Some(page))));
         }
         match head {
             Ok(info) => {
                 self.prove(&key, info.etag.as_deref());
-                Ok(Some((Kind::File, Some(ObjectMeta::from(&info)))))
+                Ok(Some((Kind::File, Some(ObjectMeta::from(&info)), None)))
             }
             Err(StoreError::NotFound(_)) => Ok(None),
             Err(e) => Err(e.into()),
@@ -68,6 +69,7 @@ impl Fs {
                     kind: e.kind,
                     meta: e.meta.clone(),
                     valid: p.cache.entries_valid,
+                    first_page: None,
                 });
             }
             let path = child_path(&p.path, name);
@@ -77,13 +79,23 @@ impl Fs {
                 let dprefix = dir_prefix(&self.cfg.prefix, &p.path);
                 self.probe_dir(st, parent, dprefix);
             }
-            path
+            (path, st.changes)
         };
+        let (path, changes) = path;
+        let at = Instant::now();
         match self.remote_lookup(&path).await? {
-            Some((kind, meta)) => Ok(Found::Fresh {
+            Some((kind, meta, page)) => Ok(Found::Fresh {
                 kind,
                 meta,
                 valid: self.ttl(),
+                first_page: page.map(|page| {
+                    Box::new(FirstPage {
+                        page,
+                        prefix: dir_prefix(&self.cfg.prefix, &path),
+                        at,
+                        changes,
+                    })
+                }),
             }),
             None => {
                 let valid = self.ttl();
@@ -162,11 +174,25 @@ impl Fs {
     ) -> Result<Ino, FsError> {
         match found {
             Found::Live(ino) => st.inodes.get(ino).map(|i| i.ino).ok_or_else(|| stale(ino)),
-            Found::Fresh { kind, meta, valid } => {
+            Found::Fresh {
+                kind,
+                meta,
+                valid,
+                first_page,
+            } => {
                 let ino = st
                     .inodes
                     .install_child(parent, name, kind)
                     .ok_or_else(|| stale(parent))?;
+                if let Some(page) = first_page.filter(|_| kind == Kind::Dir) {
+                    if st.first_pages.len() >= FIRST_PAGES_MAX {
+                        let oldest = st.first_pages.iter().min_by_key(|(_, p)| p.at);
+                        if let Some(&oldest) = oldest.map(|(ino, _)| ino) {
+                            st.first_pages.remove(&oldest);
+                        }
+                    }
+                    st.first_pages.insert(ino, *page);
+                }
                 let inode = st.inodes.get_mut(ino).expect("just installed");
                 if !inode.is_local() {
                     inode.meta = meta;
@@ -326,8 +352,9 @@ impl Fs {
     /// The directory's entries, local ones merged in, and when S3's part was listed: from the
     /// cached listing while it is valid, else listed (every page), refreshing the caches.
     pub(super) async fn list_dir(&self, ino: Ino) -> Result<(Vec<ListedEntry>, Instant), FsError> {
-        let dprefix = {
-            let st = self.lock();
+        let (dprefix, first) = {
+            let mut st = self.lock();
+            let first = st.first_pages.remove(&ino);
             let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
             if inode.kind != Kind::Dir {
                 return Err(FsError::NotDir);
@@ -350,17 +377,32 @@ impl Fs {
                 }
                 return Ok((entries, *at));
             }
-            dir_prefix(&self.cfg.prefix, &inode.path)
+            let dprefix = dir_prefix(&self.cfg.prefix, &inode.path);
+            // A lookup's first page, if it is still believed and no change was made through
+            // this mount since it was listed.
+            let first = first.filter(|p| {
+                p.prefix == dprefix
+                    && p.changes == st.changes
+                    && Validity::new(self.cfg.metadata_ttl, p.at).is_valid(Instant::now())
+            });
+            (dprefix, first)
         };
         let mut builder = ListingBuilder::new(&dprefix);
         let listed = list_all(
             &*self.store,
             self.bucket(),
-            ListAll::dir(&dprefix, LIST_CONCURRENCY),
+            ListAll {
+                first_page: first.as_ref().map(|p| &p.page),
+                ..ListAll::dir(&dprefix, LIST_CONCURRENCY)
+            },
         )
         .await?;
         builder.add_page(&listed.objects, &listed.common_prefixes);
-        self.install_listing(ino, builder.finish(), Instant::now(), false)
+        match first {
+            // As old as its first page; names learned missing since then stay missing.
+            Some(p) => self.install_listing(ino, builder.finish(), p.at, true),
+            None => self.install_listing(ino, builder.finish(), Instant::now(), false),
+        }
     }
 
     /// Makes `listing` (taken at `now`) directory `ino`'s listing: live children learn its

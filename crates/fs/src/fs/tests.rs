@@ -287,7 +287,11 @@ async fn pagination_lists_every_entry_once_with_stable_offsets() {
     seen.dedup();
     assert_eq!(seen.len(), total + 20, "every entry exactly once");
     assert_eq!(listed, seen, "in name order");
-    assert_eq!(store.stats().list, 3, "2520 entries = 3 pages of 1000");
+    assert_eq!(
+        store.stats().list,
+        2,
+        "2520 entries = 3 pages of 1000, the first one listed by walk's lookup"
+    );
 
     // Offsets index the snapshot taken at the first readdir: a key added meanwhile neither shifts
     // nor duplicates entries; a rewind (offset 0 again) within the TTL is served from the cached
@@ -328,7 +332,7 @@ async fn pagination_lists_every_entry_once_with_stable_offsets() {
     };
     fs.readdir(big, fh, 0, false, &mut rewound).await.unwrap();
     assert_eq!(rewound.got.len(), total + 20 + 2);
-    assert_eq!(store.stats().list, 3, "served from the listing cache");
+    assert_eq!(store.stats().list, 2, "served from the listing cache");
     fs.releasedir(fh);
     assert_eq!(fs.table_sizes().1, 0);
 }
@@ -349,7 +353,11 @@ async fn ls_la_needs_no_head_per_entry() {
         assert_eq!(a.attr.size, name[1..].parse::<u64>().unwrap());
     }
     let s = store.stats();
-    assert_eq!((s.list, s.head, s.get), (1, 0, 0), "{s:?}");
+    assert_eq!(
+        (s.list, s.head, s.get),
+        (0, 0, 0),
+        "the listing is the page walk's lookup of d listed: {s:?}"
+    );
 }
 
 #[tokio::test]
@@ -1394,20 +1402,20 @@ async fn listing_cache_serves_new_opendirs_within_the_ttl() {
     let d = walk(&fs, "d").await.unwrap().attr.ino;
     store.reset_stats();
     assert_eq!(list_batched(&fs, d, 50, true).await.len(), 1500);
-    // Two pages and, with the second, one LIST of the range guessed to follow it (empty): once,
-    // not per readdir call.
-    assert_eq!(store.stats().list, 3, "two pages and one guess, once");
+    // Two pages (the first one listed by walk's lookup of d) and, with the second, one LIST of
+    // the range guessed to follow it (empty): once, not per readdir call.
+    assert_eq!(store.stats().list, 2, "one page and one guess, once");
     for _ in 0..3 {
         assert_eq!(list_batched(&fs, d, 100, false).await.len(), 1500);
     }
-    assert_eq!(store.stats().list, 3, "new opendirs served from the cache");
+    assert_eq!(store.stats().list, 2, "new opendirs served from the cache");
     // A change through this mount is seen at once.
     fs.unlink(d, n("f0000")).await.unwrap();
     let names_now = names(&fs, d).await;
     assert_eq!(names_now.len(), 1499);
     assert_eq!(
         store.stats().list,
-        3 + 1 + 3,
+        2 + 1 + 3,
         "keep_dir_if_empty + a fresh listing"
     );
     write_new(&fs, d, "new", b"n", 1).await;
@@ -1717,4 +1725,40 @@ async fn a_writer_that_cannot_get_memory_goes_over_the_budget_after_a_bounded_wa
     drop(held);
     assert_eq!(budget.used(), 0);
     assert_eq!(mem.get_object(B, "f").unwrap().len(), 100);
+}
+
+/// `ls -la dir` on a cold mount: the lookup's LIST of `dir/` brings the first page, which the
+/// listing goes on from — but not once this mount changed the namespace since, nor past the TTL.
+#[tokio::test(start_paused = true)]
+async fn a_lookups_first_page_starts_the_listing_unless_stale() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Duration(Duration::from_secs(5)));
+    for i in 0..1200 {
+        store.insert(B, &format!("d/f{i:04}"), &b"x"[..]);
+    }
+    store.insert(B, "e/x", &b"x"[..]);
+    store.insert(B, "g/x", &b"x"[..]);
+    let d = walk(&fs, "d").await.unwrap().attr.ino;
+    assert_eq!(store.stats().list, 1, "the lookup's LIST");
+    store.reset_stats();
+    assert_eq!(names(&fs, d).await.len(), 1200);
+    assert_eq!(
+        store.stats().list,
+        2,
+        "the second page and the range guessed after it, not the first page again"
+    );
+
+    // A change through this mount after the lookup: the page may miss it.
+    let e = walk(&fs, "e").await.unwrap().attr.ino;
+    write_new(&fs, ROOT_INO, "new", b"n", 1).await;
+    store.reset_stats();
+    assert_eq!(names(&fs, e).await.len(), 1);
+    assert_eq!(store.stats().list, 1, "listed again");
+
+    // Past the TTL: listed again.
+    let g = walk(&fs, "g").await.unwrap().attr.ino;
+    tokio::time::advance(Duration::from_secs(6)).await;
+    store.insert(B, "g/y", &b"x"[..]);
+    store.reset_stats();
+    assert_eq!(names(&fs, g).await.len(), 2, "the new key is seen");
+    assert_eq!(store.stats().list, 1);
 }
