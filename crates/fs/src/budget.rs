@@ -36,6 +36,8 @@ struct Inner {
     freed: Notify,
     /// `ferry_memory_budget_used_bytes`: every reservation adds to it and takes back.
     gauge: &'static ferry_metrics::Gauge,
+    /// Sequential readers holding a prefetch window now (see [`StreamSlot`]).
+    streams: AtomicU64,
 }
 
 impl fmt::Debug for MemoryBudget {
@@ -63,6 +65,7 @@ impl MemoryBudget {
                 waiting: AtomicU64::new(0),
                 freed: Notify::new(),
                 gauge: &ferry_metrics::metrics().node.memory_budget_used,
+                streams: AtomicU64::new(0),
             }),
         }
     }
@@ -74,6 +77,19 @@ impl MemoryBudget {
     /// Bytes currently reserved (for metrics).
     pub fn used(&self) -> u64 {
         self.inner.used.load(Ordering::Relaxed)
+    }
+
+    /// Counts one more sequential reader with a prefetch window until the slot is dropped.
+    pub fn join_stream(&self) -> StreamSlot {
+        self.inner.streams.fetch_add(1, Ordering::Relaxed);
+        StreamSlot {
+            budget: self.clone(),
+        }
+    }
+
+    /// Sequential readers holding a prefetch window now, on every mount of the budget.
+    pub fn streams(&self) -> u64 {
+        self.inner.streams.load(Ordering::Relaxed)
     }
 
     /// Reserves `bytes` if they fit, without waiting; `None` when the budget cannot hold them, or
@@ -262,6 +278,23 @@ impl Drop for Reservation {
     }
 }
 
+/// One sequential reader counted by [`MemoryBudget::join_stream`] while it holds a window.
+pub struct StreamSlot {
+    budget: MemoryBudget,
+}
+
+impl fmt::Debug for StreamSlot {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("StreamSlot")
+    }
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.budget.inner.streams.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
 /// How reads fetch ahead (node-level tuning, the same for every mount).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PrefetchConfig {
@@ -271,6 +304,10 @@ pub struct PrefetchConfig {
     pub initial_window: u64,
     /// Most bytes in flight or buffered ahead of one sequential reader.
     pub max_window: u64,
+    /// Most bytes all sequential readers of the node plugin keep ahead together: each one's
+    /// window is at most an equal share of it (between `part_size` and `max_window`), so many
+    /// concurrent readers do not each grow to `max_window`. See [`PrefetchConfig::window_cap`].
+    pub shared_window: u64,
     /// Random reads fetch their range rounded out to this alignment.
     pub random_align: u64,
     /// Objects up to this size are fetched whole ahead of a listing-order reader (0 disables).
@@ -287,11 +324,22 @@ impl Default for PrefetchConfig {
             part_size: 8 << 20,
             initial_window: 1 << 20,
             max_window: 64 << 20,
+            shared_window: 128 << 20,
             random_align: 64 << 10,
             small_object_max: 1 << 20,
             small_objects_ahead: 32,
             small_object_ttl: std::time::Duration::from_secs(10),
         }
+    }
+}
+
+impl PrefetchConfig {
+    /// The largest window of one sequential reader while `streams` readers hold one: an equal
+    /// share of `shared_window`, at least a part and at most `max_window` (1 or 2 readers: 64
+    /// MiB each by default; 8: 16 MiB; 16 or more: 8 MiB).
+    pub fn window_cap(&self, streams: u64) -> u64 {
+        let share = self.shared_window / streams.max(1);
+        share.max(self.part_size).min(self.max_window).max(1)
     }
 }
 
@@ -348,6 +396,22 @@ mod tests {
         assert_eq!(b.used(), 0);
         assert!(b.try_reserve(u64::MAX).is_none());
         assert_eq!(b.used(), 0);
+    }
+
+    #[test]
+    fn a_readers_window_is_its_share_of_the_shared_window() {
+        let c = PrefetchConfig::default();
+        let mib = 1 << 20;
+        let caps: Vec<u64> = [0, 1, 2, 4, 8, 16, 100]
+            .map(|n| c.window_cap(n) / mib)
+            .into();
+        assert_eq!(caps, [64, 64, 64, 32, 16, 8, 8]);
+        let b = MemoryBudget::new(100);
+        let (s1, s2) = (b.join_stream(), b.clone().join_stream());
+        assert_eq!(b.streams(), 2);
+        drop(s1);
+        drop(s2);
+        assert_eq!(b.streams(), 0);
     }
 
     const LONG: std::time::Duration = std::time::Duration::from_secs(3600);

@@ -18,7 +18,7 @@ use ferry_store::{get_version, ObjectStore, StoreError, Version};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
 
-use crate::budget::{MemoryBudget, PrefetchConfig, Reservation};
+use crate::budget::{MemoryBudget, PrefetchConfig, Reservation, StreamSlot};
 use crate::proofs::Proofs;
 
 /// One ranged GET of `range` of `version`, retried once if the body is short.
@@ -324,6 +324,8 @@ pub struct Prefetch {
     pub parts: VecDeque<Part>,
     /// Bytes to keep fetched or in flight ahead of the reader; 0 = not sequential yet.
     pub window: u64,
+    /// Counts this reader among the node's sequential readers while it has a window.
+    pub slot: Option<StreamSlot>,
 }
 
 impl Clone for Prefetch {
@@ -337,6 +339,22 @@ impl Prefetch {
     pub fn reset(&mut self) {
         self.parts.clear();
         self.window = 0;
+        self.slot = None;
+    }
+
+    /// Starts a sequential stream: the initial window, counted among the node's streams.
+    pub fn start(&mut self, cfg: &PrefetchConfig, budget: &MemoryBudget) {
+        self.window = cfg.initial_window.max(1);
+        self.slot = Some(budget.join_stream());
+    }
+
+    /// Doubles the window for each of `parts` consumed, up to the reader's share
+    /// ([`PrefetchConfig::window_cap`]).
+    pub fn grow(&mut self, parts: usize, cfg: &PrefetchConfig, budget: &MemoryBudget) {
+        let cap = cfg.window_cap(budget.streams());
+        for _ in 0..parts {
+            self.window = (self.window * 2).min(cap);
+        }
     }
 
     /// Where the parts start and end, if there are any.
@@ -365,6 +383,8 @@ impl Prefetch {
         cfg: &PrefetchConfig,
         budget: &MemoryBudget,
     ) {
+        // Readers that started since the window grew shrink it to this reader's share.
+        self.window = self.window.min(cfg.window_cap(budget.streams()));
         let mut next = self.span().map_or(reader, |(_, end)| end).max(reader);
         // Top up only once less than half the window is left ahead, so GETs stay large and at
         // most a window is fetched or in flight ahead of the reader.

@@ -363,7 +363,8 @@ impl Fs {
     }
 
     /// `read`. Sequential reads are served from parts fetched ahead by tasks (a window that grows
-    /// from [`PrefetchConfig::initial_window`] to [`PrefetchConfig::max_window`] as the reader
+    /// from [`PrefetchConfig::initial_window`] to the reader's share of
+    /// [`PrefetchConfig::shared_window`] (at most [`PrefetchConfig::max_window`]) as the reader
     /// consumes parts, as far as the memory budget allows); a read the kernel reordered a little
     /// behind the stream is served from the parts kept behind the reader or fetched on its own,
     /// leaving the stream as it is; any other read drops the parts
@@ -402,7 +403,7 @@ impl Fs {
             return Ok(data.slice((offset - start) as usize..(end - start) as usize));
         }
         if r.prefetch.window == 0 {
-            r.prefetch.window = cfg.initial_window.max(1);
+            r.prefetch.start(cfg, &self.budget);
         }
         if r.prefetch.span().is_some_and(|(_, e)| offset > e) {
             // Skipped ahead past everything fetched (still within the tolerance): start there.
@@ -462,9 +463,8 @@ impl Fs {
                 }
             }
         }
-        for _ in 0..r.prefetch.consume_before(end.saturating_sub(REORDER_KEEP)) {
-            r.prefetch.window = (r.prefetch.window * 2).min(cfg.max_window.max(1));
-        }
+        let consumed = r.prefetch.consume_before(end.saturating_sub(REORDER_KEEP));
+        r.prefetch.grow(consumed, cfg, &self.budget);
         r.prefetch.fill(&src, r.size, end, cfg, &self.budget);
         // A reordered read behind the stream does not move its end back.
         r.next_offset = r.next_offset.max(end);

@@ -1185,6 +1185,51 @@ async fn sequential_prefetch_runs_ahead_in_parallel_and_release_aborts_it() {
     assert_eq!(mem.stats().get, before);
 }
 
+/// Eight sequential readers share the node's prefetch: each window grows to an eighth of
+/// `shared_window` (16 MiB), not to `max_window` (64 MiB) each.
+#[tokio::test(start_paused = true)]
+async fn concurrent_sequential_readers_share_the_prefetch_window() {
+    let (mem, store) = faulty();
+    store.set_latency(
+        [ferry_store::Op::Get],
+        Duration::from_millis(100),
+        Duration::ZERO,
+    );
+    let budget = MemoryBudget::new(1 << 30);
+    let cfg = PrefetchConfig::default();
+    let fs = Arc::new(setup_budget(
+        store.clone(),
+        budget.clone(),
+        cfg,
+        MetadataTtl::Indefinite,
+    ));
+    let mut handles = Vec::new();
+    for i in 0..8u8 {
+        let name = format!("shard{i}");
+        mem.insert(B, &name, data(96 << 20, i));
+        let ino = walk(&fs, &name).await.unwrap().attr.ino;
+        handles.push(fs.open(ino, libc::O_RDONLY, PID).await.unwrap().fh);
+    }
+    // Every reader starts, then all read 40 MiB in turns.
+    let mut off = 0u64;
+    while off < 40 << 20 {
+        for &fh in &handles {
+            let got = fs.read(fh, off, 1 << 20).await.unwrap();
+            assert_eq!(got.len(), 1 << 20);
+        }
+        off += 1 << 20;
+    }
+    assert_eq!(budget.streams(), 8);
+    // Each reader: its 16 MiB window plus a part being replaced and what it keeps behind.
+    let most = 8 * ((16 << 20) + (8 << 20) + (2 << 20));
+    assert!(budget.used() <= most, "{} > {most}", budget.used());
+    for fh in handles {
+        fs.release(fh).await.unwrap();
+    }
+    assert_eq!(budget.streams(), 0, "released readers leave the count");
+    assert_eq!(budget.used(), 0);
+}
+
 #[tokio::test(start_paused = true)]
 async fn short_body_is_retried_once_then_eio() {
     let (mem, store) = faulty();
