@@ -202,6 +202,9 @@ impl FsState {
     }
 }
 
+/// Most pages a lookup's background listing of a directory reads (see [`Fs::probe_dir`]).
+const PROBE_PAGES: usize = 10;
+
 /// Most directories remembered as probed.
 const PROBED_MAX: usize = 4096;
 

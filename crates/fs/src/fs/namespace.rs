@@ -108,11 +108,11 @@ impl Fs {
         }
     }
 
-    /// Starts listing the first page (up to 1,000 entries) of directory `dir` in the background,
-    /// once per directory: when that page is the whole directory, a later lookup adopts it as
+    /// Starts listing directory `dir` in the background, once per directory, page after page up
+    /// to [`PROBE_PAGES`] pages: when that is the whole directory, a later lookup adopts it as
     /// the directory's cached listing ([`Fs::adopt_probe`]), so opening its files by path (no
-    /// `readdir` first) costs no HEAD + LIST per name after the first. A bigger directory costs
-    /// this one extra LIST.
+    /// `readdir` first, e.g. a data loader in shuffled order) costs no HEAD + LIST per name after
+    /// the first ones. A bigger directory costs these LISTs and is then looked up name by name.
     pub(super) fn probe_dir(&self, st: &mut FsState, dir: Ino, dprefix: String) {
         if st.probes.contains_key(&dir) || st.probed.contains(&dir) {
             return;
@@ -128,12 +128,17 @@ impl Fs {
                 delimiter: Some("/"),
                 ..Default::default()
             };
-            let page = store.list(&bucket, req).await.ok()?;
-            if page.next_token.is_some() {
-                return None;
-            }
+            let pages = ferry_store::list_pages(&*store, &bucket, req);
+            futures::pin_mut!(pages);
             let mut builder = ListingBuilder::new(&dprefix);
-            builder.add_page(&page.objects, &page.common_prefixes);
+            let mut listed = 0;
+            while let Some(page) = futures::TryStreamExt::try_next(&mut pages).await.ok()? {
+                builder.add_page(&page.objects, &page.common_prefixes);
+                listed += 1;
+                if page.next_token.is_some() && listed >= PROBE_PAGES {
+                    return None;
+                }
+            }
             Some(builder.finish())
         });
         st.probes.insert(dir, (st.changes, task));

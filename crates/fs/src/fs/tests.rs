@@ -1601,22 +1601,33 @@ async fn files_opened_by_path_in_an_unlisted_directory_cost_one_lookup_round_tri
 #[tokio::test]
 async fn a_directory_probe_is_dropped_when_the_directory_is_bigger_or_changed_meanwhile() {
     let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Indefinite);
-    for i in 0..1001 {
-        store.insert(B, &format!("big/f{i:04}"), &b"x"[..]);
+    for i in 0..10_001 {
+        store.insert(B, &format!("big/f{i:05}"), &b"x"[..]);
+    }
+    for i in 0..1500 {
+        store.insert(B, &format!("mid/f{i:04}"), &b"x"[..]);
     }
     store.insert(B, "small/a", &b"x"[..]);
     store.insert(B, "small/b", &b"x"[..]);
     let big = fs.lookup(ROOT_INO, n("big")).await.unwrap().attr.ino;
+    let mid = fs.lookup(ROOT_INO, n("mid")).await.unwrap().attr.ino;
     let small = fs.lookup(ROOT_INO, n("small")).await.unwrap().attr.ino;
     let_background_run().await;
-    // More than one page: the probe is not adopted, each name is looked up on its own (and the
-    // directory is probed once only).
-    fs.lookup(big, n("f0000")).await.unwrap();
+    // Two pages: listed whole in the background and adopted.
+    fs.lookup(mid, n("f0000")).await.unwrap();
     let_background_run().await;
     store.reset_stats();
-    fs.lookup(big, n("f0001")).await.unwrap();
+    fs.lookup(mid, n("f1499")).await.unwrap();
+    let s = store.stats();
+    assert_eq!((s.head, s.list), (0, 0), "{s:?}");
+    // More than ten pages: the probe is not adopted, each name is looked up on its own (and the
+    // directory is probed once only).
+    fs.lookup(big, n("f00000")).await.unwrap();
     let_background_run().await;
-    fs.lookup(big, n("f0002")).await.unwrap();
+    store.reset_stats();
+    fs.lookup(big, n("f00001")).await.unwrap();
+    let_background_run().await;
+    fs.lookup(big, n("f00002")).await.unwrap();
     let s = store.stats();
     assert_eq!((s.head, s.list), (2, 2), "{s:?}");
     // A change through this mount while the probe is out: its (older) listing is not adopted,
