@@ -391,3 +391,66 @@ async fn a_denied_mount_gets_eacces_on_its_first_read_of_cached_blocks() {
         "no cached byte reached the denied mount"
     );
 }
+
+/// Loader orders: every 37th file (a shuffle as far as listing order goes), and every 7th (close
+/// enough to listing order that the listing-order prefetch runs too: still one GET per file).
+#[tokio::test]
+async fn a_directory_read_in_shuffled_order_is_swept_into_the_cache() {
+    for step in [37, 7] {
+        swept_in_order(step).await;
+    }
+}
+
+async fn swept_in_order(step: usize) {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache(dir.path());
+    cache.ready().await;
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    let files: Vec<(String, Vec<u8>)> = (0..200u32)
+        .map(|i| (format!("f{i:03}"), data(4096 + i as usize, (i % 251) as u8)))
+        .collect();
+    let mut etags = HashMap::new();
+    for (name, body) in &files {
+        etags.insert(name.clone(), store.insert(B, name, body.clone()));
+    }
+    let fs = mount(Arc::new(store.clone()), &cache, |_| {});
+    assert_eq!(list_root(&fs).await.len(), 2 + 200, ". and .. too");
+    let order: Vec<usize> = (0..200).map(|i| (i * step) % 200).collect();
+    for &i in &order[..16] {
+        let (name, body) = &files[i];
+        assert_eq!(&read_all(&fs, name, 1 << 20).await.unwrap(), body);
+    }
+    // The sixteenth open started the sweep: every file comes into the cache.
+    for _ in 0..200 {
+        if files
+            .iter()
+            .all(|(name, _)| is_cached(&cache, name, &etags[name]))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    cache.settle().await;
+    let gets = store.stats().get;
+    assert_eq!(gets, 200, "step {step}: each file fetched once");
+    for &i in &order[16..] {
+        let (name, body) = &files[i];
+        assert_eq!(&read_all(&fs, name, 1 << 20).await.unwrap(), body);
+    }
+    assert_eq!(
+        store.stats().get,
+        gets,
+        "step {step}: the rest read from the cache"
+    );
+}
+
+fn is_cached(cache: &BlockCache, name: &str, etag: &str) -> bool {
+    cache.contains(&ferry_cache::BlockKey {
+        endpoint: "http://s3.test".into(),
+        bucket: B.into(),
+        key: name.into(),
+        etag: etag.into(),
+        index: 0,
+    })
+}

@@ -9,7 +9,8 @@
 //! lifecycle at `release` and unmount, the journal); the operations live by seam:
 //! - [`namespace`]: lookup, attributes, directories, unlink, rename, statfs;
 //! - [`read`]: open and read, the node cache and passthrough, prefetching;
-//! - [`upload`]: create, write, and completing uploads at flush, fsync or release.
+//! - [`upload`]: create, write, and completing uploads at flush, fsync or release;
+//! - [`sweep`]: with the node cache, fetching a directory a loader goes through ahead of it.
 
 use std::collections::{HashMap, HashSet};
 use std::ffi::OsStr;
@@ -42,6 +43,7 @@ use crate::prefetch::{fetch, CacheUse, Part, SmallObjects, Source};
 
 mod namespace;
 mod read;
+mod sweep;
 mod upload;
 
 /// Block size reported by `stat`.
@@ -166,6 +168,8 @@ struct FsState {
     /// directory asks for a whole page): the next listing goes on from it (bounded: the oldest
     /// goes past [`FIRST_PAGES_MAX`]).
     first_pages: HashMap<Ino, FirstPage>,
+    /// Per directory: opens for reading counted towards a sweep, or the sweep (see [`sweep`]).
+    sweeps: HashMap<Ino, sweep::SweepState>,
 }
 
 /// A directory's first listing page, taken by a lookup's LIST.
@@ -198,6 +202,7 @@ impl FsState {
             probed: HashSet::new(),
             changes: 0,
             first_pages: HashMap::new(),
+            sweeps: HashMap::new(),
         }
     }
 }

@@ -136,13 +136,14 @@ impl Fs {
             cache.want_whole(self.object_key(&handle.key, etag), handle.size);
         }
         self.prefetch_following(&mut st, parent, &name);
+        self.note_open_for_sweep(&mut st, parent);
         st.io.entry(ino).or_default().cached += 1;
         let fh = st.handles.insert(Handle::Read(handle));
         Ok(Opened { fh, keep_cache })
     }
 
     /// The node cache's name of `key` at `etag` on this mount's endpoint and bucket.
-    fn object_key(&self, key: &str, etag: &str) -> ObjectKey {
+    pub(super) fn object_key(&self, key: &str, etag: &str) -> ObjectKey {
         ObjectKey {
             endpoint: self.cfg.endpoint.clone(),
             bucket: self.cfg.bucket.clone(),
@@ -516,7 +517,7 @@ impl Fs {
             st.order.clear();
         }
         st.order.insert(parent, (front, streak));
-        if streak == 0 {
+        if streak == 0 || Self::swept(st, parent) {
             return;
         }
         let ahead = (1usize << streak.min(16)).min(cfg.small_objects_ahead);

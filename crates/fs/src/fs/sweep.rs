@@ -1,0 +1,147 @@
+//! The directory sweep: with the node cache, a directory whose small files are being opened one
+//! after another (a data loader's epoch, in any order) is fetched into the cache in the
+//! background, many files at a time, so the opens that follow read from the local disk.
+//!
+//! Listing-order readers are served ahead by the cross-file prefetch (`read::prefetch_following`);
+//! a shuffled order defeats it, and each open would wait for its own GET. The sweep starts once
+//! this mount opened at least [`SWEEP_MIN_OPENS`] files of the directory, and at least one in
+//! [`SWEEP_OPEN_SHARE`] of its entries (a few files picked out of a big directory never start
+//! it); it runs once per directory and mount, fetches only files of at most
+//! [`crate::PrefetchConfig::small_object_max`] that the cache does not hold whole, at most
+//! [`SWEEP_IN_FLIGHT`] at once, charged to the memory budget while in flight, and stops at a
+//! quarter of the cache's size. Each GET uses the mount's own credentials (and proves its access,
+//! see `prefetch::fetch`).
+
+use super::*;
+use futures::stream::{self, StreamExt};
+
+/// Opens in one directory before it may be swept.
+const SWEEP_MIN_OPENS: u32 = 16;
+/// ... and at least one in this many of its entries.
+const SWEEP_OPEN_SHARE: usize = 100;
+/// Files fetched at once by one sweep.
+const SWEEP_IN_FLIGHT: usize = 32;
+/// Most directories with open counts (cleared past it).
+const SWEEP_DIRS_MAX: usize = 1024;
+
+/// Per directory: opens counted, or the sweep started (its task aborted when the mount goes).
+#[derive(Debug)]
+pub(super) enum SweepState {
+    Counting(u32),
+    Started { _running: AbortOnDrop },
+}
+
+#[derive(Debug)]
+pub(super) struct AbortOnDrop(tokio::task::AbortHandle);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+impl Fs {
+    /// Whether `dir` is being (or was) swept: the listing-order prefetch then leaves it alone.
+    pub(super) fn swept(st: &FsState, dir: Ino) -> bool {
+        matches!(st.sweeps.get(&dir), Some(SweepState::Started { .. }))
+    }
+
+    /// Counts an open of a file of `parent` for reading, and starts the directory's sweep when
+    /// the opens say a reader goes through it (see the module's documentation).
+    pub(super) fn note_open_for_sweep(&self, st: &mut FsState, parent: Ino) {
+        let Some(cache) = &self.cache else { return };
+        if self.prefetch.small_object_max == 0 {
+            return;
+        }
+        if st.sweeps.len() >= SWEEP_DIRS_MAX && !st.sweeps.contains_key(&parent) {
+            st.sweeps
+                .retain(|_, s| matches!(s, SweepState::Started { .. }));
+            if st.sweeps.len() >= SWEEP_DIRS_MAX {
+                return;
+            }
+        }
+        let opens = match st.sweeps.entry(parent).or_insert(SweepState::Counting(0)) {
+            SweepState::Started { .. } => return,
+            SweepState::Counting(n) => {
+                *n += 1;
+                *n
+            }
+        };
+        if opens < SWEEP_MIN_OPENS {
+            return;
+        }
+        let Some(dir) = st.inodes.get(parent) else {
+            return;
+        };
+        let Some((listing, _)) = dir.cache.cached_listing(Instant::now()) else {
+            return;
+        };
+        if (opens as usize) * SWEEP_OPEN_SHARE < listing.len() {
+            return;
+        }
+        let max = self.prefetch.small_object_max;
+        let files: Vec<(String, String, u64)> = listing
+            .iter()
+            .filter(|e| e.kind == Kind::File)
+            .filter_map(|e| {
+                let meta = e.meta.as_ref()?;
+                let etag = meta.etag.clone()?;
+                (meta.size > 0 && meta.size <= max).then(|| {
+                    let key = file_key(&self.cfg.prefix, &child_path(&dir.path, &e.name));
+                    (key, etag, meta.size)
+                })
+            })
+            .collect();
+        let limit = cache.config().max_size / 4;
+        let mut planned = 0u64;
+        let sources: Vec<(Source, ObjectKey)> = files
+            .into_iter()
+            .map_while(|(key, etag, size)| {
+                planned += size;
+                (planned <= limit).then_some((key, etag, size))
+            })
+            .filter_map(|(key, etag, size)| {
+                let obj = self.object_key(&key, &etag);
+                // Whole in the cache, or fetched ahead (or opened) through this mount already.
+                if cache.has_whole(&obj) || st.small.contains(&key, &etag) {
+                    return None;
+                }
+                let proven = self.is_proven(&key, &etag);
+                Some((self.source(&key, Some(&etag), size, proven), obj))
+            })
+            .collect();
+        tracing::debug!(
+            dir = parent,
+            files = sources.len(),
+            "sweeping a directory into the node cache"
+        );
+        let (cache, budget) = (cache.clone(), self.budget.clone());
+        let task = tokio::spawn(async move {
+            stream::iter(sources)
+                .for_each_concurrent(SWEEP_IN_FLIGHT, |(src, obj)| {
+                    let (cache, budget) = (cache.clone(), budget.clone());
+                    async move {
+                        // Never over the budget: a sweep can wait.
+                        let _held = loop {
+                            match budget.try_reserve(src.size) {
+                                Some(r) => break r,
+                                None => {
+                                    tokio::time::sleep(std::time::Duration::from_millis(50)).await
+                                }
+                            }
+                        };
+                        cache.want_whole(obj, src.size);
+                        // A failure is the opener's to see when it reads the file itself.
+                        let _ = fetch(&src, 0..src.size).await;
+                    }
+                })
+                .await;
+        });
+        st.sweeps.insert(
+            parent,
+            SweepState::Started {
+                _running: AbortOnDrop(task.abort_handle()),
+            },
+        );
+    }
+}
