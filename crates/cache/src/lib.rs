@@ -242,6 +242,23 @@ impl State {
     }
 }
 
+/// Who asks [`BlockCache::get_or_fetch_as`] for a block. `owner` names the caller's identity
+/// (its credentials; 0 for none in particular).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reader {
+    /// Has shown access to the version: served from disk, joins any fetch in flight.
+    Proven { owner: usize },
+    /// Has not: fetches with its own credentials (joining only a fetch of the same owner).
+    Unproven { owner: usize },
+}
+
+/// A block being fetched, by whose identity.
+#[derive(Debug)]
+struct Flight {
+    owner: usize,
+    cell: Arc<OnceCell<Bytes>>,
+}
+
 /// The node's block cache. Cheap to share (`Arc`); every method is safe to call concurrently.
 pub struct BlockCache {
     cfg: CacheConfig,
@@ -259,7 +276,7 @@ pub struct BlockCache {
     /// Per whole object: a gate held while it is checked, and whether it was checked in full by
     /// this process (or written by it).
     verified: Mutex<HashMap<FileId, Arc<Mutex<bool>>>>,
-    flights: Mutex<HashMap<BlockKey, Arc<OnceCell<Bytes>>>>,
+    flights: Mutex<HashMap<BlockKey, Flight>>,
     ready: watch::Sender<bool>,
     counters: Counters,
     tmp_seq: AtomicU64,
@@ -482,24 +499,58 @@ impl BlockCache {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Bytes, E>>,
     {
+        self.get_or_fetch_as(key, Reader::Proven { owner: 0 }, fetch)
+            .await
+    }
+
+    /// [`Self::get_or_fetch`] for `reader`: a [`Reader::Unproven`] one is never served from disk
+    /// and joins only a fetch of its own `owner`; otherwise it runs `fetch` itself (its own
+    /// credentials' GET) and the block is stored behind it.
+    pub async fn get_or_fetch_as<F, Fut, E>(
+        self: &Arc<Self>,
+        key: &BlockKey,
+        reader: Reader,
+        fetch: F,
+    ) -> Result<Bytes, E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Bytes, E>>,
+    {
         metrics().lookups.inc();
-        if let Some(data) = self.read(key).await {
-            return Ok(data);
+        let (owner, from_disk) = match reader {
+            Reader::Proven { owner } => (owner, true),
+            Reader::Unproven { owner } => (owner, false),
+        };
+        if from_disk {
+            if let Some(data) = self.read(key).await {
+                return Ok(data);
+            }
         }
-        let cell = self
-            .flights
-            .lock()
-            .expect("flights lock")
-            .entry(key.clone())
-            .or_default()
-            .clone();
+        let cell = {
+            let mut flights = self.flights.lock().expect("flights lock");
+            let flight = flights.entry(key.clone()).or_insert_with(|| Flight {
+                owner,
+                cell: Arc::default(),
+            });
+            (from_disk || flight.owner == owner).then(|| flight.cell.clone())
+        };
+        let Some(cell) = cell else {
+            // Another identity's fetch is in flight: this reader may not take its bytes.
+            self.counters.misses.fetch_add(1, Ordering::Relaxed);
+            metrics().misses.inc();
+            let data = fetch().await?;
+            self.offer(key.clone(), data.clone());
+            return Ok(data);
+        };
         let mut ran = false;
         let result = cell
             .get_or_try_init(|| async {
                 ran = true;
                 // A fill may have finished between the read above and joining the flight.
-                if let Some(data) = self.read(key).await {
-                    return Ok(data);
+                if from_disk {
+                    if let Some(data) = self.read(key).await {
+                        return Ok(data);
+                    }
                 }
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
                 metrics().misses.inc();
@@ -522,7 +573,7 @@ impl BlockCache {
 
     fn end_flight(&self, key: &BlockKey, cell: &Arc<OnceCell<Bytes>>) {
         let mut flights = self.flights.lock().expect("flights lock");
-        if flights.get(key).is_some_and(|c| Arc::ptr_eq(c, cell)) {
+        if flights.get(key).is_some_and(|f| Arc::ptr_eq(&f.cell, cell)) {
             flights.remove(key);
         }
     }

@@ -13,7 +13,7 @@ use std::ops::Range;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use bytes::Bytes;
-use ferry_cache::{BlockCache, BlockKey};
+use ferry_cache::{BlockCache, BlockKey, Reader};
 use ferry_store::{get_version, ObjectStore, StoreError, Version};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -81,9 +81,9 @@ pub struct Source {
 /// A cached block is served only to a mount whose own credentials showed access to this object
 /// version. If the source is not `proven`: when every block is on disk, a HEAD with the mount's
 /// store must return the same ETag first (a denied HEAD is the caller's `EACCES`, another ETag
-/// `ESTALE`); otherwise the blocks are fetched with the mount's own store (no single-flight join
-/// with another mount's GET), that GET is the proof, and the blocks go to the cache behind it. A
-/// first read thus costs no round trip more than without the cache.
+/// `ESTALE`); otherwise the blocks are fetched with the mount's own store, joining only fetches
+/// of the same credentials, those GETs are the proof, and the blocks go to the cache behind
+/// them. A first read thus costs no round trip more than without the cache.
 pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError> {
     let (Some(c), Some(etag)) = (&src.cache, src.etag.as_deref()) else {
         let version = Version::of(src.etag.as_deref(), src.last_modified, src.size);
@@ -101,23 +101,31 @@ pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError>
     }
     let bs = c.cache.block_size();
     let (first, last) = (range.start / bs, (range.end - 1) / bs);
+    // The credentials' identity: their proofs, shared by the mounts of one store.
+    let owner = Arc::as_ptr(&c.proofs) as usize;
+    let mut reader = Reader::Proven { owner };
     if !c.proven {
         let on_disk = (first..=last).all(|i| c.cache.contains(&block_key(src, c, etag, i)));
-        if !on_disk {
-            return fetch_and_prove(src, c, etag, range, first..last + 1).await;
+        if on_disk {
+            let info = src.store.head(&src.bucket, &src.key).await?;
+            if info.etag.as_deref() != Some(etag) {
+                return Err(StoreError::PreconditionFailed(format!(
+                    "{}: ETag is now {:?}, not {etag}",
+                    src.key, info.etag
+                )));
+            }
+            c.proofs.prove(&src.bucket, &src.key, etag);
+        } else {
+            reader = Reader::Unproven { owner };
         }
-        let info = src.store.head(&src.bucket, &src.key).await?;
-        if info.etag.as_deref() != Some(etag) {
-            return Err(StoreError::PreconditionFailed(format!(
-                "{}: ETag is now {:?}, not {etag}",
-                src.key, info.etag
-            )));
-        }
+    }
+    let blocks = futures::future::try_join_all(
+        (first..=last).map(|i| cached_block(src, c, etag, i, reader)),
+    )
+    .await?;
+    if matches!(reader, Reader::Unproven { .. }) {
         c.proofs.prove(&src.bucket, &src.key, etag);
     }
-    let blocks =
-        futures::future::try_join_all((first..=last).map(|i| cached_block(src, c, etag, i)))
-            .await?;
     let base = first * bs;
     let (from, to) = ((range.start - base) as usize, (range.end - base) as usize);
     if let [block] = blocks.as_slice() {
@@ -140,6 +148,15 @@ pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError>
     Ok(out.freeze())
 }
 
+/// Whether every block of `src`'s object is in the node cache (whole or as blocks).
+pub fn is_cached(src: &Source) -> bool {
+    let (Some(c), Some(etag)) = (&src.cache, src.etag.as_deref()) else {
+        return false;
+    };
+    let blocks = src.size.div_ceil(c.cache.block_size());
+    (0..blocks).all(|i| c.cache.contains(&block_key(src, c, etag, i)))
+}
+
 fn block_key(src: &Source, c: &CacheUse, etag: &str, index: u64) -> BlockKey {
     BlockKey {
         endpoint: c.endpoint.clone(),
@@ -150,48 +167,13 @@ fn block_key(src: &Source, c: &CacheUse, etag: &str, index: u64) -> BlockKey {
     }
 }
 
-/// `range` of an unproven source: its whole `blocks` fetched with one GET of the mount's own
-/// store (the proof), handed to the cache to store in the background.
-async fn fetch_and_prove(
-    src: &Source,
-    c: &CacheUse,
-    etag: &str,
-    range: Range<u64>,
-    blocks: Range<u64>,
-) -> Result<Bytes, StoreError> {
-    let bs = c.cache.block_size();
-    let base = blocks.start * bs;
-    let stop = src.size.min(blocks.end * bs);
-    let data = fetch_exact(
-        &*src.store,
-        &src.bucket,
-        &src.key,
-        base..stop,
-        Version::ETag(etag),
-    )
-    .await?;
-    c.proofs.prove(&src.bucket, &src.key, etag);
-    for i in blocks {
-        let (s, e) = (i * bs - base, src.size.min((i + 1) * bs) - base);
-        c.cache.offer(
-            block_key(src, c, etag, i),
-            data.slice(s as usize..e as usize),
-        );
-    }
-    let (from, to) = ((range.start - base) as usize, (range.end - base) as usize);
-    if from == 0 && to == data.len() {
-        return Ok(data);
-    }
-    // A copy, so the part holds (and the memory budget counts) only what it asked for.
-    Ok(Bytes::copy_from_slice(&data[from..to]))
-}
-
-/// Block `index` of `src` from the node cache, or fetched (and stored) on a miss.
+/// Block `index` of `src` from the node cache, or fetched (and stored) on a miss; as `reader`.
 async fn cached_block(
     src: &Source,
     c: &CacheUse,
     etag: &str,
     index: u64,
+    reader: Reader,
 ) -> Result<Bytes, StoreError> {
     let bs = c.cache.block_size();
     let start = index * bs;
@@ -199,7 +181,7 @@ async fn cached_block(
     let key = block_key(src, c, etag, index);
     let data = c
         .cache
-        .get_or_fetch(&key, || {
+        .get_or_fetch_as(&key, reader, || {
             fetch_exact(
                 &*src.store,
                 &src.bucket,

@@ -40,6 +40,16 @@ pub struct FaultStats {
     pub truncated: u64,
     /// Calls that were delayed.
     pub delayed: u64,
+    /// Every call, by operation (in [`Op::ALL`]'s order; see [`FaultStats::calls_of`]).
+    pub calls: [u64; Op::ALL.len()],
+}
+
+impl FaultStats {
+    /// Calls of `op` so far (failed ones included).
+    pub fn calls_of(&self, op: Op) -> u64 {
+        let i = Op::ALL.iter().position(|o| *o == op).expect("in Op::ALL");
+        self.calls[i]
+    }
 }
 
 /// A store wrapper that injects faults; see the module docs.
@@ -226,6 +236,9 @@ impl<S: ObjectStore> FaultyStore<S> {
     fn plan(&self, op: Op) -> Plan {
         let mut guard = self.lock();
         let state = &mut *guard;
+        if let Some(i) = Op::ALL.iter().position(|o| *o == op) {
+            state.stats.calls[i] += 1;
+        }
         let mut delay = Duration::ZERO;
         for (ops, base, jitter) in &state.latency {
             if ops.contains(&op) {
@@ -459,7 +472,16 @@ mod tests {
         let f = faulty(1);
         assert_eq!(f.get_range(B, "k", 0..4, None).await.unwrap(), "0123");
         f.put(B, "x", "y".into()).await.unwrap();
-        assert_eq!(f.stats(), FaultStats::default());
+        let stats = f.stats();
+        assert_eq!((stats.calls_of(Op::Get), stats.calls_of(Op::Put)), (1, 1));
+        assert_eq!(
+            FaultStats {
+                calls: Default::default(),
+                ..stats
+            },
+            FaultStats::default(),
+            "nothing injected"
+        );
         assert_eq!(f.inner().stats().total_requests(), 2);
     }
 

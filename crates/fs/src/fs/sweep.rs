@@ -131,6 +131,10 @@ impl Fs {
                             }
                         };
                         cache.want_whole(obj, src.size);
+                        // Read (and cached) by the mount's readers since the sweep started.
+                        if crate::prefetch::is_cached(&src) {
+                            return;
+                        }
                         // A failure is the opener's to see when it reads the file itself.
                         let _ = fetch(&src, 0..src.size).await;
                     }

@@ -1,0 +1,163 @@
+//! The node cache on the read path, on a real S3 server (versitygw) through real FUSE mounts,
+//! with every request counted: the cache costs no round trip a mount without it would not pay
+//! (no HEAD to prove access to versions the listing named; each file fetched once, ahead of the
+//! reader), a loader's shuffled epoch over a read-only dataset is swept into the cache, and its
+//! second epoch makes no request at all.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use ferry_cache::{BlockCache, CacheConfig};
+use ferry_fs::{mount, MetadataTtl, MountConfig, MountContext, MountHandle};
+use ferry_s3::S3Store;
+use ferry_store::{FaultyStore, ObjectStore, Op};
+use ferry_testkit::S3Server;
+
+const BUCKET: &str = "data";
+
+struct Setup {
+    rt: tokio::runtime::Runtime,
+    _server: S3Server,
+    store: Arc<FaultyStore<S3Store>>,
+    cache: Arc<BlockCache>,
+    _cache_dir: tempfile::TempDir,
+    dir: tempfile::TempDir,
+    files: Vec<(String, Vec<u8>)>,
+}
+
+fn body(i: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|j| ((j as u32).wrapping_mul(2_654_435_761) >> 13) as u8 ^ i as u8)
+        .collect()
+}
+
+/// `n` files of `len` bytes under `ds/`, and a FaultyStore (counting only) in front of the server.
+fn setup(n: usize, len: usize) -> Option<Setup> {
+    if !ferry_testkit::prerequisite(
+        Path::new("/dev/fuse").exists(),
+        "/dev/fuse (real FUSE mounts)",
+    ) {
+        return None;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = S3Server::start();
+    let files: Vec<(String, Vec<u8>)> =
+        (0..n).map(|i| (format!("f{i:04}"), body(i, len))).collect();
+    let store = rt.block_on(async {
+        server.create_bucket(BUCKET).await;
+        let s3 = server.store().await;
+        for (name, data) in &files {
+            s3.put(BUCKET, &format!("ds/{name}"), data.clone().into())
+                .await
+                .unwrap();
+        }
+        s3
+    });
+    let cache_dir = tempfile::tempdir().unwrap();
+    let cache = BlockCache::open(CacheConfig::new(cache_dir.path(), 1 << 30)).unwrap();
+    rt.block_on(cache.ready());
+    Some(Setup {
+        rt,
+        _server: server,
+        store: Arc::new(FaultyStore::new(store, 1)),
+        cache,
+        _cache_dir: cache_dir,
+        dir: tempfile::tempdir().unwrap(),
+        files,
+    })
+}
+
+impl Setup {
+    fn mount(&self, ttl: MetadataTtl, read_only: bool) -> MountHandle {
+        let mut cfg = MountConfig::new(BUCKET);
+        cfg.fs_name = format!("ferry:{BUCKET}/ds/");
+        cfg.prefix = "ds/".into();
+        cfg.endpoint = "http://versitygw.test".into();
+        cfg.metadata_ttl = ttl;
+        cfg.read_only = read_only;
+        let mut ctx = MountContext::new(self.rt.handle().clone());
+        ctx.cache = Some(self.cache.clone());
+        ctx.passthrough = true;
+        let store: Arc<dyn ObjectStore> = self.store.clone();
+        mount(store, cfg, self.dir.path(), ctx).expect("mount")
+    }
+
+    fn calls(&self, op: Op) -> u64 {
+        self.store.stats().calls_of(op)
+    }
+
+    /// Reads the files in `order` with `threads` readers taking them in turn.
+    fn read(&self, order: &[usize], threads: usize) {
+        std::thread::scope(|s| {
+            for t in 0..threads {
+                s.spawn(move || {
+                    for &i in order.iter().skip(t).step_by(threads) {
+                        let (name, data) = &self.files[i];
+                        let got = std::fs::read(self.dir.path().join(name)).unwrap();
+                        assert!(got == *data, "{name}: wrong bytes");
+                    }
+                });
+            }
+        });
+    }
+}
+
+#[test]
+fn with_the_cache_a_listing_order_reader_gets_each_file_once_and_no_head() {
+    let Some(t) = setup(120, 100 << 10) else {
+        return;
+    };
+    let m = t.mount(
+        MetadataTtl::Duration(std::time::Duration::from_secs(600)),
+        false,
+    );
+    let names = std::fs::read_dir(t.dir.path()).unwrap().count();
+    assert_eq!(names, 120);
+    let all: Vec<usize> = (0..120).collect();
+    t.read(&all, 1);
+    // The listing named every version: no HEAD proves access, the GETs do; the listing-order
+    // prefetch and the sweep never fetch a file twice.
+    assert_eq!(t.calls(Op::Head), 0);
+    assert_eq!(t.calls(Op::Get), 120);
+    // Again on the same mount: the page cache or the node cache, no request.
+    t.rt.block_on(t.cache.settle());
+    let before = t.store.stats();
+    t.read(&all, 1);
+    assert_eq!(t.store.stats(), before, "a warm re-read makes no request");
+    m.unmount().unwrap();
+}
+
+#[test]
+fn a_read_only_datasets_shuffled_epochs_sweep_it_then_make_no_request() {
+    let Some(t) = setup(400, 16 << 10) else {
+        return;
+    };
+    // What a read-only volume gets by default: metadata for the mount's life.
+    let m = t.mount(MetadataTtl::Indefinite, true);
+    // A loader: no readdir, files opened by path in a seeded shuffled order, 8 readers.
+    let mut order: Vec<usize> = (0..400).collect();
+    let mut x = 0x2545_f491_4f6c_dd1du64;
+    for i in (1..order.len()).rev() {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        order.swap(i, (x % (i as u64 + 1)) as usize);
+    }
+    t.read(&order, 8);
+    t.rt.block_on(t.cache.settle());
+    let epoch1 = t.store.stats();
+    // Looked up by name until the background listing (one LIST) was adopted; then swept into
+    // the cache: at most one GET per file, fewer HEADs than files.
+    assert!(epoch1.calls_of(Op::Get) <= 400, "{epoch1:?}");
+    assert!(epoch1.calls_of(Op::Head) < 400, "{epoch1:?}");
+    let stats = t.cache.stats();
+    assert!(stats.objects + stats.blocks >= 400, "{stats:?}");
+    // Epoch 2: no request of any kind.
+    t.read(&order, 8);
+    assert_eq!(t.store.stats(), epoch1, "epoch 2 made requests");
+    m.unmount().unwrap();
+}
