@@ -82,12 +82,27 @@ pub enum Invalid {
 
 /// The file contents for `data` as block `key`.
 pub fn encode(key: &BlockKey, data: &[u8]) -> Vec<u8> {
-    let mut body = BytesMut::with_capacity(64 + key.key.len() + data.len());
-    body.put_u64_le(data.len() as u64);
-    body.put_u64_le(key.index);
-    put_names(&mut body, [&key.endpoint, &key.bucket, &key.key, &key.etag]);
-    body.put_slice(data);
-    seal(MAGIC, &body)
+    let mut file = encode_head(key, data);
+    file.extend_from_slice(data);
+    file
+}
+
+/// What [`encode`] puts before the data (magic, checksum, header): the file is this and then
+/// `data`, written one after the other, so the data is never copied to build it.
+pub fn encode_head(key: &BlockKey, data: &[u8]) -> Vec<u8> {
+    let mut header = BytesMut::with_capacity(64 + key.key.len());
+    header.put_u64_le(data.len() as u64);
+    header.put_u64_le(key.index);
+    put_names(
+        &mut header,
+        [&key.endpoint, &key.bucket, &key.key, &key.etag],
+    );
+    let crc = crc32c::crc32c_append(crc32c::crc32c(&header), data);
+    let mut out = Vec::with_capacity(12 + header.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&crc.to_le_bytes());
+    out.extend_from_slice(&header);
+    out
 }
 
 /// The data of a block file, if it is intact and is block `key`.

@@ -886,7 +886,9 @@ impl BlockCache {
                 return false;
             }
         }
-        let done = self.assemble_now(obj, &id, size, blocks);
+        let done = self.assemble_now(obj, &id, size, blocks, |out| {
+            self.copy_blocks(obj, size, blocks, out)
+        });
         self.lock().assembling.remove(&id);
         if !done {
             tracing::debug!(key = %obj.key, "cache: object not joined into one file");
@@ -894,7 +896,36 @@ impl BlockCache {
         done
     }
 
-    fn assemble_now(&self, obj: &ObjectKey, id: &FileId, size: u64, blocks: u64) -> bool {
+    /// Writes `obj` (`size` bytes) as one whole-object file with `write`, which writes the data
+    /// and returns each piece's crc32c (`None`: give up). Blocking; `false` if not written.
+    fn assemble_with(
+        &self,
+        obj: &ObjectKey,
+        size: u64,
+        write: impl FnOnce(&mut dyn Write) -> io::Result<Option<Vec<u32>>>,
+    ) -> bool {
+        let id = obj.file_id();
+        {
+            let mut st = self.lock();
+            st.wishes.remove(&id);
+            if size == 0 || st.lru.contains(&Entry::Object(id)) || !st.assembling.insert(id) {
+                return false;
+            }
+        }
+        let blocks = size.div_ceil(self.cfg.block_size);
+        let done = self.assemble_now(obj, &id, size, blocks, write);
+        self.lock().assembling.remove(&id);
+        done
+    }
+
+    fn assemble_now(
+        &self,
+        obj: &ObjectKey,
+        id: &FileId,
+        size: u64,
+        blocks: u64,
+        write: impl FnOnce(&mut dyn Write) -> io::Result<Option<Vec<u32>>>,
+    ) -> bool {
         let bs = self.cfg.block_size;
         let ours: HashSet<Entry> = (0..blocks)
             .map(|i| Entry::Block(obj.block(i).file_id()))
@@ -932,7 +963,7 @@ impl BlockCache {
             victims
         };
         self.delete(&victims);
-        let written = self.make_room_on_disk(len) && self.write_whole(obj, id, size, blocks);
+        let written = self.make_room_on_disk(len) && self.write_whole(obj, id, size, write);
         let mut st = self.lock();
         st.pending -= len;
         if !written {
@@ -963,9 +994,47 @@ impl BlockCache {
         true
     }
 
-    /// Writes the data file and the sidecar under `tmp/` from the object's block files (each
-    /// checked), then renames both into place. A bad block is dropped and counted.
-    fn write_whole(&self, obj: &ObjectKey, id: &FileId, size: u64, blocks: u64) -> bool {
+    /// The object's block files (each checked) written one after the other to `out`; their
+    /// crc32c. A bad block is dropped and counted (`None`).
+    fn copy_blocks(
+        &self,
+        obj: &ObjectKey,
+        size: u64,
+        blocks: u64,
+        out: &mut dyn Write,
+    ) -> io::Result<Option<Vec<u32>>> {
+        let bs = self.cfg.block_size;
+        let mut crcs = Vec::with_capacity(blocks as usize);
+        for i in 0..blocks {
+            let key = obj.block(i);
+            let bid = key.file_id();
+            let file = Bytes::from(std::fs::read(self.block_path(&bid))?);
+            let want = size.min((i + 1) * bs) - i * bs;
+            match block::decode(&key, file) {
+                Ok(data) if data.len() as u64 == want => {
+                    crcs.push(crc32c::crc32c(&data));
+                    out.write_all(&data)?;
+                }
+                Ok(_) | Err(_) => {
+                    tracing::warn!(key = %key.key, index = i,
+                        "cache: bad block file found while joining an object; deleted");
+                    self.drop_corrupt(Entry::Block(bid));
+                    return Ok(None);
+                }
+            }
+        }
+        Ok(Some(crcs))
+    }
+
+    /// Writes the data file (with `write`) and the sidecar under `tmp/`, then renames both into
+    /// place.
+    fn write_whole(
+        &self,
+        obj: &ObjectKey,
+        id: &FileId,
+        size: u64,
+        write: impl FnOnce(&mut dyn Write) -> io::Result<Option<Vec<u32>>>,
+    ) -> bool {
         let bs = self.cfg.block_size;
         let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
         let hex = block::hex(id);
@@ -973,25 +1042,9 @@ impl BlockCache {
         let tmp_meta = self.tmp_dir.join(format!("{hex}-{seq}.meta"));
         let result = (|| -> io::Result<bool> {
             let mut out = io::BufWriter::with_capacity(1 << 20, File::create(&tmp_data)?);
-            let mut crcs = Vec::with_capacity(blocks as usize);
-            for i in 0..blocks {
-                let key = obj.block(i);
-                let bid = key.file_id();
-                let file = Bytes::from(std::fs::read(self.block_path(&bid))?);
-                let want = size.min((i + 1) * bs) - i * bs;
-                match block::decode(&key, file) {
-                    Ok(data) if data.len() as u64 == want => {
-                        crcs.push(crc32c::crc32c(&data));
-                        out.write_all(&data)?;
-                    }
-                    Ok(_) | Err(_) => {
-                        tracing::warn!(key = %key.key, index = i,
-                            "cache: bad block file found while joining an object; deleted");
-                        self.drop_corrupt(Entry::Block(bid));
-                        return Ok(false);
-                    }
-                }
-            }
+            let Some(crcs) = write(&mut out)? else {
+                return Ok(false);
+            };
             out.into_inner().map_err(|e| e.into_error())?;
             let meta = object::encode_meta(
                 obj,
@@ -1038,8 +1091,27 @@ impl BlockCache {
             // Joined into a whole file meanwhile (this was a late duplicate fetch).
             return;
         }
-        let file = block::encode(key, data);
-        let len = file.len() as u64;
+        // A block that is a whole object a reader wants whole: written as that file directly
+        // (no block file joined into it afterwards).
+        let single = {
+            let st = self.lock();
+            st.wishes
+                .get(&obj_id)
+                .filter(|w| w.size <= self.cfg.block_size && key.index == 0)
+                .map(|w| (w.obj.clone(), w.size))
+        };
+        if let Some((obj, size)) = single.filter(|(_, size)| *size == data.len() as u64) {
+            if self.assemble_with(&obj, size, |out| {
+                out.write_all(data)?;
+                Ok(Some(vec![crc32c::crc32c(data)]))
+            }) {
+                self.counters.stored.fetch_add(1, Ordering::Relaxed);
+                metrics().fills.inc();
+                return;
+            }
+        }
+        let head = block::encode_head(key, data);
+        let len = (head.len() + data.len()) as u64;
         if len > self.cfg.max_size {
             self.skip(key, "block larger than the cache");
             return;
@@ -1064,7 +1136,7 @@ impl BlockCache {
             victims
         };
         self.delete(&victims);
-        let stored = self.make_room_on_disk(len) && self.write(&id, &file);
+        let stored = self.make_room_on_disk(len) && self.write(&id, &[&head, data]);
         let mut st = self.lock();
         st.pending -= len;
         if stored {
@@ -1114,12 +1186,16 @@ impl BlockCache {
     }
 
     /// Writes to a temporary file and renames it into place.
-    fn write(&self, id: &FileId, file: &[u8]) -> bool {
+    fn write(&self, id: &FileId, pieces: &[&[u8]]) -> bool {
         let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
         let tmp = self.tmp_dir.join(format!("{}-{seq}", block::hex(id)));
         let path = self.block_path(id);
         let result = (|| -> io::Result<()> {
-            std::fs::write(&tmp, file)?;
+            let mut f = File::create(&tmp)?;
+            for piece in pieces {
+                f.write_all(piece)?;
+            }
+            drop(f);
             match std::fs::rename(&tmp, &path) {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     std::fs::create_dir_all(path.parent().expect("blocks/xx/file"))?;

@@ -122,7 +122,12 @@ fn with_the_cache_a_listing_order_reader_gets_each_file_once_and_no_head() {
     // The listing named every version: no HEAD proves access, the GETs do; the listing-order
     // prefetch and the sweep never fetch a file twice.
     assert_eq!(t.calls(Op::Head), 0);
-    assert_eq!(t.calls(Op::Get), 120);
+    // (A body the server cut short is retried once.)
+    assert!(
+        (120..=124).contains(&t.calls(Op::Get)),
+        "{:?}",
+        t.store.stats()
+    );
     // Again on the same mount: the page cache or the node cache, no request.
     t.rt.block_on(t.cache.settle());
     let before = t.store.stats();
@@ -150,9 +155,10 @@ fn a_read_only_datasets_shuffled_epochs_sweep_it_then_make_no_request() {
     t.read(&order, 8);
     t.rt.block_on(t.cache.settle());
     let epoch1 = t.store.stats();
-    // Looked up by name until the background listing (one LIST) was adopted; then swept into
-    // the cache: at most one GET per file, fewer HEADs than files.
-    assert!(epoch1.calls_of(Op::Get) <= 400, "{epoch1:?}");
+    // Looked up by name until the background listing was adopted; then swept into the cache:
+    // one GET per file (and now and then a second, when the server cut a body short: retried
+    // once), fewer HEADs than files.
+    assert!(epoch1.calls_of(Op::Get) <= 400 + 4, "{epoch1:?}");
     assert!(epoch1.calls_of(Op::Head) < 400, "{epoch1:?}");
     let stats = t.cache.stats();
     assert!(stats.objects + stats.blocks >= 400, "{stats:?}");
