@@ -242,6 +242,47 @@ impl State {
     }
 }
 
+/// How long no block must have been stored before objects are joined into whole files: joining
+/// reads and writes every byte again, which a reader filling the cache would otherwise wait for
+/// (on a small node, for CPU).
+const JOIN_IDLE: std::time::Duration = std::time::Duration::from_millis(300);
+
+/// The joiner thread: joins queued objects one at a time once the cache has been idle for
+/// [`JOIN_IDLE`]; ends when the cache is dropped.
+fn join_when_idle(cache: std::sync::Weak<BlockCache>) {
+    loop {
+        let Some(c) = cache.upgrade() else { return };
+        let next = {
+            let mut joins = c.joins.lock().expect("joins lock");
+            if joins.is_empty() {
+                // Woken by a new join; the timeout notices a dropped cache.
+                let (guard, _) = c
+                    .joins_ready
+                    .wait_timeout(joins, std::time::Duration::from_secs(1))
+                    .expect("joins lock");
+                joins = guard;
+            }
+            if joins.is_empty() {
+                None
+            } else {
+                let idle = c.idle_for();
+                if idle < JOIN_IDLE {
+                    drop(joins);
+                    drop(c);
+                    std::thread::sleep(JOIN_IDLE - idle);
+                    continue;
+                }
+                joins.pop_front()
+            }
+        };
+        if let Some((obj, size)) = next {
+            c.assemble(&obj, size);
+            c.writes.fetch_sub(1, Ordering::AcqRel);
+            c.writes_done.notify_waiters();
+        }
+    }
+}
+
 /// Who asks [`BlockCache::get_or_fetch_as`] for a block. `owner` names the caller's identity
 /// (its credentials; 0 for none in particular).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -282,6 +323,13 @@ pub struct BlockCache {
     tmp_seq: AtomicU64,
     writes: AtomicUsize,
     writes_done: Notify,
+    /// Objects whose blocks are all on disk, to be joined into whole files once the cache is
+    /// idle (see [`JOIN_IDLE`]); each counts in `writes` until joined.
+    joins: Mutex<std::collections::VecDeque<(ObjectKey, u64)>>,
+    joins_ready: std::sync::Condvar,
+    /// When a block was last stored: milliseconds since `opened`.
+    last_fill: AtomicU64,
+    opened: std::time::Instant,
     /// Warm-ups started in this process (by id), so each runs once.
     claimed: Mutex<std::collections::HashSet<String>>,
 }
@@ -374,6 +422,10 @@ impl BlockCache {
             tmp_seq: AtomicU64::new(0),
             writes: AtomicUsize::new(0),
             writes_done: Notify::new(),
+            joins: Mutex::new(Default::default()),
+            joins_ready: std::sync::Condvar::new(),
+            last_fill: AtomicU64::new(0),
+            opened: std::time::Instant::now(),
             claimed: Mutex::new(Default::default()),
         });
         let c = cache.clone();
@@ -381,7 +433,28 @@ impl BlockCache {
             .name("ferry-cache-index".into())
             .spawn(move || c.rebuild_index())
             .map_err(dir_err(&cache.cfg.dir))?;
+        let weak = Arc::downgrade(&cache);
+        std::thread::Builder::new()
+            .name("ferry-cache-join".into())
+            .spawn(move || join_when_idle(weak))
+            .map_err(dir_err(&cache.cfg.dir))?;
         Ok(cache)
+    }
+
+    /// Queues `obj` to be joined into one whole file when the cache is idle.
+    fn queue_join(&self, obj: ObjectKey, size: u64) {
+        self.writes.fetch_add(1, Ordering::AcqRel);
+        self.joins
+            .lock()
+            .expect("joins lock")
+            .push_back((obj, size));
+        self.joins_ready.notify_one();
+    }
+
+    /// Milliseconds since the last block was stored.
+    fn idle_for(&self) -> std::time::Duration {
+        let now = self.opened.elapsed().as_millis() as u64;
+        std::time::Duration::from_millis(now.saturating_sub(self.last_fill.load(Ordering::Relaxed)))
     }
 
     pub fn config(&self) -> &CacheConfig {
@@ -859,13 +932,7 @@ impl BlockCache {
                 return;
             }
         }
-        self.writes.fetch_add(1, Ordering::AcqRel);
-        let cache = self.clone();
-        tokio::task::spawn_blocking(move || {
-            cache.assemble(&obj, size);
-            cache.writes.fetch_sub(1, Ordering::AcqRel);
-            cache.writes_done.notify_waiters();
-        });
+        self.queue_join(obj, size);
     }
 
     /// Joins the blocks of `obj` into its whole-object file and deletes them (blocking). Does
@@ -1081,6 +1148,8 @@ impl BlockCache {
         if data.is_empty() {
             return;
         }
+        self.last_fill
+            .store(self.opened.elapsed().as_millis() as u64, Ordering::Relaxed);
         if !self.is_ready() {
             self.skip(key, "the index is still being rebuilt");
             return;
@@ -1160,7 +1229,7 @@ impl BlockCache {
         }
         self.publish_size();
         if let Some((obj, size)) = wish {
-            self.assemble(&obj, size);
+            self.queue_join(obj, size);
         }
     }
 
