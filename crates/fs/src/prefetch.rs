@@ -374,13 +374,14 @@ impl Prefetch {
             return;
         }
         let target = size.min(reader.saturating_add(self.window));
-        // Through the node cache, parts end on block boundaries: each block is then read (and
-        // its checksum computed) once per reader, not by two neighbouring parts.
+        // Through the node cache, a part is one block (or the rest of one): each block is then
+        // read (and its checksum computed) once per reader, not by two neighbouring parts, and
+        // handed on as it came, never copied into a part spanning two.
         let block = src.cache.as_ref().map(|c| c.cache.block_size());
         while next < target {
             let mut len = cfg.part_size.min(target - next);
             if let Some(bs) = block {
-                len = (next + len).next_multiple_of(bs).min(size) - next;
+                len = (next + 1).next_multiple_of(bs).min(size) - next;
             }
             let Some(reservation) = budget.try_reserve(len) else {
                 tracing::trace!(key = %src.key, "memory budget exhausted: prefetch shrinks");
