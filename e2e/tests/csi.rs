@@ -627,6 +627,54 @@ async fn readonly_publish_refuses_writes() {
     );
 }
 
+/// A volume published read-only is an immutable dataset: its metadata is kept for the mount's
+/// life (a change in S3 is not seen after the node's 1 s default TTL), unless a `metadata-ttl`
+/// mount option says otherwise; a writable volume keeps the node's default.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_read_only_volume_keeps_its_metadata_unless_a_mount_option_says_otherwise() {
+    let mut env = Env::start().await;
+    env.s3.create_bucket("imm-bucket").await;
+    env.store
+        .put("imm-bucket", "v/a.txt", Bytes::from_static(b"one"))
+        .await
+        .unwrap();
+    let ctx = map(&[("bucketName", "imm-bucket"), ("prefix", "v/")]);
+    let ro = mount_capability(Mode::MultiNodeReaderOnly, &[]);
+    let ro_ttl = mount_capability(Mode::MultiNodeReaderOnly, &["metadata-ttl 1"]);
+    let rw = mount_capability(Mode::MultiNodeMultiWriter, &[]);
+    let targets = [
+        (env.target("pod-ro", "pv"), ro, 3u64),
+        (env.target("pod-ro-ttl", "pv"), ro_ttl, 10),
+        (env.target("pod-rw", "pv"), rw, 10),
+    ];
+    for (t, cap, _) in &targets {
+        env.publish("v", t, cap.clone(), ctx.clone(), false)
+            .await
+            .unwrap();
+    }
+    let paths: Vec<_> = targets.iter().map(|(t, ..)| t.clone()).collect();
+    let sizes = move |paths: Vec<std::path::PathBuf>| {
+        tokio::task::spawn_blocking(move || {
+            paths
+                .iter()
+                .map(|t| std::fs::metadata(t.join("a.txt")).unwrap().len())
+                .collect::<Vec<u64>>()
+        })
+    };
+    assert_eq!(sizes(paths.clone()).await.unwrap(), [3, 3, 3]);
+    env.store
+        .put("imm-bucket", "v/a.txt", Bytes::from_static(b"twenty-one"))
+        .await
+        .unwrap();
+    // Past the 1 s TTLs (Ferry's and the kernel's attribute timeout).
+    tokio::time::sleep(std::time::Duration::from_millis(1500)).await;
+    let expect: Vec<u64> = targets.iter().map(|(.., size)| *size).collect();
+    assert_eq!(sizes(paths).await.unwrap(), expect);
+    for (t, ..) in &targets {
+        env.unpublish("v", t).await.unwrap();
+    }
+}
+
 /// CreateVolume refuses prefixes that would be the whole bucket or escape it, and a delete-policy
 /// template that could give two volumes one prefix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -156,9 +156,9 @@ struct FsState {
     /// kernel refuses to mix the two on one inode, so passthrough is offered only when no other
     /// cached-mode handle is open (derived from the handles: rebuilt on a handover).
     io: HashMap<Ino, IoModes>,
-    /// One-page listings started by the first lookup miss in a directory without a cached
-    /// listing, with [`FsState::changes`] at their start (see [`Fs::probe_dir`]).
-    probes: HashMap<Ino, (u64, tokio::task::JoinHandle<Option<Listing>>)>,
+    /// Listings started by the first lookup miss in a directory without a cached listing, with
+    /// [`FsState::changes`] and the time at their start (see [`Fs::probe_dir`]).
+    probes: HashMap<Ino, (u64, Instant, tokio::task::JoinHandle<Option<Listing>>)>,
     /// Directories probed already (bounded: cleared past [`PROBED_MAX`]).
     probed: HashSet<Ino>,
     /// Bumped by every change this mount makes to the namespace: a probe that started before

@@ -141,7 +141,7 @@ impl Fs {
             }
             Some(builder.finish())
         });
-        st.probes.insert(dir, (st.changes, task));
+        st.probes.insert(dir, (st.changes, Instant::now(), task));
     }
 
     /// Installs `dir`'s probe listing if it finished, was complete and no change was made
@@ -150,22 +150,20 @@ impl Fs {
         let listing = {
             let mut st = self.lock();
             match st.probes.get(&dir) {
-                Some((_, task)) if task.is_finished() => {}
+                Some((_, _, task)) if task.is_finished() => {}
                 _ => return,
             }
-            let (at, task) = st.probes.remove(&dir).expect("checked");
+            let (at, started, task) = st.probes.remove(&dir).expect("checked");
             let listing = futures::FutureExt::now_or_never(task)
                 .and_then(Result::ok)
                 .flatten();
             match listing {
-                Some(l) if at == st.changes => l,
+                Some(l) if at == st.changes => (l, started),
                 _ => return,
             }
         };
-        if self
-            .install_listing(dir, listing, Instant::now(), true)
-            .is_ok()
-        {
+        let (listing, started) = listing;
+        if self.install_listing(dir, listing, started, true).is_ok() {
             tracing::debug!(dir, "directory listing adopted from a lookup's probe");
         }
     }
@@ -393,6 +391,7 @@ impl Fs {
             (dprefix, first)
         };
         let mut builder = ListingBuilder::new(&dprefix);
+        let started = Instant::now();
         let listed = list_all(
             &*self.store,
             self.bucket(),
@@ -406,7 +405,7 @@ impl Fs {
         match first {
             // As old as its first page; names learned missing since then stay missing.
             Some(p) => self.install_listing(ino, builder.finish(), p.at, true),
-            None => self.install_listing(ino, builder.finish(), Instant::now(), false),
+            None => self.install_listing(ino, builder.finish(), started, false),
         }
     }
 
@@ -422,13 +421,16 @@ impl Fs {
         now: Instant,
         keep_negatives: bool,
     ) -> Result<(Vec<ListedEntry>, Instant), FsError> {
-        let valid = self.ttl();
+        // Believed for the TTL from when it was listed, not from now: a listing adopted late
+        // (a lookup's background listing) is no fresher than its LISTs.
+        let valid = Validity::new(self.cfg.metadata_ttl, now);
         let mut guard = self.lock();
         let st = &mut *guard;
         Self::log_hidden(st, listing.hidden);
         let mut remote = listing.entries;
         let dir = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
         if keep_negatives {
+            let now = Instant::now();
             remote.retain(|e| !dir.cache.is_negative(&e.name, now));
         }
         let children: Vec<(String, Ino)> =
