@@ -70,8 +70,9 @@ impl Dataset {
     }
 }
 
-/// The value of the 64-bit word at word index `word` of the object with `seed`.
-fn word(seed: u64, word: u64) -> u64 {
+/// The value of the 64-bit word at word index `word` of the object with `seed` (also P12's source
+/// of shuffles).
+pub fn random_word(seed: u64, word: u64) -> u64 {
     let mut z =
         (seed ^ word.wrapping_mul(0x9e37_79b9_7f4a_7c15)).wrapping_add(0x9e37_79b9_7f4a_7c15);
     z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
@@ -92,7 +93,7 @@ pub fn content(seed: u64, offset: u64, len: usize) -> Vec<u8> {
     let mut out = Vec::with_capacity(len + 8);
     let mut w = offset / 8;
     while out.len() < len {
-        out.extend_from_slice(&word(seed, w).to_le_bytes());
+        out.extend_from_slice(&random_word(seed, w).to_le_bytes());
         w += 1;
     }
     out.truncate(len);

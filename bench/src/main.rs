@@ -1,7 +1,8 @@
 //! `ferry-bench`: the data-path benchmark of Ferry against other S3 FUSE mounters.
 //!
 //! It starts a local S3 server (versitygw, data on tmpfs so that dropping the page cache does not
-//! slow the "remote" store), PUTs the dataset straight to it, puts a delay proxy between the
+//! slow the "remote" store; or moto, `--server moto`, objects in its memory), PUTs the dataset
+//! straight to it, puts a delay proxy between the
 //! mounters and the server (`--rtt-ms`), mounts each mounter through the proxy in turn, runs the
 //! issue's workloads on fresh mounts, and prints one table. A program to run by hand as root; it is
 //! never part of CI. See doc/BENCHMARKS.md.
@@ -10,6 +11,7 @@ mod dataset;
 mod instance;
 mod mounters;
 mod proxy;
+mod server;
 mod table;
 mod workloads;
 
@@ -20,15 +22,15 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use clap::Parser;
+use clap::{Parser, Subcommand};
 use ferry_s3::{S3Config, S3Options, S3Store};
 use ferry_store::{ListRequest, ObjectStore};
-use ferry_testkit::S3Server;
 use futures::TryStreamExt;
 
 use dataset::{Dataset, Needs, BUCKET, MIB};
-use mounters::{Kind, Mount, S3Target, Tools};
+use mounters::{Kind, Mode, Mount, S3Target, Tools};
 use proxy::DelayProxy;
+use server::{Server, ServerKind};
 use table::{Column, Table};
 use workloads::{Bench, Cell, Group, Row};
 
@@ -41,16 +43,19 @@ struct Cli {
     /// Multiplies object sizes and counts (1.0 = the sizes).
     #[arg(long, default_value_t = 1.0)]
     scale: f64,
-    /// Workloads to run, comma-separated (P1,P2,P3,P4,P5,P6,P7,P10,P11); default all.
+    /// Workloads to run, comma-separated (P1,P2,P3,P4,P5,P6,P7,P10,P11,P12,P13); default all.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Mounters to compare, comma-separated.
     #[arg(
         long,
         value_delimiter = ',',
-        default_value = "ferry,mount-s3,s3fs,rclone,geesefs,goofys"
+        default_value = "ferry,ferry-cache,mount-s3,s3fs,rclone,geesefs,goofys"
     )]
     mounters: Vec<String>,
+    /// The S3 server behind the delay proxy.
+    #[arg(long, value_enum, default_value_t = ServerKind::Versitygw)]
+    server: ServerKind,
     /// Append the table (as Markdown) to this file.
     #[arg(long)]
     out: Option<PathBuf>,
@@ -69,10 +74,23 @@ struct Cli {
     /// Keep the work directory (mounter logs) instead of deleting it.
     #[arg(long)]
     keep_work: bool,
+    #[command(subcommand)]
+    internal: Option<Internal>,
+}
+
+/// Subcommands the benchmark runs itself, not meant for people.
+#[derive(Debug, Subcommand)]
+enum Internal {
+    /// A P12 worker process (see `workloads::ml_worker`).
+    #[command(name = workloads::ML_WORKER_CMD, hide = true)]
+    MlWorker { root: PathBuf, size: u64 },
 }
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    if let Some(Internal::MlWorker { root, size }) = &cli.internal {
+        return workloads::ml_worker(root, *size);
+    }
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
         bail!("ferry-bench must run as root (FUSE mounts, drop_caches)");
@@ -85,10 +103,13 @@ fn main() -> anyhow::Result<()> {
     let started = Instant::now();
     let only: Vec<String> = cli.only.iter().map(|s| s.trim().to_uppercase()).collect();
     let selected = |r: Row| only.is_empty() || only.iter().any(|o| o == r.workload());
-    // P10 is measured during P1.
+    // P10 is measured during P1, P13 during P7.
+    let asked = |w: &str| only.iter().any(|o| o == w);
     let rows: Vec<Row> = Row::ALL
         .into_iter()
-        .filter(|r| selected(*r) || (*r == Row::P1 && only.iter().any(|o| o == "P10")))
+        .filter(|r| {
+            selected(*r) || (*r == Row::P1 && asked("P10")) || (*r == Row::P7 && asked("P13"))
+        })
         .collect();
     if rows.is_empty() {
         bail!("--only selects no workload");
@@ -123,7 +144,7 @@ fn main() -> anyhow::Result<()> {
             .any(|g| matches!(g, Group::Sequential | Group::Random)),
         small: groups
             .iter()
-            .any(|g| matches!(g, Group::SmallOne | Group::SmallEight)),
+            .any(|g| matches!(g, Group::SmallOne | Group::SmallEight | Group::MlLoader)),
         listing: groups.contains(&Group::Listing),
         shards: groups.contains(&Group::Concurrent),
         many: groups.contains(&Group::Huge),
@@ -171,21 +192,13 @@ fn run(
     mounter_cols: &[(Kind, Option<String>)],
     work: &Path,
 ) -> anyhow::Result<String> {
-    // The server keeps its objects in RAM, out of reach of drop_caches.
-    if std::env::var_os("FERRY_TEST_TMPDIR").is_none() && Path::new("/dev/shm").is_dir() {
-        std::env::set_var("FERRY_TEST_TMPDIR", "/dev/shm");
-    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let server = S3Server::start();
-    eprintln!(
-        "S3 server (versitygw) at {} (data in {}, sidecar metadata: {})",
-        server.endpoint_url(),
-        server.root().display(),
-        server.uses_sidecar()
-    );
+    let largest = ds.big_size.max(ds.shard_size);
+    let server = Server::start(cli.server, largest)?;
+    eprintln!("S3 server: {}", server.describe());
     let direct = rt.block_on(S3Store::with_options(
         server.s3_config(),
         S3Options::default(),
@@ -257,7 +270,12 @@ fn run(
         let r = workloads::page_cache_reference(work, &ds.big_key, ds.big_size);
         cells.insert((Row::P2, Column::Ceiling), ceiling(r, &mut notes, "P2"));
     }
-    for (row, n) in [(Row::P4One, 1), (Row::P4Eight, 8)] {
+    // P12's first epoch has the same reference as P4 with 8 readers: one GET per file, 8 at once.
+    for (row, n) in [
+        (Row::P4One, 1),
+        (Row::P4Eight, 8),
+        (Row::P12Epoch1, workloads::ML_WORKERS),
+    ] {
         if rows.contains(&row) {
             let keys: Vec<String> = (0..ds.small_count).map(|i| ds.small_key(i)).collect();
             let r = rt.block_on(workloads::sdk_small(&proxied, &keys, ds.small_size, n));
@@ -303,16 +321,36 @@ fn run(
             continue;
         }
         let dir0 = work.join(format!("mnt-{}", kind.name()));
+        let flags = |mode: Mode| {
+            let creds = work.join("s3fs.passwd");
+            let cache = mounters::cache_dir(work, &dir0);
+            kind.flags(&target, &dir0, &creds, &cache, mode)
+                .join(" ")
+                .replace(&target.secret_key, "$SECRET")
+                .replace(&target.access_key, "$KEY")
+        };
         flags_used.push(format!(
             "- **{}** (`{}`, {}): `{}`",
             kind.name(),
             mounters::version_of(*kind, tools),
             kind.binary(tools).unwrap_or_default().display(),
-            kind.flags(&target, &dir0, &work.join("s3fs.passwd"))
-                .join(" ")
-                .replace(&target.secret_key, "$SECRET")
-                .replace(&target.access_key, "$KEY")
+            flags(Mode::ReadWrite)
         ));
+        if groups.iter().any(|g| g.mode() == Mode::ReadOnly) {
+            flags_used.push(format!("  - read-only (P12): `{}`", flags(Mode::ReadOnly)));
+        }
+        if *kind == Kind::FerryCache {
+            let fs = fs_type_of(work);
+            flags_used.push(format!(
+                "  - the cache: a fresh, empty directory per mount under {} ({fs}{}), removed after unmount",
+                work.display(),
+                if fs == "tmpfs" {
+                    ": **not a local disk**, set TMPDIR"
+                } else {
+                    ""
+                }
+            ));
+        }
         for (i, group) in groups.iter().enumerate() {
             loads.push(load_average());
             let dir = work.join(format!("mnt-{}-{i}", kind.name()));
@@ -323,13 +361,15 @@ fn run(
                 .copied()
                 .filter(|r| rows.contains(r))
                 .collect();
-            match Mount::start(*kind, tools, &target, &dir, work) {
+            match Mount::start(*kind, tools, &target, &dir, work, group.mode()) {
                 Ok(mut mount) => {
                     let results = bench.run_group(*group, &mut mount);
                     if let Some(reqs) = mount.s3_requests() {
-                        let names: Vec<&str> = wanted.iter().map(|r| r.workload()).collect();
+                        let mut names: Vec<&str> = wanted.iter().map(|r| r.workload()).collect();
+                        names.dedup();
                         notes.push(format!(
-                            "ferry's S3 requests on the mount of {}: {reqs}",
+                            "{}'s S3 requests on the mount of {}: {reqs}",
+                            kind.name(),
                             names.join("+")
                         ));
                     }
@@ -369,6 +409,9 @@ fn run(
             );
         }
     }
+    if rows.contains(&Row::P12Epoch1) {
+        notes.insert(0, epoch_ratios(&cells, mounter_cols));
+    }
     notes.extend(std::mem::take(&mut bench.notes));
     let proxy_connections = proxy.connections();
     drop(proxy);
@@ -380,9 +423,11 @@ fn run(
     };
     let mut report = String::new();
     report.push_str(&format!(
-        "### rtt {} ms, scale {}\n\n{}\n",
+        "### rtt {} ms, scale {}, server {}\n\nS3 server: {}.\n\n{}\n",
         cli.rtt_ms,
         cli.scale,
+        server.name(),
+        server.describe(),
         table.markdown(ds)
     ));
     report.push_str(&format!(
@@ -421,6 +466,28 @@ fn run(
     Ok(report)
 }
 
+/// P12's note: each mounter's epoch 2 / epoch 1 (how much a second epoch on the same mount gains).
+fn epoch_ratios(
+    cells: &HashMap<(Row, Column), Cell>,
+    mounters: &[(Kind, Option<String>)],
+) -> String {
+    let ratios: Vec<String> = mounters
+        .iter()
+        .filter(|(_, na)| na.is_none())
+        .map(|(k, _)| {
+            let value = |r: Row| match cells.get(&(r, Column::Mounter(*k))) {
+                Some(Cell::Value(v)) if *v > 0.0 => Some(*v),
+                _ => None,
+            };
+            match (value(Row::P12Epoch1), value(Row::P12Epoch2)) {
+                (Some(e1), Some(e2)) => format!("{} {:.2}", k.name(), e2 / e1),
+                _ => format!("{} —", k.name()),
+            }
+        })
+        .collect();
+    format!("P12 epoch 2 / epoch 1 (files/s): {}", ratios.join(", "))
+}
+
 /// Seconds to list `prefix` page by page (1000 keys a page, `/` delimiter), as a mounter's readdir
 /// must at least.
 async fn list_all(store: &S3Store, prefix: &str) -> anyhow::Result<f64> {
@@ -448,6 +515,21 @@ async fn head_latency(store: &S3Store, n: usize) -> anyhow::Result<(f64, f64)> {
     }
     samples.sort_by(|a, b| a.total_cmp(b));
     Ok((samples[n / 2], samples[n * 9 / 10]))
+}
+
+/// The type of the filesystem `path` is on (from `/proc/self/mountinfo`: the longest mount point
+/// that is a prefix of it), e.g. `ext4` or `tmpfs`.
+fn fs_type_of(path: &Path) -> String {
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    info.lines()
+        .filter_map(|l| {
+            let mount_point = l.split(' ').nth(4)?;
+            let fs = l.split(" - ").nth(1)?.split(' ').next()?;
+            path.starts_with(mount_point)
+                .then(|| (mount_point.len(), fs.to_string()))
+        })
+        .max()
+        .map_or_else(|| "?".into(), |(_, fs)| fs)
 }
 
 /// The 1-minute load average (other processes on this machine disturb the numbers).

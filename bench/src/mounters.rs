@@ -3,8 +3,11 @@
 //!
 //! Every mounter gets the same semantics as far as it allows: read-write, no local data cache,
 //! metadata (names and attributes) trusted for [`METADATA_TTL_SECS`], path-style requests to the
-//! delay proxy, static keys from the environment, owner = the mounting user (root). [`Kind::flags`]
-//! is the single place those flags are spelled, and the report prints them.
+//! delay proxy, static keys from the environment, owner = the mounting user (root). Two exceptions:
+//! `ferry-cache` is Ferry with the node cache as the Helm chart enables it (a fresh, empty cache
+//! directory per mount), and a [`Mode::ReadOnly`] mount (P12) gets what each mounter's users run
+//! for a dataset. [`Kind::flags`] is the single place those flags are spelled, and the report
+//! prints them.
 
 use std::fs::File;
 use std::path::{Path, PathBuf};
@@ -15,12 +18,17 @@ use anyhow::{bail, Context};
 
 /// How long every mounter may trust metadata it has seen.
 pub const METADATA_TTL_SECS: u32 = 60;
+/// The node cache of `ferry-cache`, as the Helm chart sets it (`node.cache.maxSize: 20GiB`), in
+/// MiB; every other cache flag keeps `ferry-node mount`'s default (4 MiB blocks, passthrough on).
+pub const FERRY_CACHE_MAX_MIB: u32 = 20 * 1024;
 const MOUNT_TIMEOUT: Duration = Duration::from_secs(30);
 const EXIT_TIMEOUT: Duration = Duration::from_secs(10);
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub enum Kind {
     Ferry,
+    /// Ferry with the node cache on (the chart's default).
+    FerryCache,
     MountS3,
     S3fs,
     Rclone,
@@ -29,8 +37,9 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 7] = [
         Kind::Ferry,
+        Kind::FerryCache,
         Kind::MountS3,
         Kind::S3fs,
         Kind::Rclone,
@@ -41,6 +50,7 @@ impl Kind {
     pub fn name(self) -> &'static str {
         match self {
             Kind::Ferry => "ferry",
+            Kind::FerryCache => "ferry-cache",
             Kind::MountS3 => "mount-s3",
             Kind::S3fs => "s3fs",
             Kind::Rclone => "rclone",
@@ -54,8 +64,14 @@ impl Kind {
             .into_iter()
             .find(|k| k.name() == s.trim())
             .with_context(|| {
-                format!("unknown mounter {s:?} (ferry, mount-s3, s3fs, rclone, geesefs, goofys)")
+                let names: Vec<&str> = Kind::ALL.iter().map(|k| k.name()).collect();
+                format!("unknown mounter {s:?} ({})", names.join(", "))
             })
+    }
+
+    /// Whether this is `ferry-node` (with or without the node cache).
+    pub fn is_ferry(self) -> bool {
+        matches!(self, Kind::Ferry | Kind::FerryCache)
     }
 
     /// The executable for this mounter, or why there is none.
@@ -68,7 +84,7 @@ impl Kind {
             }
         };
         match self {
-            Kind::Ferry => found(
+            Kind::Ferry | Kind::FerryCache => found(
                 tools.ferry_bin.clone(),
                 "cargo build --release -p ferry-node",
             ),
@@ -84,14 +100,22 @@ impl Kind {
     }
 
     /// The mounter's arguments after its executable; `creds` is a file holding `KEY:SECRET`
-    /// (s3fs reads keys only from a file).
-    pub fn flags(self, s3: &S3Target, dir: &Path, creds: &Path) -> Vec<String> {
+    /// (s3fs reads keys only from a file), `cache` the node cache directory (`ferry-cache` only).
+    pub fn flags(
+        self,
+        s3: &S3Target,
+        dir: &Path,
+        creds: &Path,
+        cache: &Path,
+        mode: Mode,
+    ) -> Vec<String> {
         let ttl = METADATA_TTL_SECS;
+        let ro = mode == Mode::ReadOnly;
         let dir = dir.display().to_string();
         let mut v: Vec<String> = Vec::new();
         let mut push = |items: &[&str]| v.extend(items.iter().map(|s| s.to_string()));
         match self {
-            Kind::Ferry => {
+            Kind::Ferry | Kind::FerryCache => {
                 push(&[
                     "mount",
                     &s3.bucket,
@@ -100,12 +124,29 @@ impl Kind {
                     &s3.endpoint_url,
                 ]);
                 push(&["--force-path-style", "--region", &s3.region]);
-                push(&["--metadata-ttl", &ttl.to_string(), "--foreground"]);
+                if ro {
+                    // A read-only volume keeps metadata for the mount's life unless told otherwise:
+                    // what a user of a dataset runs.
+                    push(&["--read-only"]);
+                } else {
+                    push(&["--metadata-ttl", &ttl.to_string()]);
+                }
+                push(&["--foreground"]);
+                if self == Kind::FerryCache {
+                    let max = FERRY_CACHE_MAX_MIB.to_string();
+                    push(&["--cache", &cache.display().to_string()]);
+                    push(&["--max-cache-size", &max]);
+                }
             }
             Kind::MountS3 => {
                 push(&[&s3.bucket, &dir, "--endpoint-url", &s3.endpoint_url]);
                 push(&["--force-path-style", "--region", &s3.region]);
-                push(&["--metadata-ttl", &ttl.to_string()]);
+                if ro {
+                    // Mountpoint's documented setting for data that does not change.
+                    push(&["--read-only", "--metadata-ttl", "indefinite"]);
+                } else {
+                    push(&["--metadata-ttl", &ttl.to_string()]);
+                }
             }
             Kind::S3fs => {
                 push(&[
@@ -119,6 +160,9 @@ impl Kind {
                 push(&["-o", &format!("endpoint={}", s3.region)]);
                 push(&["-o", &format!("passwd_file={}", creds.display())]);
                 push(&["-o", &format!("stat_cache_expire={ttl}")]);
+                if ro {
+                    push(&["-o", "ro"]);
+                }
             }
             Kind::Rclone => {
                 push(&["mount", &format!(":s3:{}", s3.bucket), &dir]);
@@ -129,21 +173,39 @@ impl Kind {
                 push(&["--vfs-cache-mode", "off"]);
                 push(&["--dir-cache-time", &format!("{ttl}s")]);
                 push(&["--attr-timeout", &format!("{ttl}s")]);
+                if ro {
+                    push(&["--read-only"]);
+                }
             }
             Kind::Geesefs => {
                 push(&["-f", "--endpoint", &s3.endpoint_url, "--region", &s3.region]);
                 push(&["--stat-cache-ttl", &format!("{ttl}s")]);
+                if ro {
+                    push(&["-o", "ro"]);
+                }
                 push(&[&s3.bucket, &dir]);
             }
             Kind::Goofys => {
                 push(&["-f", "--endpoint", &s3.endpoint_url, "--region", &s3.region]);
                 push(&["--stat-cache-ttl", &format!("{ttl}s")]);
                 push(&["--type-cache-ttl", &format!("{ttl}s")]);
+                if ro {
+                    push(&["-o", "ro"]);
+                }
                 push(&[&s3.bucket, &dir]);
             }
         }
         v
     }
+}
+
+/// How a workload group mounts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Mode {
+    /// The benchmark's common semantics (P3 writes; metadata trusted for 60 s).
+    ReadWrite,
+    /// A dataset mounted as its users mount it (P12).
+    ReadOnly,
 }
 
 /// Where the mounters' executables are.
@@ -173,16 +235,21 @@ pub struct Mount {
     log: PathBuf,
     /// Where ferry serves Prometheus metrics (ferry only).
     metrics_addr: Option<String>,
+    /// `ferry-cache`'s node cache directory: made empty for this mount, removed after it.
+    cache: Option<PathBuf>,
 }
 
 impl Mount {
     /// Starts `kind` on `dir` (created if missing) and waits until the kernel shows the mount.
+    /// `ferry-cache` gets a fresh, empty cache directory under `work` (so a cold workload is cold
+    /// for the node cache too), removed once the mounter has exited.
     pub fn start(
         kind: Kind,
         tools: &Tools,
         s3: &S3Target,
         dir: &Path,
         work: &Path,
+        mode: Mode,
     ) -> anyhow::Result<Mount> {
         let bin = kind.binary(tools).map_err(anyhow::Error::msg)?;
         std::fs::create_dir_all(dir)?;
@@ -198,9 +265,17 @@ impl Mount {
             dir.file_name().unwrap_or_default().to_string_lossy()
         ));
         let out = File::create(&log)?;
-        let mut args = kind.flags(s3, dir, &creds);
+        let cache = cache_dir(work, dir);
+        if kind == Kind::FerryCache {
+            if cache.exists() {
+                std::fs::remove_dir_all(&cache)
+                    .with_context(|| format!("emptying {}", cache.display()))?;
+            }
+            std::fs::create_dir_all(&cache)?;
+        }
+        let mut args = kind.flags(s3, dir, &creds, &cache, mode);
         // Ferry's own request counters, read back per workload group (observability only).
-        let metrics_addr = (kind == Kind::Ferry).then(free_local_addr).transpose()?;
+        let metrics_addr = kind.is_ferry().then(free_local_addr).transpose()?;
         if let Some(addr) = &metrics_addr {
             args.extend(["--metrics-addr".to_string(), addr.clone()]);
         }
@@ -226,6 +301,7 @@ impl Mount {
             child: Some(child),
             log,
             metrics_addr,
+            cache: (kind == Kind::FerryCache).then_some(cache),
         };
         let deadline = Instant::now() + MOUNT_TIMEOUT;
         loop {
@@ -332,6 +408,17 @@ impl Mount {
     }
 
     fn finish(&mut self, force: bool) -> anyhow::Result<()> {
+        let r = self.stop(force);
+        // The mounter is gone (exited or killed): nothing writes to its cache any more.
+        if let Some(cache) = self.cache.take() {
+            if let Err(e) = std::fs::remove_dir_all(&cache) {
+                eprintln!("warning: removing {}: {e}", cache.display());
+            }
+        }
+        r
+    }
+
+    fn stop(&mut self, force: bool) -> anyhow::Result<()> {
         let Some(mut child) = self.child.take() else {
             if mounted(&self.dir).unwrap_or(false) {
                 let _ = umount(&self.dir, true);
@@ -401,6 +488,15 @@ pub fn mounted(dir: &Path) -> anyhow::Result<bool> {
     Ok(info
         .lines()
         .any(|l| l.split(' ').nth(4) == Some(want.as_str())))
+}
+
+/// The node cache directory of the `ferry-cache` mount at `dir`: on the work dir's filesystem (a
+/// local disk, as the chart asks of `node.cache.hostPath`), one per mount point.
+pub fn cache_dir(work: &Path, dir: &Path) -> PathBuf {
+    work.join(format!(
+        "cache-{}",
+        dir.file_name().unwrap_or_default().to_string_lossy()
+    ))
 }
 
 /// `127.0.0.1:<a port that was free a moment ago>`.

@@ -1,5 +1,6 @@
 //! The one result table (rows = workloads, columns = mounters, then the reference "ceiling"
-//! column, then "ferry / X" ratio columns) and the targets evaluated from it, as Markdown.
+//! column, then "ferry / X" ratio columns and "ferry-cache / ferry") and the targets
+//! evaluated from it, as Markdown.
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
@@ -13,8 +14,8 @@ use crate::workloads::{Cell, Row};
 pub enum Column {
     Mounter(Kind),
     /// The reference a mounter is measured against, through the same proxy: the SDK's parallel
-    /// ranged GETs (P1, P7), one GET per small file (P4), LIST of the directory (P5 cold, P11); or
-    /// the page cache of a local copy (P2).
+    /// ranged GETs (P1, P7), one GET per small file (P4, P12 epoch 1), LIST of the directory (P5
+    /// cold, P11); or the page cache of a local copy (P2).
     Ceiling,
 }
 
@@ -58,11 +59,9 @@ impl Table {
         }
     }
 
-    fn ratio_text(&self, row: Row, col: Column) -> String {
-        match (
-            self.value(row, Column::Mounter(Kind::Ferry)),
-            self.value(row, col),
-        ) {
+    /// `num / den` for `row`, as the table prints ratios.
+    fn ratio_text(&self, row: Row, num: Column, den: Column) -> String {
+        match (self.value(row, num), self.value(row, den)) {
             (Some(f), Some(x)) if x > 0.0 => format!("{:.2}", f / x),
             _ => "—".into(),
         }
@@ -74,15 +73,21 @@ impl Table {
             .mounters
             .iter()
             .map(|(k, _)| *k)
-            .filter(|k| *k != Kind::Ferry)
+            .filter(|k| !k.is_ferry())
             .collect();
-        let has_ferry = self.mounters.iter().any(|(k, _)| *k == Kind::Ferry);
+        let has = |kind: Kind| self.mounters.iter().any(|(k, _)| *k == kind);
+        let has_ferry = has(Kind::Ferry);
+        let has_cache_ratio = has_ferry && has(Kind::FerryCache);
+        let ferry = Column::Mounter(Kind::Ferry);
         let mut head = vec!["workload".to_string(), "unit".to_string()];
         head.extend(self.mounters.iter().map(|(k, _)| k.name().to_string()));
         head.push("ceiling".into());
         if has_ferry {
             head.extend(peers.iter().map(|k| format!("ferry / {}", k.name())));
             head.push("ferry / ceiling".into());
+        }
+        if has_cache_ratio {
+            head.push("ferry-cache / ferry".into());
         }
         let mut out = String::new();
         let _ = writeln!(out, "| {} |", head.join(" | "));
@@ -106,9 +111,12 @@ impl Table {
                 line.extend(
                     peers
                         .iter()
-                        .map(|k| self.ratio_text(row, Column::Mounter(*k))),
+                        .map(|k| self.ratio_text(row, ferry, Column::Mounter(*k))),
                 );
-                line.push(self.ratio_text(row, Column::Ceiling));
+                line.push(self.ratio_text(row, ferry, Column::Ceiling));
+            }
+            if has_cache_ratio {
+                line.push(self.ratio_text(row, Column::Mounter(Kind::FerryCache), ferry));
             }
             let _ = writeln!(out, "| {} |", line.join(" | "));
         }

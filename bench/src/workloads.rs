@@ -1,14 +1,14 @@
-//! The workloads of the data-path issue (P1–P11), run against one mount at a time, and the
+//! The workloads of the data-path issue (P1–P13), run against one mount at a time, and the
 //! references they are compared with (the SDK ceiling, the page cache).
 //!
 //! Each group of workloads gets a fresh mount; each workload runs on a worker thread under a
 //! deadline. A workload that overruns gets `timeout`: the mounter is killed and its mount detached,
 //! which makes the worker's blocked system calls fail, so the benchmark always moves on.
 
-use std::io::Read;
+use std::io::{BufRead, BufReader, Read, Write as _};
 use std::os::fd::IntoRawFd;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
 use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -18,8 +18,8 @@ use ferry_s3::S3Store;
 use ferry_store::ObjectStore;
 use futures::stream::{self, StreamExt, TryStreamExt};
 
-use crate::dataset::{check_sample, content, seed_of, Dataset, BUCKET, MIB};
-use crate::mounters::{memory_of, Mount};
+use crate::dataset::{check_sample, content, random_word, seed_of, Dataset, BUCKET, MIB};
+use crate::mounters::{memory_of, Mode, Mount};
 
 /// What a user program reads or writes with at a time (`dd bs=1M`).
 const IO_BUF: usize = 1024 * 1024;
@@ -38,10 +38,13 @@ pub enum Row {
     P7,
     P10,
     P11,
+    P12Epoch1,
+    P12Epoch2,
+    P13,
 }
 
 impl Row {
-    pub const ALL: [Row; 11] = [
+    pub const ALL: [Row; 14] = [
         Row::P1,
         Row::P2,
         Row::P3,
@@ -53,6 +56,9 @@ impl Row {
         Row::P7,
         Row::P10,
         Row::P11,
+        Row::P12Epoch1,
+        Row::P12Epoch2,
+        Row::P13,
     ];
 
     /// The workload name as the issue spells it (`--only` takes these).
@@ -67,6 +73,8 @@ impl Row {
             Row::P7 => "P7",
             Row::P10 => "P10",
             Row::P11 => "P11",
+            Row::P12Epoch1 | Row::P12Epoch2 => "P12",
+            Row::P13 => "P13",
         }
     }
 
@@ -87,16 +95,22 @@ impl Row {
             Row::P7 => format!("P7 8 concurrent readers × {} MiB", mib(ds.shard_size)),
             Row::P10 => "P10 mounter peak RSS (VmHWM) after P1".to_string(),
             Row::P11 => format!("P11 readdir of {} entries", ds.many_count),
+            Row::P12Epoch1 => format!(
+                "P12 ML loader epoch 1 ({ML_WORKERS} processes, {} × 128 KiB, read-only mount, cold)",
+                ds.small_count
+            ),
+            Row::P12Epoch2 => "P12 ML loader epoch 2 (same mount, no cache drop)".to_string(),
+            Row::P13 => "P13 mounter peak RSS (VmHWM) after P7".to_string(),
         }
     }
 
     pub fn unit(self) -> &'static str {
         match self {
             Row::P1 | Row::P2 | Row::P7 => "MiB/s ↑",
-            Row::P3 | Row::P4One | Row::P4Eight => "files/s ↑",
+            Row::P3 | Row::P4One | Row::P4Eight | Row::P12Epoch1 | Row::P12Epoch2 => "files/s ↑",
             Row::P5Cold | Row::P5Warm | Row::P11 => "s ↓",
             Row::P6 => "IOPS ↑",
-            Row::P10 => "MiB ↓",
+            Row::P10 | Row::P13 => "MiB ↓",
         }
     }
 
@@ -124,10 +138,12 @@ pub enum Group {
     Random,
     Concurrent,
     Huge,
+    /// P12: both epochs on one fresh read-only mount.
+    MlLoader,
 }
 
 impl Group {
-    pub const ALL: [Group; 8] = [
+    pub const ALL: [Group; 9] = [
         Group::Sequential,
         Group::Writes,
         Group::SmallOne,
@@ -136,6 +152,7 @@ impl Group {
         Group::Random,
         Group::Concurrent,
         Group::Huge,
+        Group::MlLoader,
     ];
 
     pub fn rows(self) -> &'static [Row] {
@@ -146,8 +163,17 @@ impl Group {
             Group::SmallEight => &[Row::P4Eight],
             Group::Listing => &[Row::P5Cold, Row::P5Warm],
             Group::Random => &[Row::P6],
-            Group::Concurrent => &[Row::P7],
+            Group::Concurrent => &[Row::P7, Row::P13],
             Group::Huge => &[Row::P11],
+            Group::MlLoader => &[Row::P12Epoch1, Row::P12Epoch2],
+        }
+    }
+
+    /// How the group's fresh mount is made.
+    pub fn mode(self) -> Mode {
+        match self {
+            Group::MlLoader => Mode::ReadOnly,
+            _ => Mode::ReadWrite,
         }
     }
 }
@@ -180,13 +206,7 @@ impl Bench {
                 let p1 = self.guarded(mount, move || read_file(&p, seed, IO_BUF));
                 let p1_ok = p1.is_ok();
                 out.push((Row::P1, self.mib_per_s(mount, "P1", p1)));
-                out.push((
-                    Row::P10,
-                    match mount.pid().and_then(memory_of) {
-                        Some((hwm, _)) if p1_ok => Cell::Value(hwm as f64 / MIB as f64),
-                        _ => Cell::Failed("no P1".into()),
-                    },
-                ));
+                out.push((Row::P10, peak_rss(mount, p1_ok, "no P1")));
                 let p2 = if p1_ok {
                     self.guarded(mount, move || read_file(&path, seed, IO_BUF))
                 } else {
@@ -274,7 +294,9 @@ impl Bench {
                     .map(|k| (root.join(k), seed_of(k)))
                     .collect();
                 let r = self.guarded(mount, move || read_concurrently(files));
+                let p7_ok = r.is_ok();
                 out.push((Row::P7, self.mib_per_s(mount, "P7", r)));
+                out.push((Row::P13, peak_rss(mount, p7_ok, "no P7")));
             }
             Group::Huge => {
                 drop_caches();
@@ -284,6 +306,51 @@ impl Bench {
                 let cell = self.seconds(mount, "P11", r);
                 out.push((Row::P11, cell));
             }
+            Group::MlLoader => out.extend(self.ml_loader(mount)),
+        }
+        out
+    }
+
+    /// P12: [`ML_WORKERS`] worker processes started and ready (their binary paged in), then the
+    /// page cache dropped, then epoch 1 and, without a drop, epoch 2, each timed from the moment
+    /// the workers are handed their lists until the last has read its last file.
+    fn ml_loader(&mut self, mount: &mut Mount) -> Vec<(Row, Cell)> {
+        let ds = self.ds.clone();
+        let keys: Vec<String> = (0..ds.small_count).map(|i| ds.small_key(i)).collect();
+        let (root, size) = (mount.dir.clone(), ds.small_size);
+        let started = self.guarded(mount, move || {
+            let pool = MlPool::start(&root, size)?;
+            drop_caches();
+            Ok(pool)
+        });
+        let mut pool = match started {
+            Ok((pool, _)) => Some(pool),
+            Err(e) => {
+                let cell = self.failed(mount, "P12 workers", e);
+                return vec![(Row::P12Epoch1, cell.clone()), (Row::P12Epoch2, cell)];
+            }
+        };
+        let mut out = Vec::new();
+        for (epoch, row) in [(1, Row::P12Epoch1), (2, Row::P12Epoch2)] {
+            let Some(p) = pool.take() else {
+                out.push((row, Cell::Failed("skipped".into())));
+                continue;
+            };
+            let order = ml_epoch_order(&keys, epoch);
+            let r = self.guarded(mount, move || {
+                let mut p = p;
+                p.epoch(&order)?;
+                Ok(p)
+            });
+            let what = format!("P12 epoch {epoch}");
+            let cell = match r {
+                Ok((p, secs)) => {
+                    pool = Some(p);
+                    Cell::Value(keys.len() as f64 / secs)
+                }
+                Err(e) => self.failed(mount, &what, e),
+            };
+            out.push((row, cell));
         }
         out
     }
@@ -453,26 +520,8 @@ fn read_small_files(
             std::thread::spawn(move || -> anyhow::Result<()> {
                 let mut buf = vec![0u8; IO_BUF];
                 for name in names.iter().skip(r).step_by(readers) {
-                    let p = dir.join(name);
                     let seed = seed_of(&format!("{prefix}/{name}"));
-                    let mut f =
-                        std::fs::File::open(&p).with_context(|| format!("open {}", p.display()))?;
-                    let mut off = 0u64;
-                    loop {
-                        let n = f
-                            .read(&mut buf)
-                            .with_context(|| format!("read {}", p.display()))?;
-                        if n == 0 {
-                            break;
-                        }
-                        if !check_sample(seed, off, &buf[..n]) {
-                            bail!("{}: wrong content at {off}", p.display());
-                        }
-                        off += n as u64;
-                    }
-                    if off != size {
-                        bail!("{}: read {off} bytes, expected {size}", p.display());
-                    }
+                    read_whole(&dir.join(name), seed, size, &mut buf)?;
                 }
                 Ok(())
             })
@@ -481,6 +530,29 @@ fn read_small_files(
     for h in handles {
         h.join()
             .map_err(|_| anyhow::anyhow!("a reader panicked"))??;
+    }
+    Ok(())
+}
+
+/// Opens `p`, reads it to the end with `buf.len()` bytes per read, checks a sample of every
+/// buffer and the size, and closes it (P4, P12).
+fn read_whole(p: &Path, seed: u64, size: u64, buf: &mut [u8]) -> anyhow::Result<()> {
+    let mut f = std::fs::File::open(p).with_context(|| format!("open {}", p.display()))?;
+    let mut off = 0u64;
+    loop {
+        let n = f
+            .read(buf)
+            .with_context(|| format!("read {}", p.display()))?;
+        if n == 0 {
+            break;
+        }
+        if !check_sample(seed, off, &buf[..n]) {
+            bail!("{}: wrong content at {off}", p.display());
+        }
+        off += n as u64;
+    }
+    if off != size {
+        bail!("{}: read {off} bytes, expected {size}", p.display());
     }
     Ok(())
 }
@@ -529,6 +601,154 @@ fn read_concurrently(files: Vec<(PathBuf, u64)>) -> anyhow::Result<(u64, u64)> {
         bad += x;
     }
     Ok((bytes, bad))
+}
+
+/// P12's worker processes, as a PyTorch `DataLoader(num_workers=8)`.
+pub const ML_WORKERS: usize = 8;
+/// P12's read size: a loader reading a sample file with 128 KiB reads.
+const ML_READ: usize = 128 * 1024;
+/// P12's shuffle seed; epoch `e` is shuffled with `ML_SEED + e`, as `DistributedSampler` does
+/// after `set_epoch(e)`: the same orders for every mounter, a new order each epoch.
+const ML_SEED: u64 = 12;
+/// The hidden subcommand a P12 worker process runs (`ferry-bench ml-worker ROOT SIZE`).
+pub const ML_WORKER_CMD: &str = "ml-worker";
+
+/// `keys` in epoch `epoch`'s order: a Fisher–Yates shuffle driven by the dataset's content
+/// generator.
+fn ml_epoch_order(keys: &[String], epoch: u64) -> Vec<String> {
+    let mut v = keys.to_vec();
+    for i in (1..v.len()).rev() {
+        let j = (random_word(ML_SEED + epoch, i as u64) % (i as u64 + 1)) as usize;
+        v.swap(i, j);
+    }
+    v
+}
+
+/// One P12 worker: a child process running [`ml_worker`], fed through its stdin.
+struct MlWorker {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl MlWorker {
+    fn line(&mut self) -> anyhow::Result<String> {
+        let mut line = String::new();
+        if self.stdout.read_line(&mut line)? == 0 {
+            bail!("a P12 worker exited ({:?})", self.child.try_wait());
+        }
+        Ok(line.trim_end().to_string())
+    }
+}
+
+/// P12's [`ML_WORKERS`] processes, alive across both epochs (`persistent_workers=True`); killed
+/// when dropped.
+struct MlPool {
+    workers: Vec<MlWorker>,
+}
+
+impl MlPool {
+    /// Starts the workers (this very program, re-executed) and waits until each says `ready`.
+    fn start(root: &Path, size: u64) -> anyhow::Result<MlPool> {
+        let mut pool = MlPool {
+            workers: Vec::new(),
+        };
+        for _ in 0..ML_WORKERS {
+            let mut child = Command::new("/proc/self/exe")
+                .arg(ML_WORKER_CMD)
+                .arg(root)
+                .arg(size.to_string())
+                .stdin(Stdio::piped())
+                .stdout(Stdio::piped())
+                .stderr(Stdio::inherit())
+                .spawn()
+                .context("starting a P12 worker")?;
+            let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+                bail!("a P12 worker without pipes");
+            };
+            pool.workers.push(MlWorker {
+                child,
+                stdin,
+                stdout: BufReader::new(stdout),
+            });
+        }
+        for w in &mut pool.workers {
+            let line = w.line()?;
+            if line != "ready" {
+                bail!("a P12 worker said {line:?}");
+            }
+        }
+        Ok(pool)
+    }
+
+    /// One epoch: worker `i` reads files `i`, `i + 8`, … of `order`. Returns when every worker
+    /// has read all of its files, or with the first error one reports.
+    fn epoch(&mut self, order: &[String]) -> anyhow::Result<()> {
+        for (i, w) in self.workers.iter_mut().enumerate() {
+            let mine: Vec<&str> = order
+                .iter()
+                .skip(i)
+                .step_by(ML_WORKERS)
+                .map(String::as_str)
+                .collect();
+            writeln!(w.stdin, "{}", mine.join(" "))?;
+            w.stdin.flush()?;
+        }
+        let mut files = 0;
+        for w in &mut self.workers {
+            let line = w.line()?;
+            match line.strip_prefix("ok ") {
+                Some(n) => files += n.parse::<usize>()?,
+                None => bail!("{line}"),
+            }
+        }
+        if files != order.len() {
+            bail!("the workers read {files} files, expected {}", order.len());
+        }
+        Ok(())
+    }
+}
+
+impl Drop for MlPool {
+    fn drop(&mut self) {
+        for w in &mut self.workers {
+            let _ = w.child.kill();
+            let _ = w.child.wait();
+        }
+    }
+}
+
+/// A P12 worker process: says `ready`, then for each line of keys on stdin reads every file
+/// `ROOT/KEY` whole with 128 KiB reads (checked against the dataset's content and `size`) and
+/// answers `ok N`, or `error …` at the first failure; exits at the end of its input.
+pub fn ml_worker(root: &Path, size: u64) -> anyhow::Result<()> {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "ready")?;
+    out.flush()?;
+    let mut buf = vec![0u8; ML_READ];
+    for line in std::io::stdin().lock().lines() {
+        let line = line?;
+        let mut n = 0;
+        let r = line.split_whitespace().try_for_each(|key| {
+            read_whole(&root.join(key), seed_of(key), size, &mut buf)?;
+            n += 1;
+            Ok::<(), anyhow::Error>(())
+        });
+        match r {
+            Ok(()) => writeln!(out, "ok {n}")?,
+            Err(e) => writeln!(out, "error {}", format!("{e:#}").replace('\n', " "))?,
+        }
+        out.flush()?;
+    }
+    Ok(())
+}
+
+/// Peak resident memory of the mounter after a workload (P10, P13), if that workload succeeded.
+fn peak_rss(mount: &Mount, ok: bool, why: &str) -> Cell {
+    match mount.pid().and_then(memory_of) {
+        Some((hwm, _)) if ok => Cell::Value(hwm as f64 / MIB as f64),
+        _ => Cell::Failed(why.into()),
+    }
 }
 
 /// P6: fio random 4 KiB reads with 4 jobs for `runtime` seconds; returns IOPS.
