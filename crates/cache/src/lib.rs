@@ -242,6 +242,61 @@ impl State {
     }
 }
 
+/// Threads writing blocks to disk.
+const WRITERS: usize = 2;
+/// Most bytes of blocks waiting for a writer; more are not stored.
+const WRITE_QUEUE_MAX: u64 = 256 << 20;
+/// The writers' (and the joiner's) nice value: on a node whose CPUs are busy, the copy of every
+/// filled byte into the cache's files yields to the readers it would otherwise slow down.
+const WRITER_NICE: i32 = 10;
+
+#[derive(Default)]
+struct WriteQueue {
+    jobs: std::collections::VecDeque<WriteJob>,
+    bytes: u64,
+}
+
+struct WriteJob {
+    key: BlockKey,
+    data: Bytes,
+    cell: Option<Arc<OnceCell<Bytes>>>,
+}
+
+/// Lowers the calling thread's priority to [`WRITER_NICE`] (Linux: a thread's nice value is its
+/// own). Best effort.
+fn lower_priority() {
+    let tid = nix::unistd::gettid().as_raw() as libc::id_t;
+    // SAFETY: setpriority has no memory-safety preconditions.
+    let _ = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, WRITER_NICE) };
+}
+
+/// A writer thread: stores queued blocks; ends when the cache is dropped.
+fn write_blocks(cache: std::sync::Weak<BlockCache>) {
+    lower_priority();
+    loop {
+        let Some(c) = cache.upgrade() else { return };
+        let job = {
+            let mut q = c.write_queue.lock().expect("write queue lock");
+            if q.jobs.is_empty() {
+                let (guard, _) = c
+                    .write_ready
+                    .wait_timeout(q, std::time::Duration::from_secs(1))
+                    .expect("write queue lock");
+                q = guard;
+            }
+            q.jobs.pop_front()
+        };
+        let Some(job) = job else { continue };
+        c.store(&job.key, &job.data);
+        if let Some(cell) = &job.cell {
+            c.end_flight(&job.key, cell);
+        }
+        c.write_queue.lock().expect("write queue lock").bytes -= job.data.len() as u64;
+        c.writes.fetch_sub(1, Ordering::AcqRel);
+        c.writes_done.notify_waiters();
+    }
+}
+
 /// How long no block must have been stored before objects are joined into whole files: joining
 /// reads and writes every byte again, which a reader filling the cache would otherwise wait for
 /// (on a small node, for CPU).
@@ -250,6 +305,7 @@ const JOIN_IDLE: std::time::Duration = std::time::Duration::from_millis(300);
 /// The joiner thread: joins queued objects one at a time once the cache has been idle for
 /// [`JOIN_IDLE`]; ends when the cache is dropped.
 fn join_when_idle(cache: std::sync::Weak<BlockCache>) {
+    lower_priority();
     loop {
         let Some(c) = cache.upgrade() else { return };
         let next = {
@@ -326,6 +382,9 @@ pub struct BlockCache {
     /// Objects whose blocks are all on disk, to be joined into whole files once the cache is
     /// idle (see [`JOIN_IDLE`]); each counts in `writes` until joined.
     joins: Mutex<std::collections::VecDeque<(ObjectKey, u64)>>,
+    /// Blocks waiting for the writer threads.
+    write_queue: Mutex<WriteQueue>,
+    write_ready: std::sync::Condvar,
     joins_ready: std::sync::Condvar,
     /// When a block was last stored: milliseconds since `opened`.
     last_fill: AtomicU64,
@@ -424,6 +483,8 @@ impl BlockCache {
             writes_done: Notify::new(),
             joins: Mutex::new(Default::default()),
             joins_ready: std::sync::Condvar::new(),
+            write_queue: Mutex::new(WriteQueue::default()),
+            write_ready: std::sync::Condvar::new(),
             last_fill: AtomicU64::new(0),
             opened: std::time::Instant::now(),
             claimed: Mutex::new(Default::default()),
@@ -438,6 +499,13 @@ impl BlockCache {
             .name("ferry-cache-join".into())
             .spawn(move || join_when_idle(weak))
             .map_err(dir_err(&cache.cfg.dir))?;
+        for i in 0..WRITERS {
+            let weak = Arc::downgrade(&cache);
+            std::thread::Builder::new()
+                .name(format!("ferry-cache-w{i}"))
+                .spawn(move || write_blocks(weak))
+                .map_err(dir_err(&cache.cfg.dir))?;
+        }
         Ok(cache)
     }
 
@@ -658,13 +726,31 @@ impl BlockCache {
         if data.is_empty() || self.contains(&key) {
             return;
         }
+        self.queue_write(key, data, None);
+    }
+
+    /// Hands block `key` to the writer threads (ending its flight, if any, once stored). When
+    /// more than [`WRITE_QUEUE_MAX`] bytes wait already, the block is not stored (counted as
+    /// skipped): readers never wait for the cache's disk, nor pile up its memory.
+    fn queue_write(&self, key: BlockKey, data: Bytes, cell: Option<Arc<OnceCell<Bytes>>>) {
         self.writes.fetch_add(1, Ordering::AcqRel);
-        let cache = self.clone();
-        tokio::task::spawn_blocking(move || {
-            cache.store(&key, &data);
-            cache.writes.fetch_sub(1, Ordering::AcqRel);
-            cache.writes_done.notify_waiters();
-        });
+        let len = data.len() as u64;
+        {
+            let mut q = self.write_queue.lock().expect("write queue lock");
+            if q.bytes + len <= WRITE_QUEUE_MAX {
+                q.bytes += len;
+                q.jobs.push_back(WriteJob { key, data, cell });
+                drop(q);
+                self.write_ready.notify_one();
+                return;
+            }
+        }
+        self.skip(&key, "the cache's writers are behind");
+        if let Some(cell) = cell {
+            self.end_flight(&key, &cell);
+        }
+        self.writes.fetch_sub(1, Ordering::AcqRel);
+        self.writes_done.notify_waiters();
     }
 
     /// Writes the block on a blocking thread, then ends its flight (late joiners take the bytes
@@ -675,14 +761,7 @@ impl BlockCache {
         data: Bytes,
         cell: Arc<OnceCell<Bytes>>,
     ) {
-        self.writes.fetch_add(1, Ordering::AcqRel);
-        let cache = self.clone();
-        tokio::task::spawn_blocking(move || {
-            cache.store(&key, &data);
-            cache.end_flight(&key, &cell);
-            cache.writes.fetch_sub(1, Ordering::AcqRel);
-            cache.writes_done.notify_waiters();
-        });
+        self.queue_write(key, data, Some(cell));
     }
 
     /// The block from disk, if intact; a bad file is deleted and counted.
