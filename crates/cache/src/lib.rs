@@ -245,7 +245,7 @@ impl State {
 /// Threads writing blocks to disk.
 const WRITERS: usize = 2;
 /// Most bytes of blocks waiting for a writer; more are not stored.
-const WRITE_QUEUE_MAX: u64 = 256 << 20;
+const WRITE_QUEUE_MAX: u64 = 64 << 20;
 /// The writers' (and the joiner's) nice value: on a node whose CPUs are busy, the copy of every
 /// filled byte into the cache's files yields to the readers it would otherwise slow down.
 const WRITER_NICE: i32 = 10;

@@ -4,7 +4,8 @@
 //!
 //! Listing-order readers are served ahead by the cross-file prefetch (`read::prefetch_following`);
 //! a shuffled order defeats it, and each open would wait for its own GET. The sweep starts once
-//! this mount opened at least [`SWEEP_MIN_OPENS`] files of the directory, and at least one in
+//! this mount opened at least [`SWEEP_MIN_OPENS`] files of the directory out of listing order
+//! (opens that follow it are left to that prefetch), and at least one in
 //! [`SWEEP_OPEN_SHARE`] of its entries (a few files picked out of a big directory never start
 //! it); it runs once per directory and mount, fetches only files of at most
 //! [`crate::PrefetchConfig::small_object_max`] that the cache does not hold whole, at most
@@ -51,6 +52,10 @@ impl Fs {
     pub(super) fn note_open_for_sweep(&self, st: &mut FsState, parent: Ino) {
         let Some(cache) = &self.cache else { return };
         if self.prefetch.small_object_max == 0 {
+            return;
+        }
+        // Opens in listing order are served ahead by the listing-order prefetch, from memory.
+        if st.order.get(&parent).is_some_and(|&(_, streak)| streak > 0) {
             return;
         }
         if st.sweeps.len() >= SWEEP_DIRS_MAX && !st.sweeps.contains_key(&parent) {
