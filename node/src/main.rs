@@ -834,8 +834,11 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         tracing::warn!(socket = %socket.display(), error = %e, "removing the CSI socket failed");
     }
     if let Some(cache) = &cache {
-        // Blocks fetched just before the signal are still being written: finish them.
-        cache.settle().await;
+        // Blocks fetched just before the signal are still being written: finish them (bounded:
+        // readers of the mounts left in place may go on filling the cache meanwhile).
+        if !cache.settle_within(Duration::from_secs(20)).await {
+            tracing::warn!("cache: writes still running after 20 s; stopping without them");
+        }
         save_checked(cache).await;
     }
     // Live mounts are left in place: unmounting them would show pods an empty directory whose

@@ -250,6 +250,13 @@ const WRITE_QUEUE_MAX: u64 = 64 << 20;
 /// filled byte into the cache's files yields to the readers it would otherwise slow down.
 const WRITER_NICE: i32 = 10;
 
+/// Objects waiting for the joiner, each once.
+#[derive(Default)]
+struct Joins {
+    queue: std::collections::VecDeque<(ObjectKey, u64)>,
+    queued: HashSet<FileId>,
+}
+
 #[derive(Default)]
 struct WriteQueue {
     jobs: std::collections::VecDeque<WriteJob>,
@@ -259,7 +266,7 @@ struct WriteQueue {
 struct WriteJob {
     key: BlockKey,
     data: Bytes,
-    cell: Option<Arc<OnceCell<Bytes>>>,
+    cell: Option<Arc<FlightCell>>,
 }
 
 /// Lowers the calling thread's priority to [`WRITER_NICE`] (Linux: a thread's nice value is its
@@ -310,7 +317,7 @@ fn join_when_idle(cache: std::sync::Weak<BlockCache>) {
         let Some(c) = cache.upgrade() else { return };
         let next = {
             let mut joins = c.joins.lock().expect("joins lock");
-            if joins.is_empty() {
+            if joins.queue.is_empty() {
                 // Woken by a new join; the timeout notices a dropped cache.
                 let (guard, _) = c
                     .joins_ready
@@ -318,17 +325,22 @@ fn join_when_idle(cache: std::sync::Weak<BlockCache>) {
                     .expect("joins lock");
                 joins = guard;
             }
-            if joins.is_empty() {
+            if joins.queue.is_empty() {
                 None
             } else {
                 let idle = c.idle_for();
-                if idle < JOIN_IDLE {
+                if idle < JOIN_IDLE && c.flushing.load(Ordering::Acquire) == 0 {
                     drop(joins);
                     drop(c);
-                    std::thread::sleep(JOIN_IDLE - idle);
+                    let nap = (JOIN_IDLE - idle).min(std::time::Duration::from_millis(50));
+                    std::thread::sleep(nap);
                     continue;
                 }
-                joins.pop_front()
+                let next = joins.queue.pop_front();
+                if let Some((obj, _)) = &next {
+                    joins.queued.remove(&obj.file_id());
+                }
+                next
             }
         };
         if let Some((obj, size)) = next {
@@ -344,17 +356,39 @@ fn join_when_idle(cache: std::sync::Weak<BlockCache>) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Reader {
     /// Has shown access to the version: served from disk, joins any fetch in flight.
-    Proven { owner: usize },
-    /// Has not: fetches with its own credentials (joining only a fetch of the same owner).
-    Unproven { owner: usize },
+    Proven { owner: u64 },
+    /// Has not: fetches with its own credentials (and takes a fetch in flight only if it was
+    /// made by the same owner).
+    Unproven { owner: u64 },
 }
 
 /// A block being fetched, by whose identity.
 #[derive(Debug)]
 struct Flight {
-    owner: usize,
-    cell: Arc<OnceCell<Bytes>>,
+    owner: u64,
+    cell: Arc<FlightCell>,
 }
+
+/// Ends a flight whose init was dropped before it finished (its reader went away).
+struct EndFlightOnDrop<'a> {
+    cache: &'a BlockCache,
+    key: &'a BlockKey,
+    cell: &'a Arc<FlightCell>,
+    armed: bool,
+}
+
+impl Drop for EndFlightOnDrop<'_> {
+    fn drop(&mut self) {
+        if self.armed && !self.cell.initialized() {
+            self.cache.end_flight(self.key, self.cell);
+        }
+    }
+}
+
+/// A flight's result: the bytes and the owner whose fetch got them (the one that ran the init,
+/// which is not always the flight's creator: a failed or cancelled init leaves it to the next
+/// waiter).
+type FlightCell = OnceCell<(u64, Bytes)>;
 
 /// The node's block cache. Cheap to share (`Arc`); every method is safe to call concurrently.
 pub struct BlockCache {
@@ -381,7 +415,9 @@ pub struct BlockCache {
     writes_done: Notify,
     /// Objects whose blocks are all on disk, to be joined into whole files once the cache is
     /// idle (see [`JOIN_IDLE`]); each counts in `writes` until joined.
-    joins: Mutex<std::collections::VecDeque<(ObjectKey, u64)>>,
+    joins: Mutex<Joins>,
+    /// [`Self::settle`] calls waiting: joins run without waiting for the cache to go idle.
+    flushing: AtomicUsize,
     /// Blocks waiting for the writer threads.
     write_queue: Mutex<WriteQueue>,
     write_ready: std::sync::Condvar,
@@ -481,7 +517,8 @@ impl BlockCache {
             tmp_seq: AtomicU64::new(0),
             writes: AtomicUsize::new(0),
             writes_done: Notify::new(),
-            joins: Mutex::new(Default::default()),
+            joins: Mutex::new(Joins::default()),
+            flushing: AtomicUsize::new(0),
             joins_ready: std::sync::Condvar::new(),
             write_queue: Mutex::new(WriteQueue::default()),
             write_ready: std::sync::Condvar::new(),
@@ -511,11 +548,14 @@ impl BlockCache {
 
     /// Queues `obj` to be joined into one whole file when the cache is idle.
     fn queue_join(&self, obj: ObjectKey, size: u64) {
-        self.writes.fetch_add(1, Ordering::AcqRel);
-        self.joins
-            .lock()
-            .expect("joins lock")
-            .push_back((obj, size));
+        {
+            let mut joins = self.joins.lock().expect("joins lock");
+            if !joins.queued.insert(obj.file_id()) {
+                return;
+            }
+            self.writes.fetch_add(1, Ordering::AcqRel);
+            joins.queue.push_back((obj, size));
+        }
         self.joins_ready.notify_one();
     }
 
@@ -545,8 +585,19 @@ impl BlockCache {
         let _ = rx.wait_for(|r| *r).await;
     }
 
-    /// Waits until every block write started so far has finished (tests, warm-up progress).
+    /// Waits until every block write started so far has finished, and every object queued to be
+    /// joined is joined (without waiting for the cache to go idle): tests, warm-up progress, a
+    /// stopping node plugin (which bounds the wait with [`Self::settle_within`]).
     pub async fn settle(&self) {
+        struct Flushing<'a>(&'a AtomicUsize);
+        impl Drop for Flushing<'_> {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        self.flushing.fetch_add(1, Ordering::AcqRel);
+        let _flushing = Flushing(&self.flushing);
+        self.joins_ready.notify_all();
         loop {
             let notified = self.writes_done.notified();
             if self.writes.load(Ordering::Acquire) == 0 {
@@ -554,6 +605,12 @@ impl BlockCache {
             }
             notified.await;
         }
+    }
+
+    /// [`Self::settle`], for at most `limit` (readers of live mounts may keep filling the cache
+    /// while a node plugin stops); `false` if it had not settled by then.
+    pub async fn settle_within(&self, limit: std::time::Duration) -> bool {
+        tokio::time::timeout(limit, self.settle()).await.is_ok()
     }
 
     pub fn stats(&self) -> CacheStats {
@@ -677,42 +734,72 @@ impl BlockCache {
         };
         let Some(cell) = cell else {
             // Another identity's fetch is in flight: this reader may not take its bytes.
-            self.counters.misses.fetch_add(1, Ordering::Relaxed);
-            metrics().misses.inc();
-            let data = fetch().await?;
-            self.offer(key.clone(), data.clone());
-            return Ok(data);
+            return self.fetch_alone(key, fetch).await;
         };
         let mut ran = false;
+        let mut fetch = Some(fetch);
+        // A cancelled init (its reader gone) ends the flight, so no orphan stays in the map.
+        let mut guard = EndFlightOnDrop {
+            cache: self,
+            key,
+            cell: &cell,
+            armed: false,
+        };
         let result = cell
             .get_or_try_init(|| async {
                 ran = true;
+                guard.armed = true;
                 // A fill may have finished between the read above and joining the flight.
                 if from_disk {
                     if let Some(data) = self.read(key).await {
-                        return Ok(data);
+                        return Ok((owner, data));
                     }
                 }
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
                 metrics().misses.inc();
-                let data = fetch().await?;
+                let data = (fetch.take().expect("one init per caller"))().await?;
                 self.store_in_background(key.clone(), data.clone(), cell.clone());
-                Ok(data)
+                Ok((owner, data))
             })
             .await
             .cloned();
-        match &result {
-            Ok(_) if !ran => {
-                self.counters.joins.fetch_add(1, Ordering::Relaxed);
-                metrics().joins.inc();
+        guard.armed = false;
+        drop(guard);
+        match result {
+            // Bytes another identity's fetch got, for a reader that has not shown access: never
+            // handed over. (Its own init may have failed, leaving the flight to a proven one.)
+            Ok((by, _)) if !from_disk && by != owner => match fetch.take() {
+                Some(fetch) => self.fetch_alone(key, fetch).await,
+                None => unreachable!("a caller that ran the init got its own bytes"),
+            },
+            Ok((_, data)) => {
+                if !ran {
+                    self.counters.joins.fetch_add(1, Ordering::Relaxed);
+                    metrics().joins.inc();
+                }
+                Ok(data)
             }
-            Ok(_) => {}
-            Err(_) => self.end_flight(key, &cell),
+            Err(e) => {
+                self.end_flight(key, &cell);
+                Err(e)
+            }
         }
-        result
     }
 
-    fn end_flight(&self, key: &BlockKey, cell: &Arc<OnceCell<Bytes>>) {
+    /// `fetch` run by this caller on its own (no flight), the block stored behind it.
+    async fn fetch_alone<F, Fut, E>(self: &Arc<Self>, key: &BlockKey, fetch: F) -> Result<Bytes, E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Bytes, E>>,
+    {
+        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        metrics().misses.inc();
+        let data = fetch().await?;
+        self.offer(key.clone(), data.clone());
+        Ok(data)
+    }
+
+    fn end_flight(&self, key: &BlockKey, cell: &Arc<FlightCell>) {
         let mut flights = self.flights.lock().expect("flights lock");
         if flights.get(key).is_some_and(|f| Arc::ptr_eq(&f.cell, cell)) {
             flights.remove(key);
@@ -732,7 +819,7 @@ impl BlockCache {
     /// Hands block `key` to the writer threads (ending its flight, if any, once stored). When
     /// more than [`WRITE_QUEUE_MAX`] bytes wait already, the block is not stored (counted as
     /// skipped): readers never wait for the cache's disk, nor pile up its memory.
-    fn queue_write(&self, key: BlockKey, data: Bytes, cell: Option<Arc<OnceCell<Bytes>>>) {
+    fn queue_write(&self, key: BlockKey, data: Bytes, cell: Option<Arc<FlightCell>>) {
         self.writes.fetch_add(1, Ordering::AcqRel);
         let len = data.len() as u64;
         {
@@ -755,12 +842,7 @@ impl BlockCache {
 
     /// Writes the block on a blocking thread, then ends its flight (late joiners take the bytes
     /// from the flight until the file is there).
-    fn store_in_background(
-        self: &Arc<Self>,
-        key: BlockKey,
-        data: Bytes,
-        cell: Arc<OnceCell<Bytes>>,
-    ) {
+    fn store_in_background(self: &Arc<Self>, key: BlockKey, data: Bytes, cell: Arc<FlightCell>) {
         self.queue_write(key, data, Some(cell));
     }
 
@@ -1227,17 +1309,18 @@ impl BlockCache {
         if data.is_empty() {
             return;
         }
-        self.last_fill
-            .store(self.opened.elapsed().as_millis() as u64, Ordering::Relaxed);
         if !self.is_ready() {
             self.skip(key, "the index is still being rebuilt");
             return;
         }
         let id = key.file_id();
         let obj_id = key.object().file_id();
-        if self.lock().lru.contains(&Entry::Object(obj_id)) {
-            // Joined into a whole file meanwhile (this was a late duplicate fetch).
-            return;
+        {
+            let st = self.lock();
+            if st.lru.contains(&Entry::Object(obj_id)) || st.lru.contains(&Entry::Block(id)) {
+                // Stored or joined into a whole file meanwhile (a late duplicate fetch).
+                return;
+            }
         }
         // A block that is a whole object a reader wants whole: written as that file directly
         // (no block file joined into it afterwards).
@@ -1258,6 +1341,8 @@ impl BlockCache {
                 return;
             }
         }
+        self.last_fill
+            .store(self.opened.elapsed().as_millis() as u64, Ordering::Relaxed);
         let head = block::encode_head(key, data);
         let len = (head.len() + data.len()) as u64;
         if len > self.cfg.max_size {

@@ -616,3 +616,63 @@ proptest! {
         })?;
     }
 }
+
+/// A flight whose creator (an identity without access) fails is taken over by a proven reader of
+/// other credentials: a waiting reader of the first identity never gets those bytes, it fetches
+/// with its own.
+#[tokio::test]
+async fn an_unproven_reader_never_takes_bytes_another_identity_fetched() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 1 << 30).await;
+    let k = key("secret", 0);
+    let go = Arc::new(Notify::new());
+    let x = {
+        let (cache, k, go) = (cache.clone(), k.clone(), go.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_fetch_as(&k, Reader::Unproven { owner: 1 }, || async move {
+                    go.notified().await;
+                    Err::<Bytes, &str>("403 AccessDenied")
+                })
+                .await
+        })
+    };
+    tokio::task::yield_now().await;
+    let y = {
+        let (cache, k) = (cache.clone(), k.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_fetch_as(&k, Reader::Proven { owner: 2 }, || async {
+                    Ok::<_, &str>(Bytes::from_static(b"fetched by y"))
+                })
+                .await
+        })
+    };
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let x2 = {
+        let (cache, k) = (cache.clone(), k.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_fetch_as(&k, Reader::Unproven { owner: 1 }, || async {
+                    Err::<Bytes, &str>("403 AccessDenied")
+                })
+                .await
+        })
+    };
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    go.notify_one();
+    assert_eq!(x.await.unwrap(), Err("403 AccessDenied"));
+    assert_eq!(
+        y.await.unwrap().unwrap(),
+        Bytes::from_static(b"fetched by y")
+    );
+    assert_eq!(
+        x2.await.unwrap(),
+        Err("403 AccessDenied"),
+        "the second reader of identity 1 fetched with its own credentials"
+    );
+}

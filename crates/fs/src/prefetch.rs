@@ -102,12 +102,20 @@ pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError>
     let bs = c.cache.block_size();
     let (first, last) = (range.start / bs, (range.end - 1) / bs);
     // The credentials' identity: their proofs, shared by the mounts of one store.
-    let owner = Arc::as_ptr(&c.proofs) as usize;
+    let owner = c.proofs.id();
     let mut reader = Reader::Proven { owner };
     if !c.proven {
         let on_disk = (first..=last).all(|i| c.cache.contains(&block_key(src, c, etag, i)));
         if on_disk {
-            let info = src.store.head(&src.bucket, &src.key).await?;
+            let info = match src.store.head(&src.bucket, &src.key).await {
+                Ok(info) => info,
+                Err(e) => {
+                    if matches!(e, StoreError::AccessDenied(_)) {
+                        c.cache.note_denied();
+                    }
+                    return Err(e);
+                }
+            };
             if info.etag.as_deref() != Some(etag) {
                 return Err(StoreError::PreconditionFailed(format!(
                     "{}: ETag is now {:?}, not {etag}",

@@ -32,12 +32,30 @@ pub const PROOF_LIFETIME: std::time::Duration = std::time::Duration::from_secs(6
 const PROOFS_MAX: usize = 1 << 20;
 
 /// The proofs of one set of credentials: (bucket, key, ETag) → when.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Proofs {
+    /// Unique for the process's life: names these credentials to the node cache's single
+    /// flights (never an address, which a later `Proofs` could reuse).
+    id: u64,
     map: Mutex<HashMap<(String, String, String), Instant>>,
 }
 
+impl Default for Proofs {
+    fn default() -> Self {
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Proofs {
+            id: NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            map: Mutex::default(),
+        }
+    }
+}
+
 impl Proofs {
+    /// This set of credentials' id (see the field).
+    pub fn id(&self) -> u64 {
+        self.id
+    }
+
     /// Records that these credentials read `bucket/key` at `etag` just now.
     pub fn prove(&self, bucket: &str, key: &str, etag: &str) {
         let now = Instant::now();
