@@ -170,6 +170,8 @@ struct FsState {
     first_pages: HashMap<Ino, FirstPage>,
     /// Per directory: opens for reading counted towards a sweep, or the sweep (see [`sweep`]).
     sweeps: HashMap<Ino, sweep::SweepState>,
+    /// Sweeps of this mount that may run at once (the others wait).
+    sweep_slots: Arc<tokio::sync::Semaphore>,
 }
 
 /// A directory's first listing page, taken by a lookup's LIST.
@@ -188,6 +190,10 @@ struct FirstPage {
 /// Most first pages kept (each up to 1,000 entries).
 const FIRST_PAGES_MAX: usize = 32;
 
+/// A first page older than this is not gone on from (a server may refuse an old continuation
+/// token, even where the metadata TTL would still believe the page).
+const FIRST_PAGE_MAX_AGE: Duration = Duration::from_secs(60);
+
 impl FsState {
     /// Tables as given; every per-process cache (small objects, order, probes) empty.
     fn new(inodes: InodeTable, handles: HandleTable, io: HashMap<Ino, IoModes>) -> Self {
@@ -203,6 +209,7 @@ impl FsState {
             changes: 0,
             first_pages: HashMap::new(),
             sweeps: HashMap::new(),
+            sweep_slots: Arc::new(tokio::sync::Semaphore::new(sweep::SWEEPS_AT_ONCE)),
         }
     }
 }

@@ -383,9 +383,11 @@ impl Fs {
             let dprefix = dir_prefix(&self.cfg.prefix, &inode.path);
             // A lookup's first page, if it is still believed and no change was made through
             // this mount since it was listed.
+            // (Not older than a minute either: its continuation token goes on from it.)
             let first = first.filter(|p| {
                 p.prefix == dprefix
                     && p.changes == st.changes
+                    && p.at.elapsed() < FIRST_PAGE_MAX_AGE
                     && Validity::new(self.cfg.metadata_ttl, p.at).is_valid(Instant::now())
             });
             (dprefix, first)

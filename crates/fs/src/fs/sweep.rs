@@ -9,8 +9,8 @@
 //! [`SWEEP_OPEN_SHARE`] of its entries (a few files picked out of a big directory never start
 //! it); it runs once per directory and mount, fetches only files of at most
 //! [`crate::PrefetchConfig::small_object_max`] that the cache does not hold whole, at most
-//! [`SWEEP_IN_FLIGHT`] at once, charged to the memory budget while in flight, and stops at a
-//! quarter of the cache's size. Each GET uses the mount's own credentials (and proves its access,
+//! [`SWEEP_IN_FLIGHT`] at once (and [`SWEEPS_AT_ONCE`] sweeps per mount), charged to the memory
+//! budget while in flight, and stops at a quarter of the cache's size. Each GET uses the mount's own credentials (and proves its access,
 //! see `prefetch::fetch`).
 
 use super::*;
@@ -22,6 +22,9 @@ const SWEEP_MIN_OPENS: u32 = 16;
 const SWEEP_OPEN_SHARE: usize = 100;
 /// Files fetched at once by one sweep.
 const SWEEP_IN_FLIGHT: usize = 32;
+/// Sweeps of one mount running at once (a loader going through many directories, e.g. one per
+/// class, starts one sweep per directory: the rest wait their turn).
+pub(super) const SWEEPS_AT_ONCE: usize = 2;
 /// Most directories with open counts (cleared past it).
 const SWEEP_DIRS_MAX: usize = 1024;
 
@@ -121,7 +124,11 @@ impl Fs {
             "sweeping a directory into the node cache"
         );
         let (cache, budget) = (cache.clone(), self.budget.clone());
+        let slots = st.sweep_slots.clone();
         let task = tokio::spawn(async move {
+            let Ok(_slot) = slots.acquire_owned().await else {
+                return;
+            };
             stream::iter(sources)
                 .for_each_concurrent(SWEEP_IN_FLIGHT, |(src, obj)| {
                     let (cache, budget) = (cache.clone(), budget.clone());
