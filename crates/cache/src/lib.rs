@@ -607,6 +607,14 @@ impl BlockCache {
         }
     }
 
+    /// Bytes of blocks waiting for the writer threads, and the most that may wait (over it,
+    /// blocks are not stored): a background filler (a sweep) waits for room instead of having its
+    /// blocks dropped.
+    pub fn write_backlog(&self) -> (u64, u64) {
+        let q = self.write_queue.lock().expect("write queue lock");
+        (q.bytes, WRITE_QUEUE_MAX)
+    }
+
     /// [`Self::settle`], for at most `limit` (readers of live mounts may keep filling the cache
     /// while a node plugin stops); `false` if it had not settled by then.
     pub async fn settle_within(&self, limit: std::time::Duration) -> bool {

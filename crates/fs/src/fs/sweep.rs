@@ -133,7 +133,16 @@ impl Fs {
                 .for_each_concurrent(SWEEP_IN_FLIGHT, |(src, obj)| {
                     let (cache, budget) = (cache.clone(), budget.clone());
                     async move {
-                        // Never over the budget: a sweep can wait.
+                        // Never faster than the cache's writers (blocks over their backlog are
+                        // not stored, and readers would fetch them again) ...
+                        loop {
+                            let (waiting, most) = cache.write_backlog();
+                            if waiting + src.size <= most / 2 {
+                                break;
+                            }
+                            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                        }
+                        // ... nor over the memory budget: a sweep can wait.
                         let _held = loop {
                             match budget.try_reserve(src.size) {
                                 Some(r) => break r,
