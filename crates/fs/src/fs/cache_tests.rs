@@ -43,6 +43,16 @@ fn mount(
     Fs::new(store, cfg).with_cache(Some(cache.clone()))
 }
 
+/// A ready cache in a temporary directory and an empty store with the bucket.
+async fn cache_and_store() -> (tempfile::TempDir, Arc<BlockCache>, MemoryStore) {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = cache(dir.path());
+    cache.ready().await;
+    let store = MemoryStore::new();
+    store.create_bucket(B);
+    (dir, cache, store)
+}
+
 async fn ino_of(fs: &Fs, name: &str) -> Result<Ino, FsError> {
     Ok(fs.lookup(ROOT_INO, OsStr::new(name)).await?.attr.ino)
 }
@@ -81,11 +91,7 @@ async fn read_all(fs: &Fs, name: &str, chunk: u32) -> Result<Vec<u8>, FsError> {
 
 #[tokio::test]
 async fn a_second_mount_reads_from_the_cache_with_no_get() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path());
-    cache.ready().await;
-    let store = MemoryStore::new();
-    store.create_bucket(B);
+    let (_dir, cache, store) = cache_and_store().await;
     let big = data((5 * BS + 123) as usize, 1);
     store.insert(B, "big.bin", big.clone());
     // Two pods with their own clients (same credentials here).
@@ -112,11 +118,7 @@ async fn a_second_mount_reads_from_the_cache_with_no_get() {
 
 #[tokio::test]
 async fn concurrent_readers_on_four_mounts_fetch_each_block_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path());
-    cache.ready().await;
-    let store = MemoryStore::new();
-    store.create_bucket(B);
+    let (_dir, cache, store) = cache_and_store().await;
     let big = data((8 * BS) as usize, 2);
     store.insert(B, "f", big.clone());
     let mounts: Vec<Arc<Fs>> = (0..4)
@@ -137,11 +139,7 @@ async fn concurrent_readers_on_four_mounts_fetch_each_block_once() {
 
 #[tokio::test]
 async fn a_mount_whose_credentials_are_denied_gets_eacces_though_the_blocks_are_cached() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path());
-    cache.ready().await;
-    let store = MemoryStore::new();
-    store.create_bucket(B);
+    let (_dir, cache, store) = cache_and_store().await;
     let body = data((2 * BS) as usize, 3);
     store.insert(B, "secret.bin", body.clone());
     let allowed = mount(Arc::new(store.clone()), &cache, |_| {});
@@ -183,11 +181,7 @@ async fn a_mount_whose_credentials_are_denied_gets_eacces_though_the_blocks_are_
 
 #[tokio::test]
 async fn a_flipped_byte_on_disk_is_refetched_and_counted() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path());
-    cache.ready().await;
-    let store = MemoryStore::new();
-    store.create_bucket(B);
+    let (_dir, cache, store) = cache_and_store().await;
     let body = data((3 * BS) as usize, 4);
     let etag = store.insert(B, "f", body.clone());
     let fs = mount(Arc::new(store.clone()), &cache, |_| {});
@@ -226,11 +220,7 @@ async fn a_flipped_byte_on_disk_is_refetched_and_counted() {
 
 #[tokio::test]
 async fn mounts_of_one_store_share_proofs_of_access_and_other_stores_do_not() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path());
-    cache.ready().await;
-    let store = MemoryStore::new();
-    store.create_bucket(B);
+    let (_dir, cache, store) = cache_and_store().await;
     let body = data(5000, 8);
     store.insert(B, "f", body.clone());
     let registry = crate::proofs::ProofRegistry::default();
@@ -255,11 +245,7 @@ async fn mounts_of_one_store_share_proofs_of_access_and_other_stores_do_not() {
 
 #[tokio::test]
 async fn cache_none_keeps_a_mount_out_of_the_cache() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path());
-    cache.ready().await;
-    let store = MemoryStore::new();
-    store.create_bucket(B);
+    let (_dir, cache, store) = cache_and_store().await;
     store.insert(B, "f", data(1000, 5));
     let fs = mount(Arc::new(store.clone()), &cache, |c| c.node_cache = false);
     assert!(!fs.uses_cache());
@@ -272,11 +258,7 @@ async fn cache_none_keeps_a_mount_out_of_the_cache() {
 
 #[tokio::test]
 async fn a_changed_object_is_a_new_block_and_the_old_handle_gets_estale() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path());
-    cache.ready().await;
-    let store = MemoryStore::new();
-    store.create_bucket(B);
+    let (_dir, cache, store) = cache_and_store().await;
     store.insert(B, "f", data(1000, 6));
     let fs = mount(Arc::new(store.clone()), &cache, |c| {
         c.metadata_ttl = crate::config::MetadataTtl::Duration(Duration::ZERO)
@@ -289,11 +271,7 @@ async fn a_changed_object_is_a_new_block_and_the_old_handle_gets_estale() {
 
 #[tokio::test]
 async fn a_small_random_read_on_a_cold_cache_fetches_the_one_block_it_touches() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path());
-    cache.ready().await;
-    let store = MemoryStore::new();
-    store.create_bucket(B);
+    let (_dir, cache, store) = cache_and_store().await;
     let big = data((6 * BS) as usize, 4);
     store.insert(B, "big.bin", big.clone());
     let fs = mount(Arc::new(store.clone()), &cache, |_| {});
@@ -320,11 +298,7 @@ async fn a_small_random_read_on_a_cold_cache_fetches_the_one_block_it_touches() 
 
 #[tokio::test]
 async fn a_version_known_from_a_listing_costs_no_head_its_first_get_proves_access() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path());
-    cache.ready().await;
-    let store = MemoryStore::new();
-    store.create_bucket(B);
+    let (_dir, cache, store) = cache_and_store().await;
     let body = data((3 * BS + 17) as usize, 11);
     store.insert(B, "shard", body.clone());
     let registry = crate::proofs::ProofRegistry::default();
@@ -349,11 +323,7 @@ async fn a_version_known_from_a_listing_costs_no_head_its_first_get_proves_acces
 
 #[tokio::test]
 async fn a_denied_mount_gets_eacces_on_its_first_read_of_cached_blocks() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path());
-    cache.ready().await;
-    let store = MemoryStore::new();
-    store.create_bucket(B);
+    let (_dir, cache, store) = cache_and_store().await;
     let body = data((32 * BS) as usize, 12);
     store.insert(B, "secret.bin", body.clone());
     // The allowed pod reads one block only (a random read): cached as a block, the object not
@@ -399,11 +369,7 @@ async fn a_directory_read_in_shuffled_order_is_swept_into_the_cache() {
 }
 
 async fn swept_in_order(step: usize) {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = cache(dir.path());
-    cache.ready().await;
-    let store = MemoryStore::new();
-    store.create_bucket(B);
+    let (_dir, cache, store) = cache_and_store().await;
     let files: Vec<(String, Vec<u8>)> = (0..200u32)
         .map(|i| (format!("f{i:03}"), data(4096 + i as usize, (i % 251) as u8)))
         .collect();
