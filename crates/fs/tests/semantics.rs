@@ -125,6 +125,11 @@ const CLAIMS: &[(&str, &str, How)] = &[
     ),
     (
         "Node cache",
+        "Directory sweep",
+        Elsewhere("crates/fs/src/fs/cache_tests.rs", "a_directory_read_in_shuffled_order_is_swept_into_the_cache"),
+    ),
+    (
+        "Node cache",
         "Space",
         Elsewhere("crates/cache/tests/disk_full.rs", "a_full_disk_makes_the_cache_step_aside_and_reads_still_succeed"),
     ),
