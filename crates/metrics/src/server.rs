@@ -49,12 +49,37 @@ pub async fn serve(addr: SocketAddr) -> std::io::Result<(SocketAddr, tokio::task
     .await
 }
 
+/// How long a port in use is tried again: a node plugin that just handed its mounts over exits at
+/// once, but its listeners close only as the process ends, while the successor binds the same
+/// ports on the host network right after the handover.
+const BIND_RETRY: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Binds `addr`, trying a port in use again every 100 ms for up to [`BIND_RETRY`].
+async fn bind_when_free(addr: SocketAddr) -> std::io::Result<TcpListener> {
+    let deadline = tokio::time::Instant::now() + BIND_RETRY;
+    let mut told = false;
+    loop {
+        match TcpListener::bind(addr).await {
+            Err(e)
+                if e.kind() == std::io::ErrorKind::AddrInUse
+                    && tokio::time::Instant::now() < deadline =>
+            {
+                if !std::mem::replace(&mut told, true) {
+                    tracing::info!(%addr, "port in use (a predecessor exiting?); trying again for up to 10 s");
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+            }
+            other => return other,
+        }
+    }
+}
+
 /// Serves `handler` on `addr` until the task is dropped; returns the bound address.
 pub(crate) async fn serve_with(
     addr: SocketAddr,
     handler: Handler,
 ) -> std::io::Result<(SocketAddr, tokio::task::JoinHandle<()>)> {
-    let listener = TcpListener::bind(addr).await?;
+    let listener = bind_when_free(addr).await?;
     let local = listener.local_addr()?;
     let listener = std::sync::Arc::new(listener);
     let task = tokio::spawn(accept_loop(
@@ -176,6 +201,19 @@ pub async fn start(addr: &str) -> Result<Option<SocketAddr>, String> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    #[tokio::test]
+    async fn a_port_a_predecessor_still_holds_is_bound_once_it_lets_go() {
+        let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let addr = held.local_addr().unwrap();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(300));
+            drop(held);
+        });
+        let (bound, _task) = serve(addr).await.expect("bound after the holder let go");
+        assert_eq!(bound, addr);
+        release.join().unwrap();
+    }
     use std::sync::atomic::{AtomicUsize, Ordering};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
