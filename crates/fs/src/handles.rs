@@ -59,6 +59,10 @@ pub struct ReadHandle {
     /// Parts fetched or being fetched ahead of the reader; not carried over.
     #[serde(skip)]
     pub prefetch: Prefetch,
+    /// Until when this mount's proof of access to the version holds, as last looked up (so a
+    /// read does not look it up again); not carried over.
+    #[serde(skip)]
+    pub proven_until: Option<tokio::time::Instant>,
 }
 
 impl ReadHandle {
@@ -74,6 +78,7 @@ impl ReadHandle {
             passthrough: false,
             backing_id: None,
             prefetch: Prefetch::default(),
+            proven_until: None,
         }
     }
 

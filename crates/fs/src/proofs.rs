@@ -23,7 +23,6 @@ use tokio::time::Instant;
 use ferry_store::ObjectStore;
 
 use crate::config::MetadataTtl;
-use crate::inode::Validity;
 
 /// The longest a proof lets mounts skip the access check (see the module's documentation).
 pub const PROOF_LIFETIME: std::time::Duration = std::time::Duration::from_secs(600);
@@ -83,13 +82,26 @@ impl Proofs {
         ttl: MetadataTtl,
         now: Instant,
     ) -> bool {
+        self.proven_until(bucket, key, etag, ttl)
+            .is_some_and(|until| now < until)
+    }
+
+    /// When the proof of `bucket/key` at `etag` for a mount of metadata TTL `ttl` ends (it may
+    /// have ended already), if there is one.
+    pub fn proven_until(
+        &self,
+        bucket: &str,
+        key: &str,
+        etag: &str,
+        ttl: MetadataTtl,
+    ) -> Option<Instant> {
         let lifetime = match ttl {
             MetadataTtl::Indefinite => PROOF_LIFETIME,
             MetadataTtl::Duration(d) => d.min(PROOF_LIFETIME),
         };
         let map = self.map.lock().expect("proofs lock");
-        map.get(&(bucket.to_owned(), key.to_owned(), etag.to_owned()))
-            .is_some_and(|at| Validity::new(MetadataTtl::Duration(lifetime), *at).is_valid(now))
+        let at = map.get(&(bucket.to_owned(), key.to_owned(), etag.to_owned()))?;
+        Some(at.checked_add(lifetime).unwrap_or(*at))
     }
 
     pub fn len(&self) -> usize {

@@ -330,13 +330,24 @@ impl Fs {
         self.source_at(key, etag, None, size, proven)
     }
 
-    /// [`Self::source`] of a read handle: its version as pinned at open.
+    /// [`Self::source`] of a read handle: its version as pinned at open, proven as far as the
+    /// handle's [`ReadHandle::proven_until`] says ([`Self::refresh_proof`] keeps it current).
     pub(super) fn handle_source(&self, r: &ReadHandle) -> Source {
-        let proven = r.cached
-            && r.etag
-                .as_deref()
-                .is_some_and(|etag| self.is_proven(&r.key, etag));
+        let proven = r.cached && r.proven_until.is_some_and(|t| Instant::now() < t);
         self.source_at(&r.key, r.etag.as_deref(), r.last_modified, r.size, proven)
+    }
+
+    /// Looks the handle's proof up again only when the one it knows has ended (or it knew none):
+    /// a read of a proven handle takes no lock and allocates nothing for it.
+    fn refresh_proof(&self, r: &mut ReadHandle) {
+        if !r.cached || r.proven_until.is_some_and(|t| Instant::now() < t) {
+            return;
+        }
+        if let Some(etag) = r.etag.as_deref() {
+            r.proven_until =
+                self.proofs
+                    .proven_until(&self.cfg.bucket, &r.key, etag, self.cfg.metadata_ttl);
+        }
     }
 
     pub(super) fn source_at(
@@ -382,6 +393,7 @@ impl Fs {
         if offset >= r.size || size == 0 {
             return Ok(Bytes::new());
         }
+        self.refresh_proof(r);
         let end = r.size.min(offset.saturating_add(u64::from(size)));
         let cfg = &self.prefetch;
         if !r.is_sequential(offset) && r.is_reordered(offset, cfg.part_size) {
