@@ -719,20 +719,7 @@ async fn rolling_update(env: &Env, images: &Images) -> Result<()> {
     let control = start_reader(env, "reader-h").await?;
     let next = images.ferry_next.clone();
     let (_, tag) = next.rsplit_once(':').expect("name:tag");
-    helm(
-        env,
-        &[
-            "upgrade",
-            RELEASE,
-            &env.chart.display().to_string(),
-            "--namespace",
-            SYSTEM_NS,
-            "--values",
-            &env.values.display().to_string(),
-            "--set",
-            &format!("image.tag={tag}"),
-        ],
-    )?;
+    helm(env, "upgrade", &["--set", &format!("image.tag={tag}")])?;
     let dss: Api<DaemonSet> = Api::namespaced(env.kube.clone(), SYSTEM_NS);
     let pods: Api<Pod> = Api::namespaced(env.kube.clone(), SYSTEM_NS);
     wait_for("the node DaemonSet rolled out", INSTALL_TIMEOUT, || async {
@@ -1083,18 +1070,7 @@ async fn install(env: &mut Env, cluster: &KubeCluster, images: &Images) -> Resul
         .context("creating the S3 keys Secret")?;
     let values = values(env, cluster, images);
     std::fs::write(&env.values, serde_json::to_string_pretty(&values)?)?;
-    helm(
-        env,
-        &[
-            "install",
-            RELEASE,
-            &env.chart.display().to_string(),
-            "--namespace",
-            SYSTEM_NS,
-            "--values",
-            &env.values.display().to_string(),
-        ],
-    )?;
+    helm(env, "install", &[])?;
     wait_chart_pods(env).await?;
     let csinodes: Api<CSINode> = Api::all(env.kube.clone());
     wait_for(
@@ -1121,11 +1097,27 @@ async fn install(env: &mut Env, cluster: &KubeCluster, images: &Images) -> Resul
     Ok(())
 }
 
-fn helm(env: &Env, args: &[&str]) -> Result<()> {
+/// `helm <verb>` (install, upgrade) of the release from the chart with the e2e's values, plus
+/// `extra` arguments.
+fn helm(env: &Env, verb: &str, extra: &[&str]) -> Result<()> {
     let bin = ferry_testkit::kube::tool_path("helm")
         .context("helm not found: scripts/kube-tools.sh builds it")?;
+    let (chart, values) = (
+        env.chart.display().to_string(),
+        env.values.display().to_string(),
+    );
+    let mut args = vec![
+        verb,
+        RELEASE,
+        &chart,
+        "--namespace",
+        SYSTEM_NS,
+        "--values",
+        &values,
+    ];
+    args.extend_from_slice(extra);
     let out = Command::new(bin)
-        .args(args)
+        .args(&args)
         .arg("--kubeconfig")
         .arg(&env.kubeconfig)
         .stdin(Stdio::null())

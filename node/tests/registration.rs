@@ -165,6 +165,17 @@ async fn client(socket: &Path) -> RegistrationClient<Channel> {
     RegistrationClient::new(channel)
 }
 
+/// NotifyRegistrationStatus as kubelet sends it.
+async fn tell(kubelet: &mut RegistrationClient<Channel>, registered: bool, error: &str) {
+    kubelet
+        .notify_registration_status(RegistrationStatus {
+            plugin_registered: registered,
+            error: error.into(),
+        })
+        .await
+        .unwrap();
+}
+
 /// GetInfo on the registration socket answers with the driver's name.
 async fn get_info(socket: &Path) {
     let info = client(socket)
@@ -212,26 +223,19 @@ async fn kubelet_registers_the_plugin_and_a_refusal_fails_healthz() {
         ferry_testkit::healthz(node.health),
         (200, "ok\n".to_string())
     );
-    kubelet
-        .notify_registration_status(RegistrationStatus {
-            plugin_registered: true,
-            error: String::new(),
-        })
-        .await
-        .unwrap();
+    tell(&mut kubelet, true, "").await;
     assert_eq!(
         ferry_testkit::healthz(node.health),
         (200, "ok\n".to_string())
     );
 
     // A refusal: logged at error with kubelet's words, and /healthz says why it fails.
-    kubelet
-        .notify_registration_status(RegistrationStatus {
-            plugin_registered: false,
-            error: "driver name s3.csi.ferry.dev already registered by another plugin".into(),
-        })
-        .await
-        .unwrap();
+    tell(
+        &mut kubelet,
+        false,
+        "driver name s3.csi.ferry.dev already registered by another plugin",
+    )
+    .await;
     let line = node.wait_log("kubelet refused the plugin registration");
     assert!(line.contains("ERROR"), "{line}");
     assert!(
@@ -246,13 +250,7 @@ async fn kubelet_registers_the_plugin_and_a_refusal_fails_healthz() {
     );
 
     // Kubelet registers it again (a later retry): healthy again.
-    kubelet
-        .notify_registration_status(RegistrationStatus {
-            plugin_registered: true,
-            error: String::new(),
-        })
-        .await
-        .unwrap();
+    tell(&mut kubelet, true, "").await;
     assert_eq!(
         ferry_testkit::healthz(node.health),
         (200, "ok\n".to_string())

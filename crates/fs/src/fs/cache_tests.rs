@@ -53,6 +53,19 @@ async fn cache_and_store() -> (tempfile::TempDir, Arc<BlockCache>, MemoryStore) 
     (dir, cache, store)
 }
 
+/// The bucket as credentials that may list but not read see it: every HEAD and GET is denied.
+fn lister_only(store: &MemoryStore) -> FaultyStore<MemoryStore> {
+    let denied = FaultyStore::new(store.clone(), 1);
+    for op in [Op::Head, Op::Get] {
+        denied.fail_next(
+            op,
+            u64::MAX,
+            StoreError::AccessDenied("403 AccessDenied".into()),
+        );
+    }
+    denied
+}
+
 async fn ino_of(fs: &Fs, name: &str) -> Result<Ino, FsError> {
     Ok(fs.lookup(ROOT_INO, OsStr::new(name)).await?.attr.ino)
 }
@@ -150,15 +163,7 @@ async fn a_mount_whose_credentials_are_denied_gets_eacces_though_the_blocks_are_
     cache.settle().await;
 
     // The other pod's credentials may list the prefix but not read its objects.
-    let denied_store = FaultyStore::new(store.clone(), 1);
-    for op in [Op::Head, Op::Get] {
-        denied_store.fail_next(
-            op,
-            u64::MAX,
-            StoreError::AccessDenied("403 AccessDenied".into()),
-        );
-    }
-    let denied = mount(Arc::new(denied_store), &cache, |_| {});
+    let denied = mount(Arc::new(lister_only(&store)), &cache, |_| {});
     let names = list_root(&denied).await;
     assert!(
         names.contains(&"secret.bin".to_owned()),
@@ -337,15 +342,7 @@ async fn a_denied_mount_gets_eacces_on_its_first_read_of_cached_blocks() {
     allowed.release(o.fh).await.unwrap();
     cache.settle().await;
 
-    let denied_store = FaultyStore::new(store.clone(), 1);
-    for op in [Op::Head, Op::Get] {
-        denied_store.fail_next(
-            op,
-            u64::MAX,
-            StoreError::AccessDenied("403 AccessDenied".into()),
-        );
-    }
-    let denied = mount(Arc::new(denied_store), &cache, |_| {});
+    let denied = mount(Arc::new(lister_only(&store)), &cache, |_| {});
     assert!(list_root(&denied).await.contains(&"secret.bin".to_owned()));
     let ino = ino_of(&denied, "secret.bin").await.unwrap();
     let o = denied.open(ino, libc::O_RDONLY, PID).await.unwrap();
