@@ -278,6 +278,7 @@ fn parse_mode(s: &str) -> Result<u16, String> {
 }
 
 fn main() -> anyhow::Result<()> {
+    ferry_node::alloc::tune();
     let cli = Cli::parse();
     match cli.command {
         Command::Mount(args) if !args.foreground => daemonize(),
@@ -738,6 +739,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             record_takeover("recovery", served, cut, recovering.elapsed());
         }
     }
+    tokio::spawn(ferry_node::alloc::trimmer());
     {
         let node = node.clone();
         tokio::spawn(async move {
