@@ -1284,3 +1284,73 @@ async fn endpoints_the_operator_did_not_allow_are_refused_before_any_connection(
     );
     assert_eq!(recorder.connections(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_hung_s3_endpoint_fails_its_own_publish_and_delays_no_other() {
+    // An endpoint that accepts connections and never answers.
+    let hole = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let hung = format!("http://{}", hole.local_addr().unwrap());
+    std::thread::spawn(move || {
+        let held: Vec<_> = hole.incoming().map_while(Result::ok).collect();
+        drop(held);
+    });
+    let env =
+        Env::start_allowing(|_| Some(AllowedEndpoints::parse(&format!("aws,{hung}")).unwrap()))
+            .await;
+    env.s3.create_bucket("storm").await;
+    env.store
+        .put("storm", "ok/a.txt", Bytes::from_static(b"fine"))
+        .await
+        .unwrap();
+    async fn publish(
+        mut node: NodeClient<Channel>,
+        target: PathBuf,
+        context: HashMap<String, String>,
+    ) -> (
+        Result<tonic::Response<pb::NodePublishVolumeResponse>, tonic::Status>,
+        PathBuf,
+    ) {
+        let res = node
+            .node_publish_volume(pb::NodePublishVolumeRequest {
+                volume_id: format!("vol-{}", target.display()),
+                target_path: target.display().to_string(),
+                volume_capability: Some(mount_capability(Mode::SingleNodeWriter, &[])),
+                volume_context: context,
+                ..Default::default()
+            })
+            .await;
+        (res, target)
+    }
+    let hung_publish = tokio::spawn(publish(
+        env.node.clone(),
+        env.target("pod-hung", "pv"),
+        map(&[
+            ("bucketName", "storm"),
+            ("prefix", "ok/"),
+            ("endpointUrl", &hung),
+            ("forcePathStyle", "true"),
+        ]),
+    ));
+    // The hung publish is under way; others publish and read while it waits.
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    for pod in ["pod-1", "pod-2"] {
+        let context = map(&[("bucketName", "storm"), ("prefix", "ok/")]);
+        let (res, target) = publish(env.node.clone(), env.target(pod, "pv"), context).await;
+        res.unwrap();
+        assert_eq!(std::fs::read(target.join("a.txt")).unwrap(), b"fine");
+        assert!(
+            !hung_publish.is_finished(),
+            "the other volumes were published while the hung one still waited"
+        );
+    }
+    let (res, target) = hung_publish.await.unwrap();
+    let e = res.unwrap_err();
+    assert_eq!(e.code(), Code::Unavailable, "{e:?}");
+    assert!(
+        e.message().contains(&hung),
+        "names the endpoint: {}",
+        e.message()
+    );
+    assert!(e.message().contains("did not answer"), "{}", e.message());
+    assert!(!target.exists(), "a failed publish leaves no target behind");
+}

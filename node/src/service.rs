@@ -53,6 +53,11 @@ pub struct PodAuth {
     pub settings: PodSettings,
 }
 
+/// How long NodePublishVolume waits for the volume's first LIST (the access check). A hung S3
+/// endpoint costs its own volume this long, never the others (each publish is a task of its own):
+/// the publish fails UNAVAILABLE, and kubelet retries.
+pub const PUBLISH_PROBE_TIMEOUT: Duration = Duration::from_secs(20);
+
 /// The node service. Each publish and unpublish runs in a task of its own, so a caller that gives
 /// up (kubelet's RPC timeout) cannot cancel it halfway between mounting and recording the mount.
 #[derive(Clone)]
@@ -585,7 +590,24 @@ impl Inner {
             max_keys: Some(1),
             ..Default::default()
         };
-        match store.list(&published.spec.bucket, probe).await {
+        let listed = tokio::time::timeout(
+            PUBLISH_PROBE_TIMEOUT,
+            store.list(&published.spec.bucket, probe),
+        )
+        .await
+        .map_err(|_| {
+            CsiError::Unavailable(format!(
+                "S3 endpoint {} did not answer a LIST of bucket {:?} prefix {} within {} s",
+                published.spec.endpoint.endpoint_url.as_deref().map_or_else(
+                    || "(the driver's default)".to_string(),
+                    ferry_volume::validate::redact_url
+                ),
+                published.spec.bucket,
+                quote(&published.spec.prefix),
+                PUBLISH_PROBE_TIMEOUT.as_secs()
+            ))
+        })?;
+        match listed {
             Ok(_) => {}
             Err(StoreError::NoSuchBucket(_) | StoreError::NotFound(_)) => {
                 return Err(CsiError::NotFound(format!(
@@ -709,6 +731,7 @@ impl Inner {
                 .map_err(|e| CsiError::Internal(format!("unmount task failed: {e}")))?;
             res.map_err(|e| CsiError::Internal(format!("unmounting {}: {e}", shown(&target))))?;
             self.keeper.release(&target);
+            crate::alloc::trim_soon();
         } else if found != targetpath::Found::Symlink {
             Self::clear_stale(&target)?;
         }
