@@ -157,6 +157,15 @@ impl Plugin {
     }
 
     /// Sets an environment variable for every process started from now on.
+    /// The pid of the newest running process started as `name` (for RSS, fd and thread counts).
+    pub fn pid(&self, name: &str) -> Option<u32> {
+        self.children
+            .iter()
+            .rev()
+            .find(|(n, _)| n == name)
+            .map(|(_, c)| c.id())
+    }
+
     pub fn set_env(&mut self, key: &str, value: &str) {
         self.env.push((key.to_string(), Some(value.to_string())));
     }
