@@ -20,6 +20,7 @@
 mod instance;
 #[allow(dead_code)] // the data-path benchmark uses all of it
 mod proxy;
+mod soak;
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -38,7 +39,7 @@ use ferry_store::ObjectStore;
 use futures::StreamExt;
 use pb::volume_capability::access_mode::Mode;
 
-const BUCKET: &str = "load";
+pub(crate) const BUCKET: &str = "load";
 /// The chart's `node.resources.limits.memory` and `node.memoryBudget`.
 const CHART_LIMIT: u64 = 4 << 30;
 const CHART_BUDGET: &str = "75%";
@@ -69,6 +70,27 @@ enum What {
         /// Pods publishing one volume at once.
         #[arg(long, default_value_t = 100)]
         pods: usize,
+    },
+    /// Readers and writers on many mounts for a long time, S3 faults injected, under a memory limit.
+    Soak {
+        /// Mounts (each with one reader and one writer).
+        #[arg(long, default_value_t = 50)]
+        mounts: usize,
+        /// How long the load runs, minutes.
+        #[arg(long, default_value_t = 30.0)]
+        minutes: f64,
+        /// The node plugin's memory limit (a memory cgroup), MiB; the budget is 75 % of it.
+        #[arg(long, default_value_t = 1024)]
+        limit_mib: u64,
+        /// The node cache's largest size, MiB (smaller than the data, so it evicts all along).
+        #[arg(long, default_value_t = 512)]
+        cache_mib: u64,
+        /// Seconds between samples.
+        #[arg(long, default_value_t = 10)]
+        sample_secs: u64,
+        /// Every n-th S3 request breaks (503 SlowDown, 500, a body cut half-way, in turn).
+        #[arg(long, default_value_t = 25)]
+        fault_every: u64,
     },
 }
 
@@ -168,13 +190,14 @@ async fn publish(
     target: PathBuf,
     ctx: HashMap<String, String>,
     mode: Mode,
+    flags: &[&str],
 ) -> (Duration, Result<Published, String>) {
     let t = Instant::now();
     let res = node
         .node_publish_volume(pb::NodePublishVolumeRequest {
             volume_id: volume_id.clone(),
             target_path: target.display().to_string(),
-            volume_capability: Some(mount_capability(mode, &[])),
+            volume_capability: Some(mount_capability(mode, flags)),
             readonly: mode == Mode::MultiNodeReaderOnly,
             volume_context: ctx,
             ..Default::default()
@@ -227,7 +250,7 @@ async fn storm_of(
     let results: Vec<_> = futures::stream::iter(calls)
         .map(|(id, target, ctx, mode)| {
             let mut node = node.clone();
-            tokio::spawn(async move { publish(&mut node, id, target, ctx, mode).await })
+            tokio::spawn(async move { publish(&mut node, id, target, ctx, mode, &[]).await })
         })
         .buffer_unordered(usize::MAX)
         .collect()
@@ -271,6 +294,7 @@ fn main() -> anyhow::Result<()> {
         let mut plugin = Plugin::start(&bin_dir()?).await?;
         let res = match &cli.what {
             What::Storm { volumes, pods } => storm(&mut plugin, &cli, *volumes, *pods).await,
+            What::Soak { .. } => soak::run(&mut plugin, &cli).await,
         };
         if res.is_err() {
             let log = std::fs::read_to_string(plugin.log_path("ferry-node")).unwrap_or_default();
@@ -297,6 +321,7 @@ fn main() -> anyhow::Result<()> {
 async fn chart_node(
     plugin: &mut Plugin,
     cli: &Cli,
+    limit: u64,
     endpoint: &str,
     also_allowed: &[String],
 ) -> anyhow::Result<()> {
@@ -306,7 +331,7 @@ async fn chart_node(
     }
     let cache = plugin.dir.path().join("cache");
     plugin.set_env("FERRY_CACHE_DIR", &cache.display().to_string());
-    plugin.set_env("FERRY_MEMORY_LIMIT", &CHART_LIMIT.to_string());
+    plugin.set_env("FERRY_MEMORY_LIMIT", &limit.to_string());
     plugin.set_env("FERRY_MEMORY_BUDGET", CHART_BUDGET);
     plugin.set_env("FERRY_ENDPOINT_URL", endpoint);
     let mut allowed = vec![endpoint.to_string()];
@@ -327,7 +352,7 @@ async fn storm(
     let upstream: SocketAddr = format!("127.0.0.1:{}", plugin.s3.port()).parse()?;
     let proxy = proxy::DelayProxy::start(upstream, Duration::from_micros(cli.rtt_ms * 500))?;
     let hole = BlackHole::start()?;
-    chart_node(plugin, cli, &proxy.url(), &[hole.url()]).await?;
+    chart_node(plugin, cli, CHART_LIMIT, &proxy.url(), &[hole.url()]).await?;
     let pid = plugin
         .pid("ferry-node")
         .context("ferry-node is not running")?;
@@ -382,6 +407,7 @@ async fn storm(
                     target,
                     ctx,
                     Mode::MultiNodeMultiWriter,
+                    &[],
                 ),
             )
             .await
