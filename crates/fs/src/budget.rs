@@ -1,6 +1,11 @@
-//! [`MemoryBudget`]: one byte budget shared by the prefetch buffers and the write buffers of every
-//! mount of the node plugin, and [`MountContext`], the node-level things a mount is given besides
-//! its plain-data [`crate::MountConfig`].
+//! [`MemoryBudget`]: one byte budget shared by everything of every mount of the node plugin that
+//! grows with load ([`Use`]: prefetch and write buffers, small objects and directory sweeps read
+//! ahead, listings kept, FUSE sessions), and [`MountContext`], the node-level things a mount is
+//! given besides its plain-data [`crate::MountConfig`].
+//!
+//! What each kind does when the budget is spent: prefetching shrinks or stops, a write buffer
+//! waits, a listing is served but not kept (the next `readdir` or lookup lists again), and a FUSE
+//! session is charged regardless (a mount is never refused for memory) so the others give way.
 //!
 //! Reservations are RAII ([`Reservation`] gives its bytes back when dropped). Prefetching never
 //! waits ([`MemoryBudget::try_reserve`]): when the budget is exhausted it shrinks or stops and reads
@@ -21,6 +26,46 @@ use tokio::sync::Notify;
 /// Default node-wide budget for prefetched data: 1 GiB.
 pub const DEFAULT_BUDGET: u64 = 1 << 30;
 
+/// What a reservation is for: `ferry_memory_budget_used_bytes{kind}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Use {
+    /// Sequential prefetch windows.
+    Prefetch,
+    /// Write buffers of files being written.
+    Write,
+    /// Small objects and directory sweeps read ahead (into memory or the node cache).
+    ReadAhead,
+    /// Directory listings kept for later `readdir`s and lookups.
+    Listing,
+    /// A FUSE session's resident cost (request buffer, thread, tables of an idle mount).
+    Session,
+}
+
+impl Use {
+    pub const ALL: [Use; 5] = [
+        Use::Prefetch,
+        Use::Write,
+        Use::ReadAhead,
+        Use::Listing,
+        Use::Session,
+    ];
+
+    /// The metric label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Use::Prefetch => "prefetch",
+            Use::Write => "write",
+            Use::ReadAhead => "read_ahead",
+            Use::Listing => "listing",
+            Use::Session => "session",
+        }
+    }
+}
+
+/// What an idle mount's FUSE session holds, charged as [`Use::Session`] while it lives: measured
+/// with `ferry-bench-load storm` at 115 KiB per idle mount (doc/BENCHMARKS.md), rounded up.
+pub const SESSION_BYTES: u64 = 128 << 10;
+
 /// A byte budget shared by clones (cheap to clone).
 #[derive(Clone)]
 pub struct MemoryBudget {
@@ -34,10 +79,12 @@ struct Inner {
     waiting: AtomicU64,
     /// Woken when reservations are given back while someone waits.
     freed: Notify,
-    /// `ferry_memory_budget_used_bytes`: every reservation adds to it and takes back.
-    gauge: &'static ferry_metrics::Gauge,
+    /// `ferry_memory_budget_used_bytes{kind}`: every reservation adds to its kind's and takes back.
+    gauges: [&'static ferry_metrics::Gauge; 5],
     /// Sequential readers holding a prefetch window now (see [`StreamSlot`]).
     streams: AtomicU64,
+    /// Bytes in use by [`Use`].
+    by_kind: [AtomicU64; 5],
 }
 
 impl fmt::Debug for MemoryBudget {
@@ -64,8 +111,10 @@ impl MemoryBudget {
                 used: AtomicU64::new(0),
                 waiting: AtomicU64::new(0),
                 freed: Notify::new(),
-                gauge: &ferry_metrics::metrics().node.memory_budget_used,
+                gauges: Use::ALL
+                    .map(|u| ferry_metrics::metrics().node.memory_budget_used(u.label())),
                 streams: AtomicU64::new(0),
+                by_kind: Default::default(),
             }),
         }
     }
@@ -95,13 +144,29 @@ impl MemoryBudget {
     /// Reserves `bytes` if they fit, without waiting; `None` when the budget cannot hold them, or
     /// could only by taking memory that writers wait for.
     pub fn try_reserve(&self, bytes: u64) -> Option<Reservation> {
-        self.take(bytes, true)
+        self.take(Use::Prefetch, bytes, true)
+    }
+
+    /// [`MemoryBudget::try_reserve`] for another use than prefetch.
+    pub fn try_reserve_for(&self, kind: Use, bytes: u64) -> Option<Reservation> {
+        self.take(kind, bytes, true)
+    }
+
+    /// Charges `bytes` for `kind` whatever the limit (what must exist anyway: a mount's session).
+    /// Over the limit, prefetching stops and writers wait until usage falls back.
+    pub fn charge(&self, kind: Use, bytes: u64) -> Reservation {
+        self.force(kind, bytes)
+    }
+
+    /// Bytes in use for `kind`.
+    pub fn used_for(&self, kind: Use) -> u64 {
+        self.inner.by_kind[kind as usize].load(Ordering::Relaxed)
     }
 
     /// Reserves `bytes`, waiting up to `max_wait` for them to fit; after that they are taken over
     /// the limit.
     pub async fn reserve(&self, bytes: u64, max_wait: std::time::Duration) -> Reservation {
-        if let Some(r) = self.take(bytes, true) {
+        if let Some(r) = self.take(Use::Write, bytes, true) {
             return r;
         }
         match tokio::time::timeout(max_wait, self.wait_for(bytes)).await {
@@ -113,17 +178,24 @@ impl MemoryBudget {
                     limit = self.limit(),
                     "memory budget exhausted: a write buffer goes over it"
                 );
-                self.force(bytes)
+                self.force(Use::Write, bytes)
             }
         }
     }
 
     /// Takes `bytes` whatever the limit.
-    fn force(&self, bytes: u64) -> Reservation {
+    fn force(&self, kind: Use, bytes: u64) -> Reservation {
         self.inner.used.fetch_add(bytes, Ordering::SeqCst);
-        self.inner.gauge.inc_by(bytes as i64);
+        self.counted(kind, bytes)
+    }
+
+    /// Counts `bytes` already added to `used` for `kind`, in a reservation.
+    fn counted(&self, kind: Use, bytes: u64) -> Reservation {
+        self.inner.by_kind[kind as usize].fetch_add(bytes, Ordering::Relaxed);
+        self.inner.gauges[kind as usize].inc_by(bytes as i64);
         Reservation {
             budget: self.clone(),
+            kind,
             bytes,
         }
     }
@@ -142,14 +214,14 @@ impl MemoryBudget {
             let freed = self.inner.freed.notified();
             tokio::pin!(freed);
             freed.as_mut().enable();
-            if let Some(r) = self.take(bytes, false) {
+            if let Some(r) = self.take(Use::Write, bytes, false) {
                 return r;
             }
             freed.await;
         }
     }
 
-    fn take(&self, bytes: u64, behind_waiters: bool) -> Option<Reservation> {
+    fn take(&self, kind: Use, bytes: u64, behind_waiters: bool) -> Option<Reservation> {
         let mut used = self.inner.used.load(Ordering::Relaxed);
         loop {
             let mut new = used.checked_add(bytes)?;
@@ -166,13 +238,7 @@ impl MemoryBudget {
                 Ordering::SeqCst,
                 Ordering::Relaxed,
             ) {
-                Ok(_) => {
-                    self.inner.gauge.inc_by(bytes as i64);
-                    return Some(Reservation {
-                        budget: self.clone(),
-                        bytes,
-                    });
-                }
+                Ok(_) => return Some(self.counted(kind, bytes)),
                 Err(now) => used = now,
             }
         }
@@ -182,6 +248,7 @@ impl MemoryBudget {
 /// Bytes held from a [`MemoryBudget`] until dropped.
 pub struct Reservation {
     budget: MemoryBudget,
+    kind: Use,
     bytes: u64,
 }
 
@@ -193,6 +260,7 @@ impl Reservation {
     /// Takes `other`'s bytes into this reservation (both from the same budget).
     fn absorb(&mut self, mut other: Reservation) {
         debug_assert!(Arc::ptr_eq(&self.budget.inner, &other.budget.inner));
+        debug_assert_eq!(self.kind, other.kind);
         self.bytes += std::mem::take(&mut other.bytes);
     }
 }
@@ -232,6 +300,7 @@ impl BufferCharge {
             if r.bytes > bytes {
                 let excess = Reservation {
                     budget: r.budget.clone(),
+                    kind: r.kind,
                     bytes: r.bytes - bytes,
                 };
                 r.bytes = bytes;
@@ -271,7 +340,8 @@ impl Drop for Reservation {
         }
         let inner = &self.budget.inner;
         inner.used.fetch_sub(self.bytes, Ordering::SeqCst);
-        inner.gauge.dec_by(self.bytes as i64);
+        inner.by_kind[self.kind as usize].fetch_sub(self.bytes, Ordering::Relaxed);
+        inner.gauges[self.kind as usize].dec_by(self.bytes as i64);
         if inner.waiting.load(Ordering::SeqCst) > 0 {
             inner.freed.notify_waiters();
         }
@@ -396,6 +466,32 @@ mod tests {
         assert_eq!(b.used(), 0);
         assert!(b.try_reserve(u64::MAX).is_none());
         assert_eq!(b.used(), 0);
+    }
+
+    #[test]
+    fn each_kind_is_counted_and_a_charge_goes_over_the_limit() {
+        let b = MemoryBudget::new(100);
+        let p = b.try_reserve(30).expect("fits");
+        let l = b.try_reserve_for(Use::Listing, 50).expect("fits");
+        let s = b.charge(Use::Session, 40);
+        assert_eq!(b.used(), 120, "a session is charged whatever the limit");
+        assert_eq!(
+            Use::ALL.map(|u| b.used_for(u)),
+            [30, 0, 0, 50, 40],
+            "prefetch, write, read-ahead, listing, session"
+        );
+        assert!(
+            b.try_reserve_for(Use::ReadAhead, 1).is_none(),
+            "over: nothing else fits"
+        );
+        drop((p, l));
+        assert_eq!(
+            b.try_reserve_for(Use::ReadAhead, 60).map(|r| r.bytes()),
+            Some(60)
+        );
+        drop(s);
+        assert_eq!(b.used(), 0);
+        assert_eq!(Use::ALL.map(|u| b.used_for(u)), [0; 5]);
     }
 
     #[test]

@@ -86,6 +86,25 @@ pub struct DirCache {
     /// The last listing (S3's entries, sorted by name) and when it was taken: new `opendir`s are
     /// served from it while `entries_valid` holds. Dropped when this mount changes the directory.
     pub listing: Option<(Arc<Vec<ListedEntry>>, Instant)>,
+    /// What `entries` and `listing` hold of the memory budget ([`crate::budget::Use::Listing`]),
+    /// shared by copies of this cache.
+    pub charge: Option<Arc<crate::Reservation>>,
+}
+
+/// Bytes a listing of `entries` costs kept in a [`DirCache`] (the sorted listing and the name map:
+/// each name twice, its metadata twice, and their headers), for the memory budget.
+pub fn kept_listing_bytes(entries: &[ListedEntry]) -> u64 {
+    entries
+        .iter()
+        .map(|e| {
+            let etag = e
+                .meta
+                .as_ref()
+                .and_then(|m| m.etag.as_ref())
+                .map_or(0, |t| t.len());
+            2 * (e.name.len() + etag) as u64 + 320
+        })
+        .sum()
 }
 
 impl DirCache {

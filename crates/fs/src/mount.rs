@@ -70,6 +70,8 @@ pub struct MountHandle {
     gate: Arc<Gate>,
     /// What the kernel offered at `INIT`.
     kernel: Arc<Mutex<Option<KernelInit>>>,
+    /// The session's share of the memory budget ([`crate::budget::SESSION_BYTES`]).
+    _session: crate::Reservation,
 }
 
 /// A mount stopped for a handover: its session admits no request, none is running, and `snapshot`
@@ -402,6 +404,9 @@ pub fn mount(
         source,
     };
     let proofs = ctx.proofs.for_store(&store);
+    let session_charge = ctx
+        .budget
+        .charge(crate::budget::Use::Session, crate::budget::SESSION_BYTES);
     let fs = Fs::with_budget(store, cfg.clone(), ctx.budget.clone(), ctx.prefetch);
     let (fs, adapter) = adapter_for(fs, proofs, ctx);
     let (gate, kernel) = (adapter.gate(), adapter.kernel_init());
@@ -439,6 +444,7 @@ pub fn mount(
         .inspect_err(|e| tracing::info!(conn = entry.dev.1, error = %e, "the FUSE connection's abort file cannot be opened"))
         .ok();
     let handle = MountHandle {
+        _session: session_charge,
         session: Some(session),
         fs,
         target,
@@ -484,6 +490,9 @@ pub fn resume(
         .filter(|m| m.dev == dev_numbers && m.fs_type.starts_with("fuse"))
         .ok_or_else(|| MountError::NotVisible(target.clone()))?;
     let proofs = ctx.proofs.for_store(&store);
+    let session_charge = ctx
+        .budget
+        .charge(crate::budget::Use::Session, crate::budget::SESSION_BYTES);
     let fs = Fs::from_snapshot(store, snapshot, ctx.budget.clone(), ctx.prefetch);
     let (fs, adapter) = adapter_for(fs, proofs, ctx);
     let (gate, kernel_rec) = (adapter.gate(), adapter.kernel_init());
@@ -519,6 +528,7 @@ pub fn resume(
     let bg = session.spawn().map_err(fuse_err)?;
     let abort = mountinfo::ConnectionAbort::open(entry.dev.1).ok();
     let handle = MountHandle {
+        _session: session_charge,
         session: Some(Session::Own(bg)),
         fs,
         target,

@@ -118,13 +118,27 @@ pub struct NodeMetrics {
     /// `handover`, `recovery`, `failed`.
     taken_over: [Counter; 3],
     pub takeover_pause_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
-    pub memory_budget_used: Gauge,
+    /// By kind ([`MEMORY_KINDS`]).
+    memory_budget_used: [Gauge; 5],
     pub memory_budget_limit: Gauge,
     pub prefetch_hit_bytes: Counter,
     pub prefetch_wasted_bytes: Counter,
 }
 
+/// The kinds of `ferry_memory_budget_used_bytes{kind}` (ferry-fs's `budget::Use`).
+pub const MEMORY_KINDS: [&str; 5] = ["prefetch", "write", "read_ahead", "listing", "session"];
+
 impl NodeMetrics {
+    /// The memory budget's bytes in use for `kind` (one of [`MEMORY_KINDS`]; anything else counts
+    /// as the last).
+    pub fn memory_budget_used(&self, kind: &str) -> &Gauge {
+        let i = MEMORY_KINDS
+            .iter()
+            .position(|k| *k == kind)
+            .unwrap_or(MEMORY_KINDS.len() - 1);
+        &self.memory_budget_used[i]
+    }
+
     /// Counts `n` mounts taken over by `how` (`handover`, `recovery`; anything else is `failed`).
     pub fn taken_over(&self, how: &str, n: u64) {
         let i = match how {
@@ -280,14 +294,17 @@ pub(crate) fn build() -> (Registry, Metrics, Vec<AlreadyRegistered>) {
             "Seconds the last takeover stopped the mounts.",
             Gauge::<f64, std::sync::atomic::AtomicU64>::default()
         ),
-        memory_budget_used: reg!(
-            names::MEMORY_BUDGET_USED,
-            "Bytes of the node-wide memory budget (prefetch and write buffers) in use.",
-            gauge()
-        ),
+        memory_budget_used: {
+            let family = reg!(
+                names::MEMORY_BUDGET_USED,
+                "Bytes of the node-wide memory budget in use, by kind (prefetch, write buffers, read-ahead, listings kept, FUSE sessions).",
+                Family::<Labels, Gauge>::default()
+            );
+            MEMORY_KINDS.map(|k| family.get_or_create_owned(&vec![("kind", Cow::Borrowed(k))]))
+        },
         memory_budget_limit: reg!(
             names::MEMORY_BUDGET_LIMIT,
-            "The node-wide memory budget (prefetch and write buffers) in bytes.",
+            "The node-wide memory budget in bytes.",
             gauge()
         ),
         prefetch_hit_bytes: reg!(

@@ -20,7 +20,9 @@ mod server;
 mod store;
 
 pub use fuse::record_fuse_op;
-pub use global::{metrics, registry, CacheMetrics, FuseMetrics, Metrics, NodeMetrics, S3Metrics};
+pub use global::{
+    metrics, registry, CacheMetrics, FuseMetrics, Metrics, NodeMetrics, S3Metrics, MEMORY_KINDS,
+};
 pub use prometheus_client::metrics::counter::Counter;
 pub use prometheus_client::metrics::gauge::Gauge;
 pub use registry::{

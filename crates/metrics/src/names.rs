@@ -22,9 +22,9 @@ pub const FUSE_OPS: &str = "ferry_fuse_operations_total";
 pub const FUSE_OP_SECONDS: &str = "ferry_fuse_operation_duration_seconds";
 /// Live FUSE mounts in this process.
 pub const MOUNTS: &str = "ferry_mounts";
-/// Bytes of the node-wide memory budget (prefetch and write buffers) in use.
+/// Bytes of the node-wide memory budget in use, by `kind`.
 pub const MEMORY_BUDGET_USED: &str = "ferry_memory_budget_used_bytes";
-/// The node-wide prefetch memory budget.
+/// The node-wide memory budget.
 pub const MEMORY_BUDGET_LIMIT: &str = "ferry_memory_budget_limit_bytes";
 /// Prefetched bytes later read by the application.
 pub const PREFETCH_HIT_BYTES: &str = "ferry_prefetch_hit_bytes_total";

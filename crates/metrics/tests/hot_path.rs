@@ -63,7 +63,7 @@ fn record(i: u64) {
     m.cache.hit_bytes.inc_by(4096);
     record_fuse_op("read", None, d);
     record_fuse_op("lookup", Some(libc::ENOENT), d);
-    m.node.memory_budget_used.inc_by(1);
+    m.node.memory_budget_used("prefetch").inc_by(1);
 }
 
 #[test]

@@ -26,14 +26,17 @@ use ferry_cache::{BlockCache, ObjectKey};
 
 use crate::proofs::Proofs;
 
-use crate::budget::{MemoryBudget, PrefetchConfig};
+use crate::budget::{MemoryBudget, PrefetchConfig, Use};
 use crate::config::MountConfig;
 use crate::error::FsError;
 use crate::handles::{
     DirHandle, Handle, HandleTable, MultipartState, PartRecord, ReadHandle, WriteHandle,
     WriteStatus, MAX_PARTS, PART_SIZE,
 };
-use crate::inode::{now_secs, CachedEntry, Ino, Inode, InodeState, InodeTable, Validity, ROOT_INO};
+use crate::inode::{
+    kept_listing_bytes, now_secs, CachedEntry, Ino, Inode, InodeState, InodeTable, Validity,
+    ROOT_INO,
+};
 use crate::journal::Journal;
 use crate::names::{
     child_path, dir_prefix, file_key, lookup_name, new_name, Kind, ListedEntry, Listing,

@@ -471,9 +471,24 @@ impl Fs {
             dir.valid = valid;
         }
         dir.cache.entries.clear();
+        dir.cache.charge = None;
         dir.cache.entries_valid = valid;
         dir.cache.listing = None;
-        if valid.is_valid(now) {
+        // Kept only if the memory budget holds it; otherwise served and forgotten (the next
+        // readdir or lookup asks S3 again).
+        let charge = valid.is_valid(now).then(|| {
+            self.budget
+                .try_reserve_for(Use::Listing, kept_listing_bytes(&remote))
+        });
+        if let Some(None) = charge {
+            tracing::debug!(
+                entries = remote.len(),
+                "memory budget spent: a listing is served but not kept"
+            );
+            dir.cache.entries_valid = Validity::Expired;
+        }
+        if let Some(Some(charge)) = charge {
+            dir.cache.charge = Some(Arc::new(charge));
             dir.cache.listing = Some((Arc::new(remote.clone()), now));
             for e in &remote {
                 dir.cache.negative.remove(&e.name);

@@ -549,7 +549,10 @@ impl Fs {
             if st.small.contains(&key, etag) {
                 continue;
             }
-            let Some(reservation) = self.budget.try_reserve(meta.size) else {
+            let Some(reservation) = self
+                .budget
+                .try_reserve_for(crate::budget::Use::ReadAhead, meta.size)
+            else {
                 break;
             };
             let proven = self.is_proven(&key, etag);

@@ -144,7 +144,7 @@ impl Fs {
                         }
                         // ... nor over the memory budget: a sweep can wait.
                         let _held = loop {
-                            match budget.try_reserve(src.size) {
+                            match budget.try_reserve_for(crate::budget::Use::ReadAhead, src.size) {
                                 Some(r) => break r,
                                 None => {
                                     tokio::time::sleep(std::time::Duration::from_millis(50)).await

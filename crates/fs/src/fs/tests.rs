@@ -1065,6 +1065,50 @@ fn faulty() -> (MemoryStore, Arc<ferry_store::FaultyStore<MemoryStore>>) {
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_listing_is_kept_only_while_the_memory_budget_holds_it() {
+    let (mem, store) = faulty();
+    for i in 0..200 {
+        mem.insert(B, &format!("d/file-{i:03}"), b"x".to_vec());
+    }
+    async fn listed(fs: &Fs) -> usize {
+        let d = walk(fs, "d").await.unwrap().attr.ino;
+        list_batched(fs, d, 64, false).await.len()
+    }
+    let ttl = MetadataTtl::Indefinite;
+    // Room for it: kept and charged; the second listing asks S3 nothing.
+    let budget = MemoryBudget::new(1 << 20);
+    let fs = setup_budget(
+        store.clone(),
+        budget.clone(),
+        PrefetchConfig::default(),
+        ttl,
+    );
+    assert_eq!(listed(&fs).await, 200);
+    let kept = budget.used_for(crate::budget::Use::Listing);
+    assert!(kept >= 200 * 320, "{kept} bytes charged for 200 names");
+    mem.reset_stats();
+    assert_eq!(listed(&fs).await, 200);
+    assert_eq!(mem.stats().list, 0, "served from the kept listing");
+    drop(fs);
+    assert_eq!(
+        budget.used_for(crate::budget::Use::Listing),
+        0,
+        "given back with the filesystem"
+    );
+
+    // No room: served whole, not kept, so the next listing and lookups ask S3 again.
+    let budget = MemoryBudget::new(4 << 10);
+    let fs = setup_budget(store, budget.clone(), PrefetchConfig::default(), ttl);
+    assert_eq!(listed(&fs).await, 200);
+    assert_eq!(budget.used_for(crate::budget::Use::Listing), 0);
+    mem.reset_stats();
+    assert_eq!(listed(&fs).await, 200);
+    assert!(mem.stats().list > 0, "listed again");
+    assert_eq!(walk(&fs, "d/file-007").await.unwrap().attr.size, 1);
+    assert!(walk(&fs, "d/missing").await.is_err());
+}
+
+#[tokio::test(start_paused = true)]
 async fn exhausted_budget_reads_fetch_only_what_they_need() {
     let (mem, store) = faulty();
     let body = data(3 << 20, 11);
