@@ -3,7 +3,6 @@
 //! - [`service`]: the Node service (NodePublishVolume mounts, NodeUnpublishVolume unmounts);
 //! - [`fdpass`]: framed messages with file descriptors over a unix socket;
 //! - [`holder`]: the fd holder's protocol and client (fds of live mounts kept across a restart);
-//! - [`alloc`]: glibc malloc tuned for many FUSE sessions, and memory handed back after storms;
 //! - [`accounts`]: ServiceAccount reads through the Kubernetes API (pod-level credentials);
 //! - [`mounts`]: the table of live mounts, one FUSE session each, all in this process;
 //! - [`registration`]: kubelet plugin registration (the socket in `plugins_registry`), behind
@@ -13,7 +12,6 @@
 //! - [`mountinfo`] (from `ferry-fs`): what the kernel says is mounted where.
 
 pub mod accounts;
-pub mod alloc;
 pub mod authority;
 pub mod handover;
 pub mod keeper;
@@ -23,7 +21,7 @@ pub mod service;
 pub mod size;
 pub mod targetpath;
 
-pub use ferry_fs::mountinfo;
+pub use ferry_fs::{alloc, mountinfo};
 /// The descriptor holder's client and framing (their own package: `ferry-fd-holder` links none of
 /// the data path).
 pub use ferry_holder::{self as holder, fdpass};

@@ -731,7 +731,7 @@ impl Inner {
                 .map_err(|e| CsiError::Internal(format!("unmount task failed: {e}")))?;
             res.map_err(|e| CsiError::Internal(format!("unmounting {}: {e}", shown(&target))))?;
             self.keeper.release(&target);
-            crate::alloc::trim_soon();
+            ferry_fs::alloc::trim_soon();
         } else if found != targetpath::Found::Symlink {
             Self::clear_stale(&target)?;
         }

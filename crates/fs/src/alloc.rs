@@ -18,7 +18,7 @@
 //! An operator's `MALLOC_MMAP_THRESHOLD_` / `MALLOC_ARENA_MAX` (or `GLIBC_TUNABLES`) wins.
 
 /// Allocations of at least this size are their own mappings.
-pub const MMAP_THRESHOLD: usize = 16 << 20;
+pub const MMAP_THRESHOLD: usize = 1 << 20;
 
 /// Most arenas (glibc: 8 × CPUs by default).
 pub const ARENA_MAX: usize = 4;

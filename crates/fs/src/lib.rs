@@ -5,6 +5,7 @@
 //! [`fuser::Filesystem`] on top of it, and [`FsError::errno`] is the one place errnos are chosen.
 //! [`mount`] wires the two to a kernel mount. Semantics: `doc/SEMANTICS.md`.
 
+pub mod alloc;
 pub mod budget;
 pub mod config;
 pub mod error;
