@@ -184,12 +184,26 @@ impl S3Stores {
                 .await?
             }
         };
+        // Clients of a Secret's keys or of a pod identity that nothing uses any more (no mount,
+        // no call in flight: the map's two references are the only ones) go before a new one
+        // comes, so pods that come and go with their own credentials do not pile clients up. The
+        // driver's own clients stay (few: one per endpoint; the liveness probe reuses them).
+        clients.retain(|(_, key), (store, instrumented)| {
+            *key == CredentialsKey::Driver
+                || Arc::strong_count(instrumented) > 1
+                || Arc::strong_count(store) > 2
+        });
         let store = Arc::new(store);
         let client: Arc<dyn ObjectStore> = store.clone();
         let instrumented: Arc<dyn ObjectStore> =
             Arc::new(ferry_metrics::InstrumentedStore::new(client));
         clients.insert((e, key), (store.clone(), instrumented.clone()));
         Ok((store, instrumented))
+    }
+
+    /// How many clients are kept (for tests and the start-up log).
+    pub async fn clients(&self) -> usize {
+        self.clients.lock().await.len()
     }
 
     /// Readiness: the driver-level credentials resolve. Uses the cached client, whose credentials
@@ -302,5 +316,23 @@ mod tests {
             assert!(matches!(e, StoreError::InvalidRequest(_)), "{e:?}");
         }
         assert!(stores.clients.lock().await.is_empty(), "no client was made");
+    }
+
+    #[tokio::test]
+    async fn clients_nothing_uses_go_when_the_next_one_comes_and_the_drivers_stay() {
+        let stores = S3Stores::new(endpoint("http://127.0.0.1:9"));
+        let e = Endpoint::default();
+        drop(stores.get(&e).await.unwrap());
+        let k1 = stores.get_as(&e, &keys("AKIA1")).await.unwrap();
+        drop(stores.get_as(&e, &keys("AKIA2")).await.unwrap());
+        assert_eq!(stores.clients().await, 3);
+        // AKIA2's store is no one's any more: it goes; AKIA1's is in use, the driver's stays.
+        let k3 = stores.get_as(&e, &keys("AKIA3")).await.unwrap();
+        assert_eq!(stores.clients().await, 3);
+        let k1_again = stores.get_as(&e, &keys("AKIA1")).await.unwrap();
+        assert!(Arc::ptr_eq(&k1, &k1_again), "a store in use is kept");
+        drop((k1, k1_again, k3));
+        drop(stores.get_as(&e, &keys("AKIA4")).await.unwrap());
+        assert_eq!(stores.clients().await, 2, "the driver's and AKIA4's");
     }
 }
