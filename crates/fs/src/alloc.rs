@@ -10,15 +10,18 @@
 //! a fresh mapping whose pages the kernel fills only as requests arrive (a few KiB on an idle
 //! mount) and `munmap` returns it whole at unmount.
 //!
-//! The data path's buffers (4 MiB cache blocks, prefetch parts of at most 8 MiB) stay below the
-//! threshold, in the heap, as they already were once the dynamic threshold had risen. Arenas are
+//! The data path's buffers (4 MiB cache blocks, prefetch parts of at most 8 MiB, write parts of a
+//! part and a write) stay below the threshold, in the heap, as they already were once the dynamic
+//! threshold had risen. A 1 MiB threshold, which also hands every freed part back at once, cost
+//! 30 % of a 1 GiB sequential read (`ferry-bench --only P1`, 426–478 against 594–675 MiB/s, same
+//! run): each part was a fresh mapping, faulted in page by page and unmapped again. Arenas are
 //! capped (glibc's default is 8 per CPU: 512 on a 64-CPU node, each keeping its own free memory),
 //! and [`trim`] hands free heap pages back after a burst (called when mounts end).
 //!
 //! An operator's `MALLOC_MMAP_THRESHOLD_` / `MALLOC_ARENA_MAX` (or `GLIBC_TUNABLES`) wins.
 
 /// Allocations of at least this size are their own mappings.
-pub const MMAP_THRESHOLD: usize = 1 << 20;
+pub const MMAP_THRESHOLD: usize = 16 << 20;
 
 /// Most arenas (glibc: 8 × CPUs by default).
 pub const ARENA_MAX: usize = 4;

@@ -386,6 +386,10 @@ pub struct PrefetchConfig {
     pub small_objects_ahead: usize,
     /// Prefetched small objects not opened within this time are dropped.
     pub small_object_ttl: std::time::Duration,
+    /// How long a write waits for the memory budget before its buffer goes over it: long enough
+    /// for other uploads to finish a part, short enough that memory held by files only the
+    /// waiting process would close (or by a paused reader's prefetch) never stops it for good.
+    pub write_budget_wait: std::time::Duration,
 }
 
 impl Default for PrefetchConfig {
@@ -399,6 +403,7 @@ impl Default for PrefetchConfig {
             small_object_max: 1 << 20,
             small_objects_ahead: 32,
             small_object_ttl: std::time::Duration::from_secs(10),
+            write_budget_wait: std::time::Duration::from_secs(5),
         }
     }
 }

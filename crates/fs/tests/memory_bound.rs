@@ -2,11 +2,9 @@
 //! real S3 server (versitygw), with a small budget, stay within the budget plus a fixed margin of
 //! peak RSS. A test binary of its own (one test), so no other test's memory is counted.
 //!
-//! Without the budget each of the 12 writers holds a part being filled (8 MiB and a write) and
-//! every listing is kept: measured +82 MiB of peak RSS with 8 writers where the bound is 72, and
-//! +57 MiB with the budget. The allocator runs as the node plugin runs it ([`ferry_fs::alloc`]):
-//! with glibc's defaults, freed 8 MiB buffers stay in per-thread arenas and the peak was +97 MiB
-//! even with the budget.
+//! Measured with the allocator as the node plugin runs it ([`ferry_fs::alloc`]): +152 MiB of
+//! peak RSS without the budget (12 writers each holding a part being filled and one being
+//! uploaded, every listing kept), +67 MiB with it, against a bound of 88.
 
 mod common;
 
@@ -22,7 +20,7 @@ const MIB: u64 = 1 << 20;
 const BUDGET: u64 = 24 * MIB;
 /// What the process may hold beyond the budget: the runtime, FUSE request buffers (one 1 MiB
 /// write each in flight), the S3 client's connection buffers, a listing being built.
-const MARGIN: u64 = 48 * MIB;
+const MARGIN: u64 = 64 * MIB;
 const WRITERS: usize = 12;
 const FILE_MIB: usize = 24;
 const DIRS: usize = 6;
@@ -48,6 +46,10 @@ fn writers_and_listings_stay_within_the_memory_budget() {
     ferry_fs::alloc::tune();
     let mut env = Env::start();
     env.budget = MemoryBudget::new(BUDGET);
+    // Writers wait for the budget as long as it takes (the node plugin's 5 s bound, which keeps a
+    // process holding its own buffers from waiting for good, would make the peak depend on how
+    // fast this machine uploads; these writers each write one file and close it).
+    env.prefetch.write_budget_wait = std::time::Duration::from_secs(600);
     let prefix = env.fresh_prefix("memory");
     // Directories of long names, listed again and again while the writers write.
     env.rt.block_on(async {

@@ -6,10 +6,8 @@ use super::*;
 
 /// The first charge of a write buffer to the memory budget (a small file's whole buffer).
 const WRITE_CHARGE_MIN: u64 = 64 << 10;
-/// How long a write waits for the memory budget before its buffer goes over it: long enough for
-/// other uploads to finish a part, short enough that memory held by files only the waiting
-/// process would close (or by a paused reader's prefetch) never stops it for good.
-pub(crate) const WRITE_BUDGET_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+/// Up to this size a write buffer's charge doubles; past it, it is a whole part (and a write).
+const WRITE_CHARGE_STEP: u64 = 1 << 20;
 
 impl Fs {
     /// `create`: a new local file and a write handle; the object appears when the upload
@@ -129,18 +127,34 @@ impl Fs {
     }
 
     /// Charges `w`'s buffer to the memory budget for `need` bytes, waiting for the budget (at most
-    /// [`WRITE_BUDGET_WAIT`]) if need be. The charge grows by doubling (from [`WRITE_CHARGE_MIN`]),
-    /// to at most a part plus one write, and shrinks back to the buffer once a part is uploaded.
+    /// [`PrefetchConfig::write_budget_wait`]) if need be. The charge grows by doubling from
+    /// [`WRITE_CHARGE_MIN`] to [`WRITE_CHARGE_STEP`] (a small file's buffer), then at once to a
+    /// whole part plus the write, and shrinks back to the buffer once a part is uploaded. So a
+    /// writer that waits holds at most [`WRITE_CHARGE_STEP`]: writers never wait on each other
+    /// while each holds part of a part (which only the bounded wait would end).
     async fn charge_buffer(&self, w: &mut WriteHandle, need: usize) {
         let need = need as u64;
         let have = w.memory.bytes();
         if need <= have {
             return;
         }
-        let target = need.max((have * 2).clamp(WRITE_CHARGE_MIN, PART_SIZE as u64));
+        let write = need.saturating_sub(w.pending.len() as u64);
+        let target = if need <= WRITE_CHARGE_STEP {
+            need.max((have * 2).clamp(WRITE_CHARGE_MIN, WRITE_CHARGE_STEP))
+        } else {
+            need.max(PART_SIZE as u64 + write)
+        };
         w.memory
-            .grow_to(&self.budget, target, WRITE_BUDGET_WAIT)
+            .grow_to(&self.budget, target, self.prefetch.write_budget_wait)
             .await;
+        // The buffer grows to what is charged, never by `Vec`'s own doubling: past a part that
+        // would allocate twice the part (and copy into it) where a part and one write were
+        // charged.
+        let charged = w.memory.bytes() as usize;
+        if w.pending.capacity() < need as usize {
+            w.pending
+                .reserve_exact(charged.max(need as usize) - w.pending.len());
+        }
     }
 
     pub(super) async fn upload_part(

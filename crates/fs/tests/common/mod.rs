@@ -24,6 +24,8 @@ pub struct Env {
     pub store: Arc<S3Store>,
     /// The prefetch budget every mount of this `Env` shares, as a node plugin's mounts do.
     pub budget: MemoryBudget,
+    /// The node-level tuning every mount of this `Env` gets.
+    pub prefetch: PrefetchConfig,
     // Dropped last: the mounts and the store must go first.
     pub server: S3Server,
 }
@@ -42,6 +44,7 @@ impl Env {
             rt,
             store,
             budget: MemoryBudget::default(),
+            prefetch: PrefetchConfig::default(),
             server,
         }
     }
@@ -60,7 +63,15 @@ impl Env {
         prefix: &str,
         tweak: impl FnOnce(&mut MountConfig),
     ) -> Mount {
-        mount_bucket(&self.rt, &self.budget, store, BUCKET, prefix, tweak)
+        mount_bucket_with(
+            &self.rt,
+            &self.budget,
+            self.prefetch,
+            store,
+            BUCKET,
+            prefix,
+            tweak,
+        )
     }
 
     /// Waits (up to a generous minute) until no prefetch memory is charged to the budget any more:
@@ -149,6 +160,20 @@ pub fn mount_bucket(
     prefix: &str,
     tweak: impl FnOnce(&mut MountConfig),
 ) -> Mount {
+    let prefetch = PrefetchConfig::default();
+    mount_bucket_with(rt, budget, prefetch, store, bucket, prefix, tweak)
+}
+
+/// [`mount_bucket`] with this node-level tuning.
+pub fn mount_bucket_with(
+    rt: &tokio::runtime::Runtime,
+    budget: &MemoryBudget,
+    prefetch: PrefetchConfig,
+    store: Arc<dyn ObjectStore>,
+    bucket: &str,
+    prefix: &str,
+    tweak: impl FnOnce(&mut MountConfig),
+) -> Mount {
     let dir = tempfile::tempdir().unwrap();
     let mut cfg = MountConfig::new(bucket);
     cfg.prefix = prefix.to_owned();
@@ -160,7 +185,7 @@ pub fn mount_bucket(
     let ctx = MountContext {
         runtime: rt.handle().clone(),
         budget: budget.clone(),
-        prefetch: PrefetchConfig::default(),
+        prefetch,
         cache: None,
         passthrough: true,
         proofs: Default::default(),
