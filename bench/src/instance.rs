@@ -1,4 +1,4 @@
-//! One benchmark at a time: two at once would measure each other.
+//! One benchmark at a time: two at once would measure each other; and where a report goes.
 
 use std::path::Path;
 
@@ -22,4 +22,19 @@ pub fn single_instance_lock() -> anyhow::Result<std::fs::File> {
         );
     }
     Ok(f)
+}
+
+/// Prints a run's report and appends it to `out` (Markdown), if given.
+pub fn report(report: &str, out: Option<&Path>) -> anyhow::Result<()> {
+    use std::io::Write;
+    println!("{report}");
+    if let Some(out) = out {
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(out)
+            .with_context(|| format!("opening {}", out.display()))?;
+        writeln!(f, "{report}")?;
+    }
+    Ok(())
 }

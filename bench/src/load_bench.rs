@@ -23,7 +23,6 @@ mod proxy;
 mod soak;
 
 use std::collections::HashMap;
-use std::io::Write;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -306,15 +305,7 @@ fn main() -> anyhow::Result<()> {
         }
         res
     })?;
-    println!("{report}");
-    if let Some(out) = &cli.out {
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(out)?;
-        writeln!(f, "{report}")?;
-    }
-    Ok(())
+    instance::report(&report, cli.out.as_deref())
 }
 
 /// Restarts the harness's node plugin as the chart's defaults run it, S3 behind `proxy`.

@@ -30,18 +30,10 @@ const SMALL_FILES: usize = 16;
 
 /// Deterministic contents: a file's bytes follow from its name.
 fn content(name: &str, len: usize) -> Vec<u8> {
-    let mut x = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+    let seed = name.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
         (h ^ b as u64).wrapping_mul(0x100_0000_01b3)
     });
-    let mut v = Vec::with_capacity(len + 8);
-    while v.len() < len {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        v.extend_from_slice(&x.to_le_bytes());
-    }
-    v.truncate(len);
-    v
+    ferry_e2e::payload(seed, len).into()
 }
 
 /// A v1 memory cgroup holding the node plugin (this machine's kernel mounts cgroup v1; v2 too).

@@ -535,15 +535,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         "{report}\nWall time of this run: {:.1} min.\n",
         run_started.elapsed().as_secs_f64() / 60.0
     );
-    println!("{report}");
-    if let Some(out) = &cli.out {
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(out)?;
-        writeln!(f, "{report}")?;
-    }
-    Ok(())
+    instance::report(&report, cli.out.as_deref())
 }
 
 async fn run_on(plugin: &mut Plugin, cli: &Cli) -> anyhow::Result<String> {
