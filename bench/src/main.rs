@@ -16,12 +16,11 @@ mod table;
 mod workloads;
 
 use std::collections::HashMap;
-use std::io::Write as _;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::{Parser, Subcommand};
 use ferry_s3::{S3Config, S3Options, S3Store};
 use ferry_store::{ListRequest, ObjectStore};
@@ -169,16 +168,7 @@ fn main() -> anyhow::Result<()> {
         "{report}\nWall time of this run: {:.1} min.\n",
         took.as_secs_f64() / 60.0
     );
-    println!("{report}");
-    if let Some(out) = &cli.out {
-        let mut f = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(out)
-            .with_context(|| format!("opening {}", out.display()))?;
-        writeln!(f, "{report}")?;
-    }
-    Ok(())
+    instance::report(&report, cli.out.as_deref())
 }
 
 #[allow(clippy::too_many_arguments)]

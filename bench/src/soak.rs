@@ -130,7 +130,7 @@ fn reader(target: PathBuf, vol: usize, stop: Arc<AtomicBool>, c: Arc<Counters>) 
     let mut i = vol;
     while !stop.load(Ordering::Relaxed) {
         i += 1;
-        let (name, len) = if i % 4 == 0 {
+        let (name, len) = if i.is_multiple_of(4) {
             (format!("large-{}.bin", i / 4 % LARGE_FILES), LARGE)
         } else {
             (format!("small-{:02}.bin", i % SMALL_FILES), SMALL)
@@ -149,7 +149,7 @@ fn reader(target: PathBuf, vol: usize, stop: Arc<AtomicBool>, c: Arc<Counters>) 
                 }
             }
         }
-        if i % 50 == 0 {
+        if i.is_multiple_of(50) {
             match std::fs::read_dir(&target).map(|d| d.count()) {
                 Ok(_) => c.listings.fetch_add(1, Ordering::Relaxed),
                 Err(_) => c.errors.fetch_add(1, Ordering::Relaxed),
