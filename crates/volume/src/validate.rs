@@ -156,8 +156,10 @@ pub fn endpoint_url(key: &str, url: &str) -> Result<(), VolumeError> {
     if authority.contains('@') {
         return bad("must not carry credentials");
     }
-    if url.contains(['?', '#', ' ']) {
-        return bad("must not contain a query, fragment or space");
+    // Whitespace and control characters too: a URL is one token, and one that reaches a log
+    // line must not be able to break it.
+    if url.contains(['?', '#']) || url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return bad("must not contain a query, fragment, whitespace or control character");
     }
     if let Some((_, port)) = authority.rsplit_once(':') {
         if !authority.ends_with(']') && port.parse::<u16>().is_err() {
@@ -230,6 +232,10 @@ mod tests {
             "http://u:p@x",
             "http://x:99999",
             "http://x/?a=b",
+            // Found by fuzzing: only a space was refused.
+            "https://s3.example.com\t",
+            "https://s3.example.com\n",
+            "https://s3.example.com/a\u{85}b",
         ] {
             assert!(endpoint_url("e", bad).is_err(), "{bad}");
         }
