@@ -279,6 +279,11 @@ pub fn replay(file: &mut File) -> Result<Recovered, JournalError> {
     let mut bytes = Vec::new();
     file.seek(SeekFrom::Start(0))?;
     file.read_to_end(&mut bytes)?;
+    replay_bytes(&bytes)
+}
+
+/// [`replay`] of a journal's bytes.
+pub fn replay_bytes(bytes: &[u8]) -> Result<Recovered, JournalError> {
     if bytes.len() < FILE_HEADER_LEN {
         return Err(JournalError::Incomplete("no header".into()));
     }
