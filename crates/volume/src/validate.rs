@@ -249,7 +249,7 @@ mod tests {
             "{e}"
         );
         assert!(!e.to_string().contains("AKIAEXAMPLE"), "{e}");
-        // A secret key with a `/` (found by fuzzing): the user info still ends at the `@`.
+        // A secret key with a `/` (the endpoints fuzz target): the user info still ends at the `@`.
         for url in [
             "https://AKID:wJalr/XUtnFEMI@s3.example.com",
             "https://AKID:wJalr/XUtn@FEMI@s3.example.com/x",
