@@ -33,3 +33,10 @@ pub const ROLE_ARN_ANNOTATION: &str = "eks.amazonaws.com/role-arn";
 pub const STS_REGIONAL_ANNOTATION: &str = "eks.amazonaws.com/sts-regional-endpoints";
 /// Where the EKS Pod Identity agent listens on every node.
 pub const DEFAULT_POD_IDENTITY_AGENT_URL: &str = "http://169.254.170.23/v1/credentials";
+
+/// Entry points for the fuzz targets in `fuzz/` (not an API: hidden, no stability promised).
+#[doc(hidden)]
+pub mod fuzzing {
+    /// The EKS Pod Identity agent's answer, read.
+    pub use crate::provider::agent_credentials;
+}

@@ -337,7 +337,7 @@ struct AgentCredentials {
 
 /// The agent's answer (`{"AccessKeyId", "SecretAccessKey", "Token", "Expiration", ...}`). Errors
 /// say what is wrong with it, never what it holds.
-fn agent_credentials(body: &[u8]) -> Result<(String, String, String, SystemTime), String> {
+pub fn agent_credentials(body: &[u8]) -> Result<(String, String, String, SystemTime), String> {
     let c: AgentCredentials = serde_json::from_slice(body).map_err(|e| {
         format!(
             "its answer is not the credentials JSON ({:?} error at line {} column {})",

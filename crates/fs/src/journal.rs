@@ -279,6 +279,11 @@ pub fn replay(file: &mut File) -> Result<Recovered, JournalError> {
     let mut bytes = Vec::new();
     file.seek(SeekFrom::Start(0))?;
     file.read_to_end(&mut bytes)?;
+    replay_bytes(&bytes)
+}
+
+/// [`replay`] of a journal's bytes.
+pub fn replay_bytes(bytes: &[u8]) -> Result<Recovered, JournalError> {
     if bytes.len() < FILE_HEADER_LEN {
         return Err(JournalError::Incomplete("no header".into()));
     }
@@ -358,11 +363,17 @@ pub fn replay(file: &mut File) -> Result<Recovered, JournalError> {
         slots,
         handles,
     } = live;
+    // Attached means shown in a live directory: under a parent that is gone, an inode lives on
+    // only for the kernel's references (as the table rebuilt from it has it).
+    let attached = |inode: &InodeRecord| {
+        slots.get(&(inode.parent, inode.name.clone())) == Some(&inode.ino)
+            && (inode.parent == ROOT_INO || inodes.contains_key(&inode.parent))
+    };
     let inodes = inodes
-        .into_values()
+        .values()
         .map(|inode| RecoveredInode {
-            attached: slots.get(&(inode.parent, inode.name.clone())) == Some(&inode.ino),
-            inode,
+            attached: attached(inode),
+            inode: inode.clone(),
         })
         .collect();
     Ok(Recovered {

@@ -47,6 +47,8 @@ use secrecy::{ExposeSecret, SecretString};
 
 mod attempt;
 mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 mod get;
 mod raw_get;
 mod retry;
@@ -458,97 +460,7 @@ impl S3Store {
             .send()
             .await
             .map_err(|e| sdk_failure(e, Target::Bucket(bucket)))?;
-        // A server that ignores `EncodingType` says so by not echoing it: its keys are taken as
-        // they are (decoding them would corrupt keys holding `%` or `+`).
-        let encoded = out.encoding_type() == Some(&EncodingType::Url);
-        let text = |raw: &str| -> Option<String> {
-            if !encoded {
-                return Some(raw.to_owned());
-            }
-            let decoded = url_decode(raw);
-            if decoded.is_none() {
-                tracing::warn!(
-                    bucket,
-                    raw,
-                    "LIST returned a key that does not URL-decode to UTF-8; skipped"
-                );
-            }
-            decoded
-        };
-        let objects: Vec<ObjectInfo> = out
-            .contents()
-            .iter()
-            .filter_map(|o| {
-                Some(ObjectInfo {
-                    key: text(o.key()?)?,
-                    size: size_of(o.size()),
-                    etag: o.e_tag().map(str::to_owned),
-                    last_modified: to_system_time(o.last_modified()),
-                })
-            })
-            .collect();
-        let common_prefixes: Vec<String> = out
-            .common_prefixes()
-            .iter()
-            .filter_map(|p| text(p.prefix()?))
-            .collect();
-        // A body cut short can still parse (the SDK's XML reader stops at the end of the input):
-        // a page without `IsTruncated` (always sent), with fewer entries than its `KeyCount`, whose
-        // last object has no `Size` (cut inside it: its key may be a prefix of the real one), or
-        // with a common prefix that is not `prefix` + one segment + delimiter (cut inside it) is
-        // broken, never a shorter listing.
-        let (keys, entries) = (
-            out.contents().len(),
-            out.contents().len() + out.common_prefixes().len(),
-        );
-        let delimiter = req.delimiter.filter(|d| !d.is_empty());
-        let whole_prefix = |p: &String| match delimiter {
-            // The segment may be empty: a key `a//b` listed under `a/` gives `a//`.
-            Some(d) => p
-                .strip_prefix(req.prefix)
-                .is_some_and(|rest| rest.strip_suffix(d).is_some_and(|seg| !seg.contains(d))),
-            None => true,
-        };
-        let complete = out.is_truncated().is_some()
-            && out
-                .key_count()
-                .is_none_or(|k| usize::try_from(k).is_ok_and(|k| k == entries || k == keys))
-            && out
-                .contents()
-                .last()
-                .is_none_or(|o| o.key().is_some() && o.size().is_some())
-            && common_prefixes.iter().all(whole_prefix);
-        if !complete {
-            return Err(Failure::new(
-                Kind::Corrupt,
-                format!(
-                    "LIST {bucket}/{}: incomplete response ({entries} entries, KeyCount {:?}, IsTruncated {:?})",
-                    req.prefix,
-                    out.key_count(),
-                    out.is_truncated()
-                ),
-            ));
-        }
-        let next_token = if out.is_truncated().unwrap_or(false) {
-            let token = out.next_continuation_token().map(str::to_owned);
-            if token.is_none() {
-                return Err(Failure::new(
-                    Kind::Corrupt,
-                    format!(
-                        "LIST {bucket}/{}: truncated page without a continuation token",
-                        req.prefix
-                    ),
-                ));
-            }
-            token
-        } else {
-            None
-        };
-        Ok(ListPage {
-            objects,
-            common_prefixes,
-            next_token,
-        })
+        list_page(bucket, req.prefix, req.delimiter, &out)
     }
 
     /// A ranged GET pinned to `pin` (none: any version), on the raw path where it serves the
@@ -668,6 +580,108 @@ fn timeouts(opts: &S3Options, attempt: Duration) -> TimeoutConfig {
         .read_timeout(read)
         .operation_attempt_timeout(attempt)
         .build()
+}
+
+/// The page a ListObjectsV2 answer `out` to a LIST of `prefix` and `delimiter` gives: keys
+/// decoded (when the server URL-encoded them), and an answer that may have been cut short refused
+/// as [`Kind::Corrupt`].
+fn list_page(
+    bucket: &str,
+    prefix: &str,
+    delimiter: Option<&str>,
+    out: &aws_sdk_s3::operation::list_objects_v2::ListObjectsV2Output,
+) -> Result<ListPage, Failure> {
+    // A server that ignores `EncodingType` says so by not echoing it: its keys are taken as
+    // they are (decoding them would corrupt keys holding `%` or `+`).
+    let encoded = out.encoding_type() == Some(&EncodingType::Url);
+    let text = |raw: &str| -> Option<String> {
+        if !encoded {
+            return Some(raw.to_owned());
+        }
+        let decoded = url_decode(raw);
+        if decoded.is_none() {
+            tracing::warn!(
+                bucket,
+                raw,
+                "LIST returned a key that does not URL-decode to UTF-8; skipped"
+            );
+        }
+        decoded
+    };
+    let objects: Vec<ObjectInfo> = out
+        .contents()
+        .iter()
+        .filter_map(|o| {
+            Some(ObjectInfo {
+                key: text(o.key()?)?,
+                size: size_of(o.size()),
+                etag: o.e_tag().map(str::to_owned),
+                last_modified: to_system_time(o.last_modified()),
+            })
+        })
+        .collect();
+    let common_prefixes: Vec<String> = out
+        .common_prefixes()
+        .iter()
+        .filter_map(|p| text(p.prefix()?))
+        .collect();
+    // A body cut short can still parse (the SDK's XML reader stops at the end of the input):
+    // a page without `IsTruncated` (always sent), with fewer entries than its `KeyCount`, whose
+    // last object has no `Size` (cut inside it: its key may be a prefix of the real one), or
+    // with a common prefix that is not `prefix` + one segment + delimiter (cut inside it) is
+    // broken, never a shorter listing.
+    let (keys, entries) = (
+        out.contents().len(),
+        out.contents().len() + out.common_prefixes().len(),
+    );
+    let delimiter = delimiter.filter(|d| !d.is_empty());
+    let whole_prefix = |p: &String| match delimiter {
+        // The segment may be empty: a key `a//b` listed under `a/` gives `a//`.
+        Some(d) => p
+            .strip_prefix(prefix)
+            .is_some_and(|rest| rest.strip_suffix(d).is_some_and(|seg| !seg.contains(d))),
+        None => true,
+    };
+    let complete = out.is_truncated().is_some()
+        && out
+            .key_count()
+            .is_none_or(|k| usize::try_from(k).is_ok_and(|k| k == entries || k == keys))
+        && out
+            .contents()
+            .last()
+            .is_none_or(|o| o.key().is_some() && o.size().is_some())
+        && common_prefixes.iter().all(whole_prefix);
+    if !complete {
+        return Err(Failure::new(
+            Kind::Corrupt,
+            format!(
+                "LIST {bucket}/{}: incomplete response ({entries} entries, KeyCount {:?}, IsTruncated {:?})",
+                prefix,
+                out.key_count(),
+                out.is_truncated()
+            ),
+        ));
+    }
+    let next_token = if out.is_truncated().unwrap_or(false) {
+        let token = out.next_continuation_token().map(str::to_owned);
+        if token.is_none() {
+            return Err(Failure::new(
+                Kind::Corrupt,
+                format!(
+                    "LIST {bucket}/{}: truncated page without a continuation token",
+                    prefix
+                ),
+            ));
+        }
+        token
+    } else {
+        None
+    };
+    Ok(ListPage {
+        objects,
+        common_prefixes,
+        next_token,
+    })
 }
 
 /// A key or prefix from a LIST asked for with `EncodingType=url`, decoded as S3 encodes it

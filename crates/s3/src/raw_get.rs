@@ -443,15 +443,15 @@ fn sign_request(
 
 /// What an S3 error body says.
 #[derive(Debug, Default, PartialEq, Eq)]
-struct ErrorBody {
-    code: Option<String>,
-    message: Option<String>,
-    request_id: Option<String>,
+pub(crate) struct ErrorBody {
+    pub code: Option<String>,
+    pub message: Option<String>,
+    pub request_id: Option<String>,
 }
 
 /// The `<Code>`, `<Message>` and `<RequestId>` of an S3 `<Error>` body, read with the SDK's XML
 /// parser; what is missing or unreadable is `None`.
-fn error_body(body: &[u8]) -> ErrorBody {
+pub(crate) fn error_body(body: &[u8]) -> ErrorBody {
     let mut out = ErrorBody::default();
     let Ok(mut doc) = XmlDocument::try_from(body) else {
         return out;

@@ -137,6 +137,18 @@ impl StorageClassParams {
         params: &HashMap<String, String>,
     ) -> Result<String, VolumeError> {
         let rel = self.prefix_template.expand(name, params)?;
+        // Expanded to nothing (an empty volume name), the volume's prefix would be `basePrefix`
+        // itself: every volume's data, which `deletePolicy: delete` would delete with this one.
+        if rel.is_empty() {
+            return Err(VolumeError::invalid(
+                WHAT,
+                keys::PREFIX_TEMPLATE,
+                format!(
+                    "expands to nothing for volume {}: the volume would be the whole basePrefix",
+                    crate::quote(name)
+                ),
+            ));
+        }
         validate::prefix(
             keys::PREFIX_TEMPLATE,
             &format!("{}{rel}", self.base_prefix),
@@ -475,5 +487,15 @@ mod tests {
         );
         assert!(Template::parse("a$b").is_err());
         assert!(Template::parse("${pvc.name").is_err());
+    }
+
+    #[test]
+    fn a_volume_prefix_is_never_the_base_prefix() {
+        // Found by fuzzing: an empty volume name expanded `${volume.name}` to nothing, and the
+        // volume got `basePrefix` itself (CreateVolume refuses an empty name first).
+        let p = StorageClassParams::parse(&map(&[("bucketName", "data"), ("basePrefix", "k8s")]))
+            .unwrap();
+        assert!(p.volume_prefix("", &HashMap::new()).is_err());
+        assert_eq!(p.volume_prefix("v", &HashMap::new()).unwrap(), "k8s/v/");
     }
 }

@@ -105,11 +105,21 @@ pub fn region(key: &str, r: &str) -> Result<(), VolumeError> {
 /// The URL as it may appear in an error or a log: user info and query removed, since a mistyped
 /// URL can carry credentials or a token there.
 pub fn redact_url(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let (scheme, rest) = match url.split_once("://") {
+        Some((s, rest)) if !s.is_empty() && s.chars().all(|c| c.is_ascii_alphanumeric()) => {
+            (s, rest)
+        }
+        _ => ("", url),
+    };
     let rest = rest.split(['?', '#']).next().unwrap_or("");
-    let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
-    let host = authority.rsplit_once('@').map_or(authority, |(_, h)| h);
-    let redacted = authority.contains('@') || url.contains(['?', '#']);
+    // User info runs to the last `@`, even past a `/`: a secret access key (which may hold `/`)
+    // typed into the URL is not a path to show.
+    let (userinfo, rest) = match rest.rsplit_once('@') {
+        Some((_, rest)) => (true, rest),
+        None => (false, rest),
+    };
+    let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
+    let redacted = userinfo || url.contains(['?', '#']);
     let mut out = if scheme.is_empty() {
         host.to_string()
     } else {
@@ -146,8 +156,10 @@ pub fn endpoint_url(key: &str, url: &str) -> Result<(), VolumeError> {
     if authority.contains('@') {
         return bad("must not carry credentials");
     }
-    if url.contains(['?', '#', ' ']) {
-        return bad("must not contain a query, fragment or space");
+    // Whitespace and control characters too: a URL is one token, and one that reaches a log
+    // line must not be able to break it.
+    if url.contains(['?', '#']) || url.chars().any(|c| c.is_whitespace() || c.is_control()) {
+        return bad("must not contain a query, fragment, whitespace or control character");
     }
     if let Some((_, port)) = authority.rsplit_once(':') {
         if !authority.ends_with(']') && port.parse::<u16>().is_err() {
@@ -220,6 +232,10 @@ mod tests {
             "http://u:p@x",
             "http://x:99999",
             "http://x/?a=b",
+            // Found by fuzzing: only a space was refused.
+            "https://s3.example.com\t",
+            "https://s3.example.com\n",
+            "https://s3.example.com/a\u{85}b",
         ] {
             assert!(endpoint_url("e", bad).is_err(), "{bad}");
         }
@@ -233,6 +249,21 @@ mod tests {
             "{e}"
         );
         assert!(!e.to_string().contains("AKIAEXAMPLE"), "{e}");
+        // A secret key with a `/` (the endpoints fuzz target): the user info still ends at the `@`.
+        for url in [
+            "https://AKID:wJalr/XUtnFEMI@s3.example.com",
+            "https://AKID:wJalr/XUtn@FEMI@s3.example.com/x",
+            "AKID:a/b@s3.example.com",
+            "AKID:s@cret://s3.example.com",
+        ] {
+            let shown = redact_url(url);
+            assert!(
+                !shown.contains("AKID") && !shown.contains('@'),
+                "{url} shows {shown}"
+            );
+            let e = endpoint_url("e", url).unwrap_err().to_string();
+            assert!(!e.contains("AKID") && !e.contains("wJalr"), "{e}");
+        }
         region("r", "eu-west-1").unwrap();
         assert!(region("r", "EU_WEST").is_err());
     }
