@@ -54,6 +54,7 @@ install_debian_packages() {
   if [ "$demo" = 0 ]; then
     command -v openssl >/dev/null || missing+=(openssl)
     command -v rsync >/dev/null || missing+=(rsync) # the SEMANTICS test writes with rsync
+    command -v c++ >/dev/null || missing+=(g++)     # libFuzzer, built by the fuzz smoke
     command -v python3 >/dev/null && python3 -c "import ensurepip" 2>/dev/null || missing+=(python3-venv)
     # the one-node cluster of the Kubernetes e2e: containerd + runc run kubelet's pods, the CNI
     # loopback plugin gives pods a network namespace with only lo

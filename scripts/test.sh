@@ -17,7 +17,9 @@
 #      csi-provisioner against ferry-controller, PVCs bound and published as kubelet would;
 #   7. the real-node e2e (`ferry-harness node`): kube-scheduler, containerd + kubelet on loopback,
 #      images built without Docker, `helm install charts/ferry`, real pods reading and writing
-#      through PVCs, kubelet restarted and the node DaemonSet rolled under a reading pod.
+#      through PVCs, kubelet restarted and the node DaemonSet rolled under a reading pod;
+#   8. the fuzz smoke (scripts/fuzz.sh smoke): the fuzz crate built with coverage instrumentation on
+#      the stable toolchain, every kept corpus and crash input replayed, each target fuzzed 15 s.
 # Must run as root (FUSE mounts). Exits non-zero on the first failing step.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -70,3 +72,6 @@ step "Kubernetes e2e: real kube-apiserver $(cat "$FERRY_TOOLS/.kube-apiserver.ve
 
 step "Kubernetes on a real node: kubelet $(cat "$FERRY_TOOLS/.kubelet.version" 2>/dev/null) + containerd $(containerd --version 2>/dev/null | awk '{print $3}'), helm install, real pods"
 "$target/debug/ferry-harness" node
+
+step "fuzz smoke: every corpus and regression input replayed, then each libFuzzer target for 15 s (fuzz/README.md)"
+CARGO_TARGET_DIR="$target/fuzz" ./scripts/fuzz.sh smoke 15
