@@ -156,8 +156,8 @@ impl Plugin {
         }
     }
 
-    /// Sets an environment variable for every process started from now on.
-    /// The pid of the newest running process started as `name` (for RSS, fd and thread counts).
+    /// The pid of the newest process started as `name` (for RSS, fd and thread counts); it may
+    /// have exited since.
     pub fn pid(&self, name: &str) -> Option<u32> {
         self.children
             .iter()
@@ -166,6 +166,7 @@ impl Plugin {
             .map(|(_, c)| c.id())
     }
 
+    /// Sets an environment variable for every process started from now on.
     pub fn set_env(&mut self, key: &str, value: &str) {
         self.env.push((key.to_string(), Some(value.to_string())));
     }

@@ -23,7 +23,7 @@ use std::sync::Arc;
 
 use tokio::sync::Notify;
 
-/// Default node-wide budget for prefetched data: 1 GiB.
+/// Default node-wide memory budget (everything of [`Use`]): 1 GiB.
 pub const DEFAULT_BUDGET: u64 = 1 << 30;
 
 /// What a reservation is for: `ferry_memory_budget_used_bytes{kind}`.

@@ -111,13 +111,14 @@ pub fn redact_url(url: &str) -> String {
         }
         _ => ("", url),
     };
-    let rest = rest.split(['?', '#']).next().unwrap_or("");
-    // User info runs to the last `@`, even past a `/`: a secret access key (which may hold `/`)
-    // typed into the URL is not a path to show.
+    // User info runs to the last `@`, even past a `/`, `?` or `#`: a secret access key (AWS's
+    // hold `/`, other stores' `?` or `#`) typed into the URL is not a path or a query to show. A
+    // path with an `@` in it is shown from after it: wrong, but never a secret.
     let (userinfo, rest) = match rest.rsplit_once('@') {
         Some((_, rest)) => (true, rest),
         None => (false, rest),
     };
+    let rest = rest.split(['?', '#']).next().unwrap_or("");
     let (host, path) = rest.split_once('/').unwrap_or((rest, ""));
     let redacted = userinfo || url.contains(['?', '#']);
     let mut out = if scheme.is_empty() {
@@ -255,6 +256,8 @@ mod tests {
             "https://AKID:wJalr/XUtn@FEMI@s3.example.com/x",
             "AKID:a/b@s3.example.com",
             "AKID:s@cret://s3.example.com",
+            "https://AKID:ab#cd@s3.example.com",
+            "https://AKID:ab?cd@s3.example.com/x",
         ] {
             let shown = redact_url(url);
             assert!(

@@ -4,6 +4,9 @@
 
 use super::*;
 
+/// Kept listings hold at most this share of the memory budget (1/4).
+const LISTING_SHARE: u64 = 4;
+
 impl Fs {
     // ----- lookup / getattr -------------------------------------------------------------------
 
@@ -474,11 +477,22 @@ impl Fs {
         dir.cache.charge = None;
         dir.cache.entries_valid = valid;
         dir.cache.listing = None;
-        // Kept only if the memory budget holds it; otherwise served and forgotten (the next
-        // readdir or lookup asks S3 again).
+        // Names the listing shows exist, kept or not: a name this mount remembered as missing
+        // must not stay missing while `readdir` shows it.
+        if valid.is_valid(now) {
+            for e in &remote {
+                dir.cache.negative.remove(&e.name);
+            }
+        }
+        // Kept only if the memory budget holds it and kept listings stay within a quarter of it
+        // (they are given back only when the directory is listed again or forgotten, so they must
+        // never starve prefetch and writers); otherwise served and forgotten (the next readdir or
+        // lookup asks S3 again).
         let charge = valid.is_valid(now).then(|| {
-            self.budget
-                .try_reserve_for(Use::Listing, kept_listing_bytes(&remote))
+            let bytes = kept_listing_bytes(&remote);
+            (self.budget.used_for(Use::Listing) + bytes <= self.budget.limit() / LISTING_SHARE)
+                .then(|| self.budget.try_reserve_for(Use::Listing, bytes))
+                .flatten()
         });
         if let Some(None) = charge {
             tracing::debug!(
@@ -491,7 +505,6 @@ impl Fs {
             dir.cache.charge = Some(Arc::new(charge));
             dir.cache.listing = Some((Arc::new(remote.clone()), now));
             for e in &remote {
-                dir.cache.negative.remove(&e.name);
                 dir.cache.entries.insert(
                     e.name.clone(),
                     CachedEntry {

@@ -1103,7 +1103,12 @@ async fn a_listing_is_kept_only_while_the_memory_budget_holds_it() {
 
     // No room: served whole, not kept, so the next listing and lookups ask S3 again.
     let budget = MemoryBudget::new(4 << 10);
-    let fs = setup_budget(store, budget.clone(), PrefetchConfig::default(), ttl);
+    let fs = setup_budget(
+        store.clone(),
+        budget.clone(),
+        PrefetchConfig::default(),
+        ttl,
+    );
     assert_eq!(listed(&fs).await, 200);
     assert_eq!(budget.used_for(crate::budget::Use::Listing), 0);
     mem.reset_stats();
@@ -1111,6 +1116,21 @@ async fn a_listing_is_kept_only_while_the_memory_budget_holds_it() {
     assert!(mem.stats().list > 0, "listed again");
     assert_eq!(walk(&fs, "d/file-007").await.unwrap().attr.size, 1);
     assert!(walk(&fs, "d/missing").await.is_err());
+    // A name this mount saw missing, created since: the listing that shows it, kept or not,
+    // makes it found.
+    mem.insert(B, "d/missing", b"now".to_vec());
+    assert_eq!(listed(&fs).await, 201);
+    assert_eq!(walk(&fs, "d/missing").await.unwrap().attr.size, 3);
+
+    // Kept listings take at most a quarter of the budget, whatever else is free.
+    let budget = MemoryBudget::new(4 * (kept - 1));
+    let fs = setup_budget(store, budget.clone(), PrefetchConfig::default(), ttl);
+    assert_eq!(listed(&fs).await, 201);
+    assert_eq!(
+        budget.used_for(crate::budget::Use::Listing),
+        0,
+        "over a quarter: not kept"
+    );
 }
 
 #[tokio::test(start_paused = true)]
