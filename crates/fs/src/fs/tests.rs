@@ -1081,13 +1081,17 @@ async fn a_listing_is_kept_only_while_the_memory_budget_holds_it() {
     }
     let ttl = MetadataTtl::Indefinite;
     // Room for it: kept and charged; the second listing asks S3 nothing.
-    let budget = MemoryBudget::new(1 << 20);
-    let fs = setup_budget(
-        store.clone(),
-        budget.clone(),
-        PrefetchConfig::default(),
-        ttl,
-    );
+    let with_budget = |limit: u64| {
+        let budget = MemoryBudget::new(limit);
+        let fs = setup_budget(
+            store.clone(),
+            budget.clone(),
+            PrefetchConfig::default(),
+            ttl,
+        );
+        (budget, fs)
+    };
+    let (budget, fs) = with_budget(1 << 20);
     assert_eq!(listed(&fs).await, 200);
     let kept = budget.used_for(crate::budget::Use::Listing);
     assert!(kept >= 200 * 320, "{kept} bytes charged for 200 names");
@@ -1102,13 +1106,7 @@ async fn a_listing_is_kept_only_while_the_memory_budget_holds_it() {
     );
 
     // No room: served whole, not kept, so the next listing and lookups ask S3 again.
-    let budget = MemoryBudget::new(4 << 10);
-    let fs = setup_budget(
-        store.clone(),
-        budget.clone(),
-        PrefetchConfig::default(),
-        ttl,
-    );
+    let (budget, fs) = with_budget(4 << 10);
     assert_eq!(listed(&fs).await, 200);
     assert_eq!(budget.used_for(crate::budget::Use::Listing), 0);
     mem.reset_stats();
@@ -1123,8 +1121,7 @@ async fn a_listing_is_kept_only_while_the_memory_budget_holds_it() {
     assert_eq!(walk(&fs, "d/missing").await.unwrap().attr.size, 3);
 
     // Kept listings take at most a quarter of the budget, whatever else is free.
-    let budget = MemoryBudget::new(4 * (kept - 1));
-    let fs = setup_budget(store, budget.clone(), PrefetchConfig::default(), ttl);
+    let (budget, fs) = with_budget(4 * (kept - 1));
     assert_eq!(listed(&fs).await, 201);
     assert_eq!(
         budget.used_for(crate::budget::Use::Listing),
