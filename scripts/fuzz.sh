@@ -17,7 +17,12 @@ set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 fuzz="$root/fuzz"
-export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$root/target/fuzz}"
+# Absolute: the build runs in fuzz/ and the logs are written from the caller's directory, so a
+# relative CARGO_TARGET_DIR (the test command passes target/fuzz on a clean checkout) would name two
+# different places.
+CARGO_TARGET_DIR=$(realpath -m "${CARGO_TARGET_DIR:-$root/target/fuzz}")
+export CARGO_TARGET_DIR
+mkdir -p "$CARGO_TARGET_DIR"
 triple=$(rustc -vV | sed -n 's/^host: //p')
 bin="$CARGO_TARGET_DIR/$triple/release"
 

@@ -29,7 +29,7 @@ export FERRY_TOOLS=${FERRY_TOOLS:-$HOME/.cache/ferry-tools/bin}
 export PATH="$FERRY_TOOLS:$PATH"
 
 step() { printf '\n\033[1m==> %s\033[0m\n' "$*" >&2; }
-target=${CARGO_TARGET_DIR:-target}
+target=$(realpath -m "${CARGO_TARGET_DIR:-target}")
 # Disk is the scarce thing on CI machines (a cold run once hit "No space left on device" while linking):
 # no incremental caches for a one-shot build, and the free space is printed before and after the builds.
 export CARGO_INCREMENTAL=0
