@@ -36,6 +36,7 @@
 //! mount whose own credentials have shown access to that object version.
 
 pub mod block;
+pub mod direct;
 pub mod lru;
 pub mod object;
 pub mod space;
@@ -396,6 +397,8 @@ pub struct BlockCache {
     blocks_dir: PathBuf,
     objects_dir: PathBuf,
     tmp_dir: PathBuf,
+    /// Whether cache files are written with `O_DIRECT` ([`direct`]; probed at open).
+    direct: bool,
     /// Directories of an earlier layout, deleted by the index thread.
     trash_dir: PathBuf,
     /// Whole files the previous process checked and saved at a clean shutdown (read at open,
@@ -495,11 +498,13 @@ impl BlockCache {
             .map(|s| parse_checked(&s))
             .unwrap_or_default();
         let _ = std::fs::remove_file(&checked_path);
+        let direct = direct::supported(&tmp_dir);
         let cache = Arc::new(BlockCache {
             cfg,
             blocks_dir,
             objects_dir,
             tmp_dir,
+            direct,
             trash_dir,
             saved_checks: Mutex::new(saved_checks),
             state: Mutex::new(State {
@@ -1122,7 +1127,9 @@ impl BlockCache {
                 return false;
             }
         }
-        let done = self.assemble_now(obj, &id, size, blocks, |out| {
+        // Buffered: the joiner runs once the cache is idle, and the file it writes stays in the
+        // page cache for the kernel to read through passthrough.
+        let done = self.assemble_now(obj, &id, size, blocks, false, |out| {
             self.copy_blocks(obj, size, blocks, out)
         });
         self.lock().assembling.remove(&id);
@@ -1149,7 +1156,8 @@ impl BlockCache {
             }
         }
         let blocks = size.div_ceil(self.cfg.block_size);
-        let done = self.assemble_now(obj, &id, size, blocks, write);
+        // On a writer thread, beside readers: past the page cache when the disk allows.
+        let done = self.assemble_now(obj, &id, size, blocks, self.direct, write);
         self.lock().assembling.remove(&id);
         done
     }
@@ -1160,6 +1168,7 @@ impl BlockCache {
         id: &FileId,
         size: u64,
         blocks: u64,
+        direct: bool,
         write: impl FnOnce(&mut dyn Write) -> io::Result<Option<Vec<u32>>>,
     ) -> bool {
         let bs = self.cfg.block_size;
@@ -1199,7 +1208,7 @@ impl BlockCache {
             victims
         };
         self.delete(&victims);
-        let written = self.make_room_on_disk(len) && self.write_whole(obj, id, size, write);
+        let written = self.make_room_on_disk(len) && self.write_whole(obj, id, size, direct, write);
         let mut st = self.lock();
         st.pending -= len;
         if !written {
@@ -1262,13 +1271,14 @@ impl BlockCache {
         Ok(Some(crcs))
     }
 
-    /// Writes the data file (with `write`) and the sidecar under `tmp/`, then renames both into
-    /// place.
+    /// Writes the data file (with `write`; `direct`: with `O_DIRECT`) and the sidecar under
+    /// `tmp/`, then renames both into place.
     fn write_whole(
         &self,
         obj: &ObjectKey,
         id: &FileId,
         size: u64,
+        direct: bool,
         write: impl FnOnce(&mut dyn Write) -> io::Result<Option<Vec<u32>>>,
     ) -> bool {
         let bs = self.cfg.block_size;
@@ -1277,11 +1287,21 @@ impl BlockCache {
         let tmp_data = self.tmp_dir.join(format!("{hex}-{seq}"));
         let tmp_meta = self.tmp_dir.join(format!("{hex}-{seq}.meta"));
         let result = (|| -> io::Result<bool> {
-            let mut out = io::BufWriter::with_capacity(1 << 20, File::create(&tmp_data)?);
-            let Some(crcs) = write(&mut out)? else {
-                return Ok(false);
+            let crcs = if direct {
+                let mut out = direct::DirectFile::create(&tmp_data)?;
+                let Some(crcs) = write(&mut out)? else {
+                    return Ok(false);
+                };
+                out.finish()?;
+                crcs
+            } else {
+                let mut out = io::BufWriter::with_capacity(1 << 20, File::create(&tmp_data)?);
+                let Some(crcs) = write(&mut out)? else {
+                    return Ok(false);
+                };
+                out.into_inner().map_err(|e| e.into_error())?;
+                crcs
             };
-            out.into_inner().map_err(|e| e.into_error())?;
             let meta = object::encode_meta(
                 obj,
                 &ObjectMeta {
@@ -1432,11 +1452,18 @@ impl BlockCache {
         let tmp = self.tmp_dir.join(format!("{}-{seq}", block::hex(id)));
         let path = self.block_path(id);
         let result = (|| -> io::Result<()> {
-            let mut f = File::create(&tmp)?;
-            for piece in pieces {
-                f.write_all(piece)?;
+            if self.direct {
+                let mut f = direct::DirectFile::create(&tmp)?;
+                for piece in pieces {
+                    f.write_all(piece)?;
+                }
+                f.finish()?;
+            } else {
+                let mut f = File::create(&tmp)?;
+                for piece in pieces {
+                    f.write_all(piece)?;
+                }
             }
-            drop(f);
             match std::fs::rename(&tmp, &path) {
                 Err(e) if e.kind() == io::ErrorKind::NotFound => {
                     std::fs::create_dir_all(path.parent().expect("blocks/xx/file"))?;
