@@ -167,3 +167,48 @@ fn a_read_only_datasets_shuffled_epochs_sweep_it_then_make_no_request() {
     assert_eq!(t.store.stats(), epoch1, "epoch 2 made requests");
     m.unmount().unwrap();
 }
+
+#[test]
+fn a_version_read_in_cached_mode_is_reread_from_the_page_cache_and_a_new_mount_gets_passthrough() {
+    // Two blocks (passthrough is for objects larger than one) and one small file.
+    let Some(mut t) = setup(1, 6 << 20) else {
+        return;
+    };
+    let small = body(7, 100 << 10);
+    t.rt.block_on(t.store.put(BUCKET, "ds/small", small.clone().into()))
+        .unwrap();
+    t.files.push(("small".into(), small));
+    let m = t.mount(MetadataTtl::Indefinite, true);
+    // Cold: nothing whole in the cache at open, so the kernel's cached mode; read to its end,
+    // the large object becomes one whole file, the small one stays a block.
+    t.read(&[0, 1], 1);
+    t.rt.block_on(t.cache.settle());
+    let filled = t.cache.stats();
+    assert_eq!((filled.objects, filled.blocks), (1, 1), "{filled:?}");
+    let before = t.store.stats();
+    // Again on the same mount: the kernel keeps the inodes' page cache (same version), so the
+    // opens are not switched to passthrough (that would drop it and register a backing file).
+    for _ in 0..3 {
+        t.read(&[0, 1], 1);
+    }
+    assert_eq!(t.cache.stats().whole_opens, 0, "{:?}", t.cache.stats());
+    assert_eq!(t.store.stats(), before, "a warm re-read makes no request");
+    m.unmount().unwrap();
+    // A new mount has no page cache for them: the kernel reads the large file's whole file
+    // directly, at every open; the small one is read from its block through Ferry.
+    let m = t.mount(MetadataTtl::Indefinite, true);
+    t.read(&[0, 1], 1);
+    t.read(&[0, 1], 1);
+    let last = t.cache.stats();
+    assert_eq!(last.whole_opens, 2, "{last:?}");
+    assert!(
+        last.hits > filled.hits,
+        "the small file came from the node cache: {last:?}"
+    );
+    assert_eq!(
+        t.store.stats().calls_of(Op::Get),
+        before.calls_of(Op::Get),
+        "no new GET"
+    );
+    m.unmount().unwrap();
+}
