@@ -628,7 +628,7 @@ impl Filesystem for FuseAdapter {
                     pt.closed(o.fh);
                 }
             }
-            if read_only && pt.enabled.load(Ordering::Relaxed) {
+            if read_only && pt.enabled.load(Ordering::Relaxed) && fs.may_passthrough(o.fh) {
                 let f = fs.clone();
                 let file = tokio::task::spawn_blocking(move || f.passthrough_file(o.fh))
                     .await

@@ -200,34 +200,14 @@ impl Fs {
     /// Blocking (a first use checks the file). [`Fs::passthrough_failed`] undoes the switch.
     pub fn passthrough_file(&self, fh: u64) -> Option<std::fs::File> {
         let cache = self.cache.as_ref()?;
-        let small = cache.block_size();
-        let read_handle = |st: &FsState| -> Option<(Ino, ObjectKey, u64)> {
-            let h = st.handles.get(fh)?;
-            let g = h.try_lock().ok()?;
-            let Handle::Read(r) = &*g else { return None };
-            if !r.cached
-                || r.passthrough
-                || r.page_cached
-                || r.size <= small
-                || !st.passthrough_allowed(r.ino)
-            {
-                return None;
-            }
-            let etag = r.etag.as_deref()?;
-            if !self.is_proven(&r.key, etag) {
-                return None;
-            }
-            let obj = self.object_key(&r.key, etag);
-            Some((r.ino, obj, r.size))
-        };
-        let (ino, obj, size) = read_handle(&self.lock())?;
+        let (ino, obj, size) = self.passthrough_wanted(&self.lock(), fh)?;
         if !cache.has_whole(&obj) {
             return None;
         }
         let file = cache.open_whole(&obj, size)?;
         let mut st = self.lock();
         // Another open of the inode may have come meanwhile.
-        read_handle(&st)?;
+        self.passthrough_wanted(&st, fh)?;
         let h = st.handles.get(fh)?;
         let mut g = h.try_lock().ok()?;
         let Handle::Read(r) = &mut *g else {
@@ -242,6 +222,38 @@ impl Fs {
         m.cached -= 1;
         m.passthrough += 1;
         Some(file)
+    }
+
+    /// Whether [`Fs::passthrough_file`] could hand read handle `fh` a whole file: a quick check
+    /// (no disk), so an open that will not use passthrough answers without a blocking hop.
+    pub fn may_passthrough(&self, fh: u64) -> bool {
+        let Some(cache) = &self.cache else {
+            return false;
+        };
+        self.passthrough_wanted(&self.lock(), fh)
+            .is_some_and(|(_, obj, _)| cache.has_whole(&obj))
+    }
+
+    /// Read handle `fh`'s inode, object version and size, if the handle may switch to
+    /// passthrough (see [`Fs::passthrough_file`]).
+    fn passthrough_wanted(&self, st: &FsState, fh: u64) -> Option<(Ino, ObjectKey, u64)> {
+        let small = self.cache.as_ref()?.block_size();
+        let h = st.handles.get(fh)?;
+        let g = h.try_lock().ok()?;
+        let Handle::Read(r) = &*g else { return None };
+        if !r.cached
+            || r.passthrough
+            || r.page_cached
+            || r.size <= small
+            || !st.passthrough_allowed(r.ino)
+        {
+            return None;
+        }
+        let etag = r.etag.as_deref()?;
+        if !self.is_proven(&r.key, etag) {
+            return None;
+        }
+        Some((r.ino, self.object_key(&r.key, etag), r.size))
     }
 
     /// Read handle `fh` reads through the connection's backing file `id` (registered by the

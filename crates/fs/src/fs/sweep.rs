@@ -109,13 +109,17 @@ impl Fs {
                 (planned <= limit).then_some((key, etag, size))
             })
             .filter_map(|(key, etag, size)| {
-                let obj = self.object_key(&key, &etag);
-                // Whole in the cache, or fetched ahead (or opened) through this mount already.
-                if cache.has_whole(&obj) || st.small.contains(&key, &etag) {
+                // In the cache (whole, or its blocks), or fetched ahead (or opened) through this
+                // mount already.
+                if st.small.contains(&key, &etag) {
                     return None;
                 }
                 let proven = self.is_proven(&key, &etag);
-                Some((self.source(&key, Some(&etag), size, proven), obj))
+                let src = self.source(&key, Some(&etag), size, proven);
+                if crate::prefetch::is_cached(&src) {
+                    return None;
+                }
+                Some((src, self.object_key(&key, &etag)))
             })
             .collect();
         tracing::debug!(
@@ -151,7 +155,10 @@ impl Fs {
                                 }
                             }
                         };
-                        cache.want_whole(obj, src.size);
+                        // Objects of one block stay blocks (see `Fs::passthrough_file`).
+                        if src.size > cache.block_size() {
+                            cache.want_whole(obj, src.size);
+                        }
                         // Read (and cached) by the mount's readers since the sweep started.
                         if crate::prefetch::is_cached(&src) {
                             return;
