@@ -12,10 +12,9 @@
 //! entries (keys and common prefixes) that sort inside it, and pages until it sees an entry past
 //! `end` or the listing ends. Every entry sorts into exactly one range, and the listing that
 //! starts after that range's start reports it. So the ranges joined in order are exactly the
-//! sequential listing, whatever the guesses were. The first guess waits for the listing's second
-//! page, so a directory of two pages costs its two LISTs and nothing more. A guess that lands past
-//! the end of the listing costs one empty LIST. A guess that lands too close to the previous one
-//! costs a page read for little. Names that give no usable guess (a single page, non-ASCII bytes where the names differ)
+//! sequential listing, whatever the guesses were. A guess that lands past the end of the listing
+//! costs one empty LIST. A guess that lands too close to the previous one costs a page read for
+//! little. Names that give no usable guess (a single page, non-ASCII bytes where the names differ)
 //! are listed page by page as before.
 //!
 //! All of this rests on S3's order: keys and common prefixes in byte order, page after page. A
@@ -299,11 +298,11 @@ impl<'a> Lister<'a> {
     }
 
     /// The entries that sort in `(start, end]` (`None`: unbounded), listed from `start` on. An
-    /// unbounded range splits itself after its first page (the whole listing: after its second)
-    /// when the page's names allow a guess: into `wave` ranges of about a page each (fewer if the
-    /// requests in flight are capped lower) and a new unbounded range after them, which splits
-    /// into twice as many. A directory of two pages so costs exactly its two LISTs, and a large
-    /// one soon has every request in flight.
+    /// unbounded range splits itself after its first page when the page's names allow a guess:
+    /// into `wave` ranges of about a page each (fewer if the requests in flight are capped lower)
+    /// and a new unbounded range after them, which splits into twice as many. A directory of two
+    /// pages so costs at most one LIST more than the pages, and a large one soon has every
+    /// request in flight.
     fn range(
         &'a self,
         start: Option<String>,
@@ -311,31 +310,8 @@ impl<'a> Lister<'a> {
         wave: usize,
     ) -> BoxFuture<'a, Result<Vec<Entry>>> {
         async move {
-            let mut first = self.page(start.as_deref()).await?;
+            let first = self.page(start.as_deref()).await?;
             let mut out = Vec::new();
-            // The listing's second page comes before any guess: a directory of two pages (the
-            // common large one) then costs exactly its two LISTs, and no guessed range competes
-            // with its second page for the server (versitygw reads the whole directory for each).
-            if start.is_none() && end.is_none() && !first.ends(None) {
-                let second = self
-                    .fetch(ListRequest {
-                        prefix: self.opts.prefix,
-                        delimiter: self.opts.delimiter,
-                        start_after: None,
-                        continuation: first.next_token.clone(),
-                        max_keys: self.opts.page_size,
-                    })
-                    .await?;
-                if let (Some(f), Some(l)) = (second.entries.first(), first.last()) {
-                    if f.name() <= l {
-                        self.unordered.store(true, Ordering::Relaxed);
-                    }
-                }
-                out.extend(std::mem::replace(&mut first, second).entries);
-                if self.unordered.load(Ordering::Relaxed) {
-                    return Ok(out);
-                }
-            }
             let done = first.ends(end.as_deref());
             let last = first.last().map(str::to_owned);
             let splits = match (&end, done, self.opts.concurrency > 1) {
@@ -833,20 +809,6 @@ mod tests {
         // Decimal names are guessed exactly: each page once, plus one empty LIST past the end per
         // guess of the last wave.
         assert!(par.requests <= 100 + 8, "{} requests", par.requests);
-    }
-
-    #[tokio::test(start_paused = true)]
-    async fn a_directory_of_two_pages_costs_its_two_lists() {
-        let keys: Vec<String> = (0..150).map(|i| format!("data/f-{i:06}")).collect();
-        let store = store_with(&keys).await;
-        let opts = ListAll {
-            page_size: Some(100),
-            ..ListAll::dir("data/", 8)
-        };
-        let par = list_all(&store, B, opts).await.unwrap();
-        assert_eq!(par.objects.len(), 150);
-        // No guessed range beside the second page (the guess would have been a third LIST).
-        assert_eq!(par.requests, 2);
     }
 
     /// Key names of the shapes datasets use, and some that defeat every guess.
