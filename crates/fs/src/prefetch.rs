@@ -287,7 +287,7 @@ pub struct Part {
     pub end: u64,
     state: PartState,
     /// Budget held for the part's bytes from request start until the part is dropped.
-    _reservation: Option<Reservation>,
+    _reservation: Option<Arc<Reservation>>,
     /// Bytes of it handed to the reader (hits; the rest, if fetched, is waste when dropped).
     served: u64,
 }
@@ -306,14 +306,15 @@ impl fmt::Debug for Part {
 impl Part {
     /// Starts fetching `range` of `src` on the current runtime.
     pub fn spawn(src: &Source, range: Range<u64>, reservation: Option<Reservation>) -> Part {
-        Self::spawn_shared(src, range, reservation, None)
+        Self::spawn_shared(src, range, reservation.map(Arc::new), None)
     }
 
-    /// [`Part::spawn`], its blocks taken from `shared` when fetched.
+    /// [`Part::spawn`], its blocks taken from `shared` when fetched (the parts of one shared GET
+    /// hold one reservation for all of it: each keeps the GET's buffer alive).
     fn spawn_shared(
         src: &Source,
         range: Range<u64>,
-        reservation: Option<Reservation>,
+        reservation: Option<Arc<Reservation>>,
         shared: Option<SharedGet>,
     ) -> Part {
         let src = src.clone();
@@ -474,22 +475,52 @@ impl Prefetch {
             planned.push((next..next + len, reservation));
             next += len;
         }
-        let shared = match (&src.cache, src.etag.as_deref(), block) {
+        let runs = match (&src.cache, src.etag.as_deref(), block) {
             (Some(c), Some(etag), Some(bs)) => {
                 shared_gets(src, c, etag, bs, cfg.part_size, &planned)
             }
-            _ => vec![None; planned.len()],
+            _ => (0..planned.len())
+                .map(|_| Run {
+                    parts: 1,
+                    shared: None,
+                })
+                .collect(),
         };
-        for ((range, reservation), shared) in planned.into_iter().zip(shared) {
-            self.parts
-                .push_back(Part::spawn_shared(src, range, Some(reservation), shared));
+        let mut planned = planned.into_iter();
+        for run in runs {
+            // One reservation for a run: each of its blocks is a slice of the run's one buffer.
+            let mut held = None::<Reservation>;
+            let mut ranges = Vec::with_capacity(run.parts);
+            for (range, r) in planned.by_ref().take(run.parts) {
+                match &mut held {
+                    Some(h) => h.absorb(r),
+                    None => held = Some(r),
+                }
+                ranges.push(range);
+            }
+            let held = held.map(Arc::new);
+            for range in ranges {
+                self.parts.push_back(Part::spawn_shared(
+                    src,
+                    range,
+                    held.clone(),
+                    run.shared.clone(),
+                ));
+            }
         }
     }
 }
 
-/// For each planned block part, the GET it shares: runs of consecutive parts whose blocks are not
-/// in the cache, up to `part_size` bytes each, share one (a block on disk is read from there and
-/// breaks the run, so no GET fetches bytes the cache holds).
+/// Consecutive planned parts that share one GET (`shared`), or a single part with its own.
+struct Run {
+    parts: usize,
+    shared: Option<SharedGet>,
+}
+
+/// The planned block parts in runs: consecutive parts whose blocks are not in the cache, up to
+/// `part_size` bytes each, share one GET (a block on disk is read from there and breaks the run,
+/// so no GET fetches bytes the cache holds). A shared GET starts at its first block's start (a
+/// block is always fetched whole, also when the reader is in its middle).
 fn shared_gets(
     src: &Source,
     c: &CacheUse,
@@ -497,9 +528,9 @@ fn shared_gets(
     bs: u64,
     part_size: u64,
     planned: &[(Range<u64>, Reservation)],
-) -> Vec<Option<SharedGet>> {
+) -> Vec<Run> {
     let per_get = (part_size / bs).max(1) as usize;
-    let mut out = vec![None; planned.len()];
+    let mut out = Vec::new();
     let mut i = 0;
     while i < planned.len() {
         let missing = |k: usize| {
@@ -511,12 +542,19 @@ fn shared_gets(
             j += 1;
         }
         if j - i > 1 {
-            let g = SharedGet::new(src, etag, planned[i].0.start..planned[j - 1].0.end);
-            for slot in &mut out[i..j] {
-                *slot = Some(g.clone());
-            }
+            let start = planned[i].0.start / bs * bs;
+            out.push(Run {
+                parts: j - i,
+                shared: Some(SharedGet::new(src, etag, start..planned[j - 1].0.end)),
+            });
+            i = j;
+        } else {
+            out.push(Run {
+                parts: 1,
+                shared: None,
+            });
+            i += 1;
         }
-        i = j.max(i + 1);
     }
     out
 }
