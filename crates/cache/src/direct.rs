@@ -161,8 +161,6 @@ pub fn supported(dir: &Path) -> bool {
 mod tests {
     use super::*;
 
-    /// Lengths around the buffer's and the alignment's edges come back byte for byte, with the
-    /// file exactly as long as what was written.
     /// A scratch directory where O_DIRECT works; locally, `None` (loudly) where it does not; in
     /// CI (`CI=true`) a missing prerequisite fails the test.
     fn direct_dir() -> Option<tempfile::TempDir> {
@@ -179,6 +177,8 @@ mod tests {
         None
     }
 
+    /// Lengths around the buffer's and the alignment's edges come back byte for byte, with the
+    /// file exactly as long as what was written.
     #[test]
     fn every_length_is_written_exactly() {
         let Some(dir) = direct_dir() else { return };
@@ -205,14 +205,21 @@ mod tests {
         }
     }
 
-    /// An unfinished file is not mistaken for a written one, and the buffer is reused.
+    /// An unfinished file is shorter than what was written (a cache file's length and checksum
+    /// then refuse it), and the next file, through the same reused buffer, gets none of its
+    /// bytes.
     #[test]
-    fn a_dropped_file_returns_its_buffer() {
+    fn an_unfinished_file_is_short_and_the_reused_buffer_leaks_nothing() {
         let Some(dir) = direct_dir() else { return };
-        let f = DirectFile::create(&dir.path().join("a")).unwrap();
+        let mut f = DirectFile::create(&dir.path().join("a")).unwrap();
+        f.write_all(&[0xAA; 3 * ALIGN]).unwrap();
         let ptr = f.buf.as_ref().unwrap().0;
         drop(f);
-        let g = DirectFile::create(&dir.path().join("b")).unwrap();
-        assert_eq!(g.buf.as_ref().unwrap().0, ptr);
+        assert_eq!(std::fs::metadata(dir.path().join("a")).unwrap().len(), 0);
+        let mut g = DirectFile::create(&dir.path().join("b")).unwrap();
+        assert_eq!(g.buf.as_ref().unwrap().0, ptr, "the thread's buffer again");
+        g.write_all(b"ten bytes!").unwrap();
+        g.finish().unwrap();
+        assert_eq!(std::fs::read(dir.path().join("b")).unwrap(), b"ten bytes!");
     }
 }

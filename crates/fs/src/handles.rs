@@ -56,11 +56,6 @@ pub struct ReadHandle {
     /// is open).
     #[serde(default)]
     pub backing_id: Option<u32>,
-    /// Opened with the kernel's page cache kept from a cached-mode open of the same version
-    /// (`FOPEN_KEEP_CACHE`): the kernel reads it from there, and this handle is never switched
-    /// to passthrough (which would drop that page cache and register a backing file per open).
-    #[serde(default)]
-    pub page_cached: bool,
     /// Parts fetched or being fetched ahead of the reader; not carried over.
     #[serde(skip)]
     pub prefetch: Prefetch,
@@ -82,7 +77,6 @@ impl ReadHandle {
             cached: false,
             passthrough: false,
             backing_id: None,
-            page_cached: false,
             prefetch: Prefetch::default(),
             proven_until: None,
         }

@@ -179,11 +179,6 @@ pub struct Inode {
     pub valid: Validity,
     /// The ETag of the last open for reading (FOPEN_KEEP_CACHE when the next open sees the same).
     pub last_open_etag: Option<String>,
-    /// Files: the last open for reading was in the kernel's cached mode, not passthrough (which
-    /// drops the inode's page cache at open), so that page cache may hold `last_open_etag`'s
-    /// bytes.
-    #[serde(default)]
-    pub page_cached: bool,
     /// Live children by name (directories).
     pub children: BTreeMap<String, Ino>,
     #[serde(skip)]
@@ -224,7 +219,6 @@ impl InodeTable {
             meta: None,
             valid: Validity::Forever,
             last_open_etag: None,
-            page_cached: false,
             children: BTreeMap::new(),
             cache: DirCache::default(),
         };
@@ -260,7 +254,6 @@ impl InodeTable {
                     meta: None,
                     valid: Validity::Expired,
                     last_open_etag: None,
-                    page_cached: false,
                     children: BTreeMap::new(),
                     cache: DirCache::default(),
                 },
@@ -369,7 +362,6 @@ impl InodeTable {
             meta: None,
             valid: Validity::Expired,
             last_open_etag: None,
-            page_cached: false,
             children: BTreeMap::new(),
             cache: DirCache::default(),
         });

@@ -80,16 +80,19 @@ pub async fn warm_up(
                     continue;
                 }
                 report.objects += 1;
-                // Once all its blocks are in, the object becomes one whole file (passthrough).
-                cache.want_whole(
-                    ObjectKey {
-                        endpoint: w.endpoint.clone(),
-                        bucket: w.bucket.clone(),
-                        key: obj.key.clone(),
-                        etag: etag.clone(),
-                    },
-                    obj.size,
-                );
+                // Once all its blocks are in, an object larger than a block becomes one whole
+                // file (passthrough; a smaller one stays a block, see `Fs::passthrough_file`).
+                if obj.size > bs {
+                    cache.want_whole(
+                        ObjectKey {
+                            endpoint: w.endpoint.clone(),
+                            bucket: w.bucket.clone(),
+                            key: obj.key.clone(),
+                            etag: etag.clone(),
+                        },
+                        obj.size,
+                    );
+                }
                 for index in 0..obj.size.div_ceil(bs) {
                     let start = index * bs;
                     let end = obj.size.min(start + bs);

@@ -239,13 +239,6 @@ impl FsState {
             .is_some_and(|m| m.passthrough > 0 || m.cached == 1)
     }
 
-    /// Records whether the inode's last open for reading stayed in the kernel's cached mode.
-    fn set_page_cached(&mut self, ino: Ino, cached: bool) {
-        if let Some(inode) = self.inodes.get_mut(ino) {
-            inode.page_cached = cached;
-        }
-    }
-
     fn io_closed(&mut self, ino: Ino, passthrough: bool) {
         if let Some(m) = self.io.get_mut(&ino) {
             if passthrough {

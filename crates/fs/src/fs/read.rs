@@ -119,14 +119,10 @@ impl Fs {
         }
         let keep_cache = meta.etag.is_some() && inode.last_open_etag == meta.etag;
         inode.last_open_etag = meta.etag.clone();
-        // Until switched to passthrough below, this open is in cached mode.
-        let was_cached_mode = std::mem::replace(&mut inode.page_cached, true);
-        let page_cached = keep_cache && was_cached_mode;
         let (parent, name) = (inode.parent, inode.name.clone());
         let mut handle = ReadHandle::new(ino, key, meta.etag, meta.size);
         handle.last_modified = meta.mtime;
         handle.cached = self.cache.is_some() && handle.etag.is_some();
-        handle.page_cached = page_cached;
         if let Some(etag) = handle.etag.as_deref() {
             // Fetched ahead by a listing-order reader, for this very version: use it.
             if let Some(part) = st.small.take(&handle.key, etag) {
@@ -189,13 +185,14 @@ impl Fs {
     /// that may use the cache (its mount proved access to this version at open), whose object
     /// is whole and checked in the cache, and whose inode has no other cached-mode handle open.
     ///
-    /// Never for an object of one block or less, nor for a handle whose inode's page cache the
-    /// kernel kept from a cached-mode open of the same version (`page_cached`): registering a
-    /// backing file costs each open an open, an ioctl and a close, and passthrough drops the
-    /// inode's page cache, so a small file re-read (a loader's next epoch) would pay that per file
-    /// where the kernel's page cache serves it with no work at all. Measured (`ferry-bench` P12,
-    /// 2,000 × 128 KiB, epoch 2): 15,501 files/s with passthrough per open against 32,849 from
-    /// the page cache.
+    /// Never for an object of one block or less: registering a backing file costs each open an
+    /// open, an ioctl and a close, and passthrough drops the inode's page cache, so a small file
+    /// re-read (a loader's next epoch) would pay that per file where the kernel's page cache
+    /// (`FOPEN_KEEP_CACHE`) serves it with no work at all. Measured (`ferry-bench` P12, 2,000 ×
+    /// 128 KiB, epoch 2): 15,501 files/s with passthrough per open against 32,849 from the page
+    /// cache. A larger object is handed over at every open once whole, also after a cached-mode
+    /// read on this mount: its pages may be gone (a dataset larger than memory), and the whole
+    /// file, written through the page cache, reads at least as fast.
     ///
     /// Blocking (a first use checks the file). [`Fs::passthrough_failed`] undoes the switch.
     pub fn passthrough_file(&self, fh: u64) -> Option<std::fs::File> {
@@ -217,7 +214,6 @@ impl Fs {
         drop(g);
         // A successor after a crash must know: it may not open the inode in cached mode.
         st.handles.set_passthrough(fh, Some(0));
-        st.set_page_cached(ino, false);
         let m = st.io.entry(ino).or_default();
         m.cached -= 1;
         m.passthrough += 1;
@@ -241,12 +237,7 @@ impl Fs {
         let h = st.handles.get(fh)?;
         let g = h.try_lock().ok()?;
         let Handle::Read(r) = &*g else { return None };
-        if !r.cached
-            || r.passthrough
-            || r.page_cached
-            || r.size <= small
-            || !st.passthrough_allowed(r.ino)
-        {
+        if !r.cached || r.passthrough || r.size <= small || !st.passthrough_allowed(r.ino) {
             return None;
         }
         let etag = r.etag.as_deref()?;
@@ -291,7 +282,6 @@ impl Fs {
         let ino = r.ino;
         drop(g);
         st.handles.set_passthrough(fh, Some(id));
-        st.set_page_cached(ino, false);
         let m = st.io.entry(ino).or_default();
         m.cached = m.cached.saturating_sub(1);
         m.passthrough += 1;
@@ -325,7 +315,6 @@ impl Fs {
             let ino = r.ino;
             drop(g);
             st.handles.set_passthrough(fh, None);
-            st.set_page_cached(ino, true);
             let m = st.io.entry(ino).or_default();
             m.passthrough = m.passthrough.saturating_sub(1);
             m.cached += 1;
