@@ -258,7 +258,7 @@ impl Reservation {
     }
 
     /// Takes `other`'s bytes into this reservation (both from the same budget).
-    pub(crate) fn absorb(&mut self, mut other: Reservation) {
+    fn absorb(&mut self, mut other: Reservation) {
         debug_assert!(Arc::ptr_eq(&self.budget.inner, &other.budget.inner));
         debug_assert_eq!(self.kind, other.kind);
         self.bytes += std::mem::take(&mut other.bytes);

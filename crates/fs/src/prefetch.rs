@@ -85,63 +85,6 @@ pub struct Source {
 /// of the same credentials, those GETs are the proof, and the blocks go to the cache behind
 /// them. A first read thus costs no round trip more than without the cache.
 pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError> {
-    fetch_shared(src, range, None).await
-}
-
-/// One GET shared by consecutive blocks that [`Prefetch::fill`] fetches ahead through the node
-/// cache: each block keeps its own single flight and cache file, but the blocks the GET spans
-/// that are fetched at all come from one request (started by the first that needs it). On a
-/// server whose every GET costs a fixed price (moto reads the whole object for a ranged GET;
-/// every server has a first-byte latency), a part of two blocks costs one price, not two.
-#[derive(Clone)]
-pub struct SharedGet {
-    range: Range<u64>,
-    get: futures::future::Shared<futures::future::BoxFuture<'static, Result<Bytes, StoreError>>>,
-}
-
-impl SharedGet {
-    fn new(src: &Source, etag: &str, range: Range<u64>) -> Self {
-        use futures::FutureExt;
-        let (store, bucket, key, etag) = (
-            src.store.clone(),
-            src.bucket.clone(),
-            src.key.clone(),
-            etag.to_owned(),
-        );
-        let r = range.clone();
-        let get = async move { fetch_exact(&*store, &bucket, &key, r, Version::ETag(&etag)).await }
-            .boxed()
-            .shared();
-        Self { range, get }
-    }
-
-    /// Bytes `range` (within the shared range) of the one GET, without a copy.
-    async fn slice(&self, range: Range<u64>) -> Result<Bytes, StoreError> {
-        let data = self.get.clone().await?;
-        let (s, e) = (
-            (range.start - self.range.start) as usize,
-            (range.end - self.range.start) as usize,
-        );
-        Ok(data.slice(s..e))
-    }
-
-    fn covers(&self, range: &Range<u64>) -> bool {
-        self.range.start <= range.start && range.end <= self.range.end
-    }
-}
-
-impl fmt::Debug for SharedGet {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "SharedGet({}..{})", self.range.start, self.range.end)
-    }
-}
-
-/// [`fetch`], with the blocks `shared` covers taken from that one GET when they are fetched.
-async fn fetch_shared(
-    src: &Source,
-    range: Range<u64>,
-    shared: Option<&SharedGet>,
-) -> Result<Bytes, StoreError> {
     let (Some(c), Some(etag)) = (&src.cache, src.etag.as_deref()) else {
         let version = Version::of(src.etag.as_deref(), src.last_modified, src.size);
         return fetch_exact(&*src.store, &src.bucket, &src.key, range, version).await;
@@ -185,7 +128,7 @@ async fn fetch_shared(
         }
     }
     let blocks = futures::future::try_join_all(
-        (first..=last).map(|i| cached_block(src, c, etag, i, reader, shared)),
+        (first..=last).map(|i| cached_block(src, c, etag, i, reader)),
     )
     .await?;
     if matches!(reader, Reader::Unproven { .. }) {
@@ -239,29 +182,21 @@ async fn cached_block(
     etag: &str,
     index: u64,
     reader: Reader,
-    shared: Option<&SharedGet>,
 ) -> Result<Bytes, StoreError> {
     let bs = c.cache.block_size();
     let start = index * bs;
     let end = src.size.min(start + bs);
     let key = block_key(src, c, etag, index);
-    let shared = shared.filter(|g| g.covers(&(start..end)));
     let data = c
         .cache
-        .get_or_fetch_as(&key, reader, || async move {
-            match shared {
-                Some(g) => g.slice(start..end).await,
-                None => {
-                    fetch_exact(
-                        &*src.store,
-                        &src.bucket,
-                        &src.key,
-                        start..end,
-                        Version::ETag(etag),
-                    )
-                    .await
-                }
-            }
+        .get_or_fetch_as(&key, reader, || {
+            fetch_exact(
+                &*src.store,
+                &src.bucket,
+                &src.key,
+                start..end,
+                Version::ETag(etag),
+            )
         })
         .await?;
     if data.len() as u64 != end - start {
@@ -287,7 +222,7 @@ pub struct Part {
     pub end: u64,
     state: PartState,
     /// Budget held for the part's bytes from request start until the part is dropped.
-    _reservation: Option<Arc<Reservation>>,
+    _reservation: Option<Reservation>,
     /// Bytes of it handed to the reader (hits; the rest, if fetched, is waste when dropped).
     served: u64,
 }
@@ -306,20 +241,9 @@ impl fmt::Debug for Part {
 impl Part {
     /// Starts fetching `range` of `src` on the current runtime.
     pub fn spawn(src: &Source, range: Range<u64>, reservation: Option<Reservation>) -> Part {
-        Self::spawn_shared(src, range, reservation.map(Arc::new), None)
-    }
-
-    /// [`Part::spawn`], its blocks taken from `shared` when fetched (the parts of one shared GET
-    /// hold one reservation for all of it: each keeps the GET's buffer alive).
-    fn spawn_shared(
-        src: &Source,
-        range: Range<u64>,
-        reservation: Option<Arc<Reservation>>,
-        shared: Option<SharedGet>,
-    ) -> Part {
         let src = src.clone();
         let (start, end) = (range.start, range.end);
-        let task = tokio::spawn(async move { fetch_shared(&src, range, shared.as_ref()).await });
+        let task = tokio::spawn(async move { fetch(&src, range).await });
         Part {
             start,
             end,
@@ -462,7 +386,6 @@ impl Prefetch {
         // read (and its checksum computed) once per reader, not by two neighbouring parts, and
         // handed on as it came, never copied into a part spanning two.
         let block = src.cache.as_ref().map(|c| c.cache.block_size());
-        let mut planned = Vec::new();
         while next < target {
             let mut len = cfg.part_size.min(target - next);
             if let Some(bs) = block {
@@ -472,91 +395,11 @@ impl Prefetch {
                 tracing::trace!(key = %src.key, "memory budget exhausted: prefetch shrinks");
                 break;
             };
-            planned.push((next..next + len, reservation));
+            self.parts
+                .push_back(Part::spawn(src, next..next + len, Some(reservation)));
             next += len;
         }
-        let runs = match (&src.cache, src.etag.as_deref(), block) {
-            (Some(c), Some(etag), Some(bs)) => {
-                shared_gets(src, c, etag, bs, cfg.part_size, &planned)
-            }
-            _ => (0..planned.len())
-                .map(|_| Run {
-                    parts: 1,
-                    shared: None,
-                })
-                .collect(),
-        };
-        let mut planned = planned.into_iter();
-        for run in runs {
-            // One reservation for a run: each of its blocks is a slice of the run's one buffer.
-            let mut held = None::<Reservation>;
-            let mut ranges = Vec::with_capacity(run.parts);
-            for (range, r) in planned.by_ref().take(run.parts) {
-                match &mut held {
-                    Some(h) => h.absorb(r),
-                    None => held = Some(r),
-                }
-                ranges.push(range);
-            }
-            let held = held.map(Arc::new);
-            for range in ranges {
-                self.parts.push_back(Part::spawn_shared(
-                    src,
-                    range,
-                    held.clone(),
-                    run.shared.clone(),
-                ));
-            }
-        }
     }
-}
-
-/// Consecutive planned parts that share one GET (`shared`), or a single part with its own.
-struct Run {
-    parts: usize,
-    shared: Option<SharedGet>,
-}
-
-/// The planned block parts in runs: consecutive parts whose blocks are not in the cache, up to
-/// `part_size` bytes each, share one GET (a block on disk is read from there and breaks the run,
-/// so no GET fetches bytes the cache holds). A shared GET starts at its first block's start (a
-/// block is always fetched whole, also when the reader is in its middle).
-fn shared_gets(
-    src: &Source,
-    c: &CacheUse,
-    etag: &str,
-    bs: u64,
-    part_size: u64,
-    planned: &[(Range<u64>, Reservation)],
-) -> Vec<Run> {
-    let per_get = (part_size / bs).max(1) as usize;
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < planned.len() {
-        let missing = |k: usize| {
-            !c.cache
-                .contains(&block_key(src, c, etag, planned[k].0.start / bs))
-        };
-        let mut j = i;
-        while j < planned.len() && j - i < per_get && missing(j) {
-            j += 1;
-        }
-        if j - i > 1 {
-            let start = planned[i].0.start / bs * bs;
-            out.push(Run {
-                parts: j - i,
-                shared: Some(SharedGet::new(src, etag, start..planned[j - 1].0.end)),
-            });
-            i = j;
-        } else {
-            out.push(Run {
-                parts: 1,
-                shared: None,
-            });
-            i += 1;
-        }
-    }
-    out
 }
 
 /// A small object fetched (or being fetched) whole ahead of its open.
