@@ -1127,9 +1127,7 @@ impl BlockCache {
                 return false;
             }
         }
-        // Buffered: the joiner runs once the cache is idle, and the file it writes stays in the
-        // page cache for the kernel to read through passthrough.
-        let done = self.assemble_now(obj, &id, size, blocks, false, |out| {
+        let done = self.assemble_now(obj, &id, size, blocks, |out| {
             self.copy_blocks(obj, size, blocks, out)
         });
         self.lock().assembling.remove(&id);
@@ -1139,36 +1137,12 @@ impl BlockCache {
         done
     }
 
-    /// Writes `obj` (`size` bytes) as one whole-object file with `write`, which writes the data
-    /// and returns each piece's crc32c (`None`: give up). Blocking; `false` if not written.
-    fn assemble_with(
-        &self,
-        obj: &ObjectKey,
-        size: u64,
-        write: impl FnOnce(&mut dyn Write) -> io::Result<Option<Vec<u32>>>,
-    ) -> bool {
-        let id = obj.file_id();
-        {
-            let mut st = self.lock();
-            st.wishes.remove(&id);
-            if size == 0 || st.lru.contains(&Entry::Object(id)) || !st.assembling.insert(id) {
-                return false;
-            }
-        }
-        let blocks = size.div_ceil(self.cfg.block_size);
-        // On a writer thread, beside readers: past the page cache when the disk allows.
-        let done = self.assemble_now(obj, &id, size, blocks, self.direct, write);
-        self.lock().assembling.remove(&id);
-        done
-    }
-
     fn assemble_now(
         &self,
         obj: &ObjectKey,
         id: &FileId,
         size: u64,
         blocks: u64,
-        direct: bool,
         write: impl FnOnce(&mut dyn Write) -> io::Result<Option<Vec<u32>>>,
     ) -> bool {
         let bs = self.cfg.block_size;
@@ -1208,7 +1182,7 @@ impl BlockCache {
             victims
         };
         self.delete(&victims);
-        let written = self.make_room_on_disk(len) && self.write_whole(obj, id, size, direct, write);
+        let written = self.make_room_on_disk(len) && self.write_whole(obj, id, size, write);
         let mut st = self.lock();
         st.pending -= len;
         if !written {
@@ -1271,14 +1245,14 @@ impl BlockCache {
         Ok(Some(crcs))
     }
 
-    /// Writes the data file (with `write`; `direct`: with `O_DIRECT`) and the sidecar under
-    /// `tmp/`, then renames both into place.
+    /// Writes the data file (with `write`) and the sidecar under `tmp/`, then renames both into
+    /// place. Buffered, not `O_DIRECT`: the joiner runs once the cache is idle, and the file it
+    /// writes stays in the page cache for the kernel to read through passthrough.
     fn write_whole(
         &self,
         obj: &ObjectKey,
         id: &FileId,
         size: u64,
-        direct: bool,
         write: impl FnOnce(&mut dyn Write) -> io::Result<Option<Vec<u32>>>,
     ) -> bool {
         let bs = self.cfg.block_size;
@@ -1287,21 +1261,11 @@ impl BlockCache {
         let tmp_data = self.tmp_dir.join(format!("{hex}-{seq}"));
         let tmp_meta = self.tmp_dir.join(format!("{hex}-{seq}.meta"));
         let result = (|| -> io::Result<bool> {
-            let crcs = if direct {
-                let mut out = direct::DirectFile::create(&tmp_data)?;
-                let Some(crcs) = write(&mut out)? else {
-                    return Ok(false);
-                };
-                out.finish()?;
-                crcs
-            } else {
-                let mut out = io::BufWriter::with_capacity(1 << 20, File::create(&tmp_data)?);
-                let Some(crcs) = write(&mut out)? else {
-                    return Ok(false);
-                };
-                out.into_inner().map_err(|e| e.into_error())?;
-                crcs
+            let mut out = io::BufWriter::with_capacity(1 << 20, File::create(&tmp_data)?);
+            let Some(crcs) = write(&mut out)? else {
+                return Ok(false);
             };
+            out.into_inner().map_err(|e| e.into_error())?;
             let meta = object::encode_meta(
                 obj,
                 &ObjectMeta {
@@ -1347,25 +1311,6 @@ impl BlockCache {
             let st = self.lock();
             if st.lru.contains(&Entry::Object(obj_id)) || st.lru.contains(&Entry::Block(id)) {
                 // Stored or joined into a whole file meanwhile (a late duplicate fetch).
-                return;
-            }
-        }
-        // A block that is a whole object a reader wants whole: written as that file directly
-        // (no block file joined into it afterwards).
-        let single = {
-            let st = self.lock();
-            st.wishes
-                .get(&obj_id)
-                .filter(|w| w.size <= self.cfg.block_size && key.index == 0)
-                .map(|w| (w.obj.clone(), w.size))
-        };
-        if let Some((obj, size)) = single.filter(|(_, size)| *size == data.len() as u64) {
-            if self.assemble_with(&obj, size, |out| {
-                out.write_all(data)?;
-                Ok(Some(vec![crc32c::crc32c(data)]))
-            }) {
-                self.counters.stored.fetch_add(1, Ordering::Relaxed);
-                metrics().fills.inc();
                 return;
             }
         }
