@@ -210,5 +210,6 @@ pub(crate) fn parse_content_range(v: &str) -> Option<(u64, u64, Option<u64>)> {
         "*" => None,
         t => Some(t.parse().ok()?),
     };
-    (first <= last).then_some((first, last, total))
+    // A range past the object's end is no range of it.
+    (first <= last && total.is_none_or(|t| last < t)).then_some((first, last, total))
 }

@@ -1009,6 +1009,8 @@ mod tests {
             "items 0-1/2",
             "bytes 0-x/2",
             "bytes 0-1",
+            "bytes 0-9/5",
+            "bytes 0-9/9",
         ] {
             assert_eq!(parse_content_range(bad), None, "{bad}");
         }

@@ -111,10 +111,19 @@ pub fn redact_url(url: &str) -> String {
         }
         _ => ("", url),
     };
-    // User info runs to the last `@`, even past a `/`, `?` or `#`: a secret access key (AWS's
-    // hold `/`, other stores' `?` or `#`) typed into the URL is not a path or a query to show. A
-    // path with an `@` in it is shown from after it: wrong, but never a secret.
+    // User info runs to the last `@`, even past a `/`: a secret access key (AWS's hold `/`) typed
+    // into the URL is not a path to show. A path with an `@` in it is shown from after it: wrong,
+    // but never a secret. With a `?` or `#` before that `@`, either the query holds an `@` or the
+    // user info holds a `?` or `#` (other stores' keys do): nothing past the scheme is shown.
     let (userinfo, rest) = match rest.rsplit_once('@') {
+        Some((before, _)) if before.contains(['?', '#']) => {
+            let shown = if scheme.is_empty() {
+                String::new()
+            } else {
+                format!("{scheme}:// ")
+            };
+            return format!("{shown}(credentials/query redacted)");
+        }
         Some((_, rest)) => (true, rest),
         None => (false, rest),
     };
@@ -150,12 +159,14 @@ pub fn endpoint_url(key: &str, url: &str) -> Result<(), VolumeError> {
         Some(("http" | "https", rest)) => rest,
         _ => return bad("must start with http:// or https://"),
     };
+    // Before the host is split off: a secret key with a `/` makes `AKID:a/b@host` look like a
+    // host and a path.
+    if rest.contains('@') {
+        return bad("must not carry credentials");
+    }
     let authority = rest.split('/').next().unwrap_or("");
     if authority.is_empty() {
         return bad("has no host");
-    }
-    if authority.contains('@') {
-        return bad("must not carry credentials");
     }
     // Whitespace and control characters too: a URL is one token, and one that reaches a log
     // line must not be able to break it.
@@ -267,6 +278,21 @@ mod tests {
             let e = endpoint_url("e", url).unwrap_err().to_string();
             assert!(!e.contains("AKID") && !e.contains("wJalr"), "{e}");
         }
+        // A query holding an `@` (the fuzz review): the query is never shown from after it.
+        for url in [
+            "https://h/?u=a@b&sig=SECRET",
+            "https://h/x#f@y?sig=SECRET",
+            "h?sig=SECRET@x",
+        ] {
+            let shown = redact_url(url);
+            assert!(!shown.contains("SECRET"), "{url} shows {shown}");
+            let e = endpoint_url("e", url).unwrap_err().to_string();
+            assert!(!e.contains("SECRET"), "{e}");
+        }
+        let e = endpoint_url("e", "https://AKID:a/b@h")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("must not carry credentials"), "{e}");
         region("r", "eu-west-1").unwrap();
         assert!(region("r", "EU_WEST").is_err());
     }
