@@ -11,7 +11,8 @@
 #   scripts/fuzz.sh smoke [SECONDS]       replay, then every target for SECONDS (default 15)
 #   scripts/fuzz.sh merge TARGET DIR…     minimise DIR… into fuzz/corpus/TARGET
 #
-# Any crash fails the command; libFuzzer leaves the input in fuzz/artifacts/TARGET/. Environment:
+# Any crash fails the command; libFuzzer leaves the input in fuzz/artifacts/TARGET/ (`run`, `replay`,
+# `merge`) or $CARGO_TARGET_DIR/crash-TARGET-* (`smoke`, which leaves the tree clean). Environment:
 # CARGO_TARGET_DIR (default target/fuzz under the repository).
 set -euo pipefail
 
@@ -68,7 +69,8 @@ replay() {
         return 0
     fi
     # xargs: a corpus of thousands of files stays under the argument limit.
-    printf '%s\0' "${files[@]}" | xargs -0 "$bin/$t" "${limits[@]}" 2>"$CARGO_TARGET_DIR/replay-$t.log" >/dev/null \
+    mkdir -p "$fuzz/artifacts/$t"
+    printf '%s\0' "${files[@]}" | xargs -0 "$bin/$t" "${limits[@]}" -artifact_prefix="$fuzz/artifacts/$t/" 2>"$CARGO_TARGET_DIR/replay-$t.log" >/dev/null \
         || { tail -50 "$CARGO_TARGET_DIR/replay-$t.log" >&2; echo "fuzz: $t: a corpus or regression input fails" >&2; return 1; }
     echo "fuzz: $t: replayed ${#files[@]} inputs"
 }
@@ -103,8 +105,8 @@ case $cmd in
         build
         t=$1
         shift
-        mkdir -p "$fuzz/corpus/$t"
-        "$bin/$t" "${limits[@]}" -merge=1 "$fuzz/corpus/$t" "$@"
+        mkdir -p "$fuzz/corpus/$t" "$fuzz/artifacts/$t"
+        "$bin/$t" "${limits[@]}" -artifact_prefix="$fuzz/artifacts/$t/" -merge=1 "$fuzz/corpus/$t" "$@"
         ;;
     smoke)
         secs=${1:-15}
