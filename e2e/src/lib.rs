@@ -261,6 +261,41 @@ impl Plugin {
         Ok(child.wait()?)
     }
 
+    /// Sends `signal` to the oldest running `name` process and returns at once.
+    pub fn send_signal(&mut self, name: &str, signal: i32) -> Result<()> {
+        let (_, child) = self
+            .children
+            .iter()
+            .find(|(n, _)| n == name)
+            .with_context(|| format!("{name} is not running"))?;
+        // SAFETY: kill(2) on a child pid we own; at worst it fails with ESRCH.
+        unsafe {
+            libc::kill(child.id() as libc::pid_t, signal);
+        }
+        Ok(())
+    }
+
+    /// Waits (at most `timeout`) until `name`'s log holds `line` past its first `from` bytes.
+    pub fn wait_log(&self, name: &str, from: u64, line: &str, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let log = std::fs::read(self.log_path(name)).unwrap_or_default();
+            let tail = log.get(from as usize..).unwrap_or_default();
+            if String::from_utf8_lossy(tail).contains(line) {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                bail!("{name}'s log has no {line:?} after {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    /// How long `name`'s log is now (for [`Plugin::wait_log`]).
+    pub fn log_len(&self, name: &str) -> u64 {
+        std::fs::metadata(self.log_path(name)).map_or(0, |m| m.len())
+    }
+
     /// Sends SIGTERM to one process and waits for it to exit.
     pub fn stop_process(&mut self, name: &str) -> Result<std::process::ExitStatus> {
         self.signal_process(name, libc::SIGTERM)

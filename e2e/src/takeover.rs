@@ -294,6 +294,40 @@ async fn refusals(plugin: &mut Plugin) -> Result<()> {
     Ok(())
 }
 
+/// A rolling update deletes the old node pod as soon as the new one starts: SIGTERM reaches the
+/// owner while it hands its mounts over (here, held between the successor taking the mounts and
+/// adopting them). The owner waits for that handover to end and exits 0; the successor serves.
+async fn stopped_mid_handover(plugin: &mut Plugin) -> Result<()> {
+    let go = plugin.dir.path().join("adopt-now");
+    let from = plugin.log_len("ferry-node");
+    plugin.start_holder()?;
+    plugin.start_node_with(&[], &[("FERRY_TEST_ADOPT_WHEN", &go.display().to_string())])?;
+    let wait = Duration::from_secs(120);
+    plugin.wait_log(
+        "ferry-node",
+        from,
+        "adopting the mounts once this file exists",
+        wait,
+    )?;
+    plugin.send_signal("ferry-node", libc::SIGTERM)?;
+    plugin.wait_log(
+        "ferry-node",
+        from,
+        "a handover to a successor is under way",
+        wait,
+    )?;
+    std::fs::write(&go, b"")?;
+    let owner = plugin.wait_exit("ferry-node", wait)?;
+    if !owner.success() {
+        bail!("the owner stopped during a handover exited with {owner}");
+    }
+    plugin.wait_node().await?;
+    plugin.wait_log("ferry-node", from, "handed-over mounts serving", wait)?;
+    plugin.signal_process("ferry-fd-holder", libc::SIGTERM)?;
+    println!("    the owner got SIGTERM during a handover: it finished it and exited 0; the successor serves");
+    Ok(())
+}
+
 /// `kill -9` of the running node plugin, then a new one.
 async fn crash(plugin: &mut Plugin) -> Result<Duration> {
     plugin.signal_process("ferry-node", libc::SIGKILL)?;
@@ -395,6 +429,8 @@ async fn run_on(plugin: &mut Plugin, o: Options) -> Result<()> {
     tokio::time::sleep(settle).await;
 
     refusals(plugin).await?;
+    tokio::time::sleep(settle).await;
+    stopped_mid_handover(plugin).await?;
     tokio::time::sleep(settle).await;
 
     let mut took = Vec::new();

@@ -537,7 +537,18 @@ async fn take_ownership(
         anyhow::Ok(received)
     })
     .await??;
-    received.adopt()?;
+    // Tests of an owner stopped in the middle of a handover (a rolling update deletes the old
+    // pod as soon as the new one starts): the mounts are taken but not yet adopted.
+    if let Some(go) = std::env::var_os("FERRY_TEST_ADOPT_WHEN") {
+        let go = std::path::PathBuf::from(go);
+        tracing::warn!(file = %go.display(), "FERRY_TEST_ADOPT_WHEN: adopting the mounts once this file exists");
+        while !go.exists() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+    received
+        .adopt()
+        .with_context(|| format!("telling process {owner} that the mounts were taken"))?;
     // The owner exits as soon as it reads the answer.
     let received =
         tokio::task::spawn_blocking(move || received.wait_owner_exit().map(|()| received))
@@ -563,12 +574,17 @@ async fn take_ownership(
 
 /// Serves successors on the handover socket: the first one that takes the mounts ends this
 /// process (exit status 0) — nothing is unmounted.
+///
+/// `busy` is held from a successor's request to the end of its handover: a process that is
+/// stopping waits for it (the export has taken the mounts out of the table, so without it the
+/// stopping process would see none and exit in the middle of the handover).
 fn serve_handovers(
     listener: std::os::unix::net::UnixListener,
     node: NodeService,
     rt: tokio::runtime::Handle,
     state: StateDir,
     lock: std::fs::File,
+    busy: Arc<tokio::sync::Mutex<()>>,
 ) {
     use std::os::fd::AsFd;
     for stream in listener.incoming() {
@@ -595,6 +611,7 @@ fn serve_handovers(
                 continue;
             }
         };
+        let _busy = busy.blocking_lock();
         let started = std::time::Instant::now();
         tracing::info!(successor_pid = hello.pid, "handing the mounts over");
         let export = match rt.block_on(node.export(FREEZE_TIMEOUT)) {
@@ -772,15 +789,17 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         use std::os::unix::fs::PermissionsExt;
         std::fs::set_permissions(state.socket(), std::fs::Permissions::from_mode(0o600))?;
     }
+    let handovers = Arc::new(tokio::sync::Mutex::new(()));
     {
-        let (node, rt, state) = (
+        let (node, rt, state, busy) = (
             node.clone(),
             tokio::runtime::Handle::current(),
             state.clone(),
+            handovers.clone(),
         );
         std::thread::Builder::new()
             .name("handover".into())
-            .spawn(move || serve_handovers(listener, node, rt, state, lock))?;
+            .spawn(move || serve_handovers(listener, node, rt, state, lock, busy))?;
     }
     let shutdown = ferry_csi::endpoint::shutdown_signal();
     let (csi_socket, incoming) = OwnedSocket::bind(&socket)
@@ -823,7 +842,12 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         Err(e) => tracing::warn!(error = %e, "removing the registration socket failed"),
     }
     let _ = stop_registration.send(());
+    // Held from here to the end: no handover starts while this process stops with its mounts,
+    // and one under way (a successor started just before the signal, as a rolling update does)
+    // ends first, in this process's exit if the successor took the mounts.
+    let mut quiet = handovers_ended(&handovers).await;
     if !mounts.is_empty() && a.handover_wait > 0 {
+        drop(quiet);
         // A successor that connects meanwhile takes the mounts and this process exits there.
         tracing::info!(
             mounts = mounts.len(),
@@ -831,6 +855,7 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
             "stopping: waiting for a successor to take the mounts over"
         );
         tokio::time::sleep(Duration::from_secs(a.handover_wait)).await;
+        quiet = handovers_ended(&handovers).await;
     }
     if let Err(e) = csi_socket.remove() {
         tracing::warn!(socket = %socket.display(), error = %e, "removing the CSI socket failed");
@@ -865,8 +890,25 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         }
         std::mem::forget(mounts.drain());
     }
+    drop(quiet);
     tracing::info!("ferry-node stopped");
     Ok(())
+}
+
+/// Waits for a handover under way to end and returns the guard that keeps the next one from
+/// starting.
+async fn handovers_ended(
+    handovers: &Arc<tokio::sync::Mutex<()>>,
+) -> tokio::sync::OwnedMutexGuard<()> {
+    match handovers.clone().try_lock_owned() {
+        Ok(quiet) => quiet,
+        Err(_) => {
+            tracing::info!(
+                "stopping: a handover to a successor is under way; waiting for it to end"
+            );
+            handovers.clone().lock_owned().await
+        }
+    }
 }
 
 /// Counts mounts taken over from a previous process (`how`: `handover` or `recovery`) and those
