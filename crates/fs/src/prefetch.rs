@@ -85,6 +85,103 @@ pub struct Source {
 /// of the same credentials, those GETs are the proof, and the blocks go to the cache behind
 /// them. A first read thus costs no round trip more than without the cache.
 pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError> {
+    fetch_shared(src, range, None).await
+}
+
+/// One GET shared by consecutive blocks that [`Prefetch::fill`] fetches ahead through the node
+/// cache: each block keeps its own single flight and cache file, but the blocks the GET spans
+/// that are fetched at all come from one request (started by the first that needs it). The body
+/// arrives in one buffer per block ([`ObjectStore::get_range_pieces`]): a block kept in the
+/// cache's write queue keeps no neighbour alive, and no byte is copied more than with one GET per
+/// block. On a server whose every GET costs a fixed price (moto reads the whole object for a
+/// ranged GET; every server has a first-byte latency), a run of two blocks costs one price, not
+/// two.
+#[derive(Clone)]
+pub struct SharedGet {
+    range: Range<u64>,
+    block: u64,
+    #[allow(clippy::type_complexity)]
+    get: futures::future::Shared<
+        futures::future::BoxFuture<'static, Result<Arc<Vec<Bytes>>, StoreError>>,
+    >,
+}
+
+impl SharedGet {
+    /// `range` starts at a block's start.
+    fn new(src: &Source, etag: &str, range: Range<u64>, block: u64) -> Self {
+        use futures::FutureExt;
+        let (store, bucket, key, etag) = (
+            src.store.clone(),
+            src.bucket.clone(),
+            src.key.clone(),
+            etag.to_owned(),
+        );
+        let r = range.clone();
+        let get = async move {
+            fetch_pieces(&*store, &bucket, &key, r, &etag, block)
+                .await
+                .map(Arc::new)
+        }
+        .boxed()
+        .shared();
+        Self { range, block, get }
+    }
+
+    /// The block that starts at `start` (within the shared range), as the GET read it.
+    async fn block(&self, start: u64) -> Result<Bytes, StoreError> {
+        let pieces = self.get.clone().await?;
+        let i = ((start - self.range.start) / self.block) as usize;
+        Ok(pieces.get(i).cloned().unwrap_or_default())
+    }
+
+    fn covers(&self, range: &Range<u64>) -> bool {
+        self.range.start <= range.start
+            && range.end <= self.range.end
+            && (range.start - self.range.start).is_multiple_of(self.block)
+    }
+}
+
+/// Bytes `range` of version `etag` in pieces of `block` bytes, each in its own buffer; a body
+/// short of the range is asked for once more, as by [`fetch_exact`].
+async fn fetch_pieces(
+    store: &dyn ObjectStore,
+    bucket: &str,
+    key: &str,
+    range: Range<u64>,
+    etag: &str,
+    block: u64,
+) -> Result<Vec<Bytes>, StoreError> {
+    let want = range.end - range.start;
+    let mut last = 0;
+    for _ in 0..2 {
+        let pieces = store
+            .get_range_pieces(bucket, key, range.clone(), Some(etag), block)
+            .await?;
+        let got: u64 = pieces.iter().map(|p| p.len() as u64).sum();
+        if got == want {
+            return Ok(pieces);
+        }
+        last = got;
+        tracing::debug!(key, got, want, "short GET body; retrying once");
+    }
+    Err(StoreError::Corrupt(format!(
+        "{key}: GET {}..{} returned {last} of {want} bytes",
+        range.start, range.end
+    )))
+}
+
+impl fmt::Debug for SharedGet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "SharedGet({}..{})", self.range.start, self.range.end)
+    }
+}
+
+/// [`fetch`], with the blocks `shared` covers taken from that one GET when they are fetched.
+async fn fetch_shared(
+    src: &Source,
+    range: Range<u64>,
+    shared: Option<&SharedGet>,
+) -> Result<Bytes, StoreError> {
     let (Some(c), Some(etag)) = (&src.cache, src.etag.as_deref()) else {
         let version = Version::of(src.etag.as_deref(), src.last_modified, src.size);
         return fetch_exact(&*src.store, &src.bucket, &src.key, range, version).await;
@@ -128,7 +225,7 @@ pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError>
         }
     }
     let blocks = futures::future::try_join_all(
-        (first..=last).map(|i| cached_block(src, c, etag, i, reader)),
+        (first..=last).map(|i| cached_block(src, c, etag, i, reader, shared)),
     )
     .await?;
     if matches!(reader, Reader::Unproven { .. }) {
@@ -182,21 +279,29 @@ async fn cached_block(
     etag: &str,
     index: u64,
     reader: Reader,
+    shared: Option<&SharedGet>,
 ) -> Result<Bytes, StoreError> {
     let bs = c.cache.block_size();
     let start = index * bs;
     let end = src.size.min(start + bs);
     let key = block_key(src, c, etag, index);
+    let shared = shared.filter(|g| g.covers(&(start..end)));
     let data = c
         .cache
-        .get_or_fetch_as(&key, reader, || {
-            fetch_exact(
-                &*src.store,
-                &src.bucket,
-                &src.key,
-                start..end,
-                Version::ETag(etag),
-            )
+        .get_or_fetch_as(&key, reader, || async move {
+            match shared {
+                Some(g) => g.block(start).await,
+                None => {
+                    fetch_exact(
+                        &*src.store,
+                        &src.bucket,
+                        &src.key,
+                        start..end,
+                        Version::ETag(etag),
+                    )
+                    .await
+                }
+            }
         })
         .await?;
     if data.len() as u64 != end - start {
@@ -241,9 +346,19 @@ impl fmt::Debug for Part {
 impl Part {
     /// Starts fetching `range` of `src` on the current runtime.
     pub fn spawn(src: &Source, range: Range<u64>, reservation: Option<Reservation>) -> Part {
+        Self::spawn_shared(src, range, reservation, None)
+    }
+
+    /// [`Part::spawn`], its blocks taken from `shared` when fetched.
+    fn spawn_shared(
+        src: &Source,
+        range: Range<u64>,
+        reservation: Option<Reservation>,
+        shared: Option<SharedGet>,
+    ) -> Part {
         let src = src.clone();
         let (start, end) = (range.start, range.end);
-        let task = tokio::spawn(async move { fetch(&src, range).await });
+        let task = tokio::spawn(async move { fetch_shared(&src, range, shared.as_ref()).await });
         Part {
             start,
             end,
@@ -386,6 +501,7 @@ impl Prefetch {
         // read (and its checksum computed) once per reader, not by two neighbouring parts, and
         // handed on as it came, never copied into a part spanning two.
         let block = src.cache.as_ref().map(|c| c.cache.block_size());
+        let mut planned = Vec::new();
         while next < target {
             let mut len = cfg.part_size.min(target - next);
             if let Some(bs) = block {
@@ -395,11 +511,57 @@ impl Prefetch {
                 tracing::trace!(key = %src.key, "memory budget exhausted: prefetch shrinks");
                 break;
             };
-            self.parts
-                .push_back(Part::spawn(src, next..next + len, Some(reservation)));
+            planned.push((next..next + len, reservation));
             next += len;
         }
+        let shared = match (&src.cache, src.etag.as_deref(), block) {
+            (Some(c), Some(etag), Some(bs)) => {
+                shared_gets(src, c, etag, bs, cfg.part_size, &planned)
+            }
+            _ => vec![None; planned.len()],
+        };
+        for ((range, reservation), shared) in planned.into_iter().zip(shared) {
+            self.parts
+                .push_back(Part::spawn_shared(src, range, Some(reservation), shared));
+        }
     }
+}
+
+/// For each planned block part, the GET it shares: runs of consecutive parts whose blocks are not
+/// in the cache, up to `part_size` bytes each, share one (a block on disk is read from there and
+/// breaks the run, so no GET fetches bytes the cache holds).
+fn shared_gets(
+    src: &Source,
+    c: &CacheUse,
+    etag: &str,
+    bs: u64,
+    part_size: u64,
+    planned: &[(Range<u64>, Reservation)],
+) -> Vec<Option<SharedGet>> {
+    let per_get = (part_size / bs).max(1) as usize;
+    let mut out = vec![None; planned.len()];
+    let mut i = 0;
+    while i < planned.len() {
+        let missing = |k: usize| {
+            !c.cache
+                .contains(&block_key(src, c, etag, planned[k].0.start / bs))
+        };
+        let mut j = i;
+        while j < planned.len() && j - i < per_get && missing(j) {
+            j += 1;
+        }
+        if j - i > 1 {
+            // From its first block's start: a block is always fetched whole, also when the
+            // reader is in its middle (a top-up after a skip).
+            let start = planned[i].0.start / bs * bs;
+            let g = SharedGet::new(src, etag, start..planned[j - 1].0.end, bs);
+            for slot in &mut out[i..j] {
+                *slot = Some(g.clone());
+            }
+        }
+        i = j.max(i + 1);
+    }
+    out
 }
 
 /// A small object fetched (or being fetched) whole ahead of its open.

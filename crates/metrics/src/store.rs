@@ -90,6 +90,26 @@ impl ObjectStore for InstrumentedStore {
         r
     }
 
+    async fn get_range_pieces(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+        piece: u64,
+    ) -> Result<Vec<Bytes>> {
+        let r = timed(
+            "get",
+            self.inner
+                .get_range_pieces(bucket, key, range, if_match, piece),
+        )
+        .await;
+        if let Ok(pieces) = &r {
+            bytes_in(pieces.iter().map(Bytes::len).sum());
+        }
+        r
+    }
+
     async fn get_range_unmodified(
         &self,
         bucket: &str,

@@ -95,7 +95,8 @@ pub(crate) fn check_version(
 
 /// Reads a GET body and checks it against the range asked for and what the response headers say
 /// it carries (`Content-Range`, `Content-Length`). Without `Content-Range` the server ignored the
-/// range and sent the whole object, so the range is cut out of it.
+/// range and sent the whole object, so the range is cut out of it. With `piece`, the body comes
+/// in buffers of that many bytes each (the last may be shorter), else in one.
 pub(crate) async fn read_checked(
     what: &(dyn Fn() -> String + Sync),
     range: &Range<u64>,
@@ -103,7 +104,8 @@ pub(crate) async fn read_checked(
     declared: Option<u64>,
     body: ByteStream,
     body_timeout: Duration,
-) -> Result<Bytes, Failure> {
+    piece: Option<u64>,
+) -> Result<Vec<Bytes>, Failure> {
     let expected = match content_range {
         Some(cr) => {
             let (first, last, _total) = parse_content_range(cr).ok_or_else(|| {
@@ -123,7 +125,9 @@ pub(crate) async fn read_checked(
         None => None,
     };
     let size_hint = expected.or(declared).unwrap_or(0);
-    let body = tokio::time::timeout(body_timeout, gather(body, size_hint))
+    // Pieces only of a body that is the range: a whole object is cut first.
+    let read_in = piece.filter(|_| expected.is_some());
+    let body = tokio::time::timeout(body_timeout, gather(body, size_hint, read_in))
         .await
         .map_err(|_| Failure::new(Kind::Transient, format!("{}: body read timed out", what())))?
         .map_err(|e| {
@@ -132,7 +136,7 @@ pub(crate) async fn read_checked(
                 format!("{}: reading the body: {}", what(), error_chain(&e)),
             )
         })?;
-    let got = body.len() as u64;
+    let got: u64 = body.iter().map(|b| b.len() as u64).sum();
     if let Some(declared) = declared {
         if got != declared {
             return Err(Failure::new(
@@ -157,9 +161,18 @@ pub(crate) async fn read_checked(
                     ),
                 ));
             }
-            Ok(body.slice(range.start as usize..range.end.min(got) as usize))
+            let whole = body.into_iter().next().unwrap_or_default();
+            let cut = whole.slice(range.start as usize..range.end.min(got) as usize);
+            Ok(match piece_of(piece) {
+                Some(p) => ferry_store::split_copied(&cut, p),
+                None => vec![cut],
+            })
         }
     }
+}
+
+fn piece_of(piece: Option<u64>) -> Option<u64> {
+    piece.filter(|p| *p > 0)
 }
 
 /// Most bytes reserved up front for a body from its declared size (a body larger than that grows).
@@ -171,12 +184,16 @@ const MAX_BODY_RESERVE: u64 = 64 * 1024 * 1024;
 async fn gather(
     mut body: ByteStream,
     size_hint: u64,
-) -> std::result::Result<Bytes, aws_smithy_types::byte_stream::error::Error> {
+    piece: Option<u64>,
+) -> std::result::Result<Vec<Bytes>, aws_smithy_types::byte_stream::error::Error> {
+    if let Some(piece) = piece_of(piece) {
+        return gather_pieces(body, size_hint, piece).await;
+    }
     let Some(first) = next_chunk(&mut body).await? else {
-        return Ok(Bytes::new());
+        return Ok(vec![Bytes::new()]);
     };
     let Some(second) = next_chunk(&mut body).await? else {
-        return Ok(first);
+        return Ok(vec![first]);
     };
     let reserve = size_hint.min(MAX_BODY_RESERVE) as usize;
     let mut buf = bytes::BytesMut::with_capacity(reserve.max(first.len() + second.len()));
@@ -185,7 +202,39 @@ async fn gather(
     while let Some(chunk) = body.try_next().await? {
         buf.extend_from_slice(&chunk);
     }
-    Ok(buf.freeze())
+    Ok(vec![buf.freeze()])
+}
+
+/// [`gather`] into buffers of `piece` bytes each (the last may be shorter), each sized for what
+/// it will hold: every byte is copied once, as into one buffer, and no piece shares another's.
+async fn gather_pieces(
+    mut body: ByteStream,
+    size_hint: u64,
+    piece: u64,
+) -> std::result::Result<Vec<Bytes>, aws_smithy_types::byte_stream::error::Error> {
+    let piece = piece.min(MAX_BODY_RESERVE) as usize;
+    let mut left = size_hint as usize;
+    let mut pieces = Vec::new();
+    let mut buf = bytes::BytesMut::new();
+    while let Some(chunk) = next_chunk(&mut body).await? {
+        let mut chunk = &chunk[..];
+        while !chunk.is_empty() {
+            if buf.capacity() == 0 {
+                buf.reserve(piece.min(left.max(chunk.len())));
+            }
+            let n = (piece - buf.len()).min(chunk.len());
+            buf.extend_from_slice(&chunk[..n]);
+            chunk = &chunk[n..];
+            if buf.len() == piece {
+                left = left.saturating_sub(piece);
+                pieces.push(std::mem::take(&mut buf).freeze());
+            }
+        }
+    }
+    if !buf.is_empty() || pieces.is_empty() {
+        pieces.push(buf.freeze());
+    }
+    Ok(pieces)
 }
 
 /// The body's next chunk that is not empty.

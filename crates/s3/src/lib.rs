@@ -471,7 +471,8 @@ impl S3Store {
         key: &str,
         range: Range<u64>,
         pin: Option<Version<'_>>,
-    ) -> Result<Bytes> {
+        piece: Option<u64>,
+    ) -> Result<Vec<Bytes>> {
         let target = Target::Object(bucket, key);
         if range.start >= range.end {
             return Err(StoreError::InvalidRequest(format!(
@@ -489,8 +490,10 @@ impl S3Store {
         self.retry
             .run("GET", |_| async {
                 match &raw {
-                    Some((raw, endpoint)) => raw.attempt(endpoint, bucket, key, &range, pin).await,
-                    None => self.get_once(bucket, key, &range, pin).await,
+                    Some((raw, endpoint)) => {
+                        raw.attempt(endpoint, bucket, key, &range, pin, piece).await
+                    }
+                    None => self.get_once(bucket, key, &range, pin, piece).await,
                 }
             })
             .await
@@ -504,7 +507,8 @@ impl S3Store {
         key: &str,
         range: &Range<u64>,
         pin: Option<Version<'_>>,
-    ) -> Result<Bytes, Failure> {
+        piece: Option<u64>,
+    ) -> Result<Vec<Bytes>, Failure> {
         let what = || format!("GET {bucket}/{key} bytes {}..{}", range.start, range.end);
         let (if_match, since) = get::conditions(pin);
         let out = self
@@ -537,6 +541,7 @@ impl S3Store {
             declared,
             out.body,
             self.opts.body_timeout,
+            piece,
         )
         .await
     }
@@ -699,6 +704,11 @@ fn to_system_time(t: Option<&DateTime>) -> Option<SystemTime> {
     t.and_then(|t| SystemTime::try_from(*t).ok())
 }
 
+/// The body read in one piece.
+fn one(mut pieces: Vec<Bytes>) -> Bytes {
+    pieces.pop().unwrap_or_default()
+}
+
 fn size_of(len: Option<i64>) -> u64 {
     len.and_then(|l| u64::try_from(l).ok()).unwrap_or(0)
 }
@@ -748,7 +758,20 @@ impl ObjectStore for S3Store {
         range: Range<u64>,
         if_match: Option<&str>,
     ) -> Result<Bytes> {
-        self.get_pinned(bucket, key, range, if_match.map(Version::ETag))
+        self.get_pinned(bucket, key, range, if_match.map(Version::ETag), None)
+            .await
+            .map(one)
+    }
+
+    async fn get_range_pieces(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+        piece: u64,
+    ) -> Result<Vec<Bytes>> {
+        self.get_pinned(bucket, key, range, if_match.map(Version::ETag), Some(piece))
             .await
     }
 
@@ -764,7 +787,9 @@ impl ObjectStore for S3Store {
             last_modified,
             size,
         };
-        self.get_pinned(bucket, key, range, Some(pin)).await
+        self.get_pinned(bucket, key, range, Some(pin), None)
+            .await
+            .map(one)
     }
 
     async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult> {

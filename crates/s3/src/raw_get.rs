@@ -180,7 +180,8 @@ impl RawGet {
         key: &str,
         range: &Range<u64>,
         pin: Option<Version<'_>>,
-    ) -> Result<Bytes, Failure> {
+        piece: Option<u64>,
+    ) -> Result<Vec<Bytes>, Failure> {
         let what = || format!("GET {bucket}/{key} bytes {}..{}", range.start, range.end);
         let identity = self
             .identity_cache
@@ -230,7 +231,7 @@ impl RawGet {
             .skew
             .record(sent, self.clock.base.now(), resp.headers());
         let off = SignedOff::of(applied, measured);
-        self.response(resp, range, pin, off, &what).await
+        self.response(resp, range, pin, off, &what, piece).await
     }
 
     /// The signed request.
@@ -283,7 +284,8 @@ impl RawGet {
         pin: Option<Version<'_>>,
         off: Option<SignedOff>,
         what: &(dyn Fn() -> String + Sync),
-    ) -> Result<Bytes, Failure> {
+        piece: Option<u64>,
+    ) -> Result<Vec<Bytes>, Failure> {
         let status = resp.status().as_u16();
         let header = |name: &str| resp.headers().get(name).map(str::to_owned);
         let content_range = header("content-range");
@@ -310,6 +312,7 @@ impl RawGet {
                 content_length,
                 body,
                 self.opts.body_timeout,
+                piece,
             )
             .await;
         }

@@ -77,6 +77,7 @@ both!(
     list_byte_order,
     head_and_etags,
     ranged_get,
+    ranged_get_in_pieces,
     awkward_keys,
     if_match,
     multipart_upload,
@@ -308,6 +309,47 @@ async fn head_and_etags(store: &dyn ObjectStore, bucket: &str) {
     let (files, dirs, _) = list_all(store, bucket, "", Some("/"), None).await;
     assert!(files.is_empty(), "{files:?}");
     assert_eq!(dirs, ["h/"]);
+}
+
+/// `get_range_pieces`: one GET, its bytes in buffers of the piece size (the last shorter), each
+/// its own allocation; errors as `get_range`'s.
+async fn ranged_get_in_pieces(store: &dyn ObjectStore, bucket: &str) {
+    let data: Vec<u8> = (0..(3 << 20) + 12345u32).map(|i| (i % 251) as u8).collect();
+    let etag = put(store, bucket, "p/obj", data.clone()).await;
+    let len = data.len() as u64;
+    for (range, piece) in [
+        (0..len, 1 << 20),
+        (0..len, 1_000_003),
+        (1 << 20..len, 1 << 20),
+        (5..6, 1 << 20),
+        (0..3 << 20, 1 << 20),
+        (100..len + 999, 4 << 20),
+    ] {
+        let pieces = store
+            .get_range_pieces(bucket, "p/obj", range.clone(), Some(&etag), piece)
+            .await
+            .unwrap_or_else(|e| panic!("{range:?} in {piece}: {e}"));
+        let end = range.end.min(len);
+        let want = &data[range.start as usize..end as usize];
+        let lens: Vec<usize> = pieces.iter().map(|p| p.len()).collect();
+        let expected: Vec<usize> = want.chunks(piece as usize).map(|c| c.len()).collect();
+        assert_eq!(lens, expected, "{range:?} in {piece}");
+        assert_eq!(pieces.concat(), want, "{range:?} in {piece}");
+        for w in pieces.windows(2) {
+            let (a, b) = (w[0].as_ptr_range(), w[1].as_ptr_range());
+            assert!(a.end <= b.start || b.end <= a.start, "pieces overlap");
+        }
+    }
+    let e = store
+        .get_range_pieces(bucket, "p/obj", len..len + 1, None, 1 << 20)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StoreError::InvalidRequest(_)), "{e:?}");
+    let e = store
+        .get_range_pieces(bucket, "p/obj", 0..10, Some("\"other\""), 1 << 20)
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StoreError::PreconditionFailed(_)), "{e:?}");
 }
 
 async fn ranged_get(store: &dyn ObjectStore, bucket: &str) {

@@ -284,6 +284,9 @@ async fn server_ignoring_range_is_sliced() {
         assert_eq!(s.get_range("b", "k", 8..50, None).await.unwrap(), "89");
         let e = s.get_range("b", "k", 10..12, None).await.unwrap_err();
         assert!(matches!(e, StoreError::InvalidRequest(_)), "{e:?}");
+        // In pieces: cut out of the whole object first, then split.
+        let pieces = s.get_range_pieces("b", "k", 1..9, None, 3).await.unwrap();
+        assert_eq!(pieces, ["123", "456", "78"]);
     }
 }
 

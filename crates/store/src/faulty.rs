@@ -221,15 +221,37 @@ impl<S: ObjectStore> FaultyStore<S> {
         &self,
         call: impl std::future::Future<Output = Result<Bytes>>,
     ) -> Result<Bytes> {
-        let (body, truncate) = self.run_planned(Op::Get, call).await?;
+        let pieces = self
+            .get_pieces_faulty(async { call.await.map(|b| vec![b]) })
+            .await?;
+        Ok(pieces.into_iter().next().unwrap_or_default())
+    }
+
+    /// [`Self::get_faulty`] for a body in pieces: a truncation cuts the whole body, so the pieces
+    /// past the cut are gone and the one it falls in is short.
+    async fn get_pieces_faulty(
+        &self,
+        call: impl std::future::Future<Output = Result<Vec<Bytes>>>,
+    ) -> Result<Vec<Bytes>> {
+        let (pieces, truncate) = self.run_planned(Op::Get, call).await?;
+        let total: usize = pieces.iter().map(Bytes::len).sum();
         match truncate {
-            Some(fraction) if !body.is_empty() => {
-                // Strictly shorter: somewhere in [0, len).
-                let keep = ((body.len() as f64) * fraction) as usize;
+            Some(fraction) if total > 0 => {
+                // Strictly shorter: somewhere in [0, total).
+                let mut keep = (((total as f64) * fraction) as usize).min(total - 1);
                 self.lock().stats.truncated += 1;
-                Ok(body.slice(..keep.min(body.len() - 1)))
+                let mut out = Vec::new();
+                for p in pieces {
+                    let n = p.len().min(keep);
+                    out.push(p.slice(..n));
+                    keep -= n;
+                    if keep == 0 {
+                        break;
+                    }
+                }
+                Ok(out)
             }
-            _ => Ok(body),
+            _ => Ok(pieces),
         }
     }
 
@@ -372,6 +394,21 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
     ) -> Result<Bytes> {
         self.get_faulty(self.inner.get_range(bucket, key, range, if_match))
             .await
+    }
+
+    async fn get_range_pieces(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+        piece: u64,
+    ) -> Result<Vec<Bytes>> {
+        self.get_pieces_faulty(
+            self.inner
+                .get_range_pieces(bucket, key, range, if_match, piece),
+        )
+        .await
     }
 
     async fn get_range_unmodified(
@@ -577,6 +614,27 @@ mod tests {
             f.get_range(B, "k", 20..30, None).await,
             Err(StoreError::InvalidRequest(_))
         ));
+    }
+
+    #[tokio::test]
+    async fn a_body_in_pieces_is_cut_as_a_whole() {
+        let f = faulty(5);
+        let whole = f.get_range_pieces(B, "k", 0..10, None, 3).await.unwrap();
+        assert_eq!(whole, ["012", "345", "678", "9"]);
+        f.truncate_next(20);
+        for _ in 0..20 {
+            let pieces = f.get_range_pieces(B, "k", 0..10, None, 3).await.unwrap();
+            let got = pieces.concat();
+            assert!(
+                got.len() < 10 && b"0123456789".starts_with(&got),
+                "{pieces:?}"
+            );
+            // Every piece but the last is whole.
+            let n = pieces.len();
+            assert!(pieces[..n - 1].iter().all(|p| p.len() == 3), "{pieces:?}");
+        }
+        assert_eq!(f.stats().truncated, 20);
+        assert_eq!(f.stats().calls_of(Op::Get), 21);
     }
 
     #[tokio::test(start_paused = true)]

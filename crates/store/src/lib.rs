@@ -202,6 +202,23 @@ pub trait ObjectStore: Send + Sync + Debug + 'static {
         if_match: Option<&str>,
     ) -> Result<Bytes>;
 
+    /// [`Self::get_range`] in pieces of `piece` bytes (the last may be shorter), each in a buffer
+    /// of its own, from one request: a caller that keeps the pieces apart (the node cache's
+    /// blocks) keeps no neighbour alive through a shared buffer, and pays one request, not one
+    /// per piece. This default copies the pieces out of one [`Self::get_range`]; a store that
+    /// reads a body as it arrives (S3) fills each piece directly, with no copy more.
+    async fn get_range_pieces(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+        piece: u64,
+    ) -> Result<Vec<Bytes>> {
+        let data = self.get_range(bucket, key, range, if_match).await?;
+        Ok(split_copied(&data, piece))
+    }
+
     /// Bytes `range` of the version of an object that the server sent without an ETag, known by
     /// its `Last-Modified` time (if the server sent one) and its size. Sent with
     /// `If-Unmodified-Since`, and the response must say the same `Last-Modified` and total size,
@@ -334,6 +351,12 @@ pub async fn delete_prefix(store: &dyn ObjectStore, bucket: &str, prefix: &str) 
     Ok(deleted)
 }
 
+/// `data` in copies of `piece` bytes each (the last may be shorter; `piece` 0 counts as 1).
+pub fn split_copied(data: &[u8], piece: u64) -> Vec<Bytes> {
+    let piece = usize::try_from(piece).unwrap_or(usize::MAX).max(1);
+    data.chunks(piece).map(Bytes::copy_from_slice).collect()
+}
+
 /// A shared store is a store: lets `Arc<dyn ObjectStore>` be wrapped (e.g. by `FaultyStore`).
 #[async_trait]
 impl<T: ObjectStore + ?Sized> ObjectStore for Arc<T> {
@@ -354,6 +377,18 @@ impl<T: ObjectStore + ?Sized> ObjectStore for Arc<T> {
         if_match: Option<&str>,
     ) -> Result<Bytes> {
         (**self).get_range(bucket, key, range, if_match).await
+    }
+    async fn get_range_pieces(
+        &self,
+        bucket: &str,
+        key: &str,
+        range: Range<u64>,
+        if_match: Option<&str>,
+        piece: u64,
+    ) -> Result<Vec<Bytes>> {
+        (**self)
+            .get_range_pieces(bucket, key, range, if_match, piece)
+            .await
     }
     async fn get_range_unmodified(
         &self,

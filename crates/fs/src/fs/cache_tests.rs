@@ -130,6 +130,24 @@ async fn a_second_mount_reads_from_the_cache_with_no_get() {
 }
 
 #[tokio::test]
+async fn a_sequential_read_through_the_cache_fetches_neighbouring_blocks_in_one_get() {
+    let (_dir, cache, store) = cache_and_store().await;
+    let big = data((40 * BS + 7) as usize, 3);
+    store.insert(B, "seq", big.clone());
+    let a = mount(Arc::new(store.clone()), &cache, |_| {});
+    assert_eq!(read_all(&a, "seq", 128 << 10).await.unwrap(), big);
+    cache.settle().await;
+    let s = store.stats();
+    assert_eq!(s.get_bytes, big.len() as u64, "every byte fetched once");
+    // 41 blocks, fetched ahead in runs that share a GET (one per block before).
+    assert!(s.get <= 10, "{s:?}");
+    // Each block was stored on its own: another mount reads every byte from disk.
+    let b = mount(Arc::new(store.clone()), &cache, |_| {});
+    assert_eq!(read_all(&b, "seq", 128 << 10).await.unwrap(), big);
+    assert_eq!(store.stats().get, s.get, "no GET from the second mount");
+}
+
+#[tokio::test]
 async fn concurrent_readers_on_four_mounts_fetch_each_block_once() {
     let (_dir, cache, store) = cache_and_store().await;
     let big = data((8 * BS) as usize, 2);
