@@ -17,7 +17,8 @@
 #      csi-provisioner against ferry-controller, PVCs bound and published as kubelet would;
 #   7. the real-node e2e (`ferry-harness node`): kube-scheduler, containerd + kubelet on loopback,
 #      images built without Docker, `helm install charts/ferry`, real pods reading and writing
-#      through PVCs, kubelet restarted and the node DaemonSet rolled under a reading pod;
+#      through PVCs, kubelet restarted and the node DaemonSet rolled under a reading pod; then the
+#      same cluster taken as an existing one (`ferry-harness node --kubeconfig`'s path);
 #   8. the fuzz smoke (scripts/fuzz.sh smoke): the fuzz crate built with coverage instrumentation on
 #      the stable toolchain, every kept corpus and crash input replayed, each target fuzzed 15 s.
 # Must run as root (FUSE mounts). Exits non-zero on the first failing step.

@@ -101,16 +101,70 @@ impl Images {
 /// Everything the scenarios share.
 struct Env {
     kube: Client,
+    /// Where the scenarios' objects go, and the harness's own view of it (to check every byte).
     s3: S3Store,
-    s3_server: S3Server,
+    target: S3Target,
+    kubeconfig: PathBuf,
+    chart: PathBuf,
+    /// The e2e's values file (written by [`install`]), then the caller's (`--values`).
+    values: Vec<PathBuf>,
+    /// The values [`install`] writes to `values[0]`, beside the chart's defaults.
+    chart_values: Value,
+    busybox: String,
+    /// Test pods on the host network (the local node has no pod network).
+    host_network: bool,
+    /// Test pods never pull their image (imported into the local node's containerd).
+    pull_never: bool,
+    /// What the local node run adds: kubelet, containerd, moto; `None` on an existing cluster.
+    local: Option<Local>,
+    /// Files the run writes (values); removed with it.
+    work: tempfile::TempDir,
+}
+
+/// The one-node cluster of a local run: the node itself (its host paths, kubelet) and moto with
+/// IAM and STS, for the scenarios only it allows.
+struct Local {
+    node: KubeNode,
+    /// versitygw, kept running for the run.
+    _s3_server: S3Server,
     /// S3 with IAM enforced and STS, for pod-level identity (scenario d).
     moto: ferry_testkit::MotoServer,
     moto_roles: std::collections::HashMap<String, String>,
-    node: KubeNode,
-    kubeconfig: PathBuf,
-    chart: PathBuf,
-    values: PathBuf,
-    busybox: String,
+}
+
+/// The S3 endpoint the volumes use: reached by the harness and by the cluster's nodes alike.
+#[derive(Debug, Clone)]
+pub struct S3Target {
+    /// `None`: AWS's endpoint for the region.
+    pub endpoint_url: Option<String>,
+    pub region: String,
+    pub force_path_style: bool,
+    /// A scratch bucket the e2e may write to (under `k8s/`, `datasets/` and `mountpoint/`).
+    pub bucket: String,
+    /// Static keys, for the harness and (in a Secret) for the driver; `None`: the harness uses
+    /// the SDK's default chain and the driver what the `--values` files give it (IRSA, say).
+    pub keys: Option<(String, String)>,
+}
+
+impl S3Target {
+    async fn store(&self) -> Result<S3Store> {
+        let credentials = match &self.keys {
+            Some((id, secret)) => ferry_s3::S3Credentials::Static {
+                access_key_id: id.clone(),
+                secret_access_key: secret.clone().into(),
+                session_token: None,
+            },
+            None => ferry_s3::S3Credentials::DefaultChain,
+        };
+        Ok(S3Store::new(ferry_s3::S3Config {
+            endpoint_url: self.endpoint_url.clone(),
+            region: Some(self.region.clone()),
+            force_path_style: self.force_path_style,
+            credentials,
+            on_attempt: None,
+        })
+        .await?)
+    }
 }
 
 /// Runs the whole real-node e2e.
@@ -134,7 +188,16 @@ pub async fn run(opts: Options) -> Result<()> {
     say("starting versitygw, etcd, kube-apiserver, kube-controller-manager and kube-scheduler");
     let s3_server = S3Server::start();
     s3_server.create_bucket(BUCKET).await;
-    let s3 = S3Store::new(s3_server.s3_config()).await?;
+    let target = S3Target {
+        endpoint_url: Some(s3_server.endpoint_url()),
+        region: s3_server.region().to_string(),
+        force_path_style: true,
+        bucket: BUCKET.to_string(),
+        keys: Some((
+            s3_server.access_key().to_string(),
+            s3_server.secret_key().to_string(),
+        )),
+    };
     let moto = ferry_testkit::MotoServer::start();
     let moto_roles = moto_setup(&moto);
     let mut cluster = KubeCluster::start_with(KubeClusterOptions {
@@ -167,29 +230,67 @@ pub async fn run(opts: Options) -> Result<()> {
         println!("    node logs kept: {}", node.keep_dir().display());
         return Err(e);
     }
-    let values = node.dir().join("values.yaml");
-    let mut env = Env {
-        kube: kube.clone(),
-        s3,
-        s3_server,
+    let local = Local {
+        node,
+        _s3_server: s3_server,
         moto,
         moto_roles,
-        node,
+    };
+    let mut chart_values = chart_values(&target, &images.ferry);
+    merge(
+        &mut chart_values,
+        local_values(&local, &cluster, &images, &target),
+    );
+    let mut env = Env {
+        kube: kube.clone(),
+        s3: target.store().await?,
+        target,
         kubeconfig: cluster.kubeconfig().to_path_buf(),
         chart: opts.chart.clone(),
-        values,
+        values: Vec::new(),
+        chart_values,
         busybox: images.busybox.clone(),
+        host_network: true,
+        pull_never: true,
+        local: Some(local),
+        work: tempfile::tempdir()?,
     };
-    let result = scenarios(&mut env, &cluster, &images).await;
+    let result = async {
+        scenarios(&mut env, Some(&images.ferry_next)).await?;
+        // Then the existing-cluster path, `ferry-harness node --kubeconfig`, on the same cluster:
+        // the release and the test namespace removed as it removes them, then installed again
+        // with the local node's values as a `--values` file.
+        say("the same e2e as on an existing cluster (ferry-harness node --kubeconfig)");
+        cleanup(&env).await?;
+        let local = env.local.as_ref().expect("a local run");
+        let overlay = env.work.path().join("local-node.yaml");
+        std::fs::write(
+            &overlay,
+            serde_json::to_string_pretty(&local_values(local, &cluster, &images, &env.target))?,
+        )?;
+        run_existing(ExistingOptions {
+            kubeconfig: env.kubeconfig.clone(),
+            chart: env.chart.clone(),
+            image: images.ferry.clone(),
+            values: vec![overlay],
+            s3: env.target.clone(),
+            busybox: images.busybox.clone(),
+            host_network: true,
+        })
+        .await
+    }
+    .await;
     if result.is_err() {
         println!(
             "    control plane logs kept: {}",
             cluster.keep_dir().display()
         );
-        println!(
-            "    node logs kept (kubelet.log, containerd.log, pod-logs/): {}",
-            env.node.keep_dir().display()
-        );
+        if let Some(local) = &mut env.local {
+            println!(
+                "    node logs kept (kubelet.log, containerd.log, pod-logs/): {}",
+                local.node.keep_dir().display()
+            );
+        }
     }
     // Pods, containerd, kubelet and what they changed on the host go first, then the control
     // plane.
@@ -202,20 +303,166 @@ pub async fn run(opts: Options) -> Result<()> {
     Ok(())
 }
 
-async fn scenarios(env: &mut Env, cluster: &KubeCluster, images: &Images) -> Result<()> {
-    install(env, cluster, images).await?;
+/// What `ferry-harness node --kubeconfig` was asked to do: the same e2e on an existing cluster
+/// (kind, EKS, ...), with an image its nodes can pull and an S3 endpoint they reach.
+#[derive(Debug, Clone)]
+pub struct ExistingOptions {
+    pub kubeconfig: PathBuf,
+    /// The chart to install (default `charts/ferry` of this repository).
+    pub chart: PathBuf,
+    /// The Ferry image (`repository:tag`) the chart is installed with.
+    pub image: String,
+    /// More values files for `helm install`, after the e2e's own (credentials, node selectors).
+    pub values: Vec<PathBuf>,
+    pub s3: S3Target,
+    /// The image of the test pods (a busybox with `sh`, `sha256sum` and `head`).
+    pub busybox: String,
+    /// Test pods on the host network (for nodes without a pod network, as the local one).
+    pub host_network: bool,
+}
+
+/// The real-node e2e on an existing cluster: the chart installed into it, scenarios a, b, c, e
+/// and h with real pods; d (needs moto's IAM and STS), f (reads the node's mount table) and g
+/// (restarts kubelet) need the local node and are skipped. Everything it created is removed at
+/// the end, also when a scenario failed.
+pub async fn run_existing(opts: ExistingOptions) -> Result<()> {
+    let started = Instant::now();
+    say(&format!(
+        "an existing cluster ({}), image {}, s3://{}",
+        opts.kubeconfig.display(),
+        opts.image,
+        opts.s3.bucket
+    ));
+    let kube = Client::try_from(ferry_testkit::kube::load_kubeconfig(&opts.kubeconfig).await?)?;
+    let mut env = Env {
+        kube,
+        s3: opts.s3.store().await?,
+        target: opts.s3.clone(),
+        kubeconfig: opts.kubeconfig.clone(),
+        chart: opts.chart.clone(),
+        values: opts.values.clone(),
+        chart_values: chart_values(&opts.s3, &opts.image),
+        busybox: opts.busybox.clone(),
+        host_network: opts.host_network,
+        pull_never: false,
+        local: None,
+        work: tempfile::tempdir()?,
+    };
+    let result = scenarios(&mut env, None).await;
+    say("removing what the e2e created (test namespace, PVs, the release)");
+    let cleaned = cleanup(&env).await;
+    result?;
+    cleaned?;
+    say(&format!(
+        "real-node e2e on an existing cluster passed in {:.1} s",
+        started.elapsed().as_secs_f64()
+    ));
+    Ok(())
+}
+
+/// `next_image`: what the node DaemonSet is rolled to in scenario h (`None`: the same image, the
+/// pods rolled by a changed annotation).
+async fn scenarios(env: &mut Env, next_image: Option<&str>) -> Result<()> {
+    install(env).await?;
     // The datasets the read scenarios use, with their checksums beside them.
     let imagenet = upload_dataset(env, "datasets/imagenet/", 1, 24).await?;
     let mini = upload_dataset(env, "mountpoint/mini/", 2, 16).await?;
     dynamic_rwx(env).await?;
     static_rox(env, &mini).await?;
     existing_dataset(env, &imagenet).await?;
-    pod_identity(env).await?;
+    if env.local.is_some() {
+        pod_identity(env).await?;
+    } else {
+        skipped("d. pod-level identity", "moto's IAM and STS");
+    }
     non_root(env).await?;
-    unpublish_on_delete(env).await?;
-    kubelet_restart(env).await?;
-    rolling_update(env, images).await?;
+    if env.local.is_some() {
+        unpublish_on_delete(env).await?;
+        kubelet_restart(env).await?;
+    } else {
+        skipped("f. unpublish on pod deletion", "the node's mount table");
+        skipped("g. kubelet restarted under a reader", "the node's kubelet");
+    }
+    rolling_update(env, next_image).await?;
     Ok(())
+}
+
+fn skipped(what: &str, needs: &str) {
+    println!("\x1b[1m==> {what}: skipped on an existing cluster (needs {needs})\x1b[0m");
+}
+
+/// Removes what [`scenarios`] created on an existing cluster: the test namespace (its PVCs, and
+/// so the dynamic PVs), the static PVs, the release and its namespace.
+async fn cleanup(env: &Env) -> Result<()> {
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(env.kube.clone());
+    let _ = namespaces.delete(NS, &DeleteParams::default()).await;
+    wait_for(
+        &format!("namespace {NS} deleted"),
+        INSTALL_TIMEOUT,
+        || async {
+            Ok(match namespaces.get_opt(NS).await? {
+                None => Ok(()),
+                Some(_) => Err("terminating".to_string()),
+            })
+        },
+    )
+    .await?;
+    // The test namespace's PVs: the provisioned ones go through DeleteVolume (so while the
+    // release is still installed), the retained ones (static, and `Retain`) are deleted here.
+    let pvs: Api<PersistentVolume> = Api::all(env.kube.clone());
+    wait_for(
+        "the test namespace's PVs deleted",
+        INSTALL_TIMEOUT,
+        || async {
+            let ours: Vec<PersistentVolume> = pvs
+                .list(&ListParams::default())
+                .await?
+                .items
+                .into_iter()
+                .filter(|pv| {
+                    pv.spec
+                        .as_ref()
+                        .and_then(|s| s.claim_ref.as_ref())
+                        .and_then(|c| c.namespace.as_deref())
+                        == Some(NS)
+                })
+                .collect();
+            for pv in &ours {
+                let retained = pv
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.persistent_volume_reclaim_policy.as_deref())
+                    != Some("Delete");
+                if retained && pv.metadata.deletion_timestamp.is_none() {
+                    let name = pv.metadata.name.clone().unwrap_or_default();
+                    pvs.delete(&name, &DeleteParams::default()).await?;
+                }
+            }
+            Ok(if ours.is_empty() {
+                Ok(())
+            } else {
+                let names: Vec<String> = ours
+                    .iter()
+                    .filter_map(|p| p.metadata.name.clone())
+                    .collect();
+                Err(names.join(", "))
+            })
+        },
+    )
+    .await?;
+    helm(env, "uninstall", &["--wait"])?;
+    let _ = namespaces.delete(SYSTEM_NS, &DeleteParams::default()).await;
+    wait_for(
+        &format!("namespace {SYSTEM_NS} deleted"),
+        INSTALL_TIMEOUT,
+        || async {
+            Ok(match namespaces.get_opt(SYSTEM_NS).await? {
+                None => Ok(()),
+                Some(_) => Err("terminating".to_string()),
+            })
+        },
+    )
+    .await
 }
 
 /// Objects under `prefix`: `count` files of pseudo-random bytes and sizes (0 B to ~1.5 MB) and a
@@ -232,11 +479,17 @@ async fn upload_dataset(env: &Env, prefix: &str, seed: u64, count: usize) -> Res
         let data = crate::payload(seed * 1000 + i as u64, len);
         let name = format!("shard-{i:03}.bin");
         sums += &format!("{}  {name}\n", sha256_hex(&data));
-        env.s3.put(BUCKET, &format!("{prefix}{name}"), data).await?;
+        env.s3
+            .put(&env.target.bucket, &format!("{prefix}{name}"), data)
+            .await?;
         names.push(name);
     }
     env.s3
-        .put(BUCKET, &format!("{prefix}SHA256SUMS"), Bytes::from(sums))
+        .put(
+            &env.target.bucket,
+            &format!("{prefix}SHA256SUMS"),
+            Bytes::from(sums),
+        )
         .await?;
     Ok(names)
 }
@@ -261,17 +514,23 @@ async fn dynamic_rwx(env: &Env) -> Result<()> {
     )
     .await?;
     // Every byte pod A wrote is in S3, as its checksums say.
-    let sums =
-        crate::kube::read_object(&env.s3, BUCKET, &format!("{prefix}run/SHA256SUMS")).await?;
+    let sums = crate::kube::read_object(
+        &env.s3,
+        &env.target.bucket,
+        &format!("{prefix}run/SHA256SUMS"),
+    )
+    .await?;
     let sums = String::from_utf8(sums.to_vec())?;
     let mut n = 0;
     for line in sums.lines() {
         let (sum, name) = line.split_once("  ").context("a SHA256SUMS line")?;
         let data =
-            crate::kube::read_object(&env.s3, BUCKET, &format!("{prefix}run/{name}")).await?;
+            crate::kube::read_object(&env.s3, &env.target.bucket, &format!("{prefix}run/{name}"))
+                .await?;
         ensure!(
             sha256_hex(&data) == sum,
-            "s3://{BUCKET}/{prefix}run/{name}: not the bytes pod writer wrote"
+            "s3://{}/{prefix}run/{name}: not the bytes pod writer wrote",
+            env.target.bucket
         );
         n += 1;
     }
@@ -290,7 +549,7 @@ async fn dynamic_rwx(env: &Env) -> Result<()> {
     delete_pod(env, "reader").await?;
     env.s3
         .put(
-            BUCKET,
+            &env.target.bucket,
             "k8s/ml/outside.txt",
             Bytes::from_static(b"not the volume's\n"),
         )
@@ -298,11 +557,11 @@ async fn dynamic_rwx(env: &Env) -> Result<()> {
     let pv_name = pv.metadata.name.clone().unwrap_or_default();
     delete_pvc_and_wait(env, "shared", &pv_name).await?;
     ensure!(
-        crate::kube::count(&env.s3, BUCKET, &prefix).await? == 0,
+        crate::kube::count(&env.s3, &env.target.bucket, &prefix).await? == 0,
         "deletePolicy delete: objects left under {prefix}"
     );
     ensure!(
-        crate::kube::count(&env.s3, BUCKET, "k8s/ml/outside.txt").await? == 1,
+        crate::kube::count(&env.s3, &env.target.bucket, "k8s/ml/outside.txt").await? == 1,
         "deletePolicy delete removed k8s/ml/outside.txt, outside the volume's prefix"
     );
     println!("    PVC deleted: {prefix} is empty, k8s/ml/outside.txt kept");
@@ -331,7 +590,7 @@ async fn static_rox(env: &Env, files: &[String]) -> Result<()> {
         "the fixture is not a Mountpoint PV"
     );
     pv["spec"]["csi"]["driver"] = json!(ferry_volume::DRIVER_NAME);
-    pv["spec"]["csi"]["volumeAttributes"]["bucketName"] = json!(BUCKET);
+    pv["spec"]["csi"]["volumeAttributes"]["bucketName"] = json!(env.target.bucket);
     pv["spec"]["claimRef"]["namespace"] = json!(NS);
     for o in pv["spec"]["mountOptions"]
         .as_array_mut()
@@ -451,7 +710,11 @@ async fn unpublish_on_delete(env: &Env) -> Result<()> {
     let pod = wait_running(env, "sleeper").await?;
     let uid = pod.metadata.uid.clone().unwrap_or_default();
     let pv = pv_of(env, "imagenet").await?;
-    let target = env
+    let local = env
+        .local
+        .as_ref()
+        .context("the host checks need the local node")?;
+    let target = local
         .node
         .kubelet_dir()
         .join(format!("pods/{uid}/volumes/kubernetes.io~csi/{pv}/mount"));
@@ -523,6 +786,10 @@ fn moto_setup(moto: &ferry_testkit::MotoServer) -> std::collections::HashMap<Str
 /// role's credentials; a pod whose role may read reads, a pod whose role may only list gets
 /// EACCES — after the first pod's read, so never bytes from the node cache.
 async fn pod_identity(env: &Env) -> Result<()> {
+    let local = env
+        .local
+        .as_ref()
+        .context("pod identity needs the local node's moto")?;
     say("d. pod-level identity: kubelet's token → STS (moto) → the pod's role; a role that may not read gets EACCES");
     for (sa, role) in [("reader", "pod-reader"), ("lister", "pod-lister")] {
         let accounts: Api<k8s_openapi::api::core::v1::ServiceAccount> =
@@ -531,7 +798,7 @@ async fn pod_identity(env: &Env) -> Result<()> {
             .create(
                 &PostParams::default(),
                 &serde_json::from_value(json!({"metadata": {"name": sa, "namespace": NS,
-                    "annotations": {"eks.amazonaws.com/role-arn": env.moto_roles[role]}}}))?,
+                    "annotations": {"eks.amazonaws.com/role-arn": local.moto_roles[role]}}}))?,
             )
             .await
             .with_context(|| format!("creating ServiceAccount {sa}"))?;
@@ -550,7 +817,7 @@ async fn pod_identity(env: &Env) -> Result<()> {
                 "volumeHandle": "pod-identity",
                 "volumeAttributes": {
                     "bucketName": MOTO_BUCKET,
-                    "endpointUrl": env.moto.endpoint_url(),
+                    "endpointUrl": local.moto.endpoint_url(),
                     "forcePathStyle": "true",
                     "region": "us-east-1",
                     "authenticationSource": "pod",
@@ -600,40 +867,46 @@ async fn pod_identity(env: &Env) -> Result<()> {
     Ok(())
 }
 
-/// A reader that checks the dataset over and over until the harness creates `stop` in its control
-/// directory (a hostPath), writing the number of passes done there after each one, then prints
-/// it; any failed read exits 1.
-const READ_LOOP: &str = "n=0; while [ ! -e /control/stop ]; do \
+/// A reader that checks the dataset over and over, printing each pass it finished, until it is
+/// deleted; a failed read ends it (exit 1) with the pass it failed in.
+const READ_LOOP: &str = "n=0; while true; do \
     (cd /data && sha256sum -c -s SHA256SUMS) || { echo \"read failed in pass $n\"; exit 1; }; \
-    n=$((n + 1)); echo $n > /control/passes.new && mv /control/passes.new /control/passes; \
-    done; echo \"passes: $n\"";
+    n=$((n + 1)); echo \"pass $n\"; done";
 
-/// The passes the reader with `control` has finished so far.
-fn passes(control: &Path) -> u64 {
-    std::fs::read_to_string(control.join("passes"))
-        .ok()
-        .and_then(|n| n.trim().parse().ok())
-        .unwrap_or(0)
+/// The passes reader `name` has printed so far; fails once it stopped reading (a failed read).
+/// Its log comes through kubelet: while kubelet restarts, this waits for it.
+async fn passes(env: &Env, name: &str) -> Result<u64> {
+    let pods: Api<Pod> = Api::namespaced(env.kube.clone(), NS);
+    wait_for(&format!("pod {name}'s log"), POD_TIMEOUT, || async {
+        let p = pods.get(name).await?;
+        if phase(&p) != "Running" {
+            bail!(
+                "pod {name} stopped reading ({}):\n{}",
+                pod_state(&p),
+                pod_log(env, name).await
+            );
+        }
+        Ok(match pods.logs(name, &LogParams::default()).await {
+            Ok(log) => Ok(log
+                .lines()
+                .filter_map(|l| l.strip_prefix("pass "))
+                .filter_map(|n| n.trim().parse().ok())
+                .max()
+                .unwrap_or(0)),
+            Err(e) => Err(format!("no log yet: {e}")),
+        })
+    })
+    .await
 }
 
 /// Waits until the reader has finished two more passes than `from`: whole passes over the dataset
 /// after the event the caller waited for, not only before it.
-async fn two_more_passes(env: &Env, name: &str, control: &Path, from: u64) -> Result<u64> {
-    let pods: Api<Pod> = Api::namespaced(env.kube.clone(), NS);
+async fn two_more_passes(env: &Env, name: &str, from: u64) -> Result<u64> {
     wait_for(
         &format!("pod {name} to read the dataset twice more"),
         POD_TIMEOUT,
         || async {
-            let p = pods.get(name).await?;
-            let phase = phase(&p);
-            if phase != "Running" {
-                bail!(
-                    "pod {name} stopped reading ({}):\n{}",
-                    pod_state(&p),
-                    pod_log(env, name).await
-                );
-            }
-            let n = passes(control);
+            let n = passes(env, name).await?;
             Ok(if n >= from + 2 {
                 Ok(n)
             } else {
@@ -644,33 +917,32 @@ async fn two_more_passes(env: &Env, name: &str, control: &Path, from: u64) -> Re
     .await
 }
 
-/// Starts the looping reader `name` on the `imagenet` PVC and waits until it has started reading.
-async fn start_reader(env: &Env, name: &str) -> Result<PathBuf> {
-    let control = env.node.dir().join(format!("control-{name}"));
-    std::fs::create_dir_all(&control)?;
-    let mut pod = pod_manifest(env, name, READ_LOOP, &[("imagenet", "/data", true)], None);
-    pod["spec"]["volumes"]
-        .as_array_mut()
-        .expect("volumes")
-        .push(json!({"name": "control", "hostPath": {"path": control.display().to_string(), "type": "Directory"}}));
-    pod["spec"]["containers"][0]["volumeMounts"]
-        .as_array_mut()
-        .expect("volumeMounts")
-        .push(json!({"name": "control", "mountPath": "/control"}));
-    create(env, pod).await?;
-    wait_running(env, name).await?;
-    Ok(control)
+/// Starts the looping reader `name` on the `imagenet` PVC and waits until it has finished a pass.
+/// Returns the node it runs on.
+async fn start_reader(env: &Env, name: &str) -> Result<String> {
+    create_pod(env, name, READ_LOOP, &[("imagenet", "/data", true)], None).await?;
+    let pod = wait_running(env, name).await?;
+    wait_for(
+        &format!("pod {name} to read the dataset once"),
+        POD_TIMEOUT,
+        || async {
+            let n = passes(env, name).await?;
+            Ok(if n >= 1 {
+                Ok(())
+            } else {
+                Err("0 passes".into())
+            })
+        },
+    )
+    .await?;
+    pod.spec
+        .and_then(|s| s.node_name)
+        .with_context(|| format!("pod {name} runs on no node"))
 }
 
-/// Stops the looping reader and returns its number of passes; fails if any read failed.
-async fn stop_reader(env: &Env, name: &str, control: &Path) -> Result<u64> {
-    std::fs::write(control.join("stop"), b"")?;
-    let log = succeeded(env, name).await?;
-    let passes = log
-        .lines()
-        .find_map(|l| l.strip_prefix("passes: "))
-        .and_then(|n| n.trim().parse().ok())
-        .with_context(|| format!("pod {name} printed no pass count:\n{log}"))?;
+/// Stops the looping reader (it is still reading: no read failed) and returns its passes.
+async fn stop_reader(env: &Env, name: &str) -> Result<u64> {
+    let passes = passes(env, name).await?;
     delete_pod(env, name).await?;
     Ok(passes)
 }
@@ -678,10 +950,15 @@ async fn stop_reader(env: &Env, name: &str, control: &Path) -> Result<u64> {
 /// g. kubelet killed and started again while a pod reads: the pod keeps reading.
 async fn kubelet_restart(env: &mut Env) -> Result<()> {
     say("g. kubelet restarted (kill -9, start) while a pod reads");
-    let control = start_reader(env, "reader-g").await?;
+    start_reader(env, "reader-g").await?;
     let kube = env.kube.clone();
     let restarted = k8s_openapi::jiff::Timestamp::now();
-    env.node.restart_kubelet(&kube).await?;
+    env.local
+        .as_mut()
+        .context("restarting kubelet needs the local node")?
+        .node
+        .restart_kubelet(&kube)
+        .await?;
     // The new kubelet is up once it renewed the node's Lease (the Node stays Ready meanwhile).
     let leases: Api<k8s_openapi::api::coordination::v1::Lease> =
         Api::namespaced(kube.clone(), "kube-node-lease");
@@ -702,9 +979,9 @@ async fn kubelet_restart(env: &mut Env) -> Result<()> {
         },
     )
     .await?;
-    let at_restart = passes(&control);
-    let after = two_more_passes(env, "reader-g", &control, at_restart).await?;
-    let total = stop_reader(env, "reader-g", &control).await?;
+    let at_restart = passes(env, "reader-g").await?;
+    let after = two_more_passes(env, "reader-g", at_restart).await?;
+    let total = stop_reader(env, "reader-g").await?;
     println!(
         "    {total} passes over the dataset, {} of them after the new kubelet renewed its Lease; no failed read",
         total.max(after) - at_restart
@@ -712,58 +989,68 @@ async fn kubelet_restart(env: &mut Env) -> Result<()> {
     Ok(())
 }
 
-/// h. The node DaemonSet rolled to a new image tag while a pod reads: the new node pod takes the
-/// live mount over; no read fails.
-async fn rolling_update(env: &Env, images: &Images) -> Result<()> {
-    say("h. node DaemonSet rolled to a new image tag (helm upgrade) while a pod reads");
-    let control = start_reader(env, "reader-h").await?;
-    let next = images.ferry_next.clone();
-    let (_, tag) = next.rsplit_once(':').expect("name:tag");
-    helm(env, "upgrade", &["--set", &format!("image.tag={tag}")])?;
+/// h. The node DaemonSet rolled (to `next_image`, or by a changed pod annotation) while a pod
+/// reads: the new node pod on the reader's node takes the live mount over from the old one (a
+/// handover, not a crash recovery); no read fails.
+async fn rolling_update(env: &Env, next_image: Option<&str>) -> Result<()> {
+    let how = match next_image {
+        Some(_) => "to a new image tag",
+        None => "by a changed pod annotation",
+    };
+    say(&format!(
+        "h. node DaemonSet rolled {how} (helm upgrade) while a pod reads"
+    ));
+    let node = start_reader(env, "reader-h").await?;
+    let rolled_at = k8s_openapi::jiff::Timestamp::now().to_string();
+    let mut set = vec![
+        "--set-string".to_string(),
+        format!("node.podAnnotations.e2e\\.ferry\\.dev/rolled-at={rolled_at}"),
+    ];
+    if let Some(next) = next_image {
+        let (_, tag) = next.rsplit_once(':').context("name:tag")?;
+        set.extend(["--set".to_string(), format!("image.tag={tag}")]);
+    }
+    let set: Vec<&str> = set.iter().map(String::as_str).collect();
+    helm(env, "upgrade", &set)?;
     let dss: Api<DaemonSet> = Api::namespaced(env.kube.clone(), SYSTEM_NS);
     let pods: Api<Pod> = Api::namespaced(env.kube.clone(), SYSTEM_NS);
-    wait_for("the node DaemonSet rolled out", INSTALL_TIMEOUT, || async {
+    let rolled = |p: &Pod| {
+        p.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("e2e.ferry.dev/rolled-at"))
+            == Some(&rolled_at)
+    };
+    let new_pod = wait_for("the node DaemonSet rolled out", INSTALL_TIMEOUT, || async {
         let ds = dss.get(&format!("{RELEASE}-node")).await?;
         let generation = ds.metadata.generation.unwrap_or_default();
         let st = ds.status.unwrap_or_default();
-        let node_pods = pods
+        let on_node: Vec<Pod> = pods
             .list(&ListParams::default().labels("app.kubernetes.io/component=node"))
             .await?
-            .items;
-        let images: Vec<String> = node_pods
-            .iter()
-            .flat_map(|p| p.spec.iter().flat_map(|s| s.containers.iter()))
-            .filter(|c| c.name == "ferry-node")
-            .filter_map(|c| c.image.clone())
+            .items
+            .into_iter()
+            .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&node))
             .collect();
         let done = st.observed_generation == Some(generation)
-            && st.updated_number_scheduled == Some(1)
-            && st.number_ready == 1
-            && node_pods.len() == 1
-            && images.iter().all(|i| *i == next);
-        Ok(if done {
-            Ok(())
-        } else {
-            Err(format!(
-                "updated {:?}, ready {}, node pods {} with images {images:?}",
+            && st.updated_number_scheduled == Some(st.desired_number_scheduled)
+            && st.number_ready == st.desired_number_scheduled
+            && on_node.len() == 1
+            && rolled(&on_node[0]);
+        Ok(match (done, on_node.first()) {
+            (true, Some(p)) => Ok(p.metadata.name.clone().unwrap_or_default()),
+            _ => Err(format!(
+                "updated {:?} of {}, ready {}, node pods on {node}: {}",
                 st.updated_number_scheduled,
+                st.desired_number_scheduled,
                 st.number_ready,
-                node_pods.len()
-            ))
+                on_node.len()
+            )),
         })
     })
     .await?;
     // The new node pod took the live mount over from the old one (not a crash recovery).
-    let new_pod = pods
-        .list(&ListParams::default().labels("app.kubernetes.io/component=node"))
-        .await?
-        .items
-        .into_iter()
-        .next()
-        .and_then(|p| p.metadata.name)
-        .context("no node pod")?;
-    let system: Api<Pod> = Api::namespaced(env.kube.clone(), SYSTEM_NS);
-    let log = system
+    let log = pods
         .logs(
             &new_pod,
             &LogParams {
@@ -783,11 +1070,12 @@ async fn rolling_update(env: &Env, images: &Images) -> Result<()> {
         !handed.contains("mounts=0"),
         "{new_pod} took no mount over: {handed}"
     );
-    let at_rollout = passes(&control);
-    two_more_passes(env, "reader-h", &control, at_rollout).await?;
-    let total = stop_reader(env, "reader-h", &control).await?;
+    let at_rollout = passes(env, "reader-h").await?;
+    two_more_passes(env, "reader-h", at_rollout).await?;
+    let total = stop_reader(env, "reader-h").await?;
     println!(
-        "    {new_pod} ({next}) took the mounts over; {total} passes over the dataset, {} after the old pod was gone; 0 failed reads",
+        "    {new_pod} ({}) took the mounts over; {total} passes over the dataset, {} after the old pod was gone; 0 failed reads",
+        next_image.unwrap_or("the same image"),
         total - at_rollout
     );
     Ok(())
@@ -817,14 +1105,14 @@ fn pod_manifest(
         "metadata": {"name": name, "namespace": NS},
         "spec": {
             // containerd 1.6 wants an interface with an address from CNI for a pod network of its
-            // own; this node has only the loopback plugin (nothing may leave the machine).
-            "hostNetwork": true,
+            // own; the local node has only the loopback plugin (nothing may leave the machine).
+            "hostNetwork": env.host_network,
             "restartPolicy": "Never",
             "terminationGracePeriodSeconds": 2,
             "containers": [{
                 "name": "main",
                 "image": env.busybox,
-                "imagePullPolicy": "Never",
+                "imagePullPolicy": if env.pull_never { "Never" } else { "IfNotPresent" },
                 "command": ["sh", "-c", script],
                 "volumeMounts": mounts,
             }],
@@ -981,38 +1269,66 @@ async fn delete_pvc_and_wait(env: &Env, name: &str, pv: &str) -> Result<()> {
     .await
 }
 
-/// The chart's values for this node: the locally built images, and what a cluster whose only
-/// network is the node's loopback needs. Nothing else differs from the chart's defaults.
-fn values(env: &Env, cluster: &KubeCluster, images: &Images) -> Value {
+/// The chart's values on any cluster: the Ferry image, the S3 endpoint, static keys from a
+/// Secret (as the README's "Credentials" shows) when there are keys, and the two StorageClasses
+/// the scenarios use. Nothing else differs from the chart's defaults.
+fn chart_values(target: &S3Target, image: &str) -> Value {
+    let (repo, tag) = image.rsplit_once(':').unwrap_or((image, "latest"));
+    let mut s3 = json!({"region": target.region, "forcePathStyle": target.force_path_style});
+    if let Some(url) = &target.endpoint_url {
+        s3["endpointUrl"] = json!(url);
+    }
+    let mut v = json!({
+        "image": {"repository": repo, "tag": tag},
+        "s3": s3,
+        "storageClasses": [
+            {"name": "scratch", "bucketName": target.bucket, "basePrefix": "k8s",
+             "prefixTemplate": "${pvc.namespace}/${pvc.name}/${pv.name}", "deletePolicy": "delete",
+             "mountOptions": ["allow-delete"]},
+            {"name": "datasets", "bucketName": target.bucket, "basePrefix": "datasets"},
+        ],
+    });
+    if target.keys.is_some() {
+        let env = key_env(&[]);
+        v["controller"] = json!({"extraEnv": env});
+        v["node"] = json!({"extraEnv": env});
+    }
+    v
+}
+
+/// The driver's environment with the keys from the `s3-keys` Secret, then `more`.
+fn key_env(more: &[Value]) -> Value {
+    let mut env = vec![
+        json!({"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3-keys", "key": "access-key"}}}),
+        json!({"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {"name": "s3-keys", "key": "secret-key"}}}),
+    ];
+    env.extend_from_slice(more);
+    Value::Array(env)
+}
+
+/// What the local node needs beside [`chart_values`]: the imported images (never pulled), and
+/// what a cluster whose only network is the node's loopback needs.
+fn local_values(local: &Local, cluster: &KubeCluster, images: &Images, target: &S3Target) -> Value {
     let port = cluster
         .server()
         .rsplit(':')
         .next()
         .unwrap_or_default()
         .to_string();
-    let (repo, tag) = images.ferry.rsplit_once(':').expect("name:tag");
     let (prov_repo, prov_tag) = images.provisioner.rsplit_once(':').expect("name:tag");
-    // Static keys from a Secret, as the README's "Credentials" shows; the region is given and the
-    // instance metadata service off, so nothing leaves loopback.
-    let secret_env = json!([
-        {"name": "AWS_REGION", "value": env.s3_server.region()},
-        {"name": "AWS_EC2_METADATA_DISABLED", "value": "true"},
+    // The region is given and the instance metadata service off, so nothing leaves loopback.
+    let env = key_env(&[
+        json!({"name": "AWS_REGION", "value": target.region}),
+        json!({"name": "AWS_EC2_METADATA_DISABLED", "value": "true"}),
         // Pod-level identity: STS is moto (AssumeRoleWithWebIdentity).
-        {"name": "AWS_ENDPOINT_URL_STS", "value": env.moto.endpoint_url()},
-        {"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3-keys", "key": "access-key"}}},
-        {"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {"name": "s3-keys", "key": "secret-key"}}},
+        json!({"name": "AWS_ENDPOINT_URL_STS", "value": local.moto.endpoint_url()}),
     ]);
     json!({
-        "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
+        "image": {"pullPolicy": "Never"},
         "sidecars": {"provisioner": {"image": {"repository": prov_repo, "tag": prov_tag, "pullPolicy": "Never"}}},
         "kubernetesApi": {"host": "127.0.0.1", "port": port},
-        "s3": {
-            "endpointUrl": env.s3_server.endpoint_url(),
-            "region": env.s3_server.region(),
-            "forcePathStyle": true,
-            // moto, for the pod-identity volume.
-            "allowedEndpoints": [env.moto.endpoint_url()],
-        },
+        // moto, for the pod-identity volume.
+        "s3": {"allowedEndpoints": [local.moto.endpoint_url()]},
         // On the host network every port is the host's: free ones, so nothing else on this
         // machine can clash.
         "metrics": {"port": free_port()},
@@ -1022,26 +1338,33 @@ fn values(env: &Env, cluster: &KubeCluster, images: &Images) -> Value {
             "hostNetwork": true,
             "metricsPort": free_port(),
             "healthPort": free_port(),
-            "extraEnv": secret_env,
+            "extraEnv": env,
         },
         "node": {
             "hostNetwork": true,
             "healthPort": free_port(),
-            "kubeletDir": env.node.kubelet_dir().display().to_string(),
-            "cache": {"hostPath": env.node.dir().join("cache").display().to_string()},
-            "extraEnv": secret_env,
+            "kubeletDir": local.node.kubelet_dir().display().to_string(),
+            "cache": {"hostPath": local.node.dir().join("cache").display().to_string()},
+            "extraEnv": env,
         },
-        "storageClasses": [
-            {"name": "scratch", "bucketName": BUCKET, "basePrefix": "k8s",
-             "prefixTemplate": "${pvc.namespace}/${pvc.name}/${pv.name}", "deletePolicy": "delete",
-             "mountOptions": ["allow-delete"]},
-            {"name": "datasets", "bucketName": BUCKET, "basePrefix": "datasets"},
-        ],
     })
 }
 
-/// `helm install` of the chart; waits for the controller and node pods and for the CSINode.
-async fn install(env: &mut Env, cluster: &KubeCluster, images: &Images) -> Result<()> {
+/// `b` into `a`: maps key by key, anything else replaced (as Helm merges values files).
+fn merge(a: &mut Value, b: Value) {
+    match (a, b) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in b {
+                merge(a.entry(k).or_insert(Value::Null), v);
+            }
+        }
+        (a, b) => *a = b,
+    }
+}
+
+/// `helm install` of the chart; waits for the controller and node pods and for every node's
+/// CSINode to list the driver (kubelet registered it).
+async fn install(env: &mut Env) -> Result<()> {
     say("helm install ferry charts/ferry (its own ServiceAccounts and RBAC)");
     let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(env.kube.clone());
     for ns in [SYSTEM_NS, NS] {
@@ -1051,70 +1374,82 @@ async fn install(env: &mut Env, cluster: &KubeCluster, images: &Images) -> Resul
                 &serde_json::from_value(json!({"metadata": {"name": ns}}))?,
             )
             .await
-            .with_context(|| format!("creating namespace {ns}"))?;
+            .with_context(|| format!("creating namespace {ns} (left by an earlier run?)"))?;
     }
-    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
-        Api::namespaced(env.kube.clone(), SYSTEM_NS);
-    secrets
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(json!({
-                "metadata": {"name": "s3-keys"},
-                "stringData": {
-                    "access-key": env.s3_server.access_key(),
-                    "secret-key": env.s3_server.secret_key(),
-                },
-            }))?,
-        )
-        .await
-        .context("creating the S3 keys Secret")?;
-    let values = values(env, cluster, images);
-    std::fs::write(&env.values, serde_json::to_string_pretty(&values)?)?;
+    if let Some((id, secret)) = &env.target.keys {
+        let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+            Api::namespaced(env.kube.clone(), SYSTEM_NS);
+        secrets
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(json!({
+                    "metadata": {"name": "s3-keys"},
+                    "stringData": {"access-key": id, "secret-key": secret},
+                }))?,
+            )
+            .await
+            .context("creating the S3 keys Secret")?;
+    }
+    let ours = env.work.path().join("values.yaml");
+    std::fs::write(&ours, serde_json::to_string_pretty(&env.chart_values)?)?;
+    env.values.insert(0, ours);
     helm(env, "install", &[])?;
     wait_chart_pods(env).await?;
+    let node_pods: Api<Pod> = Api::namespaced(env.kube.clone(), SYSTEM_NS);
+    let nodes: BTreeSet<String> = node_pods
+        .list(&ListParams::default().labels("app.kubernetes.io/component=node"))
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|p| p.spec.and_then(|s| s.node_name))
+        .collect();
     let csinodes: Api<CSINode> = Api::all(env.kube.clone());
     wait_for(
-        "the CSINode to list s3.csi.ferry.dev (kubelet registered the driver)",
+        "every node's CSINode to list s3.csi.ferry.dev (kubelet registered the driver)",
         INSTALL_TIMEOUT,
         || async {
-            let drivers: Vec<String> = csinodes
-                .get_opt(NODE_NAME)
-                .await?
-                .map(|n| n.spec.drivers.into_iter().map(|d| d.name).collect())
-                .unwrap_or_default();
-            Ok(if drivers.iter().any(|d| d == ferry_volume::DRIVER_NAME) {
+            let mut missing = Vec::new();
+            for node in &nodes {
+                let drivers: Vec<String> = csinodes
+                    .get_opt(node)
+                    .await?
+                    .map(|n| n.spec.drivers.into_iter().map(|d| d.name).collect())
+                    .unwrap_or_default();
+                if !drivers.iter().any(|d| d == ferry_volume::DRIVER_NAME) {
+                    missing.push(format!("{node}: {drivers:?}"));
+                }
+            }
+            Ok(if missing.is_empty() {
                 Ok(())
             } else {
-                Err(format!("drivers {drivers:?}"))
+                Err(missing.join("; "))
             })
         },
     )
     .await?;
     println!(
-        "    controller and node pods Running; CSINode lists {}",
+        "    controller and node pods Running; the CSINode of {} node(s) lists {}",
+        nodes.len(),
         ferry_volume::DRIVER_NAME
     );
     Ok(())
 }
 
-/// `helm <verb>` (install, upgrade) of the release from the chart with the e2e's values, plus
-/// `extra` arguments.
+/// `helm <verb>` of the release: `install` and `upgrade` from the chart with the values files,
+/// plus `extra` arguments; any other verb (`uninstall`) with `extra` only.
 fn helm(env: &Env, verb: &str, extra: &[&str]) -> Result<()> {
     let bin = ferry_testkit::kube::tool_path("helm")
         .context("helm not found: scripts/kube-tools.sh builds it")?;
-    let (chart, values) = (
-        env.chart.display().to_string(),
-        env.values.display().to_string(),
-    );
-    let mut args = vec![
-        verb,
-        RELEASE,
-        &chart,
-        "--namespace",
-        SYSTEM_NS,
-        "--values",
-        &values,
-    ];
+    let chart = env.chart.display().to_string();
+    let values: Vec<String> = env.values.iter().map(|v| v.display().to_string()).collect();
+    let mut args = vec![verb, RELEASE];
+    if verb == "install" || verb == "upgrade" {
+        args.push(&chart);
+        for v in &values {
+            args.extend(["--values", v.as_str()]);
+        }
+    }
+    args.extend(["--namespace", SYSTEM_NS]);
     args.extend_from_slice(extra);
     let out = Command::new(bin)
         .args(&args)

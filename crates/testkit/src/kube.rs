@@ -40,8 +40,10 @@ pub const CONTROLLERS: &str = "persistentvolume-binder-controller,persistentvolu
 /// collector (owned objects go with their owner), the `kube-root-ca.crt` ConfigMap every pod's
 /// service account volume mounts, the TTL controller kubelet's ConfigMap cache reads, and the node
 /// lifecycle controller, which lifts the `node.kubernetes.io/not-ready` taint kubelet registers a
-/// node with (without it no pod without a toleration is ever scheduled).
-pub const WORKLOAD_CONTROLLERS: &str = "daemonset-controller,deployment-controller,replicaset-controller,garbage-collector-controller,root-ca-certificate-publisher-controller,ttl-controller,node-lifecycle-controller";
+/// node with (without it no pod without a toleration is ever scheduled), and the namespace
+/// controller (a deleted namespace's objects go with it; without it the namespace stays
+/// `Terminating`).
+pub const WORKLOAD_CONTROLLERS: &str = "daemonset-controller,deployment-controller,replicaset-controller,garbage-collector-controller,root-ca-certificate-publisher-controller,ttl-controller,node-lifecycle-controller,namespace-controller";
 
 /// How long the control plane may take to become ready (a loaded 2-core machine is slow).
 pub const READY_TIMEOUT: Duration = Duration::from_secs(180);

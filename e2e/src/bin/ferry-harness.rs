@@ -126,10 +126,42 @@ enum Cmd {
     /// kube-controller-manager, kube-scheduler, containerd + kubelet), images built without a
     /// Docker daemon, `helm install` of the chart, and real pods reading and writing through PVCs
     /// (see ferry_e2e::realnode). Needs root; leaves the host as it found it.
+    ///
+    /// With --kubeconfig, the same e2e on an existing cluster (kind, EKS, ...): --image (its nodes
+    /// pull it) and --bucket on an S3 endpoint both this machine and the nodes reach; static keys
+    /// from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY if set (into a Secret for the driver), else
+    /// the default credential chain here and what --values gives the driver. Scenarios d, f and g
+    /// need the local node and are skipped; everything created is removed at the end.
     Node {
         /// The Helm chart to install.
         #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/../charts/ferry"))]
         chart: PathBuf,
+        /// Run on this existing cluster instead of a local one.
+        #[arg(long)]
+        kubeconfig: Option<PathBuf>,
+        /// The Ferry image (repository:tag), with --kubeconfig.
+        #[arg(long, requires = "kubeconfig")]
+        image: Option<String>,
+        /// A scratch bucket the e2e writes to, with --kubeconfig.
+        #[arg(long, requires = "kubeconfig")]
+        bucket: Option<String>,
+        /// The S3 endpoint (default: AWS's for --region).
+        #[arg(long, requires = "kubeconfig")]
+        s3_endpoint: Option<String>,
+        #[arg(long, default_value = "us-east-1", requires = "kubeconfig")]
+        region: String,
+        /// Path-style S3 URLs (most non-AWS servers).
+        #[arg(long, requires = "kubeconfig")]
+        force_path_style: bool,
+        /// More Helm values files, after the e2e's own (repeatable).
+        #[arg(long, requires = "kubeconfig")]
+        values: Vec<PathBuf>,
+        /// The test pods' image: a busybox with sh, sha256sum and head.
+        #[arg(long, default_value = "busybox:1.36", requires = "kubeconfig")]
+        busybox_image: String,
+        /// Test pods on the host network (nodes without a pod network).
+        #[arg(long, requires = "kubeconfig")]
+        pods_on_host_network: bool,
     },
 }
 
@@ -184,7 +216,43 @@ fn main() -> Result<()> {
                 import,
                 containerd_address,
             } => images(bins, tags, out, import.then_some(containerd_address)),
-            Cmd::Node { chart } => {
+            Cmd::Node {
+                chart,
+                kubeconfig: Some(kubeconfig),
+                image,
+                bucket,
+                s3_endpoint,
+                region,
+                force_path_style,
+                values,
+                busybox_image,
+                pods_on_host_network,
+            } => {
+                let keys = match (
+                    std::env::var("AWS_ACCESS_KEY_ID"),
+                    std::env::var("AWS_SECRET_ACCESS_KEY"),
+                ) {
+                    (Ok(id), Ok(secret)) => Some((id, secret)),
+                    _ => None,
+                };
+                ferry_e2e::realnode::run_existing(ferry_e2e::realnode::ExistingOptions {
+                    kubeconfig,
+                    chart,
+                    image: image.context("--image: the Ferry image the cluster's nodes pull")?,
+                    values,
+                    s3: ferry_e2e::realnode::S3Target {
+                        endpoint_url: s3_endpoint,
+                        region,
+                        force_path_style,
+                        bucket: bucket.context("--bucket: a scratch bucket the e2e writes to")?,
+                        keys,
+                    },
+                    busybox: busybox_image,
+                    host_network: pods_on_host_network,
+                })
+                .await
+            }
+            Cmd::Node { chart, .. } => {
                 let run = ferry_e2e::realnode::run(ferry_e2e::realnode::Options {
                     chart,
                     bins: bin_dir()?,
