@@ -518,9 +518,38 @@ async fn take_ownership(
     }
     let (sock, readable) = (state.socket(), readable.to_vec());
     let started = std::time::Instant::now();
-    let received = tokio::task::spawn_blocking(move || handover::request(&sock, &readable))
+    let received = match tokio::task::spawn_blocking(move || handover::request(&sock, &readable))
         .await?
-        .context("another ferry-node owns this node's mounts and did not hand them over")?;
+    {
+        Ok(received) => received,
+        Err(e) if owner_went_away(&e) => {
+            // The owner is on its way out (stopping past its wait for a successor, or killed):
+            // once it is gone its lock is free, and what it leaves is the fd holder's to recover.
+            let lock_path = state.lock();
+            let lock = tokio::task::spawn_blocking(move || {
+                let deadline = std::time::Instant::now() + handover::STEP_TIMEOUT;
+                loop {
+                    if let Some(lock) = handover::try_lock(&lock_path)? {
+                        return Ok(Some(lock));
+                    }
+                    if std::time::Instant::now() > deadline {
+                        return Ok::<_, std::io::Error>(None);
+                    }
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+            })
+            .await??;
+            let lock = lock.with_context(|| {
+                format!("another ferry-node owns this node's mounts, did not hand them over ({e}) and did not exit")
+            })?;
+            tracing::info!(error = %e, "the previous process exited instead of handing its mounts over; taking its place");
+            return Ok((lock, Vec::new(), None));
+        }
+        Err(e) => {
+            return Err(e)
+                .context("another ferry-node owns this node's mounts and did not hand them over")
+        }
+    };
     let owner = received.owner_pid;
     // Deposited before the answer: once the owner is gone, the holder of this pod is the only
     // other keeper of the connections.
@@ -570,6 +599,16 @@ async fn take_ownership(
         "mounts handed over"
     );
     Ok((lock, mounts, Some(started)))
+}
+
+/// Whether a handover request failed because the owner was gone or went away before answering
+/// (not because it declined or this process refused its state).
+fn owner_went_away(e: &std::io::Error) -> bool {
+    use std::io::ErrorKind::*;
+    matches!(
+        e.kind(),
+        UnexpectedEof | ConnectionReset | ConnectionRefused | BrokenPipe | NotFound
+    )
 }
 
 /// Serves successors on the handover socket: the first one that takes the mounts ends this
@@ -890,7 +929,9 @@ async fn serve(a: ServeArgs) -> anyhow::Result<()> {
         }
         std::mem::forget(mounts.drain());
     }
-    drop(quiet);
+    // Held until the process exits: a successor that asked meanwhile finds it gone and takes
+    // its place (`take_ownership`).
+    std::mem::forget(quiet);
     tracing::info!("ferry-node stopped");
     Ok(())
 }

@@ -127,11 +127,23 @@ impl SharedGet {
         Self { range, block, get }
     }
 
-    /// The block that starts at `start` (within the shared range), as the GET read it.
-    async fn block(&self, start: u64) -> Result<Bytes, StoreError> {
+    /// Block `range` (within the shared range), as the GET read it; checked before the cache
+    /// may store it.
+    async fn block(&self, range: Range<u64>) -> Result<Bytes, StoreError> {
         let pieces = self.get.clone().await?;
-        let i = ((start - self.range.start) / self.block) as usize;
-        Ok(pieces.get(i).cloned().unwrap_or_default())
+        let i = ((range.start - self.range.start) / self.block) as usize;
+        let piece = pieces.get(i).cloned().unwrap_or_default();
+        if piece.len() as u64 != range.end - range.start {
+            return Err(StoreError::Corrupt(format!(
+                "a shared GET of {}..{} gave {} bytes for block {}..{}",
+                self.range.start,
+                self.range.end,
+                piece.len(),
+                range.start,
+                range.end
+            )));
+        }
+        Ok(piece)
     }
 
     fn covers(&self, range: &Range<u64>) -> bool {
@@ -290,7 +302,7 @@ async fn cached_block(
         .cache
         .get_or_fetch_as(&key, reader, || async move {
             match shared {
-                Some(g) => g.block(start).await,
+                Some(g) => g.block(start..end).await,
                 None => {
                     fetch_exact(
                         &*src.store,
