@@ -143,16 +143,24 @@ pub struct S3Target {
     pub bucket: String,
     /// Static keys, for the harness and (in a Secret) for the driver; `None`: the harness uses
     /// the SDK's default chain and the driver what the `--values` files give it (IRSA, say).
-    pub keys: Option<(String, String)>,
+    pub keys: Option<StaticKeys>,
+}
+
+/// An access key, its secret and, for temporary credentials, the session token.
+#[derive(Debug, Clone)]
+pub struct StaticKeys {
+    pub id: String,
+    pub secret: String,
+    pub session_token: Option<String>,
 }
 
 impl S3Target {
     async fn store(&self) -> Result<S3Store> {
         let credentials = match &self.keys {
-            Some((id, secret)) => ferry_s3::S3Credentials::Static {
-                access_key_id: id.clone(),
-                secret_access_key: secret.clone().into(),
-                session_token: None,
+            Some(k) => ferry_s3::S3Credentials::Static {
+                access_key_id: k.id.clone(),
+                secret_access_key: k.secret.clone().into(),
+                session_token: k.session_token.clone().map(Into::into),
             },
             None => ferry_s3::S3Credentials::DefaultChain,
         };
@@ -193,10 +201,11 @@ pub async fn run(opts: Options) -> Result<()> {
         region: s3_server.region().to_string(),
         force_path_style: true,
         bucket: BUCKET.to_string(),
-        keys: Some((
-            s3_server.access_key().to_string(),
-            s3_server.secret_key().to_string(),
-        )),
+        keys: Some(StaticKeys {
+            id: s3_server.access_key().to_string(),
+            secret: s3_server.secret_key().to_string(),
+            session_token: None,
+        }),
     };
     let moto = ferry_testkit::MotoServer::start();
     let moto_roles = moto_setup(&moto);
@@ -348,6 +357,9 @@ pub async fn run_existing(opts: ExistingOptions) -> Result<()> {
         local: None,
         work: tempfile::tempdir()?,
     };
+    // Nothing is touched unless the cluster has none of what the e2e creates: the cleanup
+    // afterwards removes those names.
+    preflight(&env).await?;
     let result = scenarios(&mut env, None).await;
     say("removing what the e2e created (test namespace, PVs, the release)");
     let cleaned = cleanup(&env).await;
@@ -391,78 +403,131 @@ fn skipped(what: &str, needs: &str) {
     println!("\x1b[1m==> {what}: skipped on an existing cluster (needs {needs})\x1b[0m");
 }
 
-/// Removes what [`scenarios`] created on an existing cluster: the test namespace (its PVCs, and
-/// so the dynamic PVs), the static PVs, the release and its namespace.
+/// The static PVs the scenarios create.
+const STATIC_PVS: [&str; 2] = ["s3-pv", "pod-identity"];
+
+/// Fails unless the cluster holds none of what [`scenarios`] creates (and [`cleanup`] removes):
+/// the two namespaces, a Ferry CSIDriver (another release), the StorageClasses, the static PVs.
+async fn preflight(env: &Env) -> Result<()> {
+    let kube = &env.kube;
+    let mut found = Vec::new();
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(kube.clone());
+    for ns in [SYSTEM_NS, NS] {
+        if namespaces.get_opt(ns).await?.is_some() {
+            found.push(format!("namespace {ns}"));
+        }
+    }
+    let drivers: Api<k8s_openapi::api::storage::v1::CSIDriver> = Api::all(kube.clone());
+    if drivers.get_opt(ferry_volume::DRIVER_NAME).await?.is_some() {
+        found.push(format!(
+            "CSIDriver {} (a Ferry release)",
+            ferry_volume::DRIVER_NAME
+        ));
+    }
+    let classes: Api<k8s_openapi::api::storage::v1::StorageClass> = Api::all(kube.clone());
+    for class in ["scratch", "datasets"] {
+        if classes.get_opt(class).await?.is_some() {
+            found.push(format!("StorageClass {class}"));
+        }
+    }
+    let pvs: Api<PersistentVolume> = Api::all(kube.clone());
+    for pv in STATIC_PVS {
+        if pvs.get_opt(pv).await?.is_some() {
+            found.push(format!("PersistentVolume {pv}"));
+        }
+    }
+    ensure!(
+        found.is_empty(),
+        "the cluster already has what the e2e would create and then remove: {}; nothing was changed",
+        found.join(", ")
+    );
+    Ok(())
+}
+
+/// Removes what [`scenarios`] created on an existing cluster (checked absent before by
+/// [`preflight`]): the test namespace, the PVs its claims were bound to and the static PVs, the
+/// release and its namespace. Every step is tried; the first error is returned.
 async fn cleanup(env: &Env) -> Result<()> {
+    let mut first_error: Option<anyhow::Error> = None;
+    let mut note = |r: Result<()>| {
+        if let Err(e) = r {
+            println!("    cleanup: {e:#}");
+            first_error.get_or_insert(e);
+        }
+    };
     let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(env.kube.clone());
-    let _ = namespaces.delete(NS, &DeleteParams::default()).await;
-    wait_for(
-        &format!("namespace {NS} deleted"),
-        INSTALL_TIMEOUT,
-        || async {
-            Ok(match namespaces.get_opt(NS).await? {
-                None => Ok(()),
-                Some(_) => Err("terminating".to_string()),
-            })
-        },
-    )
-    .await?;
-    // The test namespace's PVs: the provisioned ones go through DeleteVolume (so while the
-    // release is still installed), the retained ones (static, and `Retain`) are deleted here.
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(env.kube.clone(), NS);
     let pvs: Api<PersistentVolume> = Api::all(env.kube.clone());
-    wait_for(
-        "the test namespace's PVs deleted",
-        INSTALL_TIMEOUT,
-        || async {
-            let ours: Vec<PersistentVolume> = pvs
-                .list(&ListParams::default())
-                .await?
-                .items
+    // The PVs this run's claims are bound to, and the static ones it created.
+    let mut ours: BTreeSet<String> = STATIC_PVS.iter().map(|s| s.to_string()).collect();
+    match pvcs.list(&ListParams::default()).await {
+        Ok(list) => ours.extend(
+            list.items
                 .into_iter()
-                .filter(|pv| {
-                    pv.spec
-                        .as_ref()
-                        .and_then(|s| s.claim_ref.as_ref())
-                        .and_then(|c| c.namespace.as_deref())
-                        == Some(NS)
+                .filter_map(|c| c.spec.and_then(|s| s.volume_name)),
+        ),
+        Err(e) => note(Err(e.into())),
+    }
+    let _ = namespaces.delete(NS, &DeleteParams::default()).await;
+    note(
+        wait_for(
+            &format!("namespace {NS} deleted"),
+            INSTALL_TIMEOUT,
+            || async {
+                Ok(match namespaces.get_opt(NS).await? {
+                    None => Ok(()),
+                    Some(_) => Err("terminating".to_string()),
                 })
-                .collect();
-            for pv in &ours {
+            },
+        )
+        .await,
+    );
+    // Provisioned PVs go through DeleteVolume (so while the release is still installed);
+    // retained ones (static, `Retain`) are deleted here.
+    note(
+        wait_for("the e2e's PVs deleted", INSTALL_TIMEOUT, || async {
+            let mut left = Vec::new();
+            for name in &ours {
+                let Some(pv) = pvs.get_opt(name).await? else {
+                    continue;
+                };
                 let retained = pv
                     .spec
                     .as_ref()
                     .and_then(|s| s.persistent_volume_reclaim_policy.as_deref())
                     != Some("Delete");
                 if retained && pv.metadata.deletion_timestamp.is_none() {
-                    let name = pv.metadata.name.clone().unwrap_or_default();
-                    pvs.delete(&name, &DeleteParams::default()).await?;
+                    pvs.delete(name, &DeleteParams::default()).await?;
                 }
+                left.push(name.clone());
             }
-            Ok(if ours.is_empty() {
+            Ok(if left.is_empty() {
                 Ok(())
             } else {
-                let names: Vec<String> = ours
-                    .iter()
-                    .filter_map(|p| p.metadata.name.clone())
-                    .collect();
-                Err(names.join(", "))
+                Err(left.join(", "))
             })
-        },
-    )
-    .await?;
-    helm(env, "uninstall", &["--wait"])?;
+        })
+        .await,
+    );
+    note(helm(env, "uninstall", &["--wait", "--ignore-not-found"]));
     let _ = namespaces.delete(SYSTEM_NS, &DeleteParams::default()).await;
-    wait_for(
-        &format!("namespace {SYSTEM_NS} deleted"),
-        INSTALL_TIMEOUT,
-        || async {
-            Ok(match namespaces.get_opt(SYSTEM_NS).await? {
-                None => Ok(()),
-                Some(_) => Err("terminating".to_string()),
-            })
-        },
-    )
-    .await
+    note(
+        wait_for(
+            &format!("namespace {SYSTEM_NS} deleted"),
+            INSTALL_TIMEOUT,
+            || async {
+                Ok(match namespaces.get_opt(SYSTEM_NS).await? {
+                    None => Ok(()),
+                    Some(_) => Err("terminating".to_string()),
+                })
+            },
+        )
+        .await,
+    );
+    match first_error {
+        None => Ok(()),
+        Some(e) => Err(e),
+    }
 }
 
 /// Objects under `prefix`: `count` files of pseudo-random bytes and sizes (0 B to ~1.5 MB) and a
@@ -899,15 +964,16 @@ async fn passes(env: &Env, name: &str) -> Result<u64> {
     .await
 }
 
-/// Waits until the reader has finished two more passes than `from`: whole passes over the dataset
-/// after the event the caller waited for, not only before it.
+/// Waits until the reader has finished three more passes than `from` (the passes it had printed
+/// when the event the caller waited for was over): the first may have started before it, so at
+/// least two whole passes over the dataset started after it.
 async fn two_more_passes(env: &Env, name: &str, from: u64) -> Result<u64> {
     wait_for(
         &format!("pod {name} to read the dataset twice more"),
         POD_TIMEOUT,
         || async {
             let n = passes(env, name).await?;
-            Ok(if n >= from + 2 {
+            Ok(if n >= from + 3 {
                 Ok(n)
             } else {
                 Err(format!("{n} passes"))
@@ -1032,19 +1098,23 @@ async fn rolling_update(env: &Env, next_image: Option<&str>) -> Result<()> {
             .into_iter()
             .filter(|p| p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(&node))
             .collect();
+        // Only the reader's node: on a large cluster the rest rolls one node at a time.
+        let ready = |p: &Pod| {
+            p.status
+                .as_ref()
+                .and_then(|s| s.container_statuses.as_ref())
+                .is_some_and(|cs| !cs.is_empty() && cs.iter().all(|c| c.ready))
+        };
         let done = st.observed_generation == Some(generation)
-            && st.updated_number_scheduled == Some(st.desired_number_scheduled)
-            && st.number_ready == st.desired_number_scheduled
             && on_node.len() == 1
-            && rolled(&on_node[0]);
+            && rolled(&on_node[0])
+            && ready(&on_node[0]);
         Ok(match (done, on_node.first()) {
             (true, Some(p)) => Ok(p.metadata.name.clone().unwrap_or_default()),
             _ => Err(format!(
-                "updated {:?} of {}, ready {}, node pods on {node}: {}",
-                st.updated_number_scheduled,
-                st.desired_number_scheduled,
-                st.number_ready,
-                on_node.len()
+                "node pods on {node}: {} ({})",
+                on_node.len(),
+                on_node.iter().map(pod_state).collect::<Vec<_>>().join("; ")
             )),
         })
     })
@@ -1273,7 +1343,7 @@ async fn delete_pvc_and_wait(env: &Env, name: &str, pv: &str) -> Result<()> {
 /// Secret (as the README's "Credentials" shows) when there are keys, and the two StorageClasses
 /// the scenarios use. Nothing else differs from the chart's defaults.
 fn chart_values(target: &S3Target, image: &str) -> Value {
-    let (repo, tag) = image.rsplit_once(':').unwrap_or((image, "latest"));
+    let (repo, tag) = image_parts(image);
     let mut s3 = json!({"region": target.region, "forcePathStyle": target.force_path_style});
     if let Some(url) = &target.endpoint_url {
         s3["endpointUrl"] = json!(url);
@@ -1288,8 +1358,8 @@ fn chart_values(target: &S3Target, image: &str) -> Value {
             {"name": "datasets", "bucketName": target.bucket, "basePrefix": "datasets"},
         ],
     });
-    if target.keys.is_some() {
-        let env = key_env(&[]);
+    if let Some(keys) = &target.keys {
+        let env = key_env(keys, &[]);
         v["controller"] = json!({"extraEnv": env});
         v["node"] = json!({"extraEnv": env});
     }
@@ -1297,13 +1367,25 @@ fn chart_values(target: &S3Target, image: &str) -> Value {
 }
 
 /// The driver's environment with the keys from the `s3-keys` Secret, then `more`.
-fn key_env(more: &[Value]) -> Value {
+fn key_env(keys: &StaticKeys, more: &[Value]) -> Value {
     let mut env = vec![
         json!({"name": "AWS_ACCESS_KEY_ID", "valueFrom": {"secretKeyRef": {"name": "s3-keys", "key": "access-key"}}}),
         json!({"name": "AWS_SECRET_ACCESS_KEY", "valueFrom": {"secretKeyRef": {"name": "s3-keys", "key": "secret-key"}}}),
     ];
+    if keys.session_token.is_some() {
+        env.push(json!({"name": "AWS_SESSION_TOKEN", "valueFrom": {"secretKeyRef": {"name": "s3-keys", "key": "session-token"}}}));
+    }
     env.extend_from_slice(more);
     Value::Array(env)
+}
+
+/// `repository` and `tag` of an image reference (`registry:5000/ferry:1.0`: the tag is after the
+/// last `:` that follows the last `/`; none: `latest`).
+fn image_parts(image: &str) -> (&str, &str) {
+    match image.rsplit_once(':') {
+        Some((repo, tag)) if !tag.contains('/') => (repo, tag),
+        _ => (image, "latest"),
+    }
 }
 
 /// What the local node needs beside [`chart_values`]: the imported images (never pulled), and
@@ -1317,12 +1399,16 @@ fn local_values(local: &Local, cluster: &KubeCluster, images: &Images, target: &
         .to_string();
     let (prov_repo, prov_tag) = images.provisioner.rsplit_once(':').expect("name:tag");
     // The region is given and the instance metadata service off, so nothing leaves loopback.
-    let env = key_env(&[
-        json!({"name": "AWS_REGION", "value": target.region}),
-        json!({"name": "AWS_EC2_METADATA_DISABLED", "value": "true"}),
-        // Pod-level identity: STS is moto (AssumeRoleWithWebIdentity).
-        json!({"name": "AWS_ENDPOINT_URL_STS", "value": local.moto.endpoint_url()}),
-    ]);
+    let keys = target.keys.as_ref().expect("the local run has static keys");
+    let env = key_env(
+        keys,
+        &[
+            json!({"name": "AWS_REGION", "value": target.region}),
+            json!({"name": "AWS_EC2_METADATA_DISABLED", "value": "true"}),
+            // Pod-level identity: STS is moto (AssumeRoleWithWebIdentity).
+            json!({"name": "AWS_ENDPOINT_URL_STS", "value": local.moto.endpoint_url()}),
+        ],
+    );
     json!({
         "image": {"pullPolicy": "Never"},
         "sidecars": {"provisioner": {"image": {"repository": prov_repo, "tag": prov_tag, "pullPolicy": "Never"}}},
@@ -1376,15 +1462,19 @@ async fn install(env: &mut Env) -> Result<()> {
             .await
             .with_context(|| format!("creating namespace {ns} (left by an earlier run?)"))?;
     }
-    if let Some((id, secret)) = &env.target.keys {
+    if let Some(keys) = &env.target.keys {
         let secrets: Api<k8s_openapi::api::core::v1::Secret> =
             Api::namespaced(env.kube.clone(), SYSTEM_NS);
+        let mut data = json!({"access-key": keys.id, "secret-key": keys.secret});
+        if let Some(token) = &keys.session_token {
+            data["session-token"] = json!(token);
+        }
         secrets
             .create(
                 &PostParams::default(),
                 &serde_json::from_value(json!({
                     "metadata": {"name": "s3-keys"},
-                    "stringData": {"access-key": id, "secret-key": secret},
+                    "stringData": data,
                 }))?,
             )
             .await
@@ -1603,4 +1693,40 @@ fn fuse_fds() -> usize {
 fn sha256_hex(data: &[u8]) -> String {
     let d = Sha256::digest(data);
     d.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_image_reference_splits_at_the_tag_not_at_a_registry_port() {
+        assert_eq!(
+            image_parts("ghcr.io/you/ferry:0.1.0"),
+            ("ghcr.io/you/ferry", "0.1.0")
+        );
+        assert_eq!(
+            image_parts("registry:5000/ferry:e2e"),
+            ("registry:5000/ferry", "e2e")
+        );
+        assert_eq!(
+            image_parts("registry:5000/ferry"),
+            ("registry:5000/ferry", "latest")
+        );
+        assert_eq!(image_parts("ferry"), ("ferry", "latest"));
+    }
+
+    #[test]
+    fn values_merge_as_helm_merges_values_files() {
+        let mut a = json!({"image": {"repository": "r", "tag": "t"}, "node": {"extraEnv": [1, 2]}});
+        merge(
+            &mut a,
+            json!({"image": {"pullPolicy": "Never"}, "node": {"extraEnv": [3]}, "x": 1}),
+        );
+        assert_eq!(
+            a,
+            json!({"image": {"repository": "r", "tag": "t", "pullPolicy": "Never"},
+                   "node": {"extraEnv": [3]}, "x": 1})
+        );
+    }
 }

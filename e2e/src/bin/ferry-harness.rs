@@ -129,7 +129,8 @@ enum Cmd {
     ///
     /// With --kubeconfig, the same e2e on an existing cluster (kind, EKS, ...): --image (its nodes
     /// pull it) and --bucket on an S3 endpoint both this machine and the nodes reach; static keys
-    /// from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY if set (into a Secret for the driver), else
+    /// from AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY (/ AWS_SESSION_TOKEN) if set (into a Secret
+    /// for the driver), else
     /// the default credential chain here and what --values gives the driver. Scenarios d, f and g
     /// need the local node and are skipped; everything created is removed at the end.
     Node {
@@ -232,7 +233,11 @@ fn main() -> Result<()> {
                     std::env::var("AWS_ACCESS_KEY_ID"),
                     std::env::var("AWS_SECRET_ACCESS_KEY"),
                 ) {
-                    (Ok(id), Ok(secret)) => Some((id, secret)),
+                    (Ok(id), Ok(secret)) => Some(ferry_e2e::realnode::StaticKeys {
+                        id,
+                        secret,
+                        session_token: std::env::var("AWS_SESSION_TOKEN").ok(),
+                    }),
                     _ => None,
                 };
                 ferry_e2e::realnode::run_existing(ferry_e2e::realnode::ExistingOptions {
