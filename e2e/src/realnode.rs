@@ -468,20 +468,7 @@ async fn cleanup(env: &Env) -> Result<()> {
         ),
         Err(e) => note(Err(e.into())),
     }
-    let _ = namespaces.delete(NS, &DeleteParams::default()).await;
-    note(
-        wait_for(
-            &format!("namespace {NS} deleted"),
-            INSTALL_TIMEOUT,
-            || async {
-                Ok(match namespaces.get_opt(NS).await? {
-                    None => Ok(()),
-                    Some(_) => Err("terminating".to_string()),
-                })
-            },
-        )
-        .await,
-    );
+    note(delete_namespace(&namespaces, NS).await);
     // Provisioned PVs go through DeleteVolume (so while the release is still installed);
     // retained ones (static, `Retain`) are deleted here.
     note(
@@ -510,24 +497,30 @@ async fn cleanup(env: &Env) -> Result<()> {
         .await,
     );
     note(helm(env, "uninstall", &["--wait", "--ignore-not-found"]));
-    let _ = namespaces.delete(SYSTEM_NS, &DeleteParams::default()).await;
-    note(
-        wait_for(
-            &format!("namespace {SYSTEM_NS} deleted"),
-            INSTALL_TIMEOUT,
-            || async {
-                Ok(match namespaces.get_opt(SYSTEM_NS).await? {
-                    None => Ok(()),
-                    Some(_) => Err("terminating".to_string()),
-                })
-            },
-        )
-        .await,
-    );
+    note(delete_namespace(&namespaces, SYSTEM_NS).await);
     match first_error {
         None => Ok(()),
         Some(e) => Err(e),
     }
+}
+
+/// Deletes namespace `ns` and waits until it is gone (with everything in it).
+async fn delete_namespace(
+    namespaces: &Api<k8s_openapi::api::core::v1::Namespace>,
+    ns: &str,
+) -> Result<()> {
+    let _ = namespaces.delete(ns, &DeleteParams::default()).await;
+    wait_for(
+        &format!("namespace {ns} deleted"),
+        INSTALL_TIMEOUT,
+        || async {
+            Ok(match namespaces.get_opt(ns).await? {
+                None => Ok(()),
+                Some(_) => Err("terminating".to_string()),
+            })
+        },
+    )
+    .await
 }
 
 /// Objects under `prefix`: `count` files of pseudo-random bytes and sizes (0 B to ~1.5 MB) and a
