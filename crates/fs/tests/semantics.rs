@@ -210,6 +210,11 @@ const CLAIMS: &[(&str, &str, How)] = &[
     ),
     (
         "Node plugin exit",
+        "SIGTERM during a handover",
+        Elsewhere("e2e/src/takeover.rs", "stopped_mid_handover"),
+    ),
+    (
+        "Node plugin exit",
         "Crash, with the holder",
         Elsewhere("e2e/src/takeover.rs", "crash"),
     ),
