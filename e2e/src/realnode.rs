@@ -8,8 +8,9 @@
 //!    into containerd: Ferry (twice, under two tags, for the rolling update), csi-provisioner, a
 //!    busybox image for the test pods and the sandbox (pause) image.
 //! 3. `helm install` of `charts/ferry` with its own ServiceAccounts and RBAC; only the image
-//!    location and what this loopback-only node needs are set (see [`values`]). Waits for the
-//!    CSINode to list the driver: kubelet registered Ferry through its built-in registration.
+//!    location, S3 and the StorageClasses ([`chart_values`]) and what this loopback-only node
+//!    needs ([`local_values`]) are set. Waits for the CSINode to list the driver: kubelet
+//!    registered Ferry through its built-in registration.
 //! 4. Scenarios with real pods, every byte checked with sha256: a dynamic RWX PVC written by one
 //!    pod and read by another, then deleted with `deletePolicy: delete`; a static ROX PV in
 //!    Mountpoint's format (with v2-only attributes) read by 3 pods at once; an existing dataset
@@ -17,6 +18,9 @@
 //!    that may not read); a non-root pod with `fsGroup`; pod deletion ending the FUSE
 //!    connection; kubelet restarted under a reading pod; the node DaemonSet rolled to a new image
 //!    tag under a reading pod.
+//! 5. The existing-cluster path ([`run_existing`], `ferry-harness node --kubeconfig`) on the same
+//!    cluster: everything removed, then installed again with the local values as a `--values`
+//!    file, scenarios a, b, c, e and h, and everything removed again.
 //!
 //! Every wait has a deadline; nothing asserts on timing.
 
