@@ -8,8 +8,8 @@
 //!    into containerd: Ferry (twice, under two tags, for the rolling update), csi-provisioner, a
 //!    busybox image for the test pods and the sandbox (pause) image.
 //! 3. `helm install` of `charts/ferry` with its own ServiceAccounts and RBAC; only the image
-//!    location, S3 and the StorageClasses ([`chart_values`]) and what this loopback-only node
-//!    needs ([`local_values`]) are set. Waits for the CSINode to list the driver: kubelet
+//!    location, S3 and the StorageClasses (`chart_values`) and what this loopback-only node
+//!    needs (`local_values`) are set. Waits for the CSINode to list the driver: kubelet
 //!    registered Ferry through its built-in registration.
 //! 4. Scenarios with real pods, every byte checked with sha256: a dynamic RWX PVC written by one
 //!    pod and read by another, then deleted with `deletePolicy: delete`; a static ROX PV in
