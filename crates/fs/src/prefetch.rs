@@ -29,15 +29,52 @@ pub async fn fetch_exact(
     range: Range<u64>,
     version: Version<'_>,
 ) -> Result<Bytes, StoreError> {
+    let mut body = whole_body(key, &range, || async {
+        get_version(store, bucket, key, range.clone(), version)
+            .await
+            .map(|b| vec![b])
+    })
+    .await?;
+    Ok(body.pop().unwrap_or_default())
+}
+
+/// Bytes `range` of version `etag` in pieces of `block` bytes, each in its own buffer, retried
+/// once if the body is short.
+async fn fetch_pieces(
+    store: &dyn ObjectStore,
+    bucket: &str,
+    key: &str,
+    range: Range<u64>,
+    etag: &str,
+    block: u64,
+) -> Result<Vec<Bytes>, StoreError> {
+    whole_body(key, &range, || {
+        store.get_range_pieces(bucket, key, range.clone(), Some(etag), block)
+    })
+    .await
+}
+
+/// Runs `get` (a GET of `range`, its body in one or more buffers) until the body is all of
+/// `range`: a short one is asked for once more, then is [`StoreError::Corrupt`].
+async fn whole_body<F, Fut>(
+    key: &str,
+    range: &Range<u64>,
+    mut get: F,
+) -> Result<Vec<Bytes>, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<Vec<Bytes>, StoreError>>,
+{
     let want = range.end - range.start;
     let mut last = 0;
     for _ in 0..2 {
-        let data = get_version(store, bucket, key, range.clone(), version).await?;
-        if data.len() as u64 == want {
-            return Ok(data);
+        let body = get().await?;
+        let got: u64 = body.iter().map(|b| b.len() as u64).sum();
+        if got == want {
+            return Ok(body);
         }
-        last = data.len();
-        tracing::debug!(key, got = last, want, "short GET body; retrying once");
+        last = got;
+        tracing::debug!(key, got, want, "short GET body; retrying once");
     }
     Err(StoreError::Corrupt(format!(
         "{key}: GET {}..{} returned {last} of {want} bytes",
@@ -100,11 +137,13 @@ pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError>
 pub struct SharedGet {
     range: Range<u64>,
     block: u64,
-    #[allow(clippy::type_complexity)]
-    get: futures::future::Shared<
-        futures::future::BoxFuture<'static, Result<Arc<Vec<Bytes>>, StoreError>>,
-    >,
+    get: PiecesGet,
 }
+
+/// A GET of a run's blocks, awaited by each of them.
+type PiecesGet = futures::future::Shared<
+    futures::future::BoxFuture<'static, Result<Arc<Vec<Bytes>>, StoreError>>,
+>;
 
 impl SharedGet {
     /// `range` starts at a block's start.
@@ -151,35 +190,6 @@ impl SharedGet {
             && range.end <= self.range.end
             && (range.start - self.range.start).is_multiple_of(self.block)
     }
-}
-
-/// Bytes `range` of version `etag` in pieces of `block` bytes, each in its own buffer; a body
-/// short of the range is asked for once more, as by [`fetch_exact`].
-async fn fetch_pieces(
-    store: &dyn ObjectStore,
-    bucket: &str,
-    key: &str,
-    range: Range<u64>,
-    etag: &str,
-    block: u64,
-) -> Result<Vec<Bytes>, StoreError> {
-    let want = range.end - range.start;
-    let mut last = 0;
-    for _ in 0..2 {
-        let pieces = store
-            .get_range_pieces(bucket, key, range.clone(), Some(etag), block)
-            .await?;
-        let got: u64 = pieces.iter().map(|p| p.len() as u64).sum();
-        if got == want {
-            return Ok(pieces);
-        }
-        last = got;
-        tracing::debug!(key, got, want, "short GET body; retrying once");
-    }
-    Err(StoreError::Corrupt(format!(
-        "{key}: GET {}..{} returned {last} of {want} bytes",
-        range.start, range.end
-    )))
 }
 
 impl fmt::Debug for SharedGet {
