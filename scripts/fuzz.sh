@@ -57,9 +57,10 @@ build() {
         cargo build --release --locked --target "$triple" --bins)
 }
 
-# Every file of the target's corpus and regressions, run once (libFuzzer runs file arguments).
+# Every file of the target's corpus and regressions, run once (libFuzzer runs file arguments);
+# a failing input is written to ARTIFACT_PREFIX* (default fuzz/artifacts/TARGET/).
 replay() {
-    local t=$1 files=()
+    local t=$1 prefix=${2:-$fuzz/artifacts/$1/} files=()
     for d in "$fuzz/corpus/$t" "$fuzz/regressions/$t"; do
         [[ -d $d ]] && while IFS= read -r -d '' f; do files+=("$f"); done \
             < <(find "$d" -type f -print0)
@@ -69,8 +70,8 @@ replay() {
         return 0
     fi
     # xargs: a corpus of thousands of files stays under the argument limit.
-    mkdir -p "$fuzz/artifacts/$t"
-    printf '%s\0' "${files[@]}" | xargs -0 "$bin/$t" "${limits[@]}" -artifact_prefix="$fuzz/artifacts/$t/" 2>"$CARGO_TARGET_DIR/replay-$t.log" >/dev/null \
+    mkdir -p "$(dirname "$prefix.")"
+    printf '%s\0' "${files[@]}" | xargs -0 "$bin/$t" "${limits[@]}" -artifact_prefix="$prefix" 2>"$CARGO_TARGET_DIR/replay-$t.log" >/dev/null \
         || { tail -50 "$CARGO_TARGET_DIR/replay-$t.log" >&2; echo "fuzz: $t: a corpus or regression input fails" >&2; return 1; }
     echo "fuzz: $t: replayed ${#files[@]} inputs"
 }
@@ -111,7 +112,7 @@ case $cmd in
     smoke)
         secs=${1:-15}
         build
-        for t in $(targets); do replay "$t"; done
+        for t in $(targets); do replay "$t" "$CARGO_TARGET_DIR/crash-$t-"; done
         for t in $(targets); do
             # Fuzzing adds to a scratch copy of the corpus: a smoke run leaves the tree clean.
             scratch=$(mktemp -d)
