@@ -254,10 +254,7 @@ impl Plugin {
             .position(|(n, _)| n == name)
             .with_context(|| format!("{name} is not running"))?;
         let (_, mut child) = self.children.remove(i);
-        // SAFETY: kill(2) on a child pid we own; at worst it fails with ESRCH.
-        unsafe {
-            libc::kill(child.id() as libc::pid_t, signal);
-        }
+        kill(&child, signal);
         Ok(child.wait()?)
     }
 
@@ -268,10 +265,7 @@ impl Plugin {
             .iter()
             .find(|(n, _)| n == name)
             .with_context(|| format!("{name} is not running"))?;
-        // SAFETY: kill(2) on a child pid we own; at worst it fails with ESRCH.
-        unsafe {
-            libc::kill(child.id() as libc::pid_t, signal);
-        }
+        kill(child, signal);
         Ok(())
     }
 
@@ -411,10 +405,7 @@ impl Plugin {
     /// Sends SIGTERM to both processes and waits for them.
     pub fn stop(&mut self) {
         for (_, child) in &mut self.children {
-            // SAFETY: kill(2) on a child pid we own; at worst it fails with ESRCH.
-            unsafe {
-                libc::kill(child.id() as libc::pid_t, libc::SIGTERM);
-            }
+            kill(child, libc::SIGTERM);
         }
         for (_, child) in &mut self.children {
             let _ = child.wait();
@@ -481,5 +472,13 @@ pub fn mount_capability(
             },
         )),
         access_mode: Some(pb::volume_capability::AccessMode { mode: mode as i32 }),
+    }
+}
+
+/// Sends `signal` to a child process of ours.
+fn kill(child: &Child, signal: i32) {
+    // SAFETY: kill(2) on a child pid we own; at worst it fails with ESRCH.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, signal);
     }
 }
