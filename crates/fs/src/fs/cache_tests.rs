@@ -377,6 +377,46 @@ async fn a_denied_mount_gets_eacces_on_its_first_read_of_cached_blocks() {
     );
 }
 
+/// Eight readers taking entries in turn, one of them far behind the others (it waited on a slow
+/// GET): its opens are of files fetched ahead, so they neither break the listing-order streak
+/// nor count toward the directory's sweep (which would read from the cache's disk, behind the
+/// writers, what the prefetch holds in memory).
+#[tokio::test]
+async fn a_listing_order_reader_far_behind_the_others_does_not_start_the_sweep() {
+    let (_dir, cache, store) = cache_and_store().await;
+    let files: Vec<(String, Vec<u8>)> = (0..256u32)
+        .map(|i| (format!("f{i:03}"), data(4096, (i % 251) as u8)))
+        .collect();
+    for (name, body) in &files {
+        store.insert(B, name, body.clone());
+    }
+    let fs = mount(Arc::new(store.clone()), &cache, |_| {});
+    assert_eq!(list_root(&fs).await.len(), 2 + 256, ". and .. too");
+    // Every eighth file is opened 40 entries late (past ORDER_SLACK): 32 late opens.
+    let late = |i: usize| i % 8 == 0;
+    let mut order: Vec<usize> = Vec::new();
+    for i in 0..256 + 40 {
+        if i < 256 && !late(i) {
+            order.push(i);
+        }
+        if i >= 40 && late(i - 40) {
+            order.push(i - 40);
+        }
+    }
+    assert_eq!(order.len(), 256);
+    for &i in &order {
+        let (name, body) = &files[i];
+        assert_eq!(&read_all(&fs, name, 1 << 20).await.unwrap(), body, "{name}");
+    }
+    {
+        let st = fs.lock();
+        assert!(!Fs::swept(&st, ROOT_INO), "the directory was swept");
+        let streak = st.order.get(&ROOT_INO).map(|&(_, streak)| streak);
+        assert!(streak.is_some_and(|s| s > 150), "streak {streak:?}");
+    }
+    assert_eq!(store.stats().get, 256, "each file fetched once");
+}
+
 /// A loader's order: every 37th file (a shuffle as far as listing order goes).
 #[tokio::test]
 async fn a_directory_read_in_shuffled_order_is_swept_into_the_cache() {

@@ -123,9 +123,11 @@ impl Fs {
         let mut handle = ReadHandle::new(ino, key, meta.etag, meta.size);
         handle.last_modified = meta.mtime;
         handle.cached = self.cache.is_some() && handle.etag.is_some();
+        let mut fetched_ahead = false;
         if let Some(etag) = handle.etag.as_deref() {
             // Fetched ahead by a listing-order reader, for this very version: use it.
             if let Some(part) = st.small.take(&handle.key, etag) {
+                fetched_ahead = true;
                 if part.start == 0 && part.end == handle.size {
                     handle.prefetch.parts.push_back(part);
                 }
@@ -138,7 +140,7 @@ impl Fs {
                 cache.want_whole(self.object_key(&handle.key, etag), handle.size);
             }
         }
-        self.prefetch_following(&mut st, parent, &name);
+        self.prefetch_following(&mut st, parent, &name, fetched_ahead);
         self.note_open_for_sweep(&mut st, parent);
         st.io.entry(ino).or_default().cached += 1;
         let fh = st.handles.insert(Handle::Read(handle));
@@ -524,8 +526,18 @@ impl Fs {
     /// furthest opened so far, or a little behind it: several readers taking entries in turn),
     /// fetches the small files after the furthest one whole, ahead of their opens: 2, 4, 8 … up
     /// to [`PrefetchConfig::small_objects_ahead`] while the pattern holds, each charged to the
-    /// budget (none when it is exhausted).
-    pub(super) fn prefetch_following(&self, st: &mut FsState, parent: Ino, name: &str) {
+    /// budget (none when it is exhausted). An open of a file this prefetch fetched
+    /// (`fetched_ahead`) follows the pattern however far from the furthest one it is: of
+    /// several readers taking entries in turn, one that waited on a slow GET falls further
+    /// behind the others than [`ORDER_SLACK`], and a shuffled order opens a file fetched ahead
+    /// only by chance.
+    pub(super) fn prefetch_following(
+        &self,
+        st: &mut FsState,
+        parent: Ino,
+        name: &str,
+        fetched_ahead: bool,
+    ) {
         let cfg = self.prefetch;
         st.small.expire(cfg.small_object_ttl);
         if cfg.small_object_max == 0 || cfg.small_objects_ahead == 0 {
@@ -542,13 +554,19 @@ impl Fs {
             return;
         };
         // (furthest entry opened, streak): an open a little past the furthest one moves it and
-        // extends the streak; one a little behind it (a concurrent reader) keeps the streak;
-        // anything else starts over.
+        // extends the streak; one a little behind it (a concurrent reader) keeps the streak; so
+        // does one of a file fetched ahead, wherever it is; anything else starts over.
         let (front, streak) = match st.order.get(&parent) {
-            Some(&(front, streak)) if idx > front && idx <= front + ORDER_SLACK => {
+            Some(&(front, streak))
+                if idx > front && (idx <= front + ORDER_SLACK || fetched_ahead) =>
+            {
                 (idx, streak + 1)
             }
-            Some(&(front, streak)) if idx <= front && idx + ORDER_SLACK > front => (front, streak),
+            Some(&(front, streak))
+                if idx <= front && (idx + ORDER_SLACK > front || fetched_ahead) =>
+            {
+                (front, streak)
+            }
             _ => (idx, 0),
         };
         if st.order.len() >= ORDER_MAX && !st.order.contains_key(&parent) {
