@@ -393,7 +393,7 @@ async fn a_listing_order_reader_far_behind_the_others_does_not_start_the_sweep()
     let fs = mount(Arc::new(store.clone()), &cache, |_| {});
     assert_eq!(list_root(&fs).await.len(), 2 + 256, ". and .. too");
     // Every eighth file is opened 40 entries late (past ORDER_SLACK): 32 late opens.
-    let late = |i: usize| i % 8 == 0;
+    let late = |i: usize| i.is_multiple_of(8);
     let mut order: Vec<usize> = Vec::new();
     for i in 0..256 + 40 {
         if i < 256 && !late(i) {
