@@ -4,6 +4,8 @@
 #     (to build Mountpoint's CRT and FUSE bindings);
 #   - mount-s3-bench: our own small main on Mountpoint's library crates (crates.io has no mount-s3
 #     CLI), a throwaway crate in $FERRY_TOOLS_ROOT/src/mountpoint-bench, installed into bin/;
+#   - s3s-fs (a third S3 server for `ferry-bench --server s3s-fs`: the s3s project's server over
+#     a directory, written in Rust) from crates.io;
 #   - geesefs and goofys from the Go module proxy (a wrapper module for geesefs, which needs its
 #     fork replaces). Where a peer cannot be had, the script says why and goes on; ferry-bench then
 #     marks its column n/a.
@@ -15,6 +17,8 @@ BIN=$ROOT/bin
 SRC=$ROOT/src
 MOUNTPOINT_FS_VERSION=0.11.0
 MOUNTPOINT_CLIENT_VERSION=0.22.0
+# 0.14.1: the newest s3s-fs that builds with the repository's Rust (1.95; 0.17 needs 1.96).
+S3S_FS_VERSION=0.14.1
 GEESEFS_VERSION=v0.43.8-0.20260629110924-6e2bbab58e82
 GOOFYS_VERSION=v0.24.1-0.20230621224748-350ff312abaa
 mkdir -p "$BIN" "$SRC"
@@ -79,6 +83,21 @@ EOF
     echo "$want" >"$stamp"
   else
     failed+=("mount-s3-bench (cargo build in $crate)")
+  fi
+fi
+
+# --- s3s-fs (a third S3 server for ferry-bench --server s3s-fs) --------------------------------
+stamp=$BIN/.s3s-fs.version
+if [ -x "$BIN/s3s-fs" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$S3S_FS_VERSION" ]; then
+  log "s3s-fs is up to date"
+else
+  log "building s3s-fs $S3S_FS_VERSION"
+  if CARGO_TARGET_DIR="$ROOT/target" cargo install --locked "s3s-fs@$S3S_FS_VERSION" \
+      --features binary --root "$ROOT/s3s-fs" --jobs 2; then
+    install -m 0755 "$ROOT/s3s-fs/bin/s3s-fs" "$BIN/s3s-fs"
+    echo "$S3S_FS_VERSION" >"$stamp"
+  else
+    failed+=("s3s-fs $S3S_FS_VERSION (cargo install)")
   fi
 fi
 

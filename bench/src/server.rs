@@ -1,12 +1,17 @@
 //! The S3 server behind the delay proxy (`--server`): versitygw (`ferry_testkit::S3Server`, posix
-//! backend, data on tmpfs) or moto (`ferry_testkit::MotoServer` started without its IAM set-up,
-//! so IAM enforcement stays off and any key may do everything, as in `crates/fs/tests`).
+//! backend, data on tmpfs), moto (`ferry_testkit::MotoServer` started without its IAM set-up,
+//! so IAM enforcement stays off and any key may do everything, as in `crates/fs/tests`), or
+//! s3s-fs (the `s3s` project's S3 server over a directory, in Rust; `bench/setup-peers.sh`
+//! installs it from crates.io).
 //!
-//! Either way the objects live in RAM, out of reach of `drop_caches`: versitygw's files on
-//! `/dev/shm`, moto's in its process (every object below `MOTO_S3_DEFAULT_KEY_BUFFER_SIZE` stays
-//! in memory instead of spilling into a temp file on disk).
+//! Every way the objects live in RAM, out of reach of `drop_caches`: versitygw's and s3s-fs's
+//! files on `/dev/shm`, moto's in its process (every object below
+//! `MOTO_S3_DEFAULT_KEY_BUFFER_SIZE` stays in memory instead of spilling into a temp file on
+//! disk).
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::ValueEnum;
@@ -17,6 +22,10 @@ use ferry_testkit::{MotoServer, S3Server};
 const MOTO_KEY: &str = "testing";
 const MOTO_SECRET: &str = "testing";
 const MOTO_REGION: &str = "us-east-1";
+/// s3s-fs checks signatures with the one key pair it is started with.
+const S3S_KEY: &str = "ferrybench";
+const S3S_SECRET: &str = "ferrybench-secret";
+const S3S_REGION: &str = "us-east-1";
 
 /// Which S3 server the benchmark starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -25,12 +34,103 @@ pub enum ServerKind {
     Versitygw,
     /// moto's server, plain S3, objects in its memory.
     Moto,
+    /// s3s-fs (the `s3s` project's server over a directory), data on tmpfs.
+    S3sFs,
 }
 
 /// A running S3 server; stopped when dropped.
 pub enum Server {
     Versitygw(S3Server),
     Moto { moto: MotoServer, port: u16 },
+    S3sFs(S3sFs),
+}
+
+/// A running s3s-fs serving a fresh directory; killed (and the directory removed) on drop.
+pub struct S3sFs {
+    child: Child,
+    port: u16,
+    version: String,
+    // Last: removed after the process is gone.
+    dir: tempfile::TempDir,
+}
+
+impl Drop for S3sFs {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Where the s3s-fs binary is: `$FERRY_S3S_FS`, `~/.cache/ferry-tools/bin`, or `PATH`.
+fn s3s_fs_path() -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("FERRY_S3S_FS") {
+        return Some(PathBuf::from(p)).filter(|p| p.is_file());
+    }
+    let home = std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/ferry-tools/bin"));
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    home.into_iter()
+        .chain(std::env::split_paths(&path))
+        .map(|dir| dir.join("s3s-fs"))
+        .find(|p| p.is_file())
+}
+
+impl S3sFs {
+    fn start() -> anyhow::Result<S3sFs> {
+        let Some(bin) = s3s_fs_path() else {
+            bail!("s3s-fs not found ($FERRY_S3S_FS, ~/.cache/ferry-tools/bin or PATH): run bench/setup-peers.sh");
+        };
+        let base = if Path::new("/dev/shm").is_dir() {
+            PathBuf::from("/dev/shm")
+        } else {
+            std::env::temp_dir()
+        };
+        let dir = tempfile::Builder::new()
+            .prefix("ferry-s3s-fs-")
+            .tempdir_in(&base)
+            .with_context(|| format!("a temp dir under {}", base.display()))?;
+        let root = dir.path().join("root");
+        std::fs::create_dir(&root).context("the server's root")?;
+        let log = std::fs::File::create(dir.path().join("s3s-fs.log")).context("the server log")?;
+        let port = std::net::TcpListener::bind("127.0.0.1:0")?
+            .local_addr()?
+            .port();
+        let version = Command::new(&bin)
+            .arg("--version")
+            .output()
+            .ok()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_else(|| "?".into());
+        let child = Command::new(&bin)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--access-key", S3S_KEY, "--secret-key", S3S_SECRET])
+            .arg(&root)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let server = S3sFs {
+            child,
+            port,
+            version,
+            dir,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
+        while std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
+            if Instant::now() > deadline {
+                let log = std::fs::read_to_string(server.dir.path().join("s3s-fs.log"))
+                    .unwrap_or_default();
+                bail!("s3s-fs did not answer on {addr} within 20 s; its log:\n{log}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(server)
+    }
+
+    fn endpoint_url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
 }
 
 impl Server {
@@ -68,14 +168,16 @@ impl Server {
                     .with_context(|| format!("no port in moto's endpoint {url}"))?;
                 Ok(Server::Moto { moto, port })
             }
+            ServerKind::S3sFs => Ok(Server::S3sFs(S3sFs::start()?)),
         }
     }
 
-    /// `versitygw` or `moto`, as the report's header says.
+    /// `versitygw`, `moto` or `s3s-fs`, as the report's header says.
     pub fn name(&self) -> &'static str {
         match self {
             Server::Versitygw(_) => "versitygw",
             Server::Moto { .. } => "moto",
+            Server::S3sFs(_) => "s3s-fs",
         }
     }
 
@@ -93,6 +195,12 @@ impl Server {
                 moto_version(),
                 moto.endpoint_url()
             ),
+            Server::S3sFs(s) => format!(
+                "{} at {}, data in {}",
+                s.version,
+                s.endpoint_url(),
+                s.dir.path().join("root").display()
+            ),
         }
     }
 
@@ -100,6 +208,7 @@ impl Server {
         match self {
             Server::Versitygw(s) => s.port(),
             Server::Moto { port, .. } => *port,
+            Server::S3sFs(s) => s.port,
         }
     }
 
@@ -107,6 +216,7 @@ impl Server {
         match self {
             Server::Versitygw(s) => s.region(),
             Server::Moto { .. } => MOTO_REGION,
+            Server::S3sFs(_) => S3S_REGION,
         }
     }
 
@@ -114,6 +224,7 @@ impl Server {
         match self {
             Server::Versitygw(s) => s.access_key(),
             Server::Moto { .. } => MOTO_KEY,
+            Server::S3sFs(_) => S3S_KEY,
         }
     }
 
@@ -121,6 +232,7 @@ impl Server {
         match self {
             Server::Versitygw(s) => s.secret_key(),
             Server::Moto { .. } => MOTO_SECRET,
+            Server::S3sFs(_) => S3S_SECRET,
         }
     }
 
@@ -135,6 +247,17 @@ impl Server {
                 credentials: S3Credentials::Static {
                     access_key_id: MOTO_KEY.into(),
                     secret_access_key: MOTO_SECRET.into(),
+                    session_token: None,
+                },
+                on_attempt: None,
+            },
+            Server::S3sFs(s) => S3Config {
+                endpoint_url: Some(s.endpoint_url()),
+                region: Some(S3S_REGION.into()),
+                force_path_style: true,
+                credentials: S3Credentials::Static {
+                    access_key_id: S3S_KEY.into(),
+                    secret_access_key: S3S_SECRET.into(),
                     session_token: None,
                 },
                 on_attempt: None,
