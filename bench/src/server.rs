@@ -240,29 +240,24 @@ impl Server {
     pub fn s3_config(&self) -> S3Config {
         match self {
             Server::Versitygw(s) => s.s3_config(),
-            Server::Moto { moto, .. } => S3Config {
-                endpoint_url: Some(moto.endpoint_url()),
-                region: Some(MOTO_REGION.into()),
-                force_path_style: true,
-                credentials: S3Credentials::Static {
-                    access_key_id: MOTO_KEY.into(),
-                    secret_access_key: MOTO_SECRET.into(),
-                    session_token: None,
-                },
-                on_attempt: None,
-            },
-            Server::S3sFs(s) => S3Config {
-                endpoint_url: Some(s.endpoint_url()),
-                region: Some(S3S_REGION.into()),
-                force_path_style: true,
-                credentials: S3Credentials::Static {
-                    access_key_id: S3S_KEY.into(),
-                    secret_access_key: S3S_SECRET.into(),
-                    session_token: None,
-                },
-                on_attempt: None,
-            },
+            Server::Moto { moto, .. } => static_keys(moto.endpoint_url(), self),
+            Server::S3sFs(s) => static_keys(s.endpoint_url(), self),
         }
+    }
+}
+
+/// Path-style config for `url` with `server`'s region and static keys.
+fn static_keys(url: String, server: &Server) -> S3Config {
+    S3Config {
+        endpoint_url: Some(url),
+        region: Some(server.region().into()),
+        force_path_style: true,
+        credentials: S3Credentials::Static {
+            access_key_id: server.access_key().into(),
+            secret_access_key: server.secret_key().into(),
+            session_token: None,
+        },
+        on_attempt: None,
     }
 }
 
