@@ -8,8 +8,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use aws_sdk_s3::config::interceptors::{
-    BeforeDeserializationInterceptorContextMut, BeforeTransmitInterceptorContextRef,
-    FinalizerInterceptorContextRef, InterceptorContext,
+    AfterDeserializationInterceptorContextRef, BeforeDeserializationInterceptorContextMut,
+    BeforeTransmitInterceptorContextRef, FinalizerInterceptorContextRef, InterceptorContext,
 };
 use aws_sdk_s3::config::retry::{ClassifyRetry, RetryAction};
 use aws_sdk_s3::config::{ConfigBag, Intercept, RuntimeComponents};
@@ -120,6 +120,27 @@ impl Intercept for AttemptInterceptor {
             ctx.response_mut().add_extension(off);
         }
         Ok(())
+    }
+
+    /// A ListObjectsV2 answer whose body does not end with its root's closing tag was cut short
+    /// (the SDK's XML reader stops at the end of the input without an error, so the part read
+    /// can look like a shorter page): refused here, as a response error (transient, retried).
+    fn read_after_deserialization(
+        &self,
+        ctx: &AfterDeserializationInterceptorContextRef<'_>,
+        _rc: &RuntimeComponents,
+        cfg: &mut ConfigBag,
+    ) -> Result<(), BoxError> {
+        let is_list = cfg
+            .load::<Metadata>()
+            .is_some_and(|m| m.name() == "ListObjectsV2");
+        let r = ctx.response();
+        match r.body().bytes() {
+            Some(body) if is_list && r.status().is_success() && !crate::list_body_whole(body) => {
+                Err("ListObjectsV2: the response body ends before </ListBucketResult>".into())
+            }
+            _ => Ok(()),
+        }
     }
 
     fn read_after_attempt(

@@ -55,6 +55,11 @@ pub fn list_response(
     let status = StatusCode::try_from(status).map_err(|e| StoreError::Other(e.to_string()))?;
     let response = Response::new(status, SdkBody::from(body.to_vec()));
     let failure = match deser.deserialize_nonstreaming_with_config(&response, &ConfigBag::base()) {
+        // As the attempt interceptor refuses it (a response error of a 2xx: transient).
+        Ok(_) if status.is_success() && !crate::list_body_whole(body) => Failure::new(
+            crate::error::Kind::Transient,
+            "ListObjectsV2: the response body ends before </ListBucketResult>".to_string(),
+        ),
         Ok(out) => match out.downcast::<ListObjectsV2Output>() {
             Ok(out) => match crate::list_page("b", prefix, delimiter, &out) {
                 Ok(page) => return Ok(page),

@@ -689,6 +689,13 @@ fn list_page(
     })
 }
 
+/// Whether a ListObjectsV2 body is whole: it ends (past trailing whitespace) with the closing
+/// tag of its root. A body cut short can parse as a shorter page, which no check of the parsed
+/// page can always tell (a cut between two entries of a page without `KeyCount`).
+pub(crate) fn list_body_whole(body: &[u8]) -> bool {
+    body.trim_ascii_end().ends_with(b"</ListBucketResult>")
+}
+
 /// A key or prefix from a LIST asked for with `EncodingType=url`, decoded as S3 encodes it
 /// (form-style: `+` is a space, `%XX` a byte; AWS, moto and botocore agree); `None` if the bytes
 /// are not UTF-8.
@@ -971,6 +978,25 @@ mod tests {
     use crate::get::parse_content_range;
     use aws_credential_types::provider::error::CredentialsError;
     use aws_credential_types::provider::{future, ProvideCredentials};
+
+    #[test]
+    fn a_list_body_cut_anywhere_before_its_closing_tag_is_not_whole() {
+        let body = b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<ListBucketResult><Name>b</Name>\
+<IsTruncated>true</IsTruncated><NextContinuationToken>t</NextContinuationToken>\
+<Contents><Key>dir/a</Key><Size>1</Size></Contents></ListBucketResult>\r\n";
+        assert!(list_body_whole(body));
+        let end = body.len() - 2;
+        for cut in 0..end {
+            assert!(!list_body_whole(&body[..cut]), "cut at {cut}");
+        }
+        // The fuzzer's case: a page without KeyCount cut after IsTruncated read as an empty one.
+        let page = fuzzing::list_response(200, &body[..body.len() / 2], "dir/", Some("/"));
+        assert!(page.is_err(), "{page:?}");
+        assert_eq!(
+            fuzzing::list_response(200, body, "dir/", Some("/")).map(|p| p.objects.len()),
+            Ok(1)
+        );
+    }
 
     #[test]
     fn debug_redacts_secrets() {

@@ -709,3 +709,41 @@ async fn concurrent_use_of_one_client() {
     }
     assert!(store.endpoint_id().starts_with("http://127.0.0.1:"));
 }
+
+/// A LIST answer cut short but framed as whole (`Content-Length` rewritten to half the body) is
+/// never taken for a shorter page: the attempt is refused (retried, then an error), and the same
+/// LIST through the proxy without the fault gives every key. (versitygw sends `KeyCount`, which
+/// the page checks compare already; the body check of the attempt interceptor is what refuses a
+/// page without it: `a_list_body_cut_anywhere_before_its_closing_tag_is_not_whole`.)
+#[tokio::test]
+async fn a_list_body_cut_short_is_refused_not_read_as_a_shorter_page() {
+    use ferry_testkit::{Fault, FaultPlan, FaultProxy};
+    let server = S3Server::start();
+    server.create_bucket(B).await;
+    let direct = server.store().await;
+    let keys: Vec<String> = (0..40).map(|i| format!("cut/k{i:02}")).collect();
+    put_many(&direct, B, &keys).await;
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into()).unwrap();
+    let mut cfg = server.s3_config();
+    cfg.endpoint_url = Some(proxy.url());
+    let opts = ferry_s3::S3Options {
+        max_attempts: 2,
+        initial_backoff: Duration::from_millis(5),
+        max_backoff: Duration::from_millis(20),
+        ..ferry_s3::S3Options::default()
+    };
+    let s3 = ferry_s3::S3Store::with_options(cfg, opts).await.unwrap();
+    proxy.set_plan(Some(FaultPlan::always(&["GET"], Fault::ShortBody)));
+    for delimiter in [None, Some("/")] {
+        let req = ListRequest {
+            delimiter,
+            ..ListRequest::keys_under("cut/")
+        };
+        let got = s3.list(B, req).await;
+        assert!(got.is_err(), "{delimiter:?}: {got:?}");
+    }
+    proxy.set_plan(None);
+    let page = s3.list(B, ListRequest::keys_under("cut/")).await.unwrap();
+    let listed: Vec<&str> = page.objects.iter().map(|o| o.key.as_str()).collect();
+    assert_eq!(listed, keys);
+}
