@@ -137,7 +137,7 @@ impl Intercept for AttemptInterceptor {
         let r = ctx.response();
         match r.body().bytes() {
             Some(body) if is_list && r.status().is_success() && !crate::list_body_whole(body) => {
-                Err("ListObjectsV2: the response body ends before </ListBucketResult>".into())
+                Err(crate::LIST_CUT_SHORT.into())
             }
             _ => Ok(()),
         }

@@ -58,7 +58,7 @@ pub fn list_response(
         // As the attempt interceptor refuses it (a response error of a 2xx: transient).
         Ok(_) if status.is_success() && !crate::list_body_whole(body) => Failure::new(
             crate::error::Kind::Transient,
-            "ListObjectsV2: the response body ends before </ListBucketResult>".to_string(),
+            crate::LIST_CUT_SHORT.to_string(),
         ),
         Ok(out) => match out.downcast::<ListObjectsV2Output>() {
             Ok(out) => match crate::list_page("b", prefix, delimiter, &out) {

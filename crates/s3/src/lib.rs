@@ -696,6 +696,10 @@ pub(crate) fn list_body_whole(body: &[u8]) -> bool {
     body.trim_ascii_end().ends_with(b"</ListBucketResult>")
 }
 
+/// Why a ListObjectsV2 answer that is not [`list_body_whole`] is refused.
+pub(crate) const LIST_CUT_SHORT: &str =
+    "ListObjectsV2: the response body ends before </ListBucketResult>";
+
 /// A key or prefix from a LIST asked for with `EncodingType=url`, decoded as S3 encodes it
 /// (form-style: `+` is a space, `%XX` a byte; AWS, moto and botocore agree); `None` if the bytes
 /// are not UTF-8.
