@@ -444,7 +444,7 @@ impl Fs {
             return Ok(data.slice((offset - start) as usize..(end - start) as usize));
         }
         if r.prefetch.window == 0 {
-            r.prefetch.start(cfg, &self.budget);
+            r.prefetch.start(offset, cfg, &self.budget);
         }
         if r.prefetch.span().is_some_and(|(_, e)| offset > e) {
             // Skipped ahead past everything fetched (still within the tolerance): start there.

@@ -517,8 +517,10 @@ async fn sequential_reads_use_growing_windows_random_reads_do_not() {
     store.reset_stats();
     assert_eq!(read_all(&fs, ino, 128 * 1024).await, body);
     let s = store.stats();
-    // A window growing 1 → 2 → 4 → 8 MiB ahead of the reader: a handful of GETs, not 160.
-    assert!(s.get <= 10, "{s:?}");
+    // The initial 1 MiB window, then whole 8 MiB parts on part boundaries: [0, 1), [1, 8),
+    // [8, 16), [16, 20) MiB. Not 160 GETs of the reads' size, nor a window doubling through
+    // 1, 2, 3, 5 MiB GETs cut wherever it ended.
+    assert_eq!(s.get, 4, "{s:?}");
     assert_eq!(s.get_bytes, body.len() as u64, "nothing fetched twice");
 
     store.reset_stats();
@@ -536,6 +538,39 @@ async fn sequential_reads_use_growing_windows_random_reads_do_not() {
         "random reads fetch what they ask, rounded out to 64 KiB"
     );
     fs.release(o.fh).await.unwrap();
+}
+
+/// A reader that takes only the head of a large object (a file type sniffed, a header parsed)
+/// costs the initial window, not a part; one that reads on past half of it gets whole parts.
+#[tokio::test]
+async fn a_stream_fetches_whole_parts_only_once_it_reads_past_half_its_first_window() {
+    let (store, fs) = setup(|_| {});
+    let body = data(40 << 20, 6);
+    store.insert(B, "big", body.clone());
+    let ino = walk(&fs, "big").await.unwrap().attr.ino;
+    store.reset_stats();
+    let o = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    let mut off = 0u64;
+    while off < 256 << 10 {
+        let got = fs.read(o.fh, off, 128 << 10).await.unwrap();
+        assert_eq!(&got[..], &body[off as usize..off as usize + got.len()]);
+        off += got.len() as u64;
+    }
+    let s = store.stats();
+    assert_eq!(
+        (s.get, s.get_bytes),
+        (1, 1 << 20),
+        "the initial window only"
+    );
+    while off < 40 << 20 {
+        let got = fs.read(o.fh, off, 128 << 10).await.unwrap();
+        assert_eq!(&got[..], &body[off as usize..off as usize + got.len()]);
+        off += got.len() as u64;
+    }
+    fs.release(o.fh).await.unwrap();
+    let s = store.stats();
+    // [0, 1), [1, 8), then [8, 16) … [32, 40) MiB.
+    assert_eq!((s.get, s.get_bytes), (6, 40 << 20), "{s:?}");
 }
 
 #[tokio::test]
