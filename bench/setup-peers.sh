@@ -6,6 +6,8 @@
 #     CLI), a throwaway crate in $FERRY_TOOLS_ROOT/src/mountpoint-bench, installed into bin/;
 #   - s3s-fs (a third S3 server for `ferry-bench --server s3s-fs`: the s3s project's server over
 #     a directory, written in Rust) from crates.io;
+#   - rclone-s3 (a fourth, for `ferry-bench --server rclone`: rclone 1.75's `serve s3`) from the
+#     Go module proxy;
 #   - geesefs and goofys from the Go module proxy (a wrapper module for geesefs, which needs its
 #     fork replaces). Where a peer cannot be had, the script says why and goes on; ferry-bench then
 #     marks its column n/a.
@@ -19,6 +21,7 @@ MOUNTPOINT_FS_VERSION=0.11.0
 MOUNTPOINT_CLIENT_VERSION=0.22.0
 # 0.14.1: the newest s3s-fs that builds with the repository's Rust (1.95; 0.17 needs 1.96).
 S3S_FS_VERSION=0.14.1
+RCLONE_S3_VERSION=v1.75.0
 GEESEFS_VERSION=v0.43.8-0.20260629110924-6e2bbab58e82
 GOOFYS_VERSION=v0.24.1-0.20230621224748-350ff312abaa
 mkdir -p "$BIN" "$SRC"
@@ -133,6 +136,24 @@ go_peer() { # name version module [wrapper]
 }
 go_peer geesefs "$GEESEFS_VERSION" github.com/yandex-cloud/geesefs wrapper
 go_peer goofys "$GOOFYS_VERSION" github.com/kahing/goofys
+
+# --- rclone-s3 (a fourth S3 server for ferry-bench --server rclone: `rclone serve s3`) ----------
+# Installed under its own name: the rclone mounter column runs Debian's /usr/bin/rclone (1.60,
+# which has no `serve s3`).
+stamp=$BIN/.rclone-s3.version
+if [ -x "$BIN/rclone-s3" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$RCLONE_S3_VERSION" ]; then
+  log "rclone-s3 is up to date"
+elif ! command -v go >/dev/null; then
+  failed+=("rclone-s3 (no go toolchain)")
+else
+  log "building rclone $RCLONE_S3_VERSION (serve s3)"
+  if GOBIN=$ROOT/rclone-s3 go install "github.com/rclone/rclone@$RCLONE_S3_VERSION"; then
+    install -m 0755 "$ROOT/rclone-s3/rclone" "$BIN/rclone-s3"
+    echo "$RCLONE_S3_VERSION" >"$stamp"
+  else
+    failed+=("rclone-s3 $RCLONE_S3_VERSION (go install)")
+  fi
+fi
 
 if [ ${#failed[@]} -gt 0 ]; then
   log "not installed (ferry-bench marks these n/a):"

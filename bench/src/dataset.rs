@@ -112,11 +112,17 @@ pub fn check_sample(seed: u64, offset: u64, data: &[u8]) -> bool {
     data[skip..skip + n] == content(seed, start, n)[..]
 }
 
+/// Objects of any size go up in one PUT, never a multipart upload, for a server whose multipart
+/// upload the SDK cannot use: rclone's `serve s3` answers CreateMultipartUpload with an
+/// `<InitiateMultipartUpload>` root (not `…Result`), which the SDK refuses. Set once by `main`,
+/// before the dataset is written.
+pub static SINGLE_PUT: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+
 /// Writes one object of `size` bytes: a single PUT up to 64 MiB, else a multipart upload with
-/// four parts in flight.
+/// four parts in flight (or always one PUT, see [`SINGLE_PUT`]).
 pub async fn put_object(store: &S3Store, key: &str, size: u64) -> anyhow::Result<()> {
     let seed = seed_of(key);
-    if size <= PART {
+    if size <= PART || SINGLE_PUT.get().is_some() {
         let body = Bytes::from(content(seed, 0, size as usize));
         store
             .put(BUCKET, key, body)

@@ -2,7 +2,7 @@
 //!
 //! It starts a local S3 server (versitygw, data on tmpfs so that dropping the page cache does not
 //! slow the "remote" store; or moto, `--server moto`, objects in its memory; or s3s-fs,
-//! `--server s3s-fs`, data on tmpfs), PUTs the dataset straight to it, puts a delay proxy between
+//! `--server s3s-fs`, or rclone's `serve s3`, `--server rclone`, data on tmpfs), PUTs the dataset straight to it, puts a delay proxy between
 //! the mounters and the server (`--rtt-ms`), mounts each mounter through the proxy in turn, runs
 //! the workloads on fresh mounts, and prints one table. A program to run by hand as root; it is
 //! never part of CI. See doc/BENCHMARKS.md.
@@ -194,6 +194,9 @@ fn run(
         S3Options::default(),
     ))?;
     rt.block_on(direct.create_bucket(BUCKET))?;
+    if server.single_put() {
+        let _ = dataset::SINGLE_PUT.set(());
+    }
     let calib_key = "calib/blob.bin";
     let calib_size = ds.big_size.min(256 * MIB);
     rt.block_on(async {

@@ -1,11 +1,12 @@
 //! The S3 server behind the delay proxy (`--server`): versitygw (`ferry_testkit::S3Server`, posix
 //! backend, data on tmpfs), moto (`ferry_testkit::MotoServer` started without its IAM set-up,
-//! so IAM enforcement stays off and any key may do everything, as in `crates/fs/tests`), or
-//! s3s-fs (the `s3s` project's S3 server over a directory, in Rust; `bench/setup-peers.sh`
-//! installs it from crates.io).
+//! so IAM enforcement stays off and any key may do everything, as in `crates/fs/tests`),
+//! s3s-fs (the `s3s` project's S3 server over a directory, in Rust) or rclone's `serve s3`
+//! (gofakes3 over rclone's local backend, in Go); `bench/setup-peers.sh` installs the last two
+//! (rclone 1.75 as `rclone-s3`, beside Debian's 1.60 that the `rclone` mounter column runs).
 //!
-//! Every way the objects live in RAM, out of reach of `drop_caches`: versitygw's and s3s-fs's
-//! files on `/dev/shm`, moto's in its process (every object below
+//! Every way the objects live in RAM, out of reach of `drop_caches`: versitygw's, s3s-fs's and
+//! rclone's files on `/dev/shm`, moto's in its process (every object below
 //! `MOTO_S3_DEFAULT_KEY_BUFFER_SIZE` stays in memory instead of spilling into a temp file on
 //! disk).
 
@@ -22,10 +23,10 @@ use ferry_testkit::{MotoServer, S3Server};
 const MOTO_KEY: &str = "testing";
 const MOTO_SECRET: &str = "testing";
 const MOTO_REGION: &str = "us-east-1";
-/// s3s-fs checks signatures with the one key pair it is started with.
-const S3S_KEY: &str = "ferrybench";
-const S3S_SECRET: &str = "ferrybench-secret";
-const S3S_REGION: &str = "us-east-1";
+/// s3s-fs and rclone check signatures with the one key pair they are started with.
+const CHILD_KEY: &str = "ferrybench";
+const CHILD_SECRET: &str = "ferrybench-secret";
+const CHILD_REGION: &str = "us-east-1";
 
 /// Which S3 server the benchmark starts.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -36,17 +37,21 @@ pub enum ServerKind {
     Moto,
     /// s3s-fs (the `s3s` project's server over a directory), data on tmpfs.
     S3sFs,
+    /// `rclone serve s3` over a directory (rclone's local backend), data on tmpfs.
+    Rclone,
 }
 
 /// A running S3 server; stopped when dropped.
 pub enum Server {
     Versitygw(S3Server),
     Moto { moto: MotoServer, port: u16 },
-    S3sFs(S3sFs),
+    Child(ChildServer),
 }
 
-/// A running s3s-fs serving a fresh directory; killed (and the directory removed) on drop.
-pub struct S3sFs {
+/// A running server process of ours (s3s-fs or rclone) serving a fresh directory; killed (and
+/// the directory removed) on drop.
+pub struct ChildServer {
+    name: &'static str,
     child: Child,
     port: u16,
     version: String,
@@ -54,30 +59,36 @@ pub struct S3sFs {
     dir: tempfile::TempDir,
 }
 
-impl Drop for S3sFs {
+impl Drop for ChildServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
 }
 
-/// Where the s3s-fs binary is: `$FERRY_S3S_FS`, `~/.cache/ferry-tools/bin`, or `PATH`.
-fn s3s_fs_path() -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("FERRY_S3S_FS") {
+/// Where the binary `name` is: `$env`, `~/.cache/ferry-tools/bin`, or `PATH`.
+fn tool_path(name: &str, env: &str) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os(env) {
         return Some(PathBuf::from(p)).filter(|p| p.is_file());
     }
     let home = std::env::var_os("HOME").map(|h| Path::new(&h).join(".cache/ferry-tools/bin"));
     let path = std::env::var_os("PATH").unwrap_or_default();
     home.into_iter()
         .chain(std::env::split_paths(&path))
-        .map(|dir| dir.join("s3s-fs"))
+        .map(|dir| dir.join(name))
         .find(|p| p.is_file())
 }
 
-impl S3sFs {
-    fn start() -> anyhow::Result<S3sFs> {
-        let Some(bin) = s3s_fs_path() else {
-            bail!("s3s-fs not found ($FERRY_S3S_FS, ~/.cache/ferry-tools/bin or PATH): run bench/setup-peers.sh");
+impl ChildServer {
+    /// Starts `kind` (s3s-fs or rclone) on a fresh directory under `/dev/shm`.
+    fn start(kind: ServerKind) -> anyhow::Result<ChildServer> {
+        let (name, env) = match kind {
+            ServerKind::S3sFs => ("s3s-fs", "FERRY_S3S_FS"),
+            ServerKind::Rclone => ("rclone-s3", "FERRY_RCLONE_S3"),
+            _ => bail!("{kind:?} is not a server process of the benchmark's own"),
+        };
+        let Some(bin) = tool_path(name, env) else {
+            bail!("{name} not found (${env}, ~/.cache/ferry-tools/bin or PATH): run bench/setup-peers.sh");
         };
         let base = if Path::new("/dev/shm").is_dir() {
             PathBuf::from("/dev/shm")
@@ -85,31 +96,52 @@ impl S3sFs {
             std::env::temp_dir()
         };
         let dir = tempfile::Builder::new()
-            .prefix("ferry-s3s-fs-")
+            .prefix(&format!("ferry-{name}-"))
             .tempdir_in(&base)
             .with_context(|| format!("a temp dir under {}", base.display()))?;
         let root = dir.path().join("root");
         std::fs::create_dir(&root).context("the server's root")?;
-        let log = std::fs::File::create(dir.path().join("s3s-fs.log")).context("the server log")?;
+        let log_path = dir.path().join(format!("{name}.log"));
+        let log = std::fs::File::create(&log_path).context("the server log")?;
         let port = std::net::TcpListener::bind("127.0.0.1:0")?
             .local_addr()?
             .port();
         let version = Command::new(&bin)
-            .arg("--version")
+            .arg(if kind == ServerKind::Rclone {
+                "version"
+            } else {
+                "--version"
+            })
             .output()
             .ok()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .and_then(|o| {
+                let out = String::from_utf8_lossy(&o.stdout).to_string();
+                out.lines().next().map(|l| l.trim().to_string())
+            })
             .unwrap_or_else(|| "?".into());
-        let child = Command::new(&bin)
-            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
-            .args(["--access-key", S3S_KEY, "--secret-key", S3S_SECRET])
-            .arg(&root)
+        let mut cmd = Command::new(&bin);
+        match kind {
+            ServerKind::Rclone => {
+                cmd.args(["serve", "s3", "--addr", &format!("127.0.0.1:{port}")])
+                    .args(["--auth-key", &format!("{CHILD_KEY},{CHILD_SECRET}")])
+                    // No config file of the user's; no log lines per request.
+                    .args(["--config", "/dev/null", "--log-level", "ERROR"])
+                    .arg(&root);
+            }
+            _ => {
+                cmd.args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                    .args(["--access-key", CHILD_KEY, "--secret-key", CHILD_SECRET])
+                    .arg(&root);
+            }
+        }
+        let child = cmd
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
-        let server = S3sFs {
+        let server = ChildServer {
+            name,
             child,
             port,
             version,
@@ -119,9 +151,8 @@ impl S3sFs {
         let addr = std::net::SocketAddr::from(([127, 0, 0, 1], port));
         while std::net::TcpStream::connect_timeout(&addr, Duration::from_millis(200)).is_err() {
             if Instant::now() > deadline {
-                let log = std::fs::read_to_string(server.dir.path().join("s3s-fs.log"))
-                    .unwrap_or_default();
-                bail!("s3s-fs did not answer on {addr} within 20 s; its log:\n{log}");
+                let log = std::fs::read_to_string(&log_path).unwrap_or_default();
+                bail!("{name} did not answer on {addr} within 20 s; its log:\n{log}");
             }
             std::thread::sleep(Duration::from_millis(50));
         }
@@ -168,16 +199,19 @@ impl Server {
                     .with_context(|| format!("no port in moto's endpoint {url}"))?;
                 Ok(Server::Moto { moto, port })
             }
-            ServerKind::S3sFs => Ok(Server::S3sFs(S3sFs::start()?)),
+            ServerKind::S3sFs | ServerKind::Rclone => Ok(Server::Child(ChildServer::start(kind)?)),
         }
     }
 
-    /// `versitygw`, `moto` or `s3s-fs`, as the report's header says.
+    /// `versitygw`, `moto`, `s3s-fs` or `rclone`, as the report's header says.
     pub fn name(&self) -> &'static str {
         match self {
             Server::Versitygw(_) => "versitygw",
             Server::Moto { .. } => "moto",
-            Server::S3sFs(_) => "s3s-fs",
+            Server::Child(s) => match s.name {
+                "rclone-s3" => "rclone",
+                other => other,
+            },
         }
     }
 
@@ -195,7 +229,7 @@ impl Server {
                 moto_version(),
                 moto.endpoint_url()
             ),
-            Server::S3sFs(s) => format!(
+            Server::Child(s) => format!(
                 "{} at {}, data in {}",
                 s.version,
                 s.endpoint_url(),
@@ -204,11 +238,16 @@ impl Server {
         }
     }
 
+    /// Whether the dataset goes up in single PUTs only (rclone: see `dataset::SINGLE_PUT`).
+    pub fn single_put(&self) -> bool {
+        matches!(self, Server::Child(s) if s.name == "rclone-s3")
+    }
+
     pub fn port(&self) -> u16 {
         match self {
             Server::Versitygw(s) => s.port(),
             Server::Moto { port, .. } => *port,
-            Server::S3sFs(s) => s.port,
+            Server::Child(s) => s.port,
         }
     }
 
@@ -216,7 +255,7 @@ impl Server {
         match self {
             Server::Versitygw(s) => s.region(),
             Server::Moto { .. } => MOTO_REGION,
-            Server::S3sFs(_) => S3S_REGION,
+            Server::Child(_) => CHILD_REGION,
         }
     }
 
@@ -224,7 +263,7 @@ impl Server {
         match self {
             Server::Versitygw(s) => s.access_key(),
             Server::Moto { .. } => MOTO_KEY,
-            Server::S3sFs(_) => S3S_KEY,
+            Server::Child(_) => CHILD_KEY,
         }
     }
 
@@ -232,7 +271,7 @@ impl Server {
         match self {
             Server::Versitygw(s) => s.secret_key(),
             Server::Moto { .. } => MOTO_SECRET,
-            Server::S3sFs(_) => S3S_SECRET,
+            Server::Child(_) => CHILD_SECRET,
         }
     }
 
@@ -241,7 +280,7 @@ impl Server {
         match self {
             Server::Versitygw(s) => s.s3_config(),
             Server::Moto { moto, .. } => static_keys(moto.endpoint_url(), self),
-            Server::S3sFs(s) => static_keys(s.endpoint_url(), self),
+            Server::Child(s) => static_keys(s.endpoint_url(), self),
         }
     }
 }
