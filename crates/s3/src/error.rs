@@ -242,9 +242,15 @@ where
                 ctx.err().meta().request_id(),
             )
             .signed_off(status, ctx.raw().extension::<SignedOff>().copied());
-            // A 2xx the SDK could not read (a body cut off or garbled): a server in trouble.
+            // A 2xx the SDK could not read (a body cut off or garbled, or not the shape S3's
+            // answer has): a server in trouble. It has no code or message of its own: the
+            // SDK's reason names what was wrong.
             if f.kind == Kind::Other && (200..300).contains(&status) {
                 f.kind = Kind::Transient;
+                f.detail = format!(
+                    "{target}: the answer (HTTP {status}) could not be read: {}",
+                    error_chain(&err)
+                );
             }
             f
         }

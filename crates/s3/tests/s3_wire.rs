@@ -330,6 +330,32 @@ async fn server_errors_are_transient() {
     assert!(matches!(e, StoreError::Transient(_)), "{e:?}");
 }
 
+/// A 2xx answer the SDK cannot read says why, not "no error code: no message": rclone's
+/// `serve s3` (1.75) answers CreateMultipartUpload with an `<InitiateMultipartUpload>` root where
+/// S3 has `<InitiateMultipartUploadResult>`, and a user's write of a large file then fails on it.
+#[tokio::test]
+async fn an_answer_the_sdk_cannot_read_names_what_was_wrong() {
+    let body = b"<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n<InitiateMultipartUpload><Bucket>b</Bucket><Key>k</Key><UploadId>u1</UploadId></InitiateMultipartUpload>";
+    let (s, _) = scripted(vec![response(
+        "200 OK",
+        &[
+            ("Content-Type", "text/xml".into()),
+            ("Content-Length", body.len().to_string()),
+        ],
+        body,
+    )])
+    .await;
+    let e = s.create_multipart("b", "k").await.unwrap_err();
+    let text = e.to_string();
+    assert!(matches!(e, StoreError::Transient(_)), "{e:?}");
+    assert!(text.contains("HTTP 200"), "{text}");
+    assert!(
+        text.contains("could not be read") && text.contains("InitiateMultipartUpload"),
+        "the SDK's reason is named: {text}"
+    );
+    assert!(!text.contains("no error code"), "{text}");
+}
+
 /// Whether an error is the expected one.
 type Check = fn(&StoreError) -> bool;
 
