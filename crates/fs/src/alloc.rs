@@ -14,9 +14,15 @@
 //! part and a write) stay below the threshold, in the heap, as they already were once the dynamic
 //! threshold had risen. A 1 MiB threshold, which also hands every freed part back at once, cost
 //! 30 % of a 1 GiB sequential read (`ferry-bench --only P1`, 426–478 against 594–675 MiB/s, same
-//! run): each part was a fresh mapping, faulted in page by page and unmapped again. Arenas are
-//! capped (glibc's default is 8 per CPU: 512 on a 64-CPU node, each keeping its own free memory),
-//! and [`trim`] hands free heap pages back after a burst (called when mounts end).
+//! run): each part was a fresh mapping, faulted in page by page and unmapped again. There is one
+//! arena (glibc's default is 8 per CPU: 512 on a 64-CPU node, each keeping its own free memory):
+//! freed parts and blocks are then reused for the next ones wherever the thread that frees or
+//! allocates them runs. Measured with `ferry-bench --only P7,P13` (8 readers of 256 MiB objects,
+//! versitygw, 10 ms), peak RSS: 4 arenas 269–279 MiB, 2 arenas 251–257, 1 arena 214–236, with P7's
+//! throughput unchanged (1,385–1,426 MiB/s against 1,459–1,463) and P1, P4, P12 within the noise;
+//! with 4 arenas 135 MiB stayed resident after every part was freed. Small allocations come from
+//! glibc's per-thread cache, without the arena's lock. [`trim`] hands free heap pages back after a
+//! burst (called when mounts end).
 //!
 //! An operator's `MALLOC_MMAP_THRESHOLD_` / `MALLOC_ARENA_MAX` (or `GLIBC_TUNABLES`) wins.
 
@@ -24,7 +30,7 @@
 pub const MMAP_THRESHOLD: usize = 16 << 20;
 
 /// Most arenas (glibc: 8 × CPUs by default).
-pub const ARENA_MAX: usize = 4;
+pub const ARENA_MAX: usize = 1;
 
 /// Applies [`MMAP_THRESHOLD`] and [`ARENA_MAX`] unless the environment sets them. Call first in
 /// `main`, before any thread exists.
