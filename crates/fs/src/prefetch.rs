@@ -597,7 +597,7 @@ fn shared_gets(
         let mut j = i;
         while j < planned.len()
             && j - i < per_get
-            && (j == i || planned[j].0.start % part_size.max(1) != 0)
+            && (j == i || !planned[j].0.start.is_multiple_of(part_size.max(1)))
             && missing(j)
         {
             j += 1;
