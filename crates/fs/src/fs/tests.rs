@@ -550,23 +550,26 @@ async fn a_stream_fetches_whole_parts_only_once_it_reads_past_half_its_first_win
     let ino = walk(&fs, "big").await.unwrap().attr.ino;
     store.reset_stats();
     let o = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
-    let mut off = 0u64;
-    while off < 256 << 10 {
-        let got = fs.read(o.fh, off, 128 << 10).await.unwrap();
-        assert_eq!(&got[..], &body[off as usize..off as usize + got.len()]);
-        off += got.len() as u64;
-    }
+    // Reads on from `from` in 128 KiB reads up to `to`, checking the bytes.
+    let read_to = |from: u64, to: u64| {
+        let (fs, body) = (&fs, &body);
+        async move {
+            let mut off = from;
+            while off < to {
+                let got = fs.read(o.fh, off, 128 << 10).await.unwrap();
+                assert_eq!(&got[..], &body[off as usize..off as usize + got.len()]);
+                off += got.len() as u64;
+            }
+        }
+    };
+    read_to(0, 256 << 10).await;
     let s = store.stats();
     assert_eq!(
         (s.get, s.get_bytes),
         (1, 1 << 20),
         "the initial window only"
     );
-    while off < 40 << 20 {
-        let got = fs.read(o.fh, off, 128 << 10).await.unwrap();
-        assert_eq!(&got[..], &body[off as usize..off as usize + got.len()]);
-        off += got.len() as u64;
-    }
+    read_to(256 << 10, 40 << 20).await;
     fs.release(o.fh).await.unwrap();
     let s = store.stats();
     // [0, 1), [1, 8), then [8, 16) … [32, 40) MiB.
