@@ -511,8 +511,8 @@ impl Prefetch {
     /// the stream is taken for a sequential read of the object, and the window is at least a part:
     /// from then on each GET is a whole part on a part boundary (the first one up to the next
     /// boundary), and the target is rounded down to a boundary, with at least one part started
-    /// per top-up. A 128 MiB object read through takes 17 GETs of 8 MiB parts, not 22 of a
-    /// window doubling 1 → 2 → 4 → 8 MiB with GETs cut wherever the window ended: every GET
+    /// per top-up. A 128 MiB object read through takes 17 GETs (1 MiB, 7 MiB, then 8 MiB parts),
+    /// not 22 of a window doubling from 1 MiB with GETs cut wherever it ended: every GET
     /// costs a round trip and a request charge, and on servers that read the whole object for a
     /// ranged GET (moto) far more.
     pub fn fill(
@@ -574,8 +574,8 @@ impl Prefetch {
 }
 
 /// For each planned block part, the GET it shares: runs of consecutive parts whose blocks are not
-/// in the cache, up to `part_size` bytes each and within one part, share one (a block on disk is read from there and
-/// breaks the run, so no GET fetches bytes the cache holds).
+/// in the cache, up to `part_size` bytes each and within one part of the object, share one (a
+/// block on disk is read from there and breaks the run, so no GET fetches bytes the cache holds).
 fn shared_gets(
     src: &Source,
     c: &CacheUse,
