@@ -2,9 +2,10 @@
 //!
 //! It starts a local S3 server (versitygw, data on tmpfs so that dropping the page cache does not
 //! slow the "remote" store; or moto, `--server moto`, objects in its memory; or s3s-fs,
-//! `--server s3s-fs`, or rclone's `serve s3`, `--server rclone`, data on tmpfs), PUTs the dataset straight to it, puts a delay proxy between
-//! the mounters and the server (`--rtt-ms`), mounts each mounter through the proxy in turn, runs
-//! the workloads on fresh mounts, and prints one table. A program to run by hand as root; it is
+//! `--server s3s-fs`, or rclone's `serve s3`, `--server rclone`, data on tmpfs), PUTs the
+//! dataset straight to it, puts a delay proxy between the mounters and the server (`--rtt-ms`),
+//! mounts each mounter through the proxy in turn, runs the workloads on fresh mounts, and
+//! prints one table. A program to run by hand as root; it is
 //! never part of CI. See doc/BENCHMARKS.md.
 
 mod dataset;
