@@ -1,24 +1,30 @@
 //! One cached block on disk: [`BlockKey`] names it, [`encode`] / [`decode`] give the file format
 //! and [`BlockKey::file_id`] its file name.
 //!
-//! A block file is a header followed by the data:
+//! A block file is the data followed by a trailer:
 //!
 //! ```text
-//! "FERRYBK1"  magic and format version (8 bytes)
-//! crc32c      u32 LE, over every byte after this field (the rest of the header and the data)
-//! data_len    u64 LE
+//! data        data_len bytes, at offset 0
 //! index       u64 LE (block index in the object)
 //! endpoint, bucket, key, etag: each u32 LE length + UTF-8 bytes
-//! data        data_len bytes
+//! data_len    u64 LE
+//! crc32c      u32 LE, over every byte before this field (the data and the trailer so far)
+//! "FERRYBK2"  magic and format version (8 bytes)
 //! ```
 //!
-//! [`decode`] accepts a file only if the checksum matches, the length is exact and the header
+//! The data comes first so that it sits at a page-aligned file offset: a block fetched into a
+//! page-aligned buffer is written from that buffer with `O_DIRECT` as it is ([`crate::direct`]),
+//! never copied into a bounce buffer first. (Format 1, `FERRYBK1`, had the header first.)
+//!
+//! [`decode`] accepts a file only if the checksum matches, the length is exact and the trailer
 //! names the very block asked for; anything else is [`Invalid`] and the caller treats it as a miss.
 
 use bytes::{BufMut, Bytes, BytesMut};
 use sha2::{Digest, Sha256};
 
-const MAGIC: &[u8; 8] = b"FERRYBK1";
+const MAGIC: &[u8; 8] = b"FERRYBK2";
+/// The trailer's fixed end: data_len, crc32c, magic.
+const END: usize = 8 + 4 + 8;
 
 /// Which block of which object version: (endpoint, bucket, key, ETag, block index).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -82,43 +88,53 @@ pub enum Invalid {
 
 /// The file contents for `data` as block `key`.
 pub fn encode(key: &BlockKey, data: &[u8]) -> Vec<u8> {
-    let mut file = encode_head(key, data);
-    file.extend_from_slice(data);
+    let mut file = data.to_vec();
+    file.extend_from_slice(&encode_tail(key, data));
     file
 }
 
-/// What [`encode`] puts before the data (magic, checksum, header): the file is this and then
-/// `data`, written one after the other, so the data is never copied to build it.
-pub fn encode_head(key: &BlockKey, data: &[u8]) -> Vec<u8> {
-    let mut header = BytesMut::with_capacity(64 + key.key.len());
-    header.put_u64_le(data.len() as u64);
-    header.put_u64_le(key.index);
-    put_names(
-        &mut header,
-        [&key.endpoint, &key.bucket, &key.key, &key.etag],
-    );
-    let crc = crc32c::crc32c_append(crc32c::crc32c(&header), data);
-    let mut out = Vec::with_capacity(12 + header.len());
-    out.extend_from_slice(MAGIC);
-    out.extend_from_slice(&crc.to_le_bytes());
-    out.extend_from_slice(&header);
-    out
+/// What [`encode`] puts after the data (the trailer): the file is `data` and then this, written
+/// one after the other, so the data is never copied to build it.
+pub fn encode_tail(key: &BlockKey, data: &[u8]) -> Vec<u8> {
+    let mut tail = BytesMut::with_capacity(64 + key.key.len());
+    tail.put_u64_le(key.index);
+    put_names(&mut tail, [&key.endpoint, &key.bucket, &key.key, &key.etag]);
+    tail.put_u64_le(data.len() as u64);
+    let crc = crc32c::crc32c_append(crc32c::crc32c(data), &tail);
+    tail.put_u32_le(crc);
+    tail.put_slice(MAGIC);
+    tail.to_vec()
 }
 
 /// The data of a block file, if it is intact and is block `key`.
 pub fn decode(key: &BlockKey, file: Bytes) -> Result<Bytes, Invalid> {
-    let mut r = Reader::unseal(MAGIC, &file, 16 + 16)?;
-    let data_len = r.u64()?;
+    let n = file.len();
+    if n < END + 8 + 16 || &file[n - 8..] != MAGIC {
+        return Err(Invalid::Malformed);
+    }
+    let stored = u32::from_le_bytes(file[n - 12..n - 8].try_into().expect("4 bytes"));
+    let computed = crc32c::crc32c(&file[..n - 12]);
+    if stored != computed {
+        return Err(Invalid::Checksum { stored, computed });
+    }
+    let data_len = u64::from_le_bytes(file[n - END..n - 12].try_into().expect("8 bytes"));
+    let data_len = usize::try_from(data_len)
+        .ok()
+        .filter(|&l| l <= n - END)
+        .ok_or(Invalid::Malformed)?;
+    let mut r = Reader {
+        body: &file[data_len..n - END],
+        pos: 0,
+    };
     let index = r.u64()?;
     let same = r.names_are([&key.endpoint, &key.bucket, &key.key, &key.etag])?;
+    if r.rest() != 0 {
+        return Err(Invalid::Malformed);
+    }
     if !(same && index == key.index) {
         return Err(Invalid::OtherBlock);
     }
-    if r.rest() as u64 != data_len {
-        return Err(Invalid::Malformed);
-    }
-    let at = file.len() - r.rest();
-    Ok(file.slice(at..))
+    Ok(file.slice(..data_len))
 }
 
 /// Frames `body` as a cache file: `magic`, the crc32c of `body` (u32 LE), `body`.
@@ -230,13 +246,15 @@ mod tests {
             bad[i] ^= 0x40;
             assert!(decode(&k, Bytes::from(bad)).is_err(), "flip at {i} served");
         }
-        assert_eq!(
-            decode(&k, Bytes::from(file[..file.len() - 1].to_vec())),
-            Err(Invalid::Checksum {
-                stored: u32::from_le_bytes(file[8..12].try_into().unwrap()),
-                computed: crc32c::crc32c(&file[12..file.len() - 1])
-            })
-        );
+        for cut in [1, 8, 12, 20, file.len() - 1] {
+            let front = decode(&k, Bytes::from(file[cut..].to_vec()));
+            assert!(front.is_err(), "{cut} bytes cut off the front: {front:?}");
+            let back = decode(&k, Bytes::from(file[..file.len() - cut].to_vec()));
+            assert_eq!(back, Err(Invalid::Malformed), "{cut} bytes cut off the end");
+        }
+        // The data is at offset 0, the trailer after it.
+        assert_eq!(&file[..11], b"hello block");
+        assert_eq!(&file[file.len() - 8..], MAGIC);
     }
 
     #[test]

@@ -7,8 +7,11 @@
 //! it (`doc/BENCHMARKS.md`, issue 17): the copy took the readers' CPU.
 //!
 //! `O_DIRECT` needs the buffer, the file offset and the length aligned to the device's logical
-//! block size: [`ALIGN`] (4 KiB) covers 512-byte and 4 KiB devices. The last piece is padded
-//! with zeros to [`ALIGN`] and the file then cut to its length. A filesystem that refuses
+//! block size: [`ALIGN`] (4 KiB) covers 512-byte and 4 KiB devices. Data that is itself
+//! [`ALIGN`]-aligned in memory, written at an aligned file offset (a block's data: a block file
+//! starts with it, and the S3 client reads bodies into page-aligned buffers), goes to the disk
+//! from where it is, whole pages at a time; only the rest is copied into the buffer. The last
+//! piece is padded with zeros to [`ALIGN`] and the file then cut to its length. A filesystem that refuses
 //! `O_DIRECT` (tmpfs on older kernels, some FUSE or network filesystems) is found by
 //! [`supported`] once, at cache open, and written through the page cache as before.
 
@@ -65,6 +68,8 @@ pub struct DirectFile {
     buf: Option<Aligned>,
     filled: usize,
     offset: u64,
+    /// Bytes copied into the buffer (the rest went to the disk from the caller's memory).
+    copied: u64,
 }
 
 impl DirectFile {
@@ -83,7 +88,13 @@ impl DirectFile {
             buf: Some(buf),
             filled: 0,
             offset: 0,
+            copied: 0,
         })
+    }
+
+    /// Bytes that went through the buffer so far (not written from the caller's memory).
+    pub fn copied(&self) -> u64 {
+        self.copied
     }
 
     /// Writes the buffer's first `len` bytes (a multiple of [`ALIGN`]) at the current offset.
@@ -113,11 +124,20 @@ impl DirectFile {
 
 impl Write for DirectFile {
     fn write(&mut self, data: &[u8]) -> io::Result<usize> {
+        let whole = data.len() / ALIGN * ALIGN;
+        if self.filled == 0 && whole > 0 && (data.as_ptr() as usize).is_multiple_of(ALIGN) {
+            // Aligned in memory, at an aligned offset (nothing waits in the buffer): the pages
+            // go to the disk from where they are.
+            self.file.write_all_at(&data[..whole], self.offset)?;
+            self.offset += whole as u64;
+            return Ok(whole);
+        }
         let filled = self.filled;
         let n = data.len().min(BUF - filled);
         self.buf.as_mut().expect("buffer until drop").as_mut()[filled..filled + n]
             .copy_from_slice(&data[..n]);
         self.filled += n;
+        self.copied += n as u64;
         if self.filled == BUF {
             self.write_out(BUF)?;
             self.filled = 0;
@@ -202,6 +222,47 @@ mod tests {
             f.write_all(b).unwrap();
             f.finish().unwrap();
             assert_eq!(std::fs::read(&path).unwrap(), data, "length {len}");
+        }
+    }
+
+    /// Page-aligned data at an aligned offset is written from where it is, whatever follows it
+    /// in the file; data that is not aligned, or comes after bytes waiting in the buffer, is
+    /// copied. Every file comes back byte for byte.
+    #[test]
+    fn aligned_data_is_written_without_a_copy() {
+        let Some(dir) = direct_dir() else { return };
+        let mut src = Aligned::new();
+        for (i, b) in src.as_mut().iter_mut().enumerate() {
+            *b = (i * 13 + 5) as u8;
+        }
+        let all = src.as_mut();
+        let tail = b"a trailer of 25 bytes....";
+        // (data offset in the aligned source, data length, a header before it, bytes copied)
+        for (at, len, head, copied) in [
+            (0, BUF, 0, tail.len()),
+            (0, ALIGN * 3 + 100, 0, 100 + tail.len()),
+            (0, ALIGN - 1, 0, ALIGN - 1 + tail.len()),
+            (ALIGN, ALIGN * 2, 0, tail.len()),
+            (1, ALIGN * 2, 0, ALIGN * 2 + tail.len()),
+            (0, ALIGN * 2, 7, 7 + ALIGN * 2 + tail.len()),
+        ] {
+            let data = &all[at..at + len];
+            let header = vec![0x5Au8; head];
+            let path = dir.path().join(format!("f{at}-{len}-{head}"));
+            let mut f = DirectFile::create(&path).unwrap();
+            f.write_all(&header).unwrap();
+            f.write_all(data).unwrap();
+            f.write_all(tail).unwrap();
+            assert_eq!(
+                f.copied(),
+                copied as u64,
+                "at {at}, {len} bytes, header {head}"
+            );
+            f.finish().unwrap();
+            let mut want = header.clone();
+            want.extend_from_slice(data);
+            want.extend_from_slice(tail);
+            assert_eq!(std::fs::read(&path).unwrap(), want, "at {at}, {len} bytes");
         }
     }
 

@@ -59,7 +59,7 @@ use lru::Lru;
 pub use object::{ObjectKey, ObjectMeta};
 
 /// The on-disk format this code reads and writes (see [`object`] and [`block`]).
-const LAYOUT_VERSION: u32 = 2;
+const LAYOUT_VERSION: u32 = 3;
 
 /// Objects remembered as wanted whole until their last block arrives (oldest dropped first).
 const MAX_WISHES: usize = 16_384;
@@ -1316,8 +1316,8 @@ impl BlockCache {
         }
         self.last_fill
             .store(self.opened.elapsed().as_millis() as u64, Ordering::Relaxed);
-        let head = block::encode_head(key, data);
-        let len = (head.len() + data.len()) as u64;
+        let tail = block::encode_tail(key, data);
+        let len = (data.len() + tail.len()) as u64;
         if len > self.cfg.max_size {
             self.skip(key, "block larger than the cache");
             return;
@@ -1342,7 +1342,7 @@ impl BlockCache {
             victims
         };
         self.delete(&victims);
-        let stored = self.make_room_on_disk(len) && self.write(&id, &[&head, data]);
+        let stored = self.make_room_on_disk(len) && self.write(&id, &[data, &tail]);
         let mut st = self.lock();
         st.pending -= len;
         if stored {

@@ -10,6 +10,7 @@ use bytes::Bytes;
 use ferry_store::Version;
 
 use crate::error::{error_chain, Failure, Kind};
+use crate::pagebuf::PageBuf;
 
 /// The `If-Match` ETag and `If-Unmodified-Since` time a pinned GET carries.
 ///
@@ -180,7 +181,8 @@ const MAX_BODY_RESERVE: u64 = 64 * 1024 * 1024;
 
 /// Reads a body into one buffer as its chunks arrive, each chunk dropped once copied, so a part
 /// never sits in memory twice (collecting all chunks first and then joining them did that). A
-/// body of one chunk is kept as it is.
+/// body of one chunk is kept as it is. The buffer is a [`PageBuf`]: page-aligned, for the node
+/// cache's `O_DIRECT` writes.
 async fn gather(
     mut body: ByteStream,
     size_hint: u64,
@@ -196,7 +198,7 @@ async fn gather(
         return Ok(vec![first]);
     };
     let reserve = size_hint.min(MAX_BODY_RESERVE) as usize;
-    let mut buf = bytes::BytesMut::with_capacity(reserve.max(first.len() + second.len()));
+    let mut buf = PageBuf::with_capacity(reserve.max(first.len() + second.len()));
     buf.extend_from_slice(&first);
     buf.extend_from_slice(&second);
     while let Some(chunk) = body.try_next().await? {
@@ -207,6 +209,7 @@ async fn gather(
 
 /// [`gather`] into buffers of `piece` bytes each (the last may be shorter), each sized for what
 /// it will hold: every byte is copied once, as into one buffer, and no piece shares another's.
+/// Each piece is a [`PageBuf`] of its own: a node cache block starts on a page boundary.
 async fn gather_pieces(
     mut body: ByteStream,
     size_hint: u64,
@@ -215,19 +218,19 @@ async fn gather_pieces(
     let piece = piece.min(MAX_BODY_RESERVE) as usize;
     let mut left = size_hint as usize;
     let mut pieces = Vec::new();
-    let mut buf = bytes::BytesMut::new();
+    let mut buf = PageBuf::with_capacity(0);
     while let Some(chunk) = next_chunk(&mut body).await? {
         let mut chunk = &chunk[..];
         while !chunk.is_empty() {
             if buf.capacity() == 0 {
-                buf.reserve(piece.min(left.max(chunk.len())));
+                buf = PageBuf::with_capacity(piece.min(left.max(chunk.len())));
             }
             let n = (piece - buf.len()).min(chunk.len());
             buf.extend_from_slice(&chunk[..n]);
             chunk = &chunk[n..];
             if buf.len() == piece {
                 left = left.saturating_sub(piece);
-                pieces.push(std::mem::take(&mut buf).freeze());
+                pieces.push(std::mem::replace(&mut buf, PageBuf::with_capacity(0)).freeze());
             }
         }
     }

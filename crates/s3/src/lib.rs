@@ -50,6 +50,7 @@ mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 mod get;
+mod pagebuf;
 mod raw_get;
 mod retry;
 mod skew;
