@@ -1,5 +1,6 @@
-//! Cache files written with `O_DIRECT`: the filled bytes go from a reused, page-aligned buffer
-//! to the disk, with no page-cache page allocated, copied into and written back per byte.
+//! Cache files written with `O_DIRECT`: the filled bytes go to the disk from the caller's
+//! page-aligned memory or from a reused, page-aligned buffer, with no page-cache page allocated,
+//! copied into and written back per byte.
 //!
 //! Measured on the 2-CPU benchmark VM (ext4 on virtio, `dd` of 512 MiB in 4 MiB writes): buffered
 //! writes cost 0.34–0.81 s of kernel CPU, `O_DIRECT` ones 0.05–0.06 s, at 1.2–1.4 GB/s. With the
@@ -11,9 +12,9 @@
 //! [`ALIGN`]-aligned in memory, written at an aligned file offset (a block's data: a block file
 //! starts with it, and the S3 client reads bodies into page-aligned buffers), goes to the disk
 //! from where it is, whole pages at a time; only the rest is copied into the buffer. The last
-//! piece is padded with zeros to [`ALIGN`] and the file then cut to its length. A filesystem that refuses
-//! `O_DIRECT` (tmpfs on older kernels, some FUSE or network filesystems) is found by
-//! [`supported`] once, at cache open, and written through the page cache as before.
+//! piece is padded with zeros to [`ALIGN`] and the file then cut to its length. A filesystem
+//! that refuses `O_DIRECT` (tmpfs on older kernels, some FUSE or network filesystems) is found
+//! by [`supported`] once, at cache open, and written through the page cache as before.
 
 use std::cell::RefCell;
 use std::fs::{File, OpenOptions};

@@ -19,7 +19,8 @@ pub const PAGE: usize = 4096;
 /// The page alignment is taken from inside an allocation a page larger than asked for, not
 /// asked of the allocator: glibc's `memalign` splits each chunk to align it, and the pieces it
 /// leaves kept P13's peak RSS (`ferry-bench`, 8 readers of 256 MiB) at 274–356 MiB against
-/// 225–245 with plain `malloc`; a chunk of the same size each time is reused as it was (215–232).
+/// 225–245 with plain `malloc`; a chunk of the same size each time is reused as it was
+/// (215–232 MiB).
 pub struct PageBuf {
     /// Where the allocation starts (what is freed).
     base: NonNull<u8>,
