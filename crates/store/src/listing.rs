@@ -6,7 +6,10 @@
 //! files). [`list_all`] splits the key space instead. After a page, it guesses from the page's
 //! names (their common prefix and the characters each position takes: digits, hex, letters…) where
 //! the listing will be one page, two pages, … further on, and lists those ranges at once, each
-//! with `StartAfter` at its start, paging on until it passes its end.
+//! with `StartAfter` at its start, paging on until it passes its end. The page after the first is
+//! split in two halves (the first asking for half a page), so a directory of two pages is listed
+//! in about one and a half page times; and once a range's pages reach the end of the listing,
+//! the ranges guessed past it are not waited for.
 //!
 //! Guesses only cost requests, never correctness. Each range `(start, end]` keeps exactly the
 //! entries (keys and common prefixes) that sort inside it, and pages until it sees an entry past
@@ -26,8 +29,9 @@ use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 
 use std::future::Future;
+use std::pin::pin;
 
-use futures::future::{try_join, try_join_all, BoxFuture, FutureExt};
+use futures::future::{select, try_join_all, BoxFuture, Either, FutureExt};
 use futures::{Stream, TryStreamExt};
 use tokio::sync::Semaphore;
 
@@ -300,7 +304,8 @@ impl<'a> Lister<'a> {
     /// The entries that sort in `(start, end]` (`None`: unbounded), listed from `start` on. An
     /// unbounded range splits itself after its first page when the page's names allow a guess:
     /// into `wave` ranges of about a page each (fewer if the requests in flight are capped lower)
-    /// and a new unbounded range after them, which splits into twice as many. A directory of two
+    /// and a new unbounded range after them, which splits into twice as many (after the
+    /// listing's first page: one range of half a page, and the unbounded one). A directory of two
     /// pages so costs at most one LIST more than the pages, and a large one soon has every
     /// request in flight.
     fn range(
@@ -314,58 +319,96 @@ impl<'a> Lister<'a> {
             let mut out = Vec::new();
             let done = first.ends(end.as_deref());
             let last = first.last().map(str::to_owned);
+            // After the listing's first page, the next one is split in two halves listed at
+            // once (a directory of two pages is done in one and a half page times, with the
+            // same number of LISTs); later ranges split a page apart.
+            let halves = start.is_none();
             let splits = match (&end, done, self.opts.concurrency > 1) {
-                (None, false, true) => {
-                    guess_splits(&first.entries, wave.min(self.opts.concurrency - 1).max(1))
-                }
+                (None, false, true) if halves => guess_splits(&first.entries, 1, 2),
+                (None, false, true) => guess_splits(
+                    &first.entries,
+                    wave.min(self.opts.concurrency - 1).max(1),
+                    1,
+                ),
                 _ => Vec::new(),
             };
+            // The half page's first request asks for half a page (the first page was a whole one).
+            let half = u32::try_from(first.entries.len() / 2)
+                .ok()
+                .filter(|h| halves && *h > 0);
             let token = first.next_token.clone();
             keep(&mut out, first.entries, start.as_deref(), end.as_deref());
             if done || self.unordered.load(Ordering::Relaxed) {
                 return Ok(out);
             }
             if splits.is_empty() {
-                out.extend(self.rest(token, last, start, end).await?);
+                out.extend(self.rest(token, last, start, end, None).await?.0);
                 return Ok(out);
             }
             debug_assert!(last.as_deref() < Some(splits[0].as_str()));
             // This range now ends at the first split; the splits between them make bounded ranges,
             // and the last split starts a new unbounded one.
-            let mine = self.rest(token, last, start, Some(splits[0].clone()));
+            let mine = self.rest(token, last, start, Some(splits[0].clone()), half);
             let mut ranges = Vec::with_capacity(splits.len());
             for (i, s) in splits.iter().enumerate() {
                 ranges.push(self.range(Some(s.clone()), splits.get(i + 1).cloned(), wave * 2));
             }
-            let (mine, theirs) = try_join(mine, try_join_all(ranges)).await?;
-            out.extend(mine);
-            out.extend(theirs.into_iter().flatten());
+            let (mine, theirs) = (pin!(mine), pin!(try_join_all(ranges)));
+            match select(mine, theirs).await {
+                Either::Left((mine, theirs)) => {
+                    let (mine, tail) = mine?;
+                    out.extend(mine);
+                    match tail {
+                        // The listing ended in this range's last page (a guess past the end of a
+                        // directory of two pages, say): the ranges after it would only list that
+                        // page's tail again, so they are not waited for.
+                        Some(tail) => out.extend(tail),
+                        None => out.extend(theirs.await?.into_iter().flatten()),
+                    }
+                }
+                Either::Right((theirs, mine)) => {
+                    let theirs = theirs?;
+                    out.extend(mine.await?.0);
+                    out.extend(theirs.into_iter().flatten());
+                }
+            }
             Ok(out)
         }
         .boxed()
     }
 
     /// Pages on from `token` (a continuation of a listing that started after `start`, whose
-    /// last page ended at `last`) and keeps what sorts in `(start, end]`.
+    /// last page ended at `last`) and keeps what sorts in `(start, end]`. When the listing ended
+    /// in the last page read (no continuation token), also returns what that page held past
+    /// `end`: everything the listing has after this range. The first request asks for
+    /// `first_max_keys` entries if given (the rest for the listing's page size).
     async fn rest(
         &self,
         token: Option<String>,
         mut last: Option<String>,
         start: Option<String>,
         end: Option<String>,
-    ) -> Result<Vec<Entry>> {
+        first_max_keys: Option<u32>,
+    ) -> Result<(Vec<Entry>, Option<Vec<Entry>>)> {
         let mut out = Vec::new();
         let Some(token) = token else {
-            return Ok(out);
+            return Ok((out, None));
         };
         let req = ListRequest {
             prefix: self.opts.prefix,
             delimiter: self.opts.delimiter,
             start_after: None,
             continuation: Some(token),
-            max_keys: self.opts.page_size,
+            max_keys: first_max_keys.or(self.opts.page_size),
         };
-        let pages = pages(self.bucket, req, |req| self.fetch(req));
+        let first_request = std::cell::Cell::new(true);
+        let pages = pages(self.bucket, req, move |req| {
+            let max_keys = match first_request.replace(false) {
+                true => req.max_keys,
+                false => self.opts.page_size,
+            };
+            self.fetch(ListRequest { max_keys, ..req })
+        });
         futures::pin_mut!(pages);
         while !self.unordered.load(Ordering::Relaxed) {
             let Some(page) = pages.try_next().await? else {
@@ -380,12 +423,20 @@ impl<'a> Lister<'a> {
                 last = Some(l.to_owned());
             }
             let done = page.ends(end.as_deref());
-            keep(&mut out, page.entries, start.as_deref(), end.as_deref());
+            let ended = page.next_token.is_none();
+            let (inside, past): (Vec<Entry>, Vec<Entry>) = page
+                .entries
+                .into_iter()
+                .partition(|e| end.as_deref().is_none_or(|x| e.name() <= x));
+            keep(&mut out, inside, start.as_deref(), None);
+            if ended && !self.unordered.load(Ordering::Relaxed) {
+                return Ok((out, Some(past)));
+            }
             if done {
                 break;
             }
         }
-        Ok(out)
+        Ok((out, None))
     }
 }
 
@@ -410,11 +461,11 @@ const CLASSES: [&[u8]; 5] = [
     b" !\"#$%&'()*+,-./0123456789:;<=>?@ABCDEFGHIJKLMNOPQRSTUVWXYZ[\\]^_`abcdefghijklmnopqrstuvwxyz{|}~",
 ];
 
-/// Up to `count` strictly increasing guesses past the page's last name, about one page apart:
-/// where the names one page, two pages, … after this page would sort, extrapolated linearly
-/// over the positions where the page's names differ, each position read as a digit of its own
-/// character class. Empty when the page allows no guess.
-fn guess_splits(entries: &[Entry], count: usize) -> Vec<String> {
+/// Up to `count` strictly increasing guesses past the page's last name, about `1 / parts` of a
+/// page apart: where the names one page (`parts` = 1), two pages, … after this page would sort,
+/// extrapolated linearly over the positions where the page's names differ, each position read
+/// as a digit of its own character class. Empty when the page allows no guess.
+fn guess_splits(entries: &[Entry], count: usize, parts: u128) -> Vec<String> {
     let (Some(first), Some(last)) = (entries.first(), entries.last()) else {
         return Vec::new();
     };
@@ -458,7 +509,11 @@ fn guess_splits(entries: &[Entry], count: usize) -> Vec<String> {
     let max: u128 = classes.iter().fold(1u128, |m, c| m * c.len() as u128);
     let (v_first, v_last) = (value(first), value(last));
     let per_entry = (v_last.saturating_sub(v_first)) / (n - 1);
-    let Some(per_page) = per_entry.checked_mul(n).filter(|p| *p > 0) else {
+    let Some(per_page) = per_entry
+        .checked_mul(n)
+        .map(|p| p / parts.max(1))
+        .filter(|p| *p > 0)
+    else {
         return Vec::new();
     };
     let mut splits = Vec::with_capacity(count);
@@ -512,7 +567,7 @@ mod tests {
         let page: Vec<String> = (0..1000).map(|i| format!("d/f-{i:05}")).collect();
         let refs: Vec<&str> = page.iter().map(String::as_str).collect();
         assert_eq!(
-            guess_splits(&names(&refs), 3),
+            guess_splits(&names(&refs), 3, 1),
             ["d/f-01999", "d/f-02999", "d/f-03999"]
         );
     }
@@ -522,7 +577,7 @@ mod tests {
         let page: Vec<String> = (0..100).map(|i| format!("img_{i:06}.jpg")).collect();
         let refs: Vec<&str> = page.iter().map(String::as_str).collect();
         assert_eq!(
-            guess_splits(&names(&refs), 2),
+            guess_splits(&names(&refs), 2, 1),
             ["img_000199.jpg", "img_000299.jpg"]
         );
     }
@@ -533,20 +588,26 @@ mod tests {
         // The first position has only shown '0' and '1', so it counts in decimal: fine until 'a'.
         let page: Vec<String> = (0..100).map(|i| format!("{:03x}", i * 4)).collect();
         let refs: Vec<&str> = page.iter().map(String::as_str).collect();
-        assert_eq!(guess_splits(&names(&refs), 4), ["31c", "4ac", "63c", "7cc"]);
+        assert_eq!(
+            guess_splits(&names(&refs), 4, 1),
+            ["31c", "4ac", "63c", "7cc"]
+        );
     }
 
     #[test]
     fn no_guess_without_room_or_for_unusable_names() {
-        assert!(guess_splits(&names(&["a"]), 4).is_empty());
+        assert!(guess_splits(&names(&["a"]), 4, 1).is_empty());
         // A shared non-ASCII prefix is fine; the guesses stop where the last position runs out.
-        assert_eq!(guess_splits(&names(&["ä1", "ä2"]), 4), ["ä4", "ä6", "ä8"]);
+        assert_eq!(
+            guess_splits(&names(&["ä1", "ä2"]), 4, 1),
+            ["ä4", "ä6", "ä8"]
+        );
         assert!(
-            guess_splits(&names(&["1ä", "2é"]), 4).is_empty(),
+            guess_splits(&names(&["1ä", "2é"]), 4, 1).is_empty(),
             "non-ASCII where they differ"
         );
         // The last possible name: nothing sorts after "zz" in its class without a longer name.
-        assert!(guess_splits(&names(&["zy", "zz"]), 4).is_empty());
+        assert!(guess_splits(&names(&["zy", "zz"]), 4, 1).is_empty());
     }
 
     /// A store that counts LISTs in flight and yields between, so that concurrent ranges interleave.
@@ -557,6 +618,10 @@ mod tests {
         peak: AtomicUsize,
         /// List as a file-system walk does instead of in byte order (see `walk_list`).
         walk_order: bool,
+        /// A LIST with `start_after` (a guessed range) takes an hour.
+        slow_guesses: bool,
+        /// `max_keys` of every LIST, in the order they were asked.
+        asked: std::sync::Mutex<Vec<Option<u32>>>,
     }
 
     /// A LIST in the order of a file-system walk, where a directory's entries come before the
@@ -612,7 +677,10 @@ mod tests {
         async fn list(&self, bucket: &str, req: ListRequest<'_>) -> Result<ListPage> {
             let now = self.now.fetch_add(1, Ordering::SeqCst) + 1;
             self.peak.fetch_max(now, Ordering::SeqCst);
-            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            self.asked.lock().unwrap().push(req.max_keys);
+            let guess = self.slow_guesses && req.start_after.is_some();
+            let ms = if guess { 3_600_000 } else { 10 };
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
             let page = match self.walk_order {
                 true => Ok(walk_list(self.inner.keys(bucket), &req)),
                 false => self.inner.list(bucket, req).await,
@@ -689,6 +757,8 @@ mod tests {
             now: AtomicUsize::new(0),
             peak: AtomicUsize::new(0),
             walk_order: false,
+            slow_guesses: false,
+            asked: Default::default(),
         }
     }
 
@@ -809,6 +879,57 @@ mod tests {
         // Decimal names are guessed exactly: each page once, plus one empty LIST past the end per
         // guess of the last wave.
         assert!(par.requests <= 100 + 8, "{} requests", par.requests);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_listing_that_ends_in_the_next_page_does_not_wait_for_the_guesses_past_it() {
+        // Two pages; the guess half a page after the first lands before the second, whose
+        // first half-page request ends the listing.
+        let keys: Vec<String> = (0..100)
+            .map(|i| format!("data/f-{i:04}"))
+            .chain((0..40).map(|i| format!("data/g-{i:04}")))
+            .collect();
+        let store = Counting {
+            slow_guesses: true,
+            ..store_with(&keys).await
+        };
+        let seq = sequential(&store, "data/", Some("/"), 100).await;
+        let opts = ListAll {
+            page_size: Some(100),
+            ..ListAll::dir("data/", 8)
+        };
+        let t = tokio::time::Instant::now();
+        let par = list_all(&store, B, opts).await.unwrap();
+        assert_eq!(names_of(&par), names_of(&seq));
+        assert_eq!(par.requests, 3, "the first page, the next, one guess");
+        assert!(
+            t.elapsed() < std::time::Duration::from_secs(60),
+            "waited for the guess: {:?}",
+            t.elapsed()
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_directory_of_two_pages_lists_its_second_in_two_halves_at_once() {
+        let keys: Vec<String> = (0..200).map(|i| format!("data/f-{i:04}")).collect();
+        let store = store_with(&keys).await;
+        let seq = sequential(&store, "data/", Some("/"), 100).await;
+        store.peak.store(0, Ordering::SeqCst);
+        store.asked.lock().unwrap().clear();
+        let opts = ListAll {
+            page_size: Some(100),
+            ..ListAll::dir("data/", 8)
+        };
+        let par = list_all(&store, B, opts).await.unwrap();
+        assert_eq!(names_of(&par), names_of(&seq));
+        assert_eq!(
+            par.requests, 3,
+            "no more LISTs than page by page and one guess"
+        );
+        assert_eq!(store.peak.load(Ordering::SeqCst), 2, "the halves at once");
+        let mut asked = store.asked.lock().unwrap().clone();
+        asked.sort();
+        assert_eq!(asked, [Some(50), Some(100), Some(100)]);
     }
 
     /// Key names of the shapes datasets use, and some that defeat every guess.
