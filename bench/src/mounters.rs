@@ -288,7 +288,10 @@ impl Mount {
             // The endpoint is plain http; a CA bundle from the caller's environment only breaks
             // rclone's SDK ("unsupported transport").
             .env_remove("AWS_CA_BUNDLE")
-            .env("FERRY_LOG", "warn")
+            .env(
+                "FERRY_LOG",
+                std::env::var("FERRY_BENCH_LOG").unwrap_or_else(|_| "warn".into()),
+            )
             .env("RCLONE_CONFIG", work.join("rclone.conf"))
             .stdin(Stdio::null())
             .stdout(out.try_clone()?)
