@@ -167,6 +167,10 @@ pub struct DirHandle {
     pub listed_at: Option<Instant>,
     /// A `readdir` has been answered from this snapshot (so offset 0 again means rewind).
     pub served: bool,
+    /// The snapshot is a directory's first page, served while the rest is listed: past its end,
+    /// the rest of the listing joins it.
+    #[serde(default)]
+    pub partial: bool,
 }
 
 /// Open handles by number.

@@ -167,6 +167,7 @@ impl JournaledHandle {
                 snapshot: None,
                 listed_at: None,
                 served: false,
+                partial: false,
             }),
             JournaledHandle::Write {
                 ino,

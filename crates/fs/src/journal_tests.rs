@@ -419,6 +419,7 @@ proptest! {
                         snapshot: None,
                         listed_at: None,
                         served: false,
+                        partial: false,
                     }));
                 }
                 Op::Close(i) => {

@@ -171,6 +171,9 @@ struct FsState {
     /// directory asks for a whole page): the next listing goes on from it (bounded: the oldest
     /// goes past [`FIRST_PAGES_MAX`]).
     first_pages: HashMap<Ino, FirstPage>,
+    /// Listings going on in the background from a first page a `readdir` already served
+    /// (bounded like the first pages: the oldest is dropped).
+    rest_listings: HashMap<Ino, RestListing>,
     /// Per directory: opens for reading counted towards a sweep, or the sweep (see [`sweep`]).
     sweeps: HashMap<Ino, sweep::SweepState>,
     /// Sweeps of this mount that may run at once (the others wait).
@@ -188,6 +191,17 @@ struct FirstPage {
     /// [`FsState::changes`] when the LIST was sent: a change through this mount since then
     /// discards the page.
     changes: u64,
+}
+
+/// The rest of a directory's listing, going on in the background from a lookup's first page
+/// whose entries a `readdir` served meanwhile (see [`Fs::list_dir_start`]).
+#[derive(Debug)]
+struct RestListing {
+    /// The directory's prefix.
+    prefix: String,
+    /// When the first page's LIST was sent: the listing is as old as that.
+    at: Instant,
+    task: tokio::task::JoinHandle<ferry_store::Result<ferry_store::Listed>>,
 }
 
 /// Most first pages kept (each up to 1,000 entries).
@@ -211,6 +225,7 @@ impl FsState {
             probed: HashSet::new(),
             changes: 0,
             first_pages: HashMap::new(),
+            rest_listings: HashMap::new(),
             sweeps: HashMap::new(),
             sweep_slots: Arc::new(tokio::sync::Semaphore::new(sweep::SWEEPS_AT_ONCE)),
         }

@@ -339,6 +339,7 @@ impl Fs {
             snapshot: None,
             listed_at: None,
             served: false,
+            partial: false,
         })))
     }
 
@@ -358,14 +359,34 @@ impl Fs {
     /// The directory's entries, local ones merged in, and when S3's part was listed: from the
     /// cached listing while it is valid, else listed (every page), refreshing the caches.
     pub(super) async fn list_dir(&self, ino: Ino) -> Result<(Vec<ListedEntry>, Instant), FsError> {
-        let (dprefix, first) = {
-            let mut st = self.lock();
+        let (entries, at, _) = self.list_dir_start(ino, true).await?;
+        Ok((entries, at))
+    }
+
+    /// [`Fs::list_dir`]; with `stream`, a directory whose listing would go on from a lookup's
+    /// first page (more pages to come, no local entries) is answered with that page's entries
+    /// at once, while the rest is listed in the background (the third value is then true, and
+    /// the next `list_dir` of the directory waits for that listing instead of starting one).
+    /// The page leaves out names that a later page could name again (those that the page's last
+    /// key starts with), so the rest joins it without duplicates.
+    pub(super) async fn list_dir_start(
+        &self,
+        ino: Ino,
+        stream: bool,
+    ) -> Result<(Vec<ListedEntry>, Instant, bool), FsError> {
+        let (dprefix, first, rest) = {
+            let mut guard = self.lock();
+            let st = &mut *guard;
             let first = st.first_pages.remove(&ino);
+            let rest = st.rest_listings.remove(&ino);
             let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
             if inode.kind != Kind::Dir {
                 return Err(FsError::NotDir);
             }
             if let Some((listing, at)) = inode.cache.cached_listing(Instant::now()) {
+                if let Some(rest) = rest {
+                    rest.task.abort();
+                }
                 let mut entries = Vec::clone(listing);
                 for (name, child) in &inode.children {
                     let Some(c) = st.inodes.get(*child).filter(|c| c.is_local()) else {
@@ -381,7 +402,7 @@ impl Fs {
                         Err(i) => entries.insert(i, local),
                     }
                 }
-                return Ok((entries, *at));
+                return Ok((entries, *at, false));
             }
             let dprefix = dir_prefix(&self.cfg.prefix, &inode.path);
             // A lookup's first page, if it is still believed and no change was made through
@@ -393,9 +414,62 @@ impl Fs {
                     && p.at.elapsed() < FIRST_PAGE_MAX_AGE
                     && Validity::new(self.cfg.metadata_ttl, p.at).is_valid(Instant::now())
             });
-            (dprefix, first)
+            let rest = rest.filter(|r| r.prefix == dprefix);
+            let has_local = inode
+                .children
+                .values()
+                .any(|c| st.inodes.get(*c).is_some_and(|c| c.is_local()));
+            let now = Instant::now();
+            match first {
+                Some(p)
+                    if stream && rest.is_none() && !has_local && p.page.next_token.is_some() =>
+                {
+                    let partial =
+                        first_page_entries(&p, &dprefix, |name| inode.cache.is_negative(name, now));
+                    if !partial.is_empty() {
+                        let (store, bucket) = (self.store.clone(), self.cfg.bucket.clone());
+                        let (prefix, page) = (dprefix.clone(), p.page);
+                        let task = tokio::spawn(async move {
+                            let opts = ListAll {
+                                first_page: Some(&page),
+                                ..ListAll::dir(&prefix, LIST_CONCURRENCY)
+                            };
+                            list_all(&*store, &bucket, opts).await
+                        });
+                        if st.rest_listings.len() >= FIRST_PAGES_MAX {
+                            let oldest = st.rest_listings.iter().min_by_key(|(_, r)| r.at);
+                            if let Some(&oldest) = oldest.map(|(ino, _)| ino) {
+                                if let Some(r) = st.rest_listings.remove(&oldest) {
+                                    r.task.abort();
+                                }
+                            }
+                        }
+                        st.rest_listings.insert(
+                            ino,
+                            RestListing {
+                                prefix: dprefix,
+                                at: p.at,
+                                task,
+                            },
+                        );
+                        return Ok((partial, p.at, true));
+                    }
+                    (dprefix, Some(p), rest)
+                }
+                first => (dprefix, first, rest),
+            }
         };
         let mut builder = ListingBuilder::new(&dprefix);
+        // The listing going on from a page served earlier: its end, as old as its first page.
+        if let Some(rest) = rest {
+            if let Ok(listed) = rest.task.await {
+                let listed = listed?;
+                builder.add_page(&listed.objects, &listed.common_prefixes);
+                let (entries, at) = self.install_listing(ino, builder.finish(), rest.at, true)?;
+                return Ok((entries, at, false));
+            }
+            // Aborted (dropped for a newer one): listed anew.
+        }
         let started = Instant::now();
         let listed = list_all(
             &*self.store,
@@ -407,11 +481,12 @@ impl Fs {
         )
         .await?;
         builder.add_page(&listed.objects, &listed.common_prefixes);
-        match first {
+        let (entries, at) = match first {
             // As old as its first page; names learned missing since then stay missing.
-            Some(p) => self.install_listing(ino, builder.finish(), p.at, true),
-            None => self.install_listing(ino, builder.finish(), started, false),
-        }
+            Some(p) => self.install_listing(ino, builder.finish(), p.at, true)?,
+            None => self.install_listing(ino, builder.finish(), started, false)?,
+        };
+        Ok((entries, at, false))
     }
 
     /// Makes `listing` (taken at `now`) directory `ino`'s listing: live children learn its
@@ -536,9 +611,25 @@ impl Fs {
             return Err(bad_fh());
         }
         if d.snapshot.is_none() || (offset == 0 && d.served) {
-            let (entries, listed_at) = self.list_dir(ino).await?;
+            let (entries, listed_at, partial) = self.list_dir_start(ino, true).await?;
             d.snapshot = Some(entries);
             d.listed_at = Some(listed_at);
+            d.partial = partial;
+        }
+        // Past the end of a first page served while the rest was listed: the rest joins it
+        // (names the page showed are not repeated; offsets already handed out keep their entry).
+        let served_len = d.snapshot.as_ref().map_or(0, Vec::len) as u64;
+        if d.partial && offset >= served_len + 2 {
+            let (entries, listed_at) = self.list_dir(ino).await?;
+            let snapshot = d.snapshot.get_or_insert_with(Vec::new);
+            let seen: HashSet<&str> = snapshot.iter().map(|e| e.name.as_str()).collect();
+            let rest: Vec<ListedEntry> = entries
+                .into_iter()
+                .filter(|e| !seen.contains(e.name.as_str()))
+                .collect();
+            snapshot.extend(rest);
+            d.listed_at = Some(listed_at);
+            d.partial = false;
         }
         d.served = true;
         let entries = d.snapshot.as_deref().unwrap_or_default();
@@ -854,4 +945,31 @@ impl Fs {
             frsize: BLKSIZE,
         }
     }
+}
+
+/// The entries of a directory's first listing page `p` (of the directory whose key prefix is
+/// `dprefix`) that no later page can name again, except names `negative` says are missing. A
+/// later page holds only keys after the page's last key `L`; a name `n` of this page is named
+/// again (a directory `n/` shadowing the file `n`) only if `n <= L < n/`, that is if `L` starts
+/// with `n`: such names are left to the rest of the listing. (A later directory can still sort
+/// before some of the page's names, `a/` after `a-b`: it is then served after them.)
+fn first_page_entries(
+    p: &FirstPage,
+    dprefix: &str,
+    negative: impl Fn(&str) -> bool,
+) -> Vec<ListedEntry> {
+    let page = &p.page;
+    let last = page
+        .objects
+        .iter()
+        .map(|o| o.key.as_str())
+        .chain(page.common_prefixes.iter().map(String::as_str))
+        .max()
+        .unwrap_or_default();
+    let last = last.strip_prefix(dprefix).unwrap_or_default();
+    let mut builder = ListingBuilder::new(dprefix);
+    builder.add_page(&page.objects, &page.common_prefixes);
+    let mut entries = builder.finish().entries;
+    entries.retain(|e| !last.starts_with(e.name.as_str()) && !negative(&e.name));
+    entries
 }

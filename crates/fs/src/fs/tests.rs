@@ -287,12 +287,10 @@ async fn pagination_lists_every_entry_once_with_stable_offsets() {
     seen.dedup();
     assert_eq!(seen.len(), total + 20, "every entry exactly once");
     assert_eq!(listed, seen, "in name order");
-    assert_eq!(
-        store.stats().list,
-        3,
-        "2520 entries = 3 pages of 1000, the first one listed by walk's lookup, the second \
-         in two halves"
-    );
+    // 2520 entries = 3 pages of 1000, the first one listed by walk's lookup, the second in
+    // two halves; the range guessed past the end may be asked too (it is not waited for).
+    let lists = store.stats().list;
+    assert!((3..=4).contains(&lists), "{lists} LISTs");
 
     // Offsets index the snapshot taken at the first readdir: a key added meanwhile neither shifts
     // nor duplicates entries; a rewind (offset 0 again) within the TTL is served from the cached
@@ -333,7 +331,7 @@ async fn pagination_lists_every_entry_once_with_stable_offsets() {
     };
     fs.readdir(big, fh, 0, false, &mut rewound).await.unwrap();
     assert_eq!(rewound.got.len(), total + 20 + 2);
-    assert_eq!(store.stats().list, 3, "served from the listing cache");
+    assert_eq!(store.stats().list, lists, "served from the listing cache");
     fs.releasedir(fh);
     assert_eq!(fs.table_sizes().1, 0);
 }
@@ -1553,20 +1551,25 @@ async fn listing_cache_serves_new_opendirs_within_the_ttl() {
     store.reset_stats();
     assert_eq!(list_batched(&fs, d, 50, true).await.len(), 1500);
     // Two pages (the first one listed by walk's lookup of d); the second's first half (500
-    // entries) ends the listing, so the range guessed after it is not waited for (here, not
+    // entries) ends the listing, so the range guessed after it is not waited for (perhaps not
     // even asked): once, not per readdir call.
-    assert_eq!(store.stats().list, 1, "half a page, once");
+    let lists = store.stats().list;
+    assert!((1..=2).contains(&lists), "half a page, once: {lists} LISTs");
     for _ in 0..3 {
         assert_eq!(list_batched(&fs, d, 100, false).await.len(), 1500);
     }
-    assert_eq!(store.stats().list, 1, "new opendirs served from the cache");
+    assert_eq!(
+        store.stats().list,
+        lists,
+        "new opendirs served from the cache"
+    );
     // A change through this mount is seen at once.
     fs.unlink(d, n("f0000")).await.unwrap();
     let names_now = names(&fs, d).await;
     assert_eq!(names_now.len(), 1499);
     assert_eq!(
         store.stats().list,
-        1 + 1 + 2,
+        lists + 1 + 2,
         "keep_dir_if_empty + a fresh listing (a page and half a page)"
     );
     write_new(&fs, d, "new", b"n", 1).await;
@@ -1889,6 +1892,72 @@ async fn a_writer_that_cannot_get_memory_goes_over_the_budget_after_a_bounded_wa
     assert_eq!(mem.get_object(B, "f").unwrap().len(), 100);
 }
 
+/// A cold `readdir` after the lookup that brought a directory's first page answers from that
+/// page at once and lists the rest meanwhile; every entry comes once, whatever the pages'
+/// boundary splits (a file shadowed by a directory of the same name on a later page, which also
+/// sorts before names of the first page).
+#[tokio::test]
+async fn a_cold_readdir_serves_the_lookups_first_page_while_the_rest_is_listed() {
+    let (store, fs) = setup(|_| {});
+    // Page 1 (1,000 keys): 997 "f…", then "zb", "zb-0" and "zb-1"; the next pages: "zb/x"
+    // (the directory "zb", shadowing the file, and sorting before "zb-0") and 300 "zz…".
+    for i in 0..997 {
+        store.insert(B, &format!("d/f{i:04}"), &b"x"[..]);
+    }
+    for k in ["d/zb", "d/zb-0", "d/zb-1", "d/zb/x"] {
+        store.insert(B, k, &b"x"[..]);
+    }
+    for i in 0..300 {
+        store.insert(B, &format!("d/zz{i:04}"), &b"x"[..]);
+    }
+    let d = walk(&fs, "d").await.unwrap().attr.ino;
+    store.reset_stats();
+    let fh = fs.opendir(d).unwrap();
+    let mut offset = 0;
+    let mut seen: Vec<(String, Kind)> = Vec::new();
+    loop {
+        let mut sink = VecSink {
+            cap: 64,
+            got: Vec::new(),
+        };
+        fs.readdir(d, fh, offset, true, &mut sink).await.unwrap();
+        if offset == 0 {
+            assert_eq!(sink.got.len(), 64);
+            assert_eq!(store.stats().list, 0, "answered before any LIST");
+        }
+        let Some(last) = sink.got.last() else {
+            break;
+        };
+        offset = last.2;
+        seen.extend(
+            sink.got
+                .into_iter()
+                .filter(|e| e.0 != "." && e.0 != "..")
+                .map(|e| (e.0, e.3)),
+        );
+    }
+    fs.releasedir(fh);
+    assert!(store.stats().list >= 1, "the rest was listed");
+    assert_eq!(seen.len(), 997 + 3 + 300);
+    seen.sort();
+    seen.dedup();
+    assert_eq!(seen.len(), 997 + 3 + 300, "every entry once");
+    let kind = |name: &str| seen.iter().find(|(n, _)| n == name).map(|(_, k)| *k);
+    assert_eq!(
+        kind("zb"),
+        Some(Kind::Dir),
+        "the directory shadows the file"
+    );
+    assert_eq!(kind("zb-0"), Some(Kind::File));
+    assert_eq!(kind("zb-1"), Some(Kind::File));
+    // The listing is cached as a whole: a new handle lists nothing again, in name order.
+    let lists = store.stats().list;
+    let again = names(&fs, d).await;
+    assert_eq!(again.len(), 997 + 3 + 300);
+    assert!(again.windows(2).all(|w| w[0].0 < w[1].0), "in name order");
+    assert_eq!(store.stats().list, lists);
+}
+
 /// `ls -la dir` on a cold mount: the lookup's LIST of `dir/` brings the first page, which the
 /// listing goes on from — but not once this mount changed the namespace since, nor past the TTL.
 #[tokio::test(start_paused = true)]
@@ -1903,12 +1972,10 @@ async fn a_lookups_first_page_starts_the_listing_unless_stale() {
     assert_eq!(store.stats().list, 1, "the lookup's LIST");
     store.reset_stats();
     assert_eq!(names(&fs, d).await.len(), 1200);
-    assert_eq!(
-        store.stats().list,
-        1,
-        "the rest after the first page (the range guessed past it not waited for), not the \
-         first page again"
-    );
+    // The rest after the first page (the range guessed past it perhaps asked, not waited
+    // for), not the first page again.
+    let lists = store.stats().list;
+    assert!((1..=2).contains(&lists), "{lists} LISTs");
 
     // A change through this mount after the lookup: the page may miss it.
     let e = walk(&fs, "e").await.unwrap().attr.ino;
