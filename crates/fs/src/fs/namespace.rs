@@ -359,7 +359,7 @@ impl Fs {
     /// The directory's entries, local ones merged in, and when S3's part was listed: from the
     /// cached listing while it is valid, else listed (every page), refreshing the caches.
     pub(super) async fn list_dir(&self, ino: Ino) -> Result<(Vec<ListedEntry>, Instant), FsError> {
-        let (entries, at, _) = self.list_dir_start(ino, true).await?;
+        let (entries, at, _) = self.list_dir_start(ino, false).await?;
         Ok((entries, at))
     }
 
