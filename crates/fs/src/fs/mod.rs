@@ -201,6 +201,9 @@ struct RestListing {
     prefix: String,
     /// When the first page's LIST was sent: the listing is as old as that.
     at: Instant,
+    /// [`FsState::changes`] when the first page's LIST was sent: a change through this mount
+    /// since then makes the next listing start anew.
+    changes: u64,
     task: tokio::task::JoinHandle<ferry_store::Result<ferry_store::Listed>>,
 }
 

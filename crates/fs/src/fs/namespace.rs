@@ -414,7 +414,16 @@ impl Fs {
                     && p.at.elapsed() < FIRST_PAGE_MAX_AGE
                     && Validity::new(self.cfg.metadata_ttl, p.at).is_valid(Instant::now())
             });
-            let rest = rest.filter(|r| r.prefix == dprefix);
+            // The listing going on from a first page served earlier, unless a change was made
+            // through this mount since that page was listed (it may not show the change).
+            let rest = match rest {
+                Some(r) if r.prefix == dprefix && r.changes == st.changes => Some(r),
+                Some(r) => {
+                    r.task.abort();
+                    None
+                }
+                None => None,
+            };
             let has_local = inode
                 .children
                 .values()
@@ -449,6 +458,7 @@ impl Fs {
                             RestListing {
                                 prefix: dprefix,
                                 at: p.at,
+                                changes: p.changes,
                                 task,
                             },
                         );

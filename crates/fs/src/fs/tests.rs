@@ -1958,6 +1958,56 @@ async fn a_cold_readdir_serves_the_lookups_first_page_while_the_rest_is_listed()
     assert_eq!(store.stats().list, lists);
 }
 
+/// A change through this mount while a first page is served and the rest listed: the rest is
+/// listed anew, so what the listing joins shows the change.
+#[tokio::test]
+async fn a_change_while_the_rest_is_listed_lists_it_anew() {
+    let (store, fs) = setup(|_| {});
+    for i in 0..1000 {
+        store.insert(B, &format!("d/f{i:04}"), &b"x"[..]);
+    }
+    for i in 0..300 {
+        store.insert(B, &format!("d/zz{i:04}"), &b"x"[..]);
+    }
+    let d = walk(&fs, "d").await.unwrap().attr.ino;
+    let fh = fs.opendir(d).unwrap();
+    let mut sink = VecSink {
+        cap: 64,
+        got: Vec::new(),
+    };
+    fs.readdir(d, fh, 0, true, &mut sink).await.unwrap();
+    let mut offset = sink.got.last().unwrap().2;
+    let mut seen: Vec<String> = sink.got.into_iter().map(|e| e.0).collect();
+    // The rest's LIST has answered (before the change).
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    fs.unlink(d, n("zz0000")).await.unwrap();
+    write_new(&fs, d, "zz0000-new", b"n", 1).await;
+    store.reset_stats();
+    loop {
+        let mut sink = VecSink {
+            cap: 64,
+            got: Vec::new(),
+        };
+        fs.readdir(d, fh, offset, true, &mut sink).await.unwrap();
+        let Some(last) = sink.got.last() else {
+            break;
+        };
+        offset = last.2;
+        seen.extend(sink.got.into_iter().map(|e| e.0));
+    }
+    fs.releasedir(fh);
+    assert!(store.stats().list >= 1, "listed anew");
+    assert!(
+        !seen.iter().any(|n| n == "zz0000"),
+        "the unlinked file is gone"
+    );
+    assert!(
+        seen.iter().any(|n| n == "zz0000-new"),
+        "the new file is there"
+    );
+    assert_eq!(seen.len(), 2 + 1000 + 300, "every entry once");
+}
+
 /// `ls -la dir` on a cold mount: the lookup's LIST of `dir/` brings the first page, which the
 /// listing goes on from — but not once this mount changed the namespace since, nor past the TTL.
 #[tokio::test(start_paused = true)]
