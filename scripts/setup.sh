@@ -31,8 +31,10 @@ VERSITYGW_VERSION=v1.7.0
 PROMTOOL_VERSION=v0.316.0
 mkdir -p "$FERRY_TOOLS"
 # Go's build cache for these tools is several GB (kubernetes) and of no use once a tool is stamped:
-# it lives beside the tools and is deleted when setup ends.
-export GOCACHE="$(dirname "$FERRY_TOOLS")/go-build"
+# each run gets its own beside the tools (on the same disk, not a small /tmp), deleted when that run
+# ends, so a setup killed or ending early never removes the cache of another one still building.
+GOCACHE="$(mktemp -d "$(dirname "$FERRY_TOOLS")/go-build.XXXXXX")"
+export GOCACHE
 trap 'rm -rf "$GOCACHE"' EXIT
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
