@@ -12,7 +12,8 @@
 //! [`ALIGN`]-aligned in memory, written at an aligned file offset (a block's data: a block file
 //! starts with it, and the S3 client reads bodies into page-aligned buffers), goes to the disk
 //! from where it is, whole pages at a time; only the rest is copied into the buffer. The last
-//! piece is padded with zeros to [`ALIGN`] and the file then cut to its length. A filesystem
+//! piece shorter than a page (a block file's trailer) is written through the page cache, at its
+//! exact length, once `O_DIRECT` is cleared on the descriptor. A filesystem
 //! that refuses `O_DIRECT` (tmpfs on older kernels, some FUSE or network filesystems) is found
 //! by [`supported`] once, at cache open, and written through the page cache as before.
 
@@ -107,19 +108,35 @@ impl DirectFile {
         Ok(())
     }
 
-    /// Writes what is left (padded to [`ALIGN`] with zeros) and cuts the file to the bytes
-    /// written.
+    /// Writes what is left: its whole pages with `O_DIRECT`, then the last piece shorter than a
+    /// page through the page cache at its exact length (`O_DIRECT` cleared on this descriptor).
+    /// Padding that piece to a page and cutting the file back instead costs a second device
+    /// write and a truncate, which reads the file's last block back from the disk to zero its
+    /// rest: on the benchmark VM those two were more of a block file's cost than its data
+    /// (`doc/BENCHMARKS.md`, issue 17). Where `O_DIRECT` cannot be cleared, the piece is padded
+    /// and the file cut as before.
     pub fn finish(mut self) -> io::Result<()> {
-        let len = self.offset + self.filled as u64;
-        if self.filled > 0 {
-            let padded = self.filled.next_multiple_of(ALIGN);
-            let filled = self.filled;
-            self.buf.as_mut().expect("buffer until drop").as_mut()[filled..padded].fill(0);
-            self.write_out(padded)?;
-            self.filled = 0;
-            self.file.set_len(len)?;
+        let filled = self.filled;
+        if filled == 0 {
+            return Ok(());
         }
-        Ok(())
+        let whole = filled / ALIGN * ALIGN;
+        if whole > 0 {
+            self.write_out(whole)?;
+        }
+        let rest = whole..filled;
+        if rest.is_empty() {
+            return Ok(());
+        }
+        let buf = self.buf.as_mut().expect("buffer until drop").as_mut();
+        if clear_direct(&self.file).is_ok() {
+            return self.file.write_all_at(&buf[rest], self.offset);
+        }
+        let len = self.offset + rest.len() as u64;
+        buf.copy_within(rest.clone(), 0);
+        buf[rest.len()..ALIGN].fill(0);
+        self.write_out(ALIGN)?;
+        self.file.set_len(len)
     }
 }
 
@@ -158,6 +175,23 @@ impl Drop for DirectFile {
             SPARE.with(|s| *s.borrow_mut() = Some(buf));
         }
     }
+}
+
+/// Turns `O_DIRECT` off on `file`'s open file description: later writes go through the page
+/// cache.
+fn clear_direct(file: &File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = file.as_raw_fd();
+    // SAFETY: fcntl on a descriptor `file` owns; F_GETFL/F_SETFL touch no memory.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    if flags < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: as above.
+    if unsafe { libc::fcntl(fd, libc::F_SETFL, flags & !libc::O_DIRECT) } < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    Ok(())
 }
 
 /// Whether files in `dir` can be written with `O_DIRECT` (one aligned page is written to a
