@@ -161,7 +161,7 @@ struct FsState {
     io: HashMap<Ino, IoModes>,
     /// Listings started by the first lookup miss in a directory without a cached listing, with
     /// [`FsState::changes`] and the time at their start (see [`Fs::probe_dir`]).
-    probes: HashMap<Ino, (u64, Instant, tokio::task::JoinHandle<Option<Listing>>)>,
+    probes: HashMap<Ino, (u64, Instant, Owned<Option<Listing>>)>,
     /// Directories probed already (bounded: cleared past [`PROBED_MAX`]).
     probed: HashSet<Ino>,
     /// Bumped by every change this mount makes to the namespace: a probe that started before
@@ -178,6 +178,39 @@ struct FsState {
     sweeps: HashMap<Ino, sweep::SweepState>,
     /// Sweeps of this mount that may run at once (the others wait).
     sweep_slots: Arc<tokio::sync::Semaphore>,
+}
+
+/// A background task of this mount (a directory's probe or the rest of its listing, a sweep):
+/// aborted when dropped, so none outlives the mount (its `FsState`) or the state that wants its
+/// result. Awaiting it gives the task's result.
+#[derive(Debug)]
+pub(super) struct Owned<T>(tokio::task::JoinHandle<T>);
+
+impl<T: Send + 'static> Owned<T> {
+    pub(super) fn spawn(task: impl std::future::Future<Output = T> + Send + 'static) -> Self {
+        Owned(tokio::spawn(task))
+    }
+
+    pub(super) fn is_finished(&self) -> bool {
+        self.0.is_finished()
+    }
+}
+
+impl<T> std::future::Future for Owned<T> {
+    type Output = Result<T, tokio::task::JoinError>;
+
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Self::Output> {
+        std::pin::Pin::new(&mut self.0).poll(cx)
+    }
+}
+
+impl<T> Drop for Owned<T> {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// A directory's first listing page, taken by a lookup's LIST.
@@ -204,7 +237,7 @@ struct RestListing {
     /// [`FsState::changes`] when the first page's LIST was sent: a change through this mount
     /// since then makes the next listing start anew.
     changes: u64,
-    task: tokio::task::JoinHandle<ferry_store::Result<ferry_store::Listed>>,
+    task: Owned<ferry_store::Result<ferry_store::Listed>>,
 }
 
 /// Most first pages kept (each up to 1,000 entries).

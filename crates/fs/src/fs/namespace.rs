@@ -125,7 +125,7 @@ impl Fs {
         }
         st.probed.insert(dir);
         let (store, bucket) = (self.store.clone(), self.cfg.bucket.clone());
-        let task = tokio::spawn(async move {
+        let task = Owned::spawn(async move {
             let req = ListRequest {
                 prefix: &dprefix,
                 delimiter: Some("/"),
@@ -384,9 +384,8 @@ impl Fs {
                 return Err(FsError::NotDir);
             }
             if let Some((listing, at)) = inode.cache.cached_listing(Instant::now()) {
-                if let Some(rest) = rest {
-                    rest.task.abort();
-                }
+                // A rest listing no longer wanted is aborted as it is dropped.
+                drop(rest);
                 let mut entries = Vec::clone(listing);
                 for (name, child) in &inode.children {
                     let Some(c) = st.inodes.get(*child).filter(|c| c.is_local()) else {
@@ -417,12 +416,9 @@ impl Fs {
             // The listing going on from a first page served earlier, unless a change was made
             // through this mount since that page was listed (it may not show the change).
             let rest = match rest {
+                // Any other is aborted as it is dropped.
                 Some(r) if r.prefix == dprefix && r.changes == st.changes => Some(r),
-                Some(r) => {
-                    r.task.abort();
-                    None
-                }
-                None => None,
+                _ => None,
             };
             let has_local = inode
                 .children
@@ -438,7 +434,7 @@ impl Fs {
                     if !partial.is_empty() {
                         let (store, bucket) = (self.store.clone(), self.cfg.bucket.clone());
                         let (prefix, page) = (dprefix.clone(), p.page);
-                        let task = tokio::spawn(async move {
+                        let task = Owned::spawn(async move {
                             let opts = ListAll {
                                 first_page: Some(&page),
                                 ..ListAll::dir(&prefix, LIST_CONCURRENCY)
@@ -448,9 +444,7 @@ impl Fs {
                         if st.rest_listings.len() >= FIRST_PAGES_MAX {
                             let oldest = st.rest_listings.iter().min_by_key(|(_, r)| r.at);
                             if let Some(&oldest) = oldest.map(|(ino, _)| ino) {
-                                if let Some(r) = st.rest_listings.remove(&oldest) {
-                                    r.task.abort();
-                                }
+                                st.rest_listings.remove(&oldest);
                             }
                         }
                         st.rest_listings.insert(

@@ -32,16 +32,7 @@ const SWEEP_DIRS_MAX: usize = 1024;
 #[derive(Debug)]
 pub(super) enum SweepState {
     Counting(u32),
-    Started { _running: AbortOnDrop },
-}
-
-#[derive(Debug)]
-pub(super) struct AbortOnDrop(tokio::task::AbortHandle);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
+    Started { _running: Owned<()> },
 }
 
 impl Fs {
@@ -129,7 +120,7 @@ impl Fs {
         );
         let (cache, budget) = (cache.clone(), self.budget.clone());
         let slots = st.sweep_slots.clone();
-        let task = tokio::spawn(async move {
+        let task = Owned::spawn(async move {
             let Ok(_slot) = slots.acquire_owned().await else {
                 return;
             };
@@ -169,11 +160,7 @@ impl Fs {
                 })
                 .await;
         });
-        st.sweeps.insert(
-            parent,
-            SweepState::Started {
-                _running: AbortOnDrop(task.abort_handle()),
-            },
-        );
+        st.sweeps
+            .insert(parent, SweepState::Started { _running: task });
     }
 }

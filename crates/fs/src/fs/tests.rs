@@ -1958,6 +1958,49 @@ async fn a_cold_readdir_serves_the_lookups_first_page_while_the_rest_is_listed()
     assert_eq!(store.stats().list, lists);
 }
 
+/// The mount's background listings end with it: once the `Fs` is dropped (unmounted), the rest of
+/// a listing a `readdir` went on from a first page, and a lookup's probe of the parent, are
+/// aborted, holding the store no longer (before, they went on, detached, until their LISTs
+/// ended).
+#[tokio::test(start_paused = true)]
+async fn the_mounts_background_listings_end_with_it() {
+    let (mem, store) = faulty();
+    for i in 0..1000 {
+        mem.insert(B, &format!("d/f{i:04}"), b"x".to_vec());
+    }
+    for i in 0..300 {
+        mem.insert(B, &format!("d/zz{i:04}"), b"x".to_vec());
+    }
+    let fs = Fs::new(store.clone(), MountConfig::new(B));
+    let d = walk(&fs, "d").await.unwrap().attr.ino;
+    // Every LIST from now on takes an hour (the paused clock moves only when all else waits).
+    store.set_latency(
+        [ferry_store::Op::List],
+        Duration::from_secs(3600),
+        Duration::ZERO,
+    );
+    let fh = fs.opendir(d).unwrap();
+    let mut sink = VecSink {
+        cap: 64,
+        got: Vec::new(),
+    };
+    fs.readdir(d, fh, 0, true, &mut sink).await.unwrap();
+    assert_eq!(sink.got.len(), 64, "served from the lookup's first page");
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert!(Arc::strong_count(&store) > 2, "the rest is being listed");
+    drop(fs);
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        Arc::strong_count(&store),
+        1,
+        "no task of the mount holds the store once it is gone"
+    );
+}
+
 /// A change through this mount while a first page is served and the rest listed: the rest is
 /// listed anew, so what the listing joins shows the change.
 #[tokio::test]
