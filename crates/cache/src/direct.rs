@@ -115,11 +115,13 @@ impl DirectFile {
     /// rest: on the benchmark VM those two were more of a block file's cost than its data
     /// (`doc/BENCHMARKS.md`, issue 17). Where `O_DIRECT` cannot be cleared, the piece is padded
     /// and the file cut as before.
-    pub fn finish(mut self) -> io::Result<()> {
+    pub fn finish(self) -> io::Result<()> {
+        self.finish_with(clear_direct)
+    }
+
+    /// [`Self::finish`], `O_DIRECT` cleared by `clear` (tests make it fail).
+    fn finish_with(mut self, clear: fn(&File) -> io::Result<()>) -> io::Result<()> {
         let filled = self.filled;
-        if filled == 0 {
-            return Ok(());
-        }
         let whole = filled / ALIGN * ALIGN;
         if whole > 0 {
             self.write_out(whole)?;
@@ -129,7 +131,7 @@ impl DirectFile {
             return Ok(());
         }
         let buf = self.buf.as_mut().expect("buffer until drop").as_mut();
-        if clear_direct(&self.file).is_ok() {
+        if clear(&self.file).is_ok() {
             return self.file.write_all_at(&buf[rest], self.offset);
         }
         let len = self.offset + rest.len() as u64;
@@ -237,26 +239,33 @@ mod tests {
     #[test]
     fn every_length_is_written_exactly() {
         let Some(dir) = direct_dir() else { return };
-        for len in [
-            0,
-            1,
-            ALIGN - 1,
-            ALIGN,
-            ALIGN + 1,
-            BUF - 1,
-            BUF,
-            BUF + 7,
-            2 * BUF + ALIGN,
+        // Also where O_DIRECT cannot be cleared: the last piece padded, the file cut back.
+        let refuse: fn(&File) -> io::Result<()> = |_| Err(io::Error::other("refused"));
+        for (how, clear) in [
+            ("cleared", clear_direct as fn(&File) -> _),
+            ("padded", refuse),
         ] {
-            let data: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
-            let path = dir.path().join(format!("f{len}"));
-            let mut f = DirectFile::create(&path).unwrap();
-            // Uneven pieces, as a header and a block arrive.
-            let (a, b) = data.split_at(len.min(100));
-            f.write_all(a).unwrap();
-            f.write_all(b).unwrap();
-            f.finish().unwrap();
-            assert_eq!(std::fs::read(&path).unwrap(), data, "length {len}");
+            for len in [
+                0,
+                1,
+                ALIGN - 1,
+                ALIGN,
+                ALIGN + 1,
+                BUF - 1,
+                BUF,
+                BUF + 7,
+                2 * BUF + ALIGN,
+            ] {
+                let data: Vec<u8> = (0..len).map(|i| (i * 7 + len) as u8).collect();
+                let path = dir.path().join(format!("f{len}-{how}"));
+                let mut f = DirectFile::create(&path).unwrap();
+                // Uneven pieces, as a header and a block arrive.
+                let (a, b) = data.split_at(len.min(100));
+                f.write_all(a).unwrap();
+                f.write_all(b).unwrap();
+                f.finish_with(clear).unwrap();
+                assert_eq!(std::fs::read(&path).unwrap(), data, "length {len}, {how}");
+            }
         }
     }
 
