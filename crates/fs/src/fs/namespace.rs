@@ -28,9 +28,12 @@ impl Fs {
             delimiter: Some("/"),
             ..Default::default()
         };
-        let (head, list) = futures::join!(
-            self.store.head(self.bucket(), &key),
-            self.store.list(self.bucket(), list_req)
+        // The LIST first: `join!` polls in order, and a directory's lookup (`ls -la dir`) waits
+        // for its LIST, never for the HEAD, so the HEAD's request is built after the LIST's is
+        // on its way (the first of each in a process costs milliseconds: its code is faulted in).
+        let (list, head) = futures::join!(
+            self.store.list(self.bucket(), list_req),
+            self.store.head(self.bucket(), &key)
         );
         let page = list?;
         if !page.objects.is_empty() || !page.common_prefixes.is_empty() {
