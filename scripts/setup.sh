@@ -31,10 +31,16 @@ VERSITYGW_VERSION=v1.7.0
 PROMTOOL_VERSION=v0.316.0
 mkdir -p "$FERRY_TOOLS"
 # Go's build cache for these tools is several GB (kubernetes) and of no use once a tool is stamped:
-# each run gets its own beside the tools (on the same disk, not a small /tmp), deleted when that run
-# ends, so a setup killed or ending early never removes the cache of another one still building.
-GOCACHE="$(mktemp -d "$(dirname "$FERRY_TOOLS")/go-build.XXXXXX")"
+# each run gets its own beside the tools (on the same disk, not a small /tmp), named by its PID and
+# deleted when that run ends, so a setup ending early never removes the cache of another one still
+# building. One a killed run left (no EXIT trap after SIGKILL) goes when the next run starts.
+for stale in "$(dirname "$FERRY_TOOLS")"/go-build.*; do
+  [ -d "$stale" ] || continue
+  kill -0 "${stale##*.}" 2>/dev/null || rm -rf "$stale"
+done
+GOCACHE="$(dirname "$FERRY_TOOLS")/go-build.$$"
 export GOCACHE
+mkdir -p "$GOCACHE"
 trap 'rm -rf "$GOCACHE"' EXIT
 
 log() { printf '\033[1m[setup]\033[0m %s\n' "$*" >&2; }
