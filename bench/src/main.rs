@@ -8,6 +8,7 @@
 //! prints one table. A program to run by hand as root; it is
 //! never part of CI. See doc/BENCHMARKS.md.
 
+mod cpu;
 mod dataset;
 mod instance;
 mod mounters;
@@ -357,10 +358,17 @@ fn run(
                 .collect();
             match Mount::start(*kind, tools, &target, &dir, work, group.mode()) {
                 Ok(mut mount) => {
+                    let cpu = cpu::CpuSnap::now(mount.pid());
                     let results = bench.run_group(*group, &mut mount);
+                    let cpu = cpu.describe(&cpu::CpuSnap::now(mount.pid()));
+                    let mut names: Vec<&str> = wanted.iter().map(|r| r.workload()).collect();
+                    names.dedup();
+                    notes.push(format!(
+                        "{}'s CPU on the mount of {}: {cpu}",
+                        kind.name(),
+                        names.join("+")
+                    ));
                     if let Some(reqs) = mount.s3_requests() {
-                        let mut names: Vec<&str> = wanted.iter().map(|r| r.workload()).collect();
-                        names.dedup();
                         notes.push(format!(
                             "{}'s S3 requests on the mount of {}: {reqs}",
                             kind.name(),

@@ -1,0 +1,125 @@
+//! Where the CPU went while a workload group ran: the machine's busy and stolen time
+//! (`/proc/stat`), the mounter's and this process's own (`/proc/PID/stat`: every thread of it).
+//! The rest of the busy time is the S3 server's, the kernel's workers' and anything else running.
+//! On the 2-CPU benchmark VM a row is often bound by CPU the server, the delay proxy and the
+//! mounter share: these notes say by how much, and who had it.
+
+use std::time::Instant;
+
+/// Clock ticks per second of `/proc/stat` and `/proc/PID/stat` (`USER_HZ`).
+fn ticks_per_second() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) };
+    if hz > 0 {
+        hz as f64
+    } else {
+        100.0
+    }
+}
+
+/// A reading of the counters.
+#[derive(Debug, Clone, Copy)]
+pub struct CpuSnap {
+    at: Instant,
+    /// Machine-wide seconds: busy (user, nice, system, irq, softirq), stolen by the hypervisor.
+    busy: f64,
+    steal: f64,
+    /// Seconds of CPU the mounter process (all its threads) and this process have used.
+    mounter: Option<f64>,
+    bench: f64,
+}
+
+/// The machine's busy and stolen seconds since boot, from the `cpu` line of `/proc/stat`.
+fn machine() -> (f64, f64) {
+    let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let fields: Vec<f64> = text
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .skip(1)
+        .map(|v| v.parse().unwrap_or(0.0))
+        .collect();
+    let at = |i: usize| fields.get(i).copied().unwrap_or(0.0);
+    // user nice system idle iowait irq softirq steal
+    let busy = at(0) + at(1) + at(2) + at(5) + at(6);
+    let hz = ticks_per_second();
+    (busy / hz, at(7) / hz)
+}
+
+/// Seconds of CPU process `pid` (a number, or `self`) has used (user + system, all threads), if
+/// it is there.
+fn process(pid: &str) -> Option<f64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    // After the command name (which may hold spaces), in parentheses: state is field 3, utime
+    // and stime fields 14 and 15.
+    let rest = &text[text.rfind(')')? + 2..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: f64 = fields.get(11)?.parse().ok()?;
+    let stime: f64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) / ticks_per_second())
+}
+
+impl CpuSnap {
+    /// Reads the counters now; `mounter` is the mounter's process id, if known.
+    pub fn now(mounter: Option<u32>) -> CpuSnap {
+        let (busy, steal) = machine();
+        CpuSnap {
+            at: Instant::now(),
+            busy,
+            steal,
+            mounter: mounter.and_then(|pid| process(&pid.to_string())),
+            bench: process("self").unwrap_or(0.0),
+        }
+    }
+
+    /// One line of the report: where the CPU went between `self` and `later`.
+    pub fn describe(&self, later: &CpuSnap) -> String {
+        let wall = later.at.duration_since(self.at).as_secs_f64().max(1e-3);
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let busy = later.busy - self.busy;
+        let mounter = self.mounter.zip(later.mounter).map(|(a, b)| b - a);
+        let bench = later.bench - self.bench;
+        format!(
+            "{wall:.1} s, the {cores} CPUs {:.0} % busy ({:.1} % stolen); mounter {}, \
+             ferry-bench (workload and delay proxy) {bench:.2} s, the rest (S3 server, kernel) {:.2} s",
+            100.0 * busy / (wall * cores as f64),
+            100.0 * (later.steal - self.steal) / (wall * cores as f64),
+            mounter.map_or_else(|| "?".to_string(), |m| format!("{m:.2} s")),
+            busy - bench - mounter.unwrap_or(0.0),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// While this process spins, its own counter and the machine's busy time grow by at least
+    /// what it spun (waited for in CPU time, not wall time: a loaded machine only makes it longer).
+    #[test]
+    fn a_busy_loop_is_counted() {
+        let before = CpuSnap::now(Some(std::process::id()));
+        let mut x = 0u64;
+        let started = Instant::now();
+        while process("self").unwrap() - before.bench < 0.2 {
+            for _ in 0..100_000 {
+                x = std::hint::black_box(x.wrapping_mul(31).wrapping_add(7));
+            }
+            assert!(
+                started.elapsed().as_secs() < 600,
+                "no CPU time in ten minutes"
+            );
+        }
+        let after = CpuSnap::now(Some(std::process::id()));
+        let spun = after.bench - before.bench;
+        assert!(spun >= 0.2, "{before:?} {after:?}");
+        assert!(after.mounter.unwrap() - before.mounter.unwrap() >= 0.2);
+        // Machine-wide busy time includes this process's (tick rounding aside).
+        assert!(
+            after.busy - before.busy >= spun - 0.05,
+            "{before:?} {after:?}"
+        );
+        assert!(before.describe(&after).contains("% busy"));
+    }
+}
