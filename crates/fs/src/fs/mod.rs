@@ -183,34 +183,13 @@ struct FsState {
 /// A background task of this mount (a directory's probe or the rest of its listing, a sweep):
 /// aborted when dropped, so none outlives the mount (its `FsState`) or the state that wants its
 /// result. Awaiting it gives the task's result.
-#[derive(Debug)]
-pub(super) struct Owned<T>(tokio::task::JoinHandle<T>);
+pub(super) type Owned<T> = tokio_util::task::AbortOnDropHandle<T>;
 
-impl<T: Send + 'static> Owned<T> {
-    pub(super) fn spawn(task: impl std::future::Future<Output = T> + Send + 'static) -> Self {
-        Owned(tokio::spawn(task))
-    }
-
-    pub(super) fn is_finished(&self) -> bool {
-        self.0.is_finished()
-    }
-}
-
-impl<T> std::future::Future for Owned<T> {
-    type Output = Result<T, tokio::task::JoinError>;
-
-    fn poll(
-        mut self: std::pin::Pin<&mut Self>,
-        cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Self::Output> {
-        std::pin::Pin::new(&mut self.0).poll(cx)
-    }
-}
-
-impl<T> Drop for Owned<T> {
-    fn drop(&mut self) {
-        self.0.abort();
-    }
+/// Spawns `task` as an [`Owned`] task of this mount.
+pub(super) fn spawn_owned<T: Send + 'static>(
+    task: impl std::future::Future<Output = T> + Send + 'static,
+) -> Owned<T> {
+    Owned::new(tokio::spawn(task))
 }
 
 /// A directory's first listing page, taken by a lookup's LIST.

@@ -129,7 +129,7 @@ impl Fs {
         }
         st.probed.insert(dir);
         let (store, bucket) = (self.store.clone(), self.cfg.bucket.clone());
-        let task = Owned::spawn(async move {
+        let task = spawn_owned(async move {
             let req = ListRequest {
                 prefix: &dprefix,
                 delimiter: Some("/"),
@@ -438,7 +438,7 @@ impl Fs {
                     if !partial.is_empty() {
                         let (store, bucket) = (self.store.clone(), self.cfg.bucket.clone());
                         let (prefix, page) = (dprefix.clone(), p.page);
-                        let task = Owned::spawn(async move {
+                        let task = spawn_owned(async move {
                             let opts = ListAll {
                                 first_page: Some(&page),
                                 ..ListAll::dir(&prefix, LIST_CONCURRENCY)

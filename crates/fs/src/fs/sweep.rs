@@ -120,7 +120,7 @@ impl Fs {
         );
         let (cache, budget) = (cache.clone(), self.budget.clone());
         let slots = st.sweep_slots.clone();
-        let task = Owned::spawn(async move {
+        let task = spawn_owned(async move {
             let Ok(_slot) = slots.acquire_owned().await else {
                 return;
             };
