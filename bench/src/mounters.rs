@@ -235,14 +235,12 @@ pub struct Mount {
     log: PathBuf,
     /// Where ferry serves Prometheus metrics (ferry only).
     metrics_addr: Option<String>,
-    /// `ferry-cache`'s node cache directory: made empty for this mount, removed after it.
-    cache: Option<PathBuf>,
 }
 
 impl Mount {
     /// Starts `kind` on `dir` (created if missing) and waits until the kernel shows the mount.
     /// `ferry-cache` gets a fresh, empty cache directory under `work` (so a cold workload is cold
-    /// for the node cache too), removed once the mounter has exited.
+    /// for the node cache too), removed with `work` at the end of the run.
     pub fn start(
         kind: Kind,
         tools: &Tools,
@@ -304,7 +302,6 @@ impl Mount {
             child: Some(child),
             log,
             metrics_addr,
-            cache: (kind == Kind::FerryCache).then_some(cache),
         };
         let deadline = Instant::now() + MOUNT_TIMEOUT;
         loop {
@@ -421,14 +418,13 @@ impl Mount {
     }
 
     fn finish(&mut self, force: bool) -> anyhow::Result<()> {
-        let r = self.stop(force);
-        // The mounter is gone (exited or killed): nothing writes to its cache any more.
-        if let Some(cache) = self.cache.take() {
-            if let Err(e) = std::fs::remove_dir_all(&cache) {
-                eprintln!("warning: removing {}: {e}", cache.display());
-            }
-        }
-        r
+        // The cache directory stays until the work dir is removed at the end of the run:
+        // deleting its thousands of files here would charge them to the next group. On an ext4
+        // without a journal (this VM's root), every new inode is searched for past the inodes
+        // deleted in the last 5 s (300 s while their inode table block is dirty), one by one
+        // (`find_inode_bit`, `recently_deleted` in `fs/ext4/ialloc.c`): the next mount's cache
+        // would pay that on every block it stores (`doc/BENCHMARKS.md`, issue 17).
+        self.stop(force)
     }
 
     fn stop(&mut self, force: bool) -> anyhow::Result<()> {
