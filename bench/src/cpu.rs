@@ -3,8 +3,16 @@
 //! The rest of the busy time is the S3 server's, the kernel's workers' and anything else running.
 //! On the 2-CPU benchmark VM a row is often bound by CPU the server, the delay proxy and the
 //! mounter share: these notes say by how much, and who had it.
+//!
+//! [`SpeedProbe`] says how fast the CPUs ran meanwhile. On the benchmark VM the same fixed loop
+//! takes from one to two times its fastest CPU time from one second to the next, with nothing
+//! else running in the VM and no time counted as stolen (`doc/BENCHMARKS.md`): the host's doing.
+//! A row measured while the CPUs ran at half speed is not comparable with one measured at full
+//! speed, so every group's note gives the speed it ran at.
 
-use std::time::Instant;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 /// Clock ticks per second of `/proc/stat` and `/proc/PID/stat` (`USER_HZ`).
 fn ticks_per_second() -> f64 {
@@ -91,9 +99,113 @@ impl CpuSnap {
     }
 }
 
+/// CPU seconds the calling thread has used (`CLOCK_THREAD_CPUTIME_ID`).
+fn thread_cpu() -> f64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
+}
+
+/// A fixed amount of integer work (about a millisecond on the benchmark VM at its fastest),
+/// that no optimiser can skip.
+fn fixed_work() -> u64 {
+    let mut x = 1u64;
+    for i in 0..PROBE_ITERATIONS {
+        x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(i));
+    }
+    x
+}
+
+const PROBE_ITERATIONS: u64 = 1_000_000;
+/// How often the probe runs its loop: a few hundred samples per group, under 1 % of a CPU.
+const PROBE_EVERY: Duration = Duration::from_millis(200);
+
+/// A thread that times [`fixed_work`] in CPU time every [`PROBE_EVERY`], for as long as it lives:
+/// the more CPU time the same work takes, the slower the CPU ran (the host's other tenants, its
+/// frequency), whatever the guest's own load (CPU time, not wall time: waiting for a CPU inside
+/// the VM does not count).
+pub struct SpeedProbe {
+    samples: Arc<Mutex<Vec<(Instant, f64)>>>,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl SpeedProbe {
+    pub fn start() -> SpeedProbe {
+        let samples = Arc::new(Mutex::new(Vec::new()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (s, st) = (samples.clone(), stop.clone());
+        let thread = std::thread::Builder::new()
+            .name("speed-probe".into())
+            .spawn(move || {
+                while !st.load(Ordering::Relaxed) {
+                    let t0 = thread_cpu();
+                    std::hint::black_box(fixed_work());
+                    let spent = thread_cpu() - t0;
+                    s.lock().expect("probe lock").push((Instant::now(), spent));
+                    std::thread::sleep(PROBE_EVERY);
+                }
+            })
+            .ok();
+        SpeedProbe {
+            samples,
+            stop,
+            thread,
+        }
+    }
+
+    /// How fast the CPUs ran between `from` and `to`: the fixed loop's fastest time in the whole
+    /// run so far over its median time in that window (1 = as fast as seen; 0.5 = the same work
+    /// took twice the CPU time). `None` without samples in the window.
+    pub fn speed(&self, from: Instant, to: Instant) -> Option<f64> {
+        let samples = self.samples.lock().expect("probe lock");
+        let fastest = samples.iter().map(|s| s.1).fold(f64::INFINITY, f64::min);
+        let mut window: Vec<f64> = samples
+            .iter()
+            .filter(|(at, _)| *at >= from && *at <= to)
+            .map(|s| s.1)
+            .collect();
+        if window.is_empty() || fastest <= 0.0 {
+            return None;
+        }
+        window.sort_by(|a, b| a.total_cmp(b));
+        Some(fastest / window[window.len() / 2])
+    }
+}
+
+impl Drop for SpeedProbe {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The probe samples while it lives, and a window's speed is at most the run's fastest.
+    #[test]
+    fn the_probe_reports_a_speed_at_most_one() {
+        let probe = SpeedProbe::start();
+        let from = Instant::now();
+        while probe.samples.lock().unwrap().len() < 3 {
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(from.elapsed().as_secs() < 600, "no samples in ten minutes");
+        }
+        let speed = probe
+            .speed(from, Instant::now())
+            .expect("samples in the window");
+        assert!(speed > 0.0 && speed <= 1.0, "{speed}");
+        let later = Instant::now() + Duration::from_secs(3600);
+        assert_eq!(probe.speed(later, later), None);
+    }
 
     /// While this process spins, its own counter and the machine's busy time grow by at least
     /// what it spun (waited for in CPU time, not wall time: a loaded machine only makes it longer).

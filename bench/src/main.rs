@@ -75,6 +75,10 @@ struct Cli {
     /// Keep the work directory (mounter logs) instead of deleting it.
     #[arg(long)]
     keep_work: bool,
+    /// Measure every group this many times (round after round, each mounter in turn within a
+    /// group) and print each cell's median; the notes give every round's value.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
+    rounds: u32,
     #[command(subcommand)]
     internal: Option<Internal>,
 }
@@ -245,53 +249,7 @@ fn run(
     drop(proxy0);
     eprintln!("calibration:\n{calib}");
 
-    let mut cells: HashMap<(Row, Column), Cell> = HashMap::new();
     let mut notes: Vec<String> = Vec::new();
-
-    // The ceiling column.
-    let ceiling = |r: anyhow::Result<f64>, notes: &mut Vec<String>, what: &str| match r {
-        Ok(v) => Cell::Value(v),
-        Err(e) => {
-            notes.push(format!("ceiling {what}: {e:#}"));
-            Cell::Failed("error".into())
-        }
-    };
-    if rows.contains(&Row::P1) {
-        let objs = [(ds.big_key.clone(), ds.big_size)];
-        let r = rt.block_on(workloads::sdk_ranged(&proxied, &objs, 8 * MIB, 16));
-        cells.insert((Row::P1, Column::Ceiling), ceiling(r, &mut notes, "P1"));
-    }
-    if rows.contains(&Row::P2) {
-        let r = workloads::page_cache_reference(work, &ds.big_key, ds.big_size);
-        cells.insert((Row::P2, Column::Ceiling), ceiling(r, &mut notes, "P2"));
-    }
-    // P12's first epoch has the same reference as P4 with 8 readers: one GET per file, 8 at once.
-    for (row, n) in [
-        (Row::P4One, 1),
-        (Row::P4Eight, 8),
-        (Row::P12Epoch1, workloads::ML_WORKERS),
-    ] {
-        if rows.contains(&row) {
-            let keys: Vec<String> = (0..ds.small_count).map(|i| ds.small_key(i)).collect();
-            let r = rt.block_on(workloads::sdk_small(&proxied, &keys, ds.small_size, n));
-            cells.insert((row, Column::Ceiling), ceiling(r, &mut notes, "P4"));
-        }
-    }
-    for (row, dir) in [(Row::P5Cold, &ds.listing_dir), (Row::P11, &ds.many_dir)] {
-        if rows.contains(&row) {
-            let r = rt.block_on(list_all(&proxied, &format!("{dir}/")));
-            cells.insert((row, Column::Ceiling), ceiling(r, &mut notes, "LIST"));
-        }
-    }
-    if rows.contains(&Row::P7) {
-        let objs: Vec<(String, u64)> = ds
-            .shard_keys
-            .iter()
-            .map(|k| (k.clone(), ds.shard_size))
-            .collect();
-        let r = rt.block_on(workloads::sdk_ranged(&proxied, &objs, 8 * MIB, 16));
-        cells.insert((Row::P7, Column::Ceiling), ceiling(r, &mut notes, "P7"));
-    }
 
     let target = S3Target {
         endpoint_url: proxy.url(),
@@ -310,7 +268,6 @@ fn run(
         notes: Vec::new(),
     };
     let mut flags_used = Vec::new();
-    let mut loads: Vec<f64> = Vec::new();
     for (kind, na) in mounter_cols {
         if na.is_some() {
             continue;
@@ -337,7 +294,7 @@ fn run(
         if *kind == Kind::FerryCache {
             let fs = fs_type_of(work);
             flags_used.push(format!(
-                "  - the cache: a fresh, empty directory per mount under {} ({fs}{}), removed after unmount",
+                "  - the cache: a fresh, empty directory per mount under {} ({fs}{}), all removed at the end of the run",
                 work.display(),
                 if fs == "tmpfs" {
                     ": **not a local disk**, set TMPDIR"
@@ -346,71 +303,144 @@ fn run(
                 }
             ));
         }
-        for (i, group) in groups.iter().enumerate() {
-            loads.push(load_average());
-            let dir = work.join(format!("mnt-{}-{i}", kind.name()));
-            let t = Instant::now();
-            let wanted: Vec<Row> = group
-                .rows()
+    }
+    let mut loads: Vec<f64> = Vec::new();
+    let probe = cpu::SpeedProbe::start();
+    let mut rounds: Vec<HashMap<(Row, Column), Cell>> = Vec::new();
+    for round in 0..cli.rounds {
+        let mut cells: HashMap<(Row, Column), Cell> = HashMap::new();
+        // Notes of a run of several rounds say which round they are from.
+        let at = match cli.rounds {
+            1 => String::new(),
+            _ => format!("round {}: ", round + 1),
+        };
+        // The ceiling column.
+        let ceiling = |r: anyhow::Result<f64>, notes: &mut Vec<String>, what: &str| match r {
+            Ok(v) => Cell::Value(v),
+            Err(e) => {
+                notes.push(format!("{at}ceiling {what}: {e:#}"));
+                Cell::Failed("error".into())
+            }
+        };
+        if rows.contains(&Row::P1) {
+            let objs = [(ds.big_key.clone(), ds.big_size)];
+            let r = rt.block_on(workloads::sdk_ranged(&proxied, &objs, 8 * MIB, 16));
+            cells.insert((Row::P1, Column::Ceiling), ceiling(r, &mut notes, "P1"));
+        }
+        if rows.contains(&Row::P2) {
+            let r = workloads::page_cache_reference(work, &ds.big_key, ds.big_size);
+            cells.insert((Row::P2, Column::Ceiling), ceiling(r, &mut notes, "P2"));
+        }
+        // P12's first epoch has the same reference as P4 with 8 readers: one GET per file, 8 at once.
+        for (row, n) in [
+            (Row::P4One, 1),
+            (Row::P4Eight, 8),
+            (Row::P12Epoch1, workloads::ML_WORKERS),
+        ] {
+            if rows.contains(&row) {
+                let keys: Vec<String> = (0..ds.small_count).map(|i| ds.small_key(i)).collect();
+                let r = rt.block_on(workloads::sdk_small(&proxied, &keys, ds.small_size, n));
+                cells.insert((row, Column::Ceiling), ceiling(r, &mut notes, "P4"));
+            }
+        }
+        for (row, dir) in [(Row::P5Cold, &ds.listing_dir), (Row::P11, &ds.many_dir)] {
+            if rows.contains(&row) {
+                let r = rt.block_on(list_all(&proxied, &format!("{dir}/")));
+                cells.insert((row, Column::Ceiling), ceiling(r, &mut notes, "LIST"));
+            }
+        }
+        if rows.contains(&Row::P7) {
+            let objs: Vec<(String, u64)> = ds
+                .shard_keys
                 .iter()
-                .copied()
-                .filter(|r| rows.contains(r))
+                .map(|k| (k.clone(), ds.shard_size))
                 .collect();
-            match Mount::start(*kind, tools, &target, &dir, work, group.mode()) {
-                Ok(mut mount) => {
-                    let cpu = cpu::CpuSnap::now(mount.pid());
-                    let results = bench.run_group(*group, &mut mount);
-                    let cpu = cpu.describe(&cpu::CpuSnap::now(mount.pid()));
-                    let mut names: Vec<&str> = wanted.iter().map(|r| r.workload()).collect();
-                    names.dedup();
-                    notes.push(format!(
-                        "{}'s CPU on the mount of {}: {cpu}",
-                        kind.name(),
-                        names.join("+")
-                    ));
-                    if let Some(reqs) = mount.s3_requests() {
+            let r = rt.block_on(workloads::sdk_ranged(&proxied, &objs, 8 * MIB, 16));
+            cells.insert((Row::P7, Column::Ceiling), ceiling(r, &mut notes, "P7"));
+        }
+
+        // Group by group, each mounter in turn: the mounters' cells of a group are measured
+        // minutes apart at most, under the same conditions as far as this VM allows.
+        for (i, group) in groups.iter().enumerate() {
+            for (kind, na) in mounter_cols {
+                if na.is_some() {
+                    continue;
+                }
+                loads.push(load_average());
+                let dir = work.join(format!("mnt-{}-{round}-{i}", kind.name()));
+                let t = Instant::now();
+                let wanted: Vec<Row> = group
+                    .rows()
+                    .iter()
+                    .copied()
+                    .filter(|r| rows.contains(r))
+                    .collect();
+                match Mount::start(*kind, tools, &target, &dir, work, group.mode()) {
+                    Ok(mut mount) => {
+                        let cpu = cpu::CpuSnap::now(mount.pid());
+                        let results = bench.run_group(*group, &mut mount);
+                        let cpu = cpu.describe(&cpu::CpuSnap::now(mount.pid()));
+                        let speed = probe
+                            .speed(t, Instant::now())
+                            .map_or_else(|| "?".into(), |v| format!("{v:.2}"));
+                        let mut names: Vec<&str> = wanted.iter().map(|r| r.workload()).collect();
+                        names.dedup();
                         notes.push(format!(
-                            "{}'s S3 requests on the mount of {}: {reqs}",
-                            kind.name(),
-                            names.join("+")
-                        ));
-                    }
-                    let tail = mount.log_tail();
-                    if let Err(e) = mount.unmount() {
-                        notes.push(format!("{}: unmount: {e:#}", kind.name()));
-                    }
-                    for (row, cell) in results {
-                        if wanted.contains(&row) {
-                            if matches!(cell, Cell::Failed(_)) && !tail.is_empty() {
-                                notes.push(format!(
-                                    "{}: log tail after {}:\n```\n{tail}\n```",
+                                "{at}{}'s CPU on the mount of {}: {cpu}; the CPUs ran at {speed} × the run's fastest",
+                                kind.name(),
+                                names.join("+")
+                            ));
+                        if let Some(reqs) = mount.s3_requests() {
+                            notes.push(format!(
+                                "{at}{}'s S3 requests on the mount of {}: {reqs}",
+                                kind.name(),
+                                names.join("+")
+                            ));
+                        }
+                        let tail = mount.log_tail();
+                        if let Err(e) = mount.unmount() {
+                            notes.push(format!("{at}{}: unmount: {e:#}", kind.name()));
+                        }
+                        for (row, cell) in results {
+                            if wanted.contains(&row) {
+                                if matches!(cell, Cell::Failed(_)) && !tail.is_empty() {
+                                    notes.push(format!(
+                                        "{at}{}: log tail after {}:\n```\n{tail}\n```",
+                                        kind.name(),
+                                        row.workload()
+                                    ));
+                                }
+                                eprintln!(
+                                    "  {at}{:<8} {:<4} {cell:?}",
                                     kind.name(),
                                     row.workload()
-                                ));
+                                );
+                                cells.insert((row, Column::Mounter(*kind)), cell);
                             }
-                            eprintln!("  {:<8} {:<4} {cell:?}", kind.name(), row.workload());
-                            cells.insert((row, Column::Mounter(*kind)), cell);
+                        }
+                    }
+                    Err(e) => {
+                        notes.push(format!("{at}{}: mount failed: {e:#}", kind.name()));
+                        for row in &wanted {
+                            cells.insert(
+                                (*row, Column::Mounter(*kind)),
+                                Cell::Failed("mount failed".into()),
+                            );
                         }
                     }
                 }
-                Err(e) => {
-                    notes.push(format!("{}: mount failed: {e:#}", kind.name()));
-                    for row in &wanted {
-                        cells.insert(
-                            (*row, Column::Mounter(*kind)),
-                            Cell::Failed("mount failed".into()),
-                        );
-                    }
-                }
+                eprintln!(
+                    "{} {:?}: {:.1} s",
+                    kind.name(),
+                    group,
+                    t.elapsed().as_secs_f64()
+                );
             }
-            eprintln!(
-                "{} {:?}: {:.1} s",
-                kind.name(),
-                group,
-                t.elapsed().as_secs_f64()
-            );
         }
+        rounds.push(cells);
     }
+    drop(probe);
+    let cells = merge_rounds(ds, rows, mounter_cols, rounds, &mut notes);
     if rows.contains(&Row::P12Epoch1) {
         notes.insert(0, epoch_ratios(&cells, mounter_cols));
     }
@@ -469,6 +499,87 @@ fn run(
 }
 
 /// P12's note: each mounter's epoch 2 / epoch 1 (how much a second epoch on the same mount gains).
+/// One table from several rounds: each cell the median of its rounds' values (the rounds that
+/// failed left out; a cell no round measured keeps the first round's failure). With more than
+/// one round, a note per row gives every round's value and, for `ferry-cache`, its ratio to
+/// `ferry` in the same round.
+fn merge_rounds(
+    ds: &Dataset,
+    rows: &[Row],
+    mounters: &[(Kind, Option<String>)],
+    rounds: Vec<HashMap<(Row, Column), Cell>>,
+    notes: &mut Vec<String>,
+) -> HashMap<(Row, Column), Cell> {
+    let n = rounds.len();
+    let mut cols: Vec<Column> = mounters
+        .iter()
+        .filter(|(_, na)| na.is_none())
+        .map(|(k, _)| Column::Mounter(*k))
+        .collect();
+    cols.push(Column::Ceiling);
+    let value = |r: &HashMap<(Row, Column), Cell>, row: Row, col: Column| match r.get(&(row, col)) {
+        Some(Cell::Value(v)) => Some(*v),
+        _ => None,
+    };
+    let mut merged = HashMap::new();
+    for &row in rows {
+        let mut parts = Vec::new();
+        for &col in &cols {
+            let mut values: Vec<f64> = rounds.iter().filter_map(|r| value(r, row, col)).collect();
+            let cell = if values.is_empty() {
+                rounds.iter().find_map(|r| r.get(&(row, col)).cloned())
+            } else {
+                values.sort_by(|a, b| a.total_cmp(b));
+                let mid = values.len() / 2;
+                Some(Cell::Value(if values.len() % 2 == 1 {
+                    values[mid]
+                } else {
+                    (values[mid - 1] + values[mid]) / 2.0
+                }))
+            };
+            let Some(cell) = cell else { continue };
+            merged.insert((row, col), cell);
+            if n > 1 {
+                let each: Vec<String> = rounds
+                    .iter()
+                    .map(|r| match r.get(&(row, col)) {
+                        Some(Cell::Value(v)) => table::fmt_value(*v),
+                        Some(Cell::Failed(why)) => why.clone(),
+                        None => "—".into(),
+                    })
+                    .collect();
+                let name = match col {
+                    Column::Mounter(k) => k.name(),
+                    Column::Ceiling => "ceiling",
+                };
+                parts.push(format!("{name} {}", each.join(", ")));
+            }
+        }
+        let (cache, plain) = (
+            Column::Mounter(Kind::FerryCache),
+            Column::Mounter(Kind::Ferry),
+        );
+        if n > 1 && cols.contains(&cache) && cols.contains(&plain) {
+            let each: Vec<String> = rounds
+                .iter()
+                .map(|r| match (value(r, row, cache), value(r, row, plain)) {
+                    (Some(c), Some(p)) if p > 0.0 => format!("{:.2}", c / p),
+                    _ => "—".into(),
+                })
+                .collect();
+            parts.push(format!("ferry-cache / ferry {}", each.join(", ")));
+        }
+        if !parts.is_empty() {
+            notes.push(format!(
+                "{}, round by round: {}",
+                row.title(ds),
+                parts.join("; ")
+            ));
+        }
+    }
+    merged
+}
+
 fn epoch_ratios(
     cells: &HashMap<(Row, Column), Cell>,
     mounters: &[(Kind, Option<String>)],

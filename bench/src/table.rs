@@ -26,7 +26,7 @@ pub struct Table {
     pub cells: HashMap<(Row, Column), Cell>,
 }
 
-fn fmt_value(v: f64) -> String {
+pub fn fmt_value(v: f64) -> String {
     if v >= 100.0 {
         format!("{v:.0}")
     } else if v >= 10.0 {
