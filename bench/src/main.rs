@@ -455,10 +455,14 @@ fn run(
     };
     let mut report = String::new();
     report.push_str(&format!(
-        "### rtt {} ms, scale {}, server {}\n\nS3 server: {}.\n\n{}\n",
+        "### rtt {} ms, scale {}, server {}{}\n\nS3 server: {}.\n\n{}\n",
         cli.rtt_ms,
         cli.scale,
         server.name(),
+        match cli.rounds {
+            1 => String::new(),
+            n => format!(", medians of {n} rounds"),
+        },
         server.describe(),
         table.markdown(ds)
     ));
@@ -498,7 +502,6 @@ fn run(
     Ok(report)
 }
 
-/// P12's note: each mounter's epoch 2 / epoch 1 (how much a second epoch on the same mount gains).
 /// One table from several rounds: each cell the median of its rounds' values (the rounds that
 /// failed left out; a cell no round measured keeps the first round's failure). With more than
 /// one round, a note per row gives every round's value and, for `ferry-cache`, its ratio to
@@ -580,6 +583,7 @@ fn merge_rounds(
     merged
 }
 
+/// P12's note: each mounter's epoch 2 / epoch 1 (how much a second epoch on the same mount gains).
 fn epoch_ratios(
     cells: &HashMap<(Row, Column), Cell>,
     mounters: &[(Kind, Option<String>)],

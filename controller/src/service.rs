@@ -143,15 +143,7 @@ impl Inner {
     async fn check_bucket(&self, id: &VolumeId, secrets: &HashMap<String, String>) -> Result<()> {
         let (store, who) = self.store(id, secrets).await?;
 
-        // A one-key LIST of the volume's prefix rather than HeadBucket: IAM policies that scope
-        // ListBucket to a prefix allow it where HeadBucket is denied.
-        let probe = ferry_store::ListRequest {
-            prefix: &id.prefix,
-            delimiter: Some("/"),
-            max_keys: Some(1),
-            ..Default::default()
-        };
-        match store.list(&id.bucket, probe).await {
+        match ferry_store::check_prefix_access(&*store, &id.bucket, &id.prefix).await {
             Ok(_) => Ok(()),
             Err(StoreError::NoSuchBucket(_) | StoreError::NotFound(_)) => Err(
                 CsiError::FailedPrecondition(format!("bucket {:?} does not exist", id.bucket)),

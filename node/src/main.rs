@@ -408,23 +408,21 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
     // (the store is the default endpoint's, which is always allowed).
     let stores = S3Stores::new(endpoint(&a.endpoint_url, &a.region, a.force_path_style)?);
     let store = stores.get(&Endpoint::default()).await?;
-    // The check NodePublishVolume makes: a one-key LIST of the mount's own prefix, which IAM
-    // policies that scope s3:ListBucket to the prefix allow where HeadBucket is denied. (It
-    // also runs the LIST path once before the first `ls` needs it.)
-    let probe = ferry_store::ListRequest {
-        prefix: &prefix,
-        delimiter: Some("/"),
-        max_keys: Some(1),
-        ..Default::default()
-    };
-    match store.list(&a.bucket, probe).await {
-        Ok(_) => {}
+    // The check NodePublishVolume makes (it also runs the LIST path once before the first `ls`).
+    match ferry_store::check_prefix_access(&*store, &a.bucket, &prefix).await {
+        Ok(()) => {}
         Err(ferry_store::StoreError::NoSuchBucket(_) | ferry_store::StoreError::NotFound(_)) => {
             bail!("bucket {:?} does not exist", a.bucket)
         }
-        Err(e) => {
+        Err(e @ ferry_store::StoreError::AccessDenied(_)) => {
             return Err(anyhow::Error::new(e).context(format!(
                 "may not list bucket {:?} prefix {:?} (s3:ListBucket)",
+                a.bucket, prefix
+            )))
+        }
+        Err(e) => {
+            return Err(anyhow::Error::new(e).context(format!(
+                "listing bucket {:?} prefix {:?} to check access",
                 a.bucket, prefix
             )))
         }

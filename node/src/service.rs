@@ -582,17 +582,13 @@ impl Inner {
             .get_as(&published.spec.endpoint, &store_credentials)
             .await
             .map_err(|e| CsiError::from_store("creating the S3 client", e))?;
-        // A one-key LIST of the volume's own prefix: it works under IAM policies that scope
-        // ListBucket to the prefix, where HeadBucket would be denied.
-        let probe = ferry_store::ListRequest {
-            prefix: &published.spec.prefix,
-            delimiter: Some("/"),
-            max_keys: Some(1),
-            ..Default::default()
-        };
         let listed = tokio::time::timeout(
             PUBLISH_PROBE_TIMEOUT,
-            store.list(&published.spec.bucket, probe),
+            ferry_store::check_prefix_access(
+                &*store,
+                &published.spec.bucket,
+                &published.spec.prefix,
+            ),
         )
         .await
         .map_err(|_| {

@@ -320,6 +320,23 @@ impl Op {
     ];
 }
 
+/// Whether these credentials may list `prefix` in `bucket`: a one-key LIST of it (delimiter `/`),
+/// the check made before a volume is created, published or mounted. Not HeadBucket: IAM policies
+/// that scope `s3:ListBucket` to a prefix allow this LIST and refuse HeadBucket.
+pub async fn check_prefix_access(
+    store: &dyn ObjectStore,
+    bucket: &str,
+    prefix: &str,
+) -> Result<()> {
+    let probe = ListRequest {
+        prefix,
+        delimiter: Some("/"),
+        max_keys: Some(1),
+        ..Default::default()
+    };
+    store.list(bucket, probe).await.map(|_| ())
+}
+
 /// Deletes every key that starts with `prefix` and returns how many were deleted.
 ///
 /// Lists page by page (no delimiter) and deletes each page with one [`ObjectStore::delete_many`]

@@ -1349,6 +1349,20 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_access_check_is_one_list_of_the_prefix() {
+        let s = store();
+        s.insert(B, "vol1/a", "x");
+        crate::check_prefix_access(&s, B, "vol1/").await.unwrap();
+        // An empty prefix (a volume of the whole bucket) is a LIST too.
+        crate::check_prefix_access(&s, B, "").await.unwrap();
+        assert_eq!((s.stats().list, s.stats().head), (2, 0));
+        assert!(matches!(
+            crate::check_prefix_access(&s, "no-such-bucket", "vol1/").await,
+            Err(StoreError::NoSuchBucket(_))
+        ));
+    }
+
+    #[tokio::test]
     async fn delete_prefix_only_touches_the_prefix() {
         let s = store();
         for i in 0..2500 {
