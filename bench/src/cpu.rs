@@ -4,11 +4,11 @@
 //! On the 2-CPU benchmark VM a row is often bound by CPU the server, the delay proxy and the
 //! mounter share: these notes say by how much, and who had it.
 //!
-//! [`SpeedProbe`] says how fast the CPUs ran meanwhile. On the benchmark VM the same fixed loop
-//! takes from one to two times its fastest CPU time from one second to the next, with nothing
-//! else running in the VM and no time counted as stolen (`doc/BENCHMARKS.md`): the host's doing.
-//! A row measured while the CPUs ran at half speed is not comparable with one measured at full
-//! speed, so every group's note gives the speed it ran at.
+//! [`SpeedProbe`] says how fast the CPUs ran meanwhile. On the benchmark VM a loop of fixed work
+//! took from one to two times its fastest CPU time from one second to the next, with nothing else
+//! running in the VM and no time counted as stolen (`doc/BENCHMARKS.md`, "The machine"). A row
+//! measured while the CPUs ran slow is not comparable with one measured at full speed, so every
+//! group's note gives the speed it ran at.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -110,8 +110,7 @@ fn thread_cpu() -> f64 {
     ts.tv_sec as f64 + ts.tv_nsec as f64 * 1e-9
 }
 
-/// A fixed amount of integer work (about a millisecond on the benchmark VM at its fastest),
-/// that no optimiser can skip.
+/// A fixed amount of integer work (a few milliseconds), that no optimiser can skip.
 fn fixed_work() -> u64 {
     let mut x = 1u64;
     for i in 0..PROBE_ITERATIONS {
@@ -121,7 +120,7 @@ fn fixed_work() -> u64 {
 }
 
 const PROBE_ITERATIONS: u64 = 1_000_000;
-/// How often the probe runs its loop: a few hundred samples per group, under 1 % of a CPU.
+/// How often the probe runs its loop: five samples a second, about 1 % of a CPU.
 const PROBE_EVERY: Duration = Duration::from_millis(200);
 
 /// A thread that times [`fixed_work`] in CPU time every [`PROBE_EVERY`], for as long as it lives:
