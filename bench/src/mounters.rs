@@ -265,11 +265,9 @@ impl Mount {
         let out = File::create(&log)?;
         let cache = cache_dir(work, dir);
         if kind == Kind::FerryCache {
-            if cache.exists() {
-                std::fs::remove_dir_all(&cache)
-                    .with_context(|| format!("emptying {}", cache.display()))?;
-            }
-            std::fs::create_dir_all(&cache)?;
+            // Named by round and group in a fresh work dir: new, so empty (an existing one is an
+            // error, never emptied here; see `finish`).
+            std::fs::create_dir(&cache).with_context(|| format!("creating {}", cache.display()))?;
         }
         let mut args = kind.flags(s3, dir, &creds, &cache, mode);
         // Ferry's own request counters, read back per workload group (observability only).
