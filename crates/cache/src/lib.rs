@@ -727,16 +727,51 @@ impl BlockCache {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Bytes, E>>,
     {
+        self.get_or_fetch_part(key, None, reader, fetch).await
+    }
+
+    /// Bytes `part.within` of block `key` (`part.len` bytes long), as
+    /// [`Self::get_or_fetch_as`] gets the block: from disk only the pieces that cover them are
+    /// read and checked ([`block::read_range`]); a miss fetches (and stores) the whole block.
+    pub async fn get_part_or_fetch_as<F, Fut, E>(
+        self: &Arc<Self>,
+        key: &BlockKey,
+        part: Part,
+        reader: Reader,
+        fetch: F,
+    ) -> Result<Bytes, E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Bytes, E>>,
+    {
+        self.get_or_fetch_part(key, Some(part), reader, fetch).await
+    }
+
+    async fn get_or_fetch_part<F, Fut, E>(
+        self: &Arc<Self>,
+        key: &BlockKey,
+        part: Option<Part>,
+        reader: Reader,
+        fetch: F,
+    ) -> Result<Bytes, E>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<Bytes, E>>,
+    {
         metrics().lookups.inc();
         let (owner, from_disk) = match reader {
             Reader::Proven { owner } => (owner, true),
             Reader::Unproven { owner } => (owner, false),
         };
         if from_disk {
-            if let Some(data) = self.read(key).await {
+            if let Some(data) = self.read(key, part.clone()).await {
                 return Ok(data);
             }
         }
+        let cut = |data: Bytes| match &part {
+            Some(p) => p.cut(data),
+            None => data,
+        };
         let cell = {
             let mut flights = self.flights.lock().expect("flights lock");
             let flight = flights.entry(key.clone()).or_insert_with(|| Flight {
@@ -764,7 +799,8 @@ impl BlockCache {
                 guard.armed = true;
                 // A fill may have finished between the read above and joining the flight.
                 if from_disk {
-                    if let Some(data) = self.read(key).await {
+                    // The whole block: every caller joining this flight takes its part of it.
+                    if let Some(data) = self.read(key, None).await {
                         return Ok((owner, data));
                     }
                 }
@@ -782,7 +818,7 @@ impl BlockCache {
             // Bytes another identity's fetch got, for a reader that has not shown access: never
             // handed over. (Its own init may have failed, leaving the flight to a proven one.)
             Ok((by, _)) if !from_disk && by != owner => match fetch.take() {
-                Some(fetch) => self.fetch_alone(key, fetch).await,
+                Some(fetch) => self.fetch_alone(key, fetch).await.map(cut),
                 None => unreachable!("a caller that ran the init got its own bytes"),
             },
             Ok((_, data)) => {
@@ -790,7 +826,7 @@ impl BlockCache {
                     self.counters.joins.fetch_add(1, Ordering::Relaxed);
                     metrics().joins.inc();
                 }
-                Ok(data)
+                Ok(cut(data))
             }
             Err(e) => {
                 self.end_flight(key, &cell);
@@ -859,8 +895,9 @@ impl BlockCache {
         self.queue_write(key, data, Some(cell));
     }
 
-    /// The block from disk, if intact; a bad file is deleted and counted.
-    async fn read(self: &Arc<Self>, key: &BlockKey) -> Option<Bytes> {
+    /// The block from disk (only `part` of it, if given), if intact; a bad file is deleted and
+    /// counted.
+    async fn read(self: &Arc<Self>, key: &BlockKey, part: Option<Part>) -> Option<Bytes> {
         // A miss the index already knows costs no blocking hop (until the index is rebuilt at
         // start, the disk is asked).
         if self.is_ready() && !self.contains(key) {
@@ -868,18 +905,19 @@ impl BlockCache {
         }
         let id = key.file_id();
         let path = self.block_path(&id);
-        let file = tokio::task::spawn_blocking(move || std::fs::read(path))
+        let (k, p) = (key.clone(), part.clone());
+        let got = tokio::task::spawn_blocking(move || read_block_file(&path, &k, p))
             .await
             .ok()?;
-        let file = match file {
-            Ok(file) => Bytes::from(file),
+        let got = match got {
+            Ok(got) => got,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 // A plain miss stays cheap: no blocking hop unless the object is whole on disk.
                 if !self.has_whole(&key.object()) {
                     return None;
                 }
                 let (cache, key) = (self.clone(), key.clone());
-                return tokio::task::spawn_blocking(move || cache.read_from_whole(&key))
+                return tokio::task::spawn_blocking(move || cache.read_from_whole(&key, part))
                     .await
                     .ok()
                     .flatten();
@@ -889,7 +927,7 @@ impl BlockCache {
                 return None;
             }
         };
-        match block::decode(key, file) {
+        match got {
             Ok(data) => {
                 self.lock().lru.touch(&Entry::Block(id));
                 self.hit(data.len());
@@ -961,29 +999,47 @@ impl BlockCache {
 
     /// Block `key` out of its object's whole file, if there is one and the piece checks out
     /// (blocking). A bad piece drops the whole file.
-    fn read_from_whole(&self, key: &BlockKey) -> Option<Bytes> {
+    fn read_from_whole(&self, key: &BlockKey, part: Option<Part>) -> Option<Bytes> {
         let obj = key.object();
         let id = obj.file_id();
         if !self.lock().lru.contains(&Entry::Object(id)) {
             return None;
         }
         let meta = self.meta(&obj, &id)?;
-        let range = meta.piece(key.index)?;
+        let piece = meta.piece(key.index)?;
+        let within = match &part {
+            Some(p) if p.len == piece.end - piece.start && p.within.end <= p.len => {
+                piece.start + p.within.start..piece.start + p.within.end
+            }
+            Some(_) => return None,
+            None => piece,
+        };
+        // The pieces the sidecar's crcs cover that hold `within`.
+        let (span, first) = block::chunk_span(&within, meta.chunk, meta.size);
         let file = File::open(self.object_path(&id)).ok()?;
-        let mut buf = vec![0u8; (range.end - range.start) as usize];
-        if let Err(e) = file.read_exact_at(&mut buf, range.start) {
+        let mut buf = vec![0u8; (span.end - span.start) as usize];
+        if let Err(e) = file.read_exact_at(&mut buf, span.start) {
             tracing::warn!(key = %key.key, error = %e, "cache: reading a whole-object file failed");
             return None;
         }
-        if crc32c::crc32c(&buf) != meta.crcs[key.index as usize] {
+        if block::check_chunks(&buf, meta.chunk, &meta.crcs, first).is_err() {
             tracing::warn!(key = %key.key, etag = %key.etag, index = key.index,
                 "cache: whole-object file failed its checksum; deleted, fetching again");
             self.drop_corrupt(Entry::Object(id));
             return None;
         }
         self.lock().lru.touch(&Entry::Object(id));
-        self.hit(buf.len());
-        Some(Bytes::from(buf))
+        let (from, to) = (
+            (within.start - span.start) as usize,
+            (within.end - span.start) as usize,
+        );
+        let data = if from == 0 && to == buf.len() {
+            Bytes::from(buf)
+        } else {
+            Bytes::copy_from_slice(&buf[from..to])
+        };
+        self.hit(data.len());
+        Some(data)
     }
 
     /// The whole-object file of `obj` (`size` bytes) opened for reading, for the kernel to read
@@ -1154,7 +1210,8 @@ impl BlockCache {
             &ObjectMeta {
                 size,
                 block_size: bs,
-                crcs: vec![0; blocks as usize],
+                chunk: block::CHUNK,
+                crcs: vec![0; size.div_ceil(block::CHUNK) as usize],
             },
         )
         .len() as u64;
@@ -1223,7 +1280,7 @@ impl BlockCache {
         out: &mut dyn Write,
     ) -> io::Result<Option<Vec<u32>>> {
         let bs = self.cfg.block_size;
-        let mut crcs = Vec::with_capacity(blocks as usize);
+        let mut crcs = Vec::with_capacity(size.div_ceil(block::CHUNK) as usize);
         for i in 0..blocks {
             let key = obj.block(i);
             let bid = key.file_id();
@@ -1231,7 +1288,9 @@ impl BlockCache {
             let want = size.min((i + 1) * bs) - i * bs;
             match block::decode(&key, file) {
                 Ok(data) if data.len() as u64 == want => {
-                    crcs.push(crc32c::crc32c(&data));
+                    // Whole pieces: a block is a whole number of them (a power of two, at
+                    // least one piece), and only the last block may be shorter.
+                    crcs.extend(block::chunk_crcs(&data, block::CHUNK));
                     out.write_all(&data)?;
                 }
                 Ok(_) | Err(_) => {
@@ -1271,6 +1330,7 @@ impl BlockCache {
                 &ObjectMeta {
                     size,
                     block_size: bs,
+                    chunk: block::CHUNK,
                     crcs,
                 },
             );
@@ -1571,6 +1631,59 @@ impl BlockCache {
     }
 }
 
+/// Some of a block's bytes: `within` of its `len` bytes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Part {
+    /// The block's length (the object's bytes it covers).
+    pub len: u64,
+    /// The bytes wanted, relative to the block's start (non-empty, within `len`).
+    pub within: std::ops::Range<u64>,
+}
+
+impl Part {
+    /// This part of the whole block `data`: a copy, so the caller holds only what it asked for
+    /// (the whole block when it is the whole block).
+    fn cut(&self, data: Bytes) -> Bytes {
+        let (from, to) = (self.within.start as usize, self.within.end as usize);
+        if from == 0 && to == data.len() {
+            return data;
+        }
+        match data.get(from..to) {
+            Some(bytes) => Bytes::copy_from_slice(bytes),
+            // The caller checks lengths: a block shorter than the part gives what it has.
+            None => data.slice(from.min(data.len())..to.min(data.len())),
+        }
+    }
+}
+
+/// Block `key`'s file at `path`: only `part` of its data, read and checked, when the file allows
+/// it, else the whole file, decoded (and cut to `part`). The outer error is the file's (a missing
+/// file is `NotFound`), the inner one its contents'. Blocking.
+fn read_block_file(
+    path: &Path,
+    key: &BlockKey,
+    part: Option<Part>,
+) -> io::Result<Result<Bytes, Invalid>> {
+    use std::io::Read;
+    let mut file = File::open(path)?;
+    if let Some(p) = &part {
+        match block::read_range(&file, key, p.len, p.within.clone()) {
+            Ok(Some(data)) => return Ok(Ok(data)),
+            Ok(None) => {}
+            Err(why) => return Ok(Err(why)),
+        }
+    }
+    let mut buf = Vec::with_capacity(file.metadata().map_or(0, |m| m.len() as usize));
+    file.read_to_end(&mut buf)?;
+    Ok(
+        block::decode(key, Bytes::from(buf)).and_then(|data| match &part {
+            Some(p) if data.len() as u64 != p.len => Err(Invalid::Malformed),
+            Some(p) => Ok(p.cut(data)),
+            None => Ok(data),
+        }),
+    )
+}
+
 /// The record of checked whole files a clean shutdown leaves for the next process.
 const CHECKED_FILE: &str = "checked";
 
@@ -1617,11 +1730,15 @@ fn parse_checked(s: &str) -> HashMap<FileId, FileStamp> {
 fn check_whole(file: &File, meta: &ObjectMeta) -> bool {
     use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
     let _ = posix_fadvise(file, 0, 0, PosixFadviseAdvice::POSIX_FADV_WILLNEED);
-    let mut buf = vec![0u8; meta.block_size as usize];
-    (0..meta.crcs.len() as u64).all(|i| {
-        let range = meta.piece(i).expect("counted");
-        let buf = &mut buf[..(range.end - range.start) as usize];
-        file.read_exact_at(buf, range.start).is_ok() && crc32c::crc32c(buf) == meta.crcs[i as usize]
+    // Read a block's worth of whole pieces at a time.
+    let step = (meta.block_size.max(meta.chunk) / meta.chunk).max(1) * meta.chunk;
+    let mut buf = vec![0u8; step.min(meta.size) as usize];
+    (0..meta.size.div_ceil(step)).all(|i| {
+        let (start, end) = (i * step, meta.size.min((i + 1) * step));
+        let buf = &mut buf[..(end - start) as usize];
+        let first = (start / meta.chunk) as usize;
+        file.read_exact_at(buf, start).is_ok()
+            && block::check_chunks(buf, meta.chunk, &meta.crcs, first).is_ok()
     })
 }
 

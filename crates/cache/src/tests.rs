@@ -362,6 +362,7 @@ async fn a_flipped_byte_in_a_whole_object_is_never_served() {
         &ObjectMeta {
             size,
             block_size: BS,
+            chunk: block::CHUNK,
             crcs: vec![0; 3],
         },
     );
@@ -674,5 +675,157 @@ async fn an_unproven_reader_never_takes_bytes_another_identity_fetched() {
         x2.await.unwrap(),
         Err("403 AccessDenied"),
         "the second reader of identity 1 fetched with its own credentials"
+    );
+}
+
+/// A cache of four-piece blocks, for part reads.
+async fn open_pieces(dir: &Path) -> Arc<BlockCache> {
+    let cache = BlockCache::open(CacheConfig {
+        block_size: 4 * block::CHUNK,
+        ..CacheConfig::new(dir, 64 * block::CHUNK)
+    })
+    .unwrap();
+    cache.ready().await;
+    cache
+}
+
+async fn get_part(
+    cache: &Arc<BlockCache>,
+    k: &BlockKey,
+    d: &Bytes,
+    within: std::ops::Range<u64>,
+    fetches: &AtomicUsize,
+) -> Bytes {
+    let part = Part {
+        len: d.len() as u64,
+        within,
+    };
+    cache
+        .get_part_or_fetch_as(k, part, Reader::Proven { owner: 0 }, || async {
+            fetches.fetch_add(1, Ordering::SeqCst);
+            Ok::<_, std::convert::Infallible>(d.clone())
+        })
+        .await
+        .unwrap()
+}
+
+fn flip_at(path: &Path, at: u64) {
+    let mut f = std::fs::read(path).unwrap();
+    f[at as usize] ^= 0x40;
+    std::fs::write(path, f).unwrap();
+}
+
+#[tokio::test]
+async fn a_part_is_read_from_its_pieces_and_a_bad_piece_is_found_when_read() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open_pieces(dir.path()).await;
+    let c = block::CHUNK;
+    let fetches = AtomicUsize::new(0);
+    let (k, d) = (key("p", 0), data(3, (4 * c - 9) as usize));
+    // A miss fetches the whole block and gives the part.
+    assert_eq!(
+        get_part(&cache, &k, &d, 5..9, &fetches).await,
+        d.slice(5..9)
+    );
+    cache.settle().await;
+    flip_at(&cache.block_path(&k.file_id()), 3 * c + 1);
+    // Parts in the good pieces are served from disk: no fetch, no corruption seen.
+    for within in [0..10, c - 3..c + 3, 2 * c..3 * c] {
+        let want = d.slice(within.start as usize..within.end as usize);
+        assert_eq!(get_part(&cache, &k, &d, within, &fetches).await, want);
+    }
+    let s = cache.stats();
+    assert_eq!(
+        (fetches.load(Ordering::SeqCst), s.hits, s.corrupt),
+        (1, 3, 0)
+    );
+    assert_eq!(s.hit_bytes, 10 + 6 + c);
+    // A part in the bad piece: refused, the file deleted, the block fetched again.
+    let want = d.slice((3 * c) as usize..(3 * c + 4) as usize);
+    assert_eq!(
+        get_part(&cache, &k, &d, 3 * c..3 * c + 4, &fetches).await,
+        want
+    );
+    assert_eq!(
+        (fetches.load(Ordering::SeqCst), cache.stats().corrupt),
+        (2, 1)
+    );
+
+    // The same for a whole object, read in parts from its one file.
+    let size = 8 * c + 10;
+    let (obj, content) = object("w", size, 5);
+    cache.want_whole(obj.clone(), size);
+    for i in 0..3 {
+        let piece = content.slice((4 * c * i) as usize..size.min(4 * c * (i + 1)) as usize);
+        get(&cache, &obj.block(i), &piece, &fetches).await;
+    }
+    cache.settle().await;
+    assert!(cache.has_whole(&obj));
+    let before = fetches.load(Ordering::SeqCst);
+    flip_at(&cache.object_path(&obj.file_id()), 4 * c + 2 * c + 7);
+    let block1 = content.slice((4 * c) as usize..(8 * c) as usize);
+    let read = |within: std::ops::Range<u64>| {
+        let want = block1.slice(within.start as usize..within.end as usize);
+        (within, want)
+    };
+    for (within, want) in [read(0..4096), read(c + 1..2 * c), read(3 * c..4 * c)] {
+        assert_eq!(
+            get_part(&cache, &obj.block(1), &block1, within, &fetches).await,
+            want
+        );
+    }
+    assert_eq!(fetches.load(Ordering::SeqCst), before);
+    assert_eq!(cache.stats().corrupt, 1);
+    let (within, want) = read(2 * c + 5..2 * c + 9);
+    assert_eq!(
+        get_part(&cache, &obj.block(1), &block1, within, &fetches).await,
+        want
+    );
+    assert_eq!(fetches.load(Ordering::SeqCst), before + 1);
+    assert_eq!(cache.stats().corrupt, 2);
+    assert!(!cache.has_whole(&obj), "the bad whole file is dropped");
+}
+
+#[tokio::test]
+async fn files_an_older_ferry_wrote_are_still_served() {
+    let dir = tempfile::tempdir().unwrap();
+    let c = block::CHUNK;
+    let fetches = AtomicUsize::new(0);
+    let (k, d) = (key("old", 0), data(8, (4 * c) as usize));
+    let size = 4 * c + 100;
+    let (obj, content) = object("old-whole", size, 9);
+    {
+        // Written as before: a format-2 block file, a whole object with a format-1 sidecar.
+        let cache = open_pieces(dir.path()).await;
+        let path = cache.block_path(&k.file_id());
+        std::fs::create_dir_all(path.parent().unwrap()).unwrap();
+        std::fs::write(&path, block::tests::encode_2(&k, &d)).unwrap();
+        let id = obj.file_id();
+        let data_path = cache.object_path(&id);
+        std::fs::create_dir_all(data_path.parent().unwrap()).unwrap();
+        std::fs::write(&data_path, &content).unwrap();
+        let crcs = [
+            crc32c::crc32c(&content[..(4 * c) as usize]),
+            crc32c::crc32c(&content[(4 * c) as usize..]),
+        ];
+        let meta = object::tests::encode_meta_1(&obj, size, 4 * c, &crcs);
+        std::fs::write(cache.meta_path(&id), meta).unwrap();
+    }
+    let cache = open_pieces(dir.path()).await;
+    assert_eq!(
+        get_part(&cache, &k, &d, 7..9, &fetches).await,
+        d.slice(7..9)
+    );
+    assert_eq!(get(&cache, &k, &d, &fetches).await, d);
+    let block1 = content.slice((4 * c) as usize..);
+    assert_eq!(
+        get_part(&cache, &obj.block(1), &block1, 3..50, &fetches).await,
+        block1.slice(3..50)
+    );
+    assert!(cache.open_whole(&obj, size).is_some());
+    let s = cache.stats();
+    assert_eq!(
+        (fetches.load(Ordering::SeqCst), s.corrupt, s.hits),
+        (0, 0, 3)
     );
 }

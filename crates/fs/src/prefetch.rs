@@ -246,31 +246,22 @@ async fn fetch_shared(
             reader = Reader::Unproven { owner };
         }
     }
-    let blocks = futures::future::try_join_all(
-        (first..=last).map(|i| cached_block(src, c, etag, i, reader, shared)),
-    )
+    // Of each block only the bytes the range covers: a hit reads and checks only the pieces
+    // of the block file that hold them.
+    let parts = futures::future::try_join_all((first..=last).map(|i| {
+        let within = range.start.max(i * bs) - i * bs..range.end.min((i + 1) * bs) - i * bs;
+        cached_block(src, c, etag, i, within, reader, shared)
+    }))
     .await?;
     if matches!(reader, Reader::Unproven { .. }) {
         c.proofs.prove(&src.bucket, &src.key, etag);
     }
-    let base = first * bs;
-    let (from, to) = ((range.start - base) as usize, (range.end - base) as usize);
-    if let [block] = blocks.as_slice() {
-        if from == 0 && to == block.len() {
-            return Ok(block.clone());
-        }
-        // A copy, so the part holds (and the memory budget counts) only what it asked for.
-        return Ok(Bytes::copy_from_slice(&block[from..to]));
+    if let [part] = parts.as_slice() {
+        return Ok(part.clone());
     }
-    let mut out = bytes::BytesMut::with_capacity(to - from);
-    let mut pos = 0usize;
-    for block in &blocks {
-        let (b0, b1) = (pos, pos + block.len());
-        let (s, e) = (from.max(b0), to.min(b1));
-        if s < e {
-            out.extend_from_slice(&block[s - b0..e - b0]);
-        }
-        pos = b1;
+    let mut out = bytes::BytesMut::with_capacity((range.end - range.start) as usize);
+    for part in &parts {
+        out.extend_from_slice(part);
     }
     Ok(out.freeze())
 }
@@ -294,12 +285,14 @@ fn block_key(src: &Source, c: &CacheUse, etag: &str, index: u64) -> BlockKey {
     }
 }
 
-/// Block `index` of `src` from the node cache, or fetched (and stored) on a miss; as `reader`.
+/// Bytes `within` (relative to the block's start) of block `index` of `src` from the node cache,
+/// or the block fetched (and stored) on a miss; as `reader`.
 async fn cached_block(
     src: &Source,
     c: &CacheUse,
     etag: &str,
     index: u64,
+    within: Range<u64>,
     reader: Reader,
     shared: Option<&SharedGet>,
 ) -> Result<Bytes, StoreError> {
@@ -308,9 +301,14 @@ async fn cached_block(
     let end = src.size.min(start + bs);
     let key = block_key(src, c, etag, index);
     let shared = shared.filter(|g| g.covers(&(start..end)));
+    let wanted = within.end - within.start;
+    let part = ferry_cache::Part {
+        len: end - start,
+        within,
+    };
     let data = c
         .cache
-        .get_or_fetch_as(&key, reader, || async move {
+        .get_part_or_fetch_as(&key, part, reader, || async move {
             match shared {
                 Some(g) => g.block(start..end).await,
                 None => {
@@ -326,9 +324,10 @@ async fn cached_block(
             }
         })
         .await?;
-    if data.len() as u64 != end - start {
+    if data.len() as u64 != wanted {
         return Err(StoreError::Corrupt(format!(
-            "{}: cached block {index} has {} bytes, the object's size says {}",
+            "{}: cached block {index} gave {} bytes of the {wanted} asked (the object's size \
+             says the block has {})",
             src.key,
             data.len(),
             end - start
