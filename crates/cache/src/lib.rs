@@ -3,8 +3,9 @@
 //!
 //! - **Keys.** A block is named by (endpoint, bucket, key, ETag, block index) ([`BlockKey`]); a
 //!   new object version has a new ETag, so it never meets the old version's blocks.
-//! - **Integrity.** Each file carries its key and a crc32c over header and data ([`block`]); a
-//!   file that does not check out is a miss: it is deleted, counted (`corrupt`) and refetched.
+//! - **Integrity.** Each file carries its key and a crc32c of each 64 KiB piece of its data
+//!   ([`block`]); a read checks the pieces it takes bytes from ([`BlockCache::get_part_or_fetch_as`]).
+//!   A file that does not check out is a miss: it is deleted, counted (`corrupt`) and refetched.
 //! - **Atomic writes.** A block is written to `tmp/` and renamed into `blocks/`; a reader sees a
 //!   whole file or none. No fsync: after a crash a torn file fails its checksum and is a miss.
 //! - **Single flight.** Concurrent misses of one block, from any number of mounts, run one fetch;
@@ -19,8 +20,8 @@
 //!
 //! - **Whole objects.** Once every block of an object version is on disk and a reader asked for
 //!   it ([`BlockCache::want_whole`]), the blocks are joined into one file with exactly the
-//!   object's bytes plus a sidecar of per-block crc32c ([`object`]), and the blocks are deleted.
-//!   Blocks are then read from that file (each piece checked against its crc), and
+//!   object's bytes plus a sidecar of per-piece crc32c ([`object`]), and the blocks are deleted.
+//!   Blocks are then read from that file (each piece read checked against its crc), and
 //!   [`BlockCache::open_whole`] hands it out, checked in full once per process, for the kernel to
 //!   read directly (FUSE passthrough).
 //! - **Checked across a clean restart.** A process checks a whole file in full before its first
@@ -58,7 +59,10 @@ pub use block::{BlockKey, FileId, Invalid};
 use lru::Lru;
 pub use object::{ObjectKey, ObjectMeta};
 
-/// The on-disk format this code reads and writes (see [`object`] and [`block`]).
+/// The on-disk layout this code reads and writes (see [`object`] and [`block`]). Block format 3
+/// and sidecar format 2 (a crc per piece) kept layout 3: this code reads the formats before them,
+/// so a node's cache survives the upgrade. (An older Ferry takes a newer file for a bad one:
+/// deleted, counted, fetched again.)
 const LAYOUT_VERSION: u32 = 3;
 
 /// Objects remembered as wanted whole until their last block arrives (oldest dropped first).

@@ -73,6 +73,10 @@ fn setup(n: usize, len: usize) -> Option<Setup> {
 
 impl Setup {
     fn mount(&self, ttl: MetadataTtl, read_only: bool) -> MountHandle {
+        self.mount_with(ttl, read_only, true)
+    }
+
+    fn mount_with(&self, ttl: MetadataTtl, read_only: bool, passthrough: bool) -> MountHandle {
         let mut cfg = MountConfig::new(BUCKET);
         cfg.fs_name = format!("ferry:{BUCKET}/ds/");
         cfg.prefix = "ds/".into();
@@ -81,7 +85,7 @@ impl Setup {
         cfg.read_only = read_only;
         let mut ctx = MountContext::new(self.rt.handle().clone());
         ctx.cache = Some(self.cache.clone());
-        ctx.passthrough = true;
+        ctx.passthrough = passthrough;
         let store: Arc<dyn ObjectStore> = self.store.clone();
         mount(store, cfg, self.dir.path(), ctx).expect("mount")
     }
@@ -208,5 +212,79 @@ fn a_small_file_is_reread_from_the_page_cache_and_a_large_one_through_passthroug
         before.calls_of(Op::Get),
         "no new GET"
     );
+    m.unmount().unwrap();
+}
+
+#[test]
+fn small_random_reads_from_the_node_cache_read_only_their_pieces() {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let Some(t) = setup(1, 6 << 20) else {
+        return;
+    };
+    let (name, data) = &t.files[0];
+    // Without passthrough, so that every O_DIRECT read below reaches the filesystem and is
+    // served by the node cache.
+    let m = t.mount_with(MetadataTtl::Indefinite, true, false);
+    t.read(&[0], 1);
+    t.rt.block_on(t.cache.settle());
+    let (before, gets) = (t.cache.stats(), t.calls(Op::Get));
+    assert_eq!(before.stored, 2, "both blocks stored: {before:?}");
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(t.dir.path().join(name))
+        .unwrap();
+    // A page-aligned buffer, as O_DIRECT wants.
+    let mut buf = vec![0u8; 2 * 4096];
+    let shift = buf.as_ptr().align_offset(4096);
+    let buf = &mut buf[shift..shift + 4096];
+    let mut read_at = |at: u64| {
+        f.read_exact_at(buf, at).unwrap();
+        assert!(
+            *buf == data[at as usize..at as usize + 4096],
+            "bytes at {at}"
+        );
+    };
+    // 64 reads of 4 KiB spread over both blocks (none where the last one ended, so none starts
+    // a sequential stream): each a hit that read only the aligned 64 KiB a random read asks for
+    // (`PrefetchConfig::random_align`), not its 4 MiB block.
+    for i in 1..=64u64 {
+        read_at((i * 1_597_463 % (6 << 20)) & !4095);
+    }
+    let after = t.cache.stats();
+    assert_eq!(t.calls(Op::Get), gets, "no GET");
+    assert_eq!(after.hits - before.hits, 64, "{after:?}");
+    assert_eq!(
+        after.hit_bytes - before.hit_bytes,
+        64 * (64 << 10),
+        "each hit served only the range read, not its block"
+    );
+    // A flipped byte in the cached copy (the whole file the blocks were joined into, or a
+    // block): reads of other pieces are still served; a read of the bad piece is refused, the
+    // object fetched again, the bytes correct.
+    let key = format!("ds/{name}");
+    let etag = t.rt.block_on(t.store.head(BUCKET, &key)).unwrap().etag;
+    let obj = ferry_cache::ObjectKey {
+        endpoint: "http://versitygw.test".into(),
+        bucket: BUCKET.into(),
+        key,
+        etag: etag.unwrap(),
+    };
+    let bad = (1 << 20) + 12_345u64;
+    let path = if t.cache.has_whole(&obj) {
+        t.cache.object_path(&obj.file_id())
+    } else {
+        t.cache.block_path(&obj.block(0).file_id())
+    };
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[bad as usize] ^= 0x20;
+    std::fs::write(&path, bytes).unwrap();
+    read_at(4096);
+    read_at(3 << 20);
+    assert_eq!(t.cache.stats().corrupt, 0);
+    read_at(bad & !4095);
+    assert_eq!(t.cache.stats().corrupt, 1, "{:?}", t.cache.stats());
+    assert!(t.calls(Op::Get) > gets, "fetched again");
+    drop(f);
     m.unmount().unwrap();
 }
