@@ -472,3 +472,45 @@ fn is_cached(cache: &BlockCache, name: &str, etag: &str) -> bool {
         index: 0,
     })
 }
+
+/// Opens of a directory's files spread over a long time (a few now and then, over a job's days)
+/// never add up to a sweep: an open more than `SWEEP_OPEN_GAP` after the last one counts from 1.
+#[tokio::test]
+async fn opens_far_apart_do_not_add_up_to_a_sweep() {
+    let (_dir, cache, store) = cache_and_store().await;
+    let files: Vec<(String, Vec<u8>)> = (0..200u32)
+        .map(|i| (format!("f{i:03}"), data(4096, (i % 251) as u8)))
+        .collect();
+    for (name, body) in &files {
+        store.insert(B, name, body.clone());
+    }
+    let fs = mount(Arc::new(store.clone()), &cache, |_| {});
+    assert_eq!(list_root(&fs).await.len(), 2 + 200, ". and .. too");
+    let order: Vec<usize> = (0..200).map(|i| (i * 37) % 200).collect();
+    let open = |i: usize| {
+        let (name, body) = &files[order[i]];
+        let fs = &fs;
+        async move { assert_eq!(&read_all(fs, name, 1 << 20).await.unwrap(), body) }
+    };
+    let age_last_open = || {
+        let mut st = fs.lock();
+        match st.sweeps.get_mut(&ROOT_INO) {
+            Some(super::sweep::SweepState::Counting { last, .. }) => {
+                *last = Instant::now() - (super::sweep::SWEEP_OPEN_GAP + Duration::from_secs(1));
+            }
+            other => panic!("not counting: {other:?}"),
+        }
+    };
+    // Fifteen opens, a long pause, fifteen more: never sixteen in a row.
+    for i in 0..15 {
+        open(i).await;
+    }
+    age_last_open();
+    for i in 15..30 {
+        open(i).await;
+    }
+    assert!(!Fs::swept(&fs.lock(), ROOT_INO), "swept after a pause");
+    // One more without a pause is the sixteenth in a row.
+    open(30).await;
+    assert!(Fs::swept(&fs.lock(), ROOT_INO), "not swept");
+}

@@ -5,7 +5,8 @@
 //! Listing-order readers are served ahead by the cross-file prefetch (`read::prefetch_following`);
 //! a shuffled order defeats it, and each open would wait for its own GET. The sweep starts once
 //! this mount opened at least [`SWEEP_MIN_OPENS`] files of the directory out of listing order
-//! (opens that follow it are left to that prefetch), and at least one in
+//! (opens that follow it are left to that prefetch), none more than [`SWEEP_OPEN_GAP`] after the
+//! one before, and at least one in
 //! [`SWEEP_OPEN_SHARE`] of its entries (a few files picked out of a big directory never start
 //! it); it runs once per directory and mount, fetches only files of at most
 //! [`crate::PrefetchConfig::small_object_max`] that the cache does not hold whole, at most
@@ -27,11 +28,16 @@ const SWEEP_IN_FLIGHT: usize = 32;
 pub(super) const SWEEPS_AT_ONCE: usize = 2;
 /// Most directories with open counts (cleared past it).
 const SWEEP_DIRS_MAX: usize = 1024;
+/// An open more than this after the directory's last counted one starts the count again: the
+/// opens that start a sweep are a reader going through the directory, not a few files opened
+/// now and then over a job's days.
+pub(super) const SWEEP_OPEN_GAP: std::time::Duration = std::time::Duration::from_secs(30);
 
-/// Per directory: opens counted, or the sweep started (its task aborted when the mount goes).
+/// Per directory: opens counted (and when the last one was), or the sweep started (its task
+/// aborted when the mount goes).
 #[derive(Debug)]
 pub(super) enum SweepState {
-    Counting(u32),
+    Counting { opens: u32, last: Instant },
     Started { _running: Owned<()> },
 }
 
@@ -59,11 +65,20 @@ impl Fs {
                 return;
             }
         }
-        let opens = match st.sweeps.entry(parent).or_insert(SweepState::Counting(0)) {
+        let now = Instant::now();
+        let counting = SweepState::Counting {
+            opens: 0,
+            last: now,
+        };
+        let opens = match st.sweeps.entry(parent).or_insert(counting) {
             SweepState::Started { .. } => return,
-            SweepState::Counting(n) => {
-                *n += 1;
-                *n
+            SweepState::Counting { opens, last } => {
+                if now.duration_since(*last) > SWEEP_OPEN_GAP {
+                    *opens = 0;
+                }
+                *opens += 1;
+                *last = now;
+                *opens
             }
         };
         if opens < SWEEP_MIN_OPENS {
@@ -72,7 +87,7 @@ impl Fs {
         let Some(dir) = st.inodes.get(parent) else {
             return;
         };
-        let Some((listing, _)) = dir.cache.cached_listing(Instant::now()) else {
+        let Some((listing, _)) = dir.cache.cached_listing(now) else {
             return;
         };
         if (opens as usize) * SWEEP_OPEN_SHARE < listing.len() {
