@@ -265,6 +265,7 @@ fn run(
         direct: direct.clone(),
         rt: rt.handle().clone(),
         run_id: format!("rtt{}-{}", cli.rtt_ms, std::process::id()),
+        round: 0,
         notes: Vec::new(),
     };
     let mut flags_used = Vec::new();
@@ -308,6 +309,7 @@ fn run(
     let probe = cpu::SpeedProbe::start();
     let mut rounds: Vec<HashMap<(Row, Column), Cell>> = Vec::new();
     for round in 0..cli.rounds {
+        bench.round = round;
         let mut cells: HashMap<(Row, Column), Cell> = HashMap::new();
         // Notes of a run of several rounds say which round they are from.
         let at = match cli.rounds {

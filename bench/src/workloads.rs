@@ -187,6 +187,8 @@ pub struct Bench {
     pub direct: S3Store,
     pub rt: tokio::runtime::Handle,
     pub run_id: String,
+    /// The round being measured (from 0): each round's P3 writes new files.
+    pub round: u32,
     /// Observations for the notes under the table.
     pub notes: Vec<String>,
 }
@@ -215,13 +217,14 @@ impl Bench {
                 out.push((Row::P2, self.mib_per_s(mount, "P2", p2)));
             }
             Group::Writes => {
-                let dir = root.join(format!("writes/{}-{}", mount.kind.name(), self.run_id));
+                let name = format!("{}-{}-r{}", mount.kind.name(), self.run_id, self.round);
+                let dir = root.join(format!("writes/{name}"));
                 let (count, size) = (ds.write_count, ds.write_size as usize);
                 let d = dir.clone();
                 let r = self.guarded(mount, move || write_files(&d, count, size));
                 let cell = match r {
                     Ok((secs, _)) => {
-                        let prefix = format!("writes/{}-{}/", mount.kind.name(), self.run_id);
+                        let prefix = format!("writes/{name}/");
                         let missing = self.missing_objects(&prefix, count, size as u64);
                         if missing > 0 {
                             self.notes.push(format!(
