@@ -111,9 +111,9 @@ pub struct Source {
     pub cache: Option<CacheUse>,
 }
 
-/// Bytes `range` of `src`: through the node cache when the source uses it (whole blocks, each
-/// fetched from S3 at most once at a time node-wide, with this mount's credentials and `If-Match`),
-/// else one [`fetch_exact`].
+/// Bytes `range` of `src`: through the node cache when the source uses it (a block on disk gives
+/// the pieces that hold the range; one that is not is fetched whole, from S3 at most once at a
+/// time node-wide, with this mount's credentials and `If-Match`), else one [`fetch_exact`].
 ///
 /// A cached block is served only to a mount whose own credentials showed access to this object
 /// version. If the source is not `proven`: when every block is on disk, a HEAD with the mount's
