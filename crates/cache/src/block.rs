@@ -297,14 +297,20 @@ pub fn read_range(
     file.read_exact_at(&mut buf, span.start)
         .map_err(|_| Invalid::Malformed)?;
     check_chunks(&buf, tail.chunk, &tail.crcs, first)?;
-    let (from, to) = (
-        (within.start - span.start) as usize,
-        (within.end - span.start) as usize,
-    );
-    if from == 0 && to == buf.len() {
-        return Ok(Some(Bytes::from(buf)));
+    let at = (within.start - span.start) as usize..(within.end - span.start) as usize;
+    Ok(Some(exactly(Bytes::from(buf), at)))
+}
+
+/// Bytes `range` of `data`: `data` itself when that is all of it, else a copy, so the caller
+/// holds (and the memory budget counts) only what it asked for. A range past the end is cut
+/// to it.
+pub(crate) fn exactly(data: Bytes, range: std::ops::Range<usize>) -> Bytes {
+    let end = range.end.min(data.len());
+    let start = range.start.min(end);
+    if start == 0 && end == data.len() {
+        return data;
     }
-    Ok(Some(Bytes::copy_from_slice(&buf[from..to])))
+    Bytes::copy_from_slice(&data[start..end])
 }
 
 /// Frames `body` as a cache file: `magic`, the crc32c of `body` (u32 LE), `body`.

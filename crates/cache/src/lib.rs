@@ -748,7 +748,14 @@ impl BlockCache {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Bytes, E>>,
     {
-        self.get_or_fetch_part(key, Some(part), reader, fetch).await
+        // A part that is none of its block is read as the whole block, then cut.
+        let on_disk = part.is_valid().then(|| part.clone());
+        let data = self.get_or_fetch_part(key, on_disk, reader, fetch).await?;
+        Ok(if part.is_valid() {
+            data
+        } else {
+            part.cut(data)
+        })
     }
 
     async fn get_or_fetch_part<F, Fut, E>(
@@ -1033,15 +1040,8 @@ impl BlockCache {
             return None;
         }
         self.lock().lru.touch(&Entry::Object(id));
-        let (from, to) = (
-            (within.start - span.start) as usize,
-            (within.end - span.start) as usize,
-        );
-        let data = if from == 0 && to == buf.len() {
-            Bytes::from(buf)
-        } else {
-            Bytes::copy_from_slice(&buf[from..to])
-        };
+        let at = (within.start - span.start) as usize..(within.end - span.start) as usize;
+        let data = block::exactly(Bytes::from(buf), at);
         self.hit(data.len());
         Some(data)
     }
@@ -1645,18 +1645,15 @@ pub struct Part {
 }
 
 impl Part {
-    /// This part of the whole block `data`: a copy, so the caller holds only what it asked for
-    /// (the whole block when it is the whole block).
+    /// This part of the whole block `data` ([`block::exactly`]; a block shorter than the part
+    /// gives what it has: the caller checks lengths).
     fn cut(&self, data: Bytes) -> Bytes {
-        let (from, to) = (self.within.start as usize, self.within.end as usize);
-        if from == 0 && to == data.len() {
-            return data;
-        }
-        match data.get(from..to) {
-            Some(bytes) => Bytes::copy_from_slice(bytes),
-            // The caller checks lengths: a block shorter than the part gives what it has.
-            None => data.slice(from.min(data.len())..to.min(data.len())),
-        }
+        block::exactly(data, self.within.start as usize..self.within.end as usize)
+    }
+
+    /// Whether the part is some of its block: not empty, not past the end.
+    fn is_valid(&self) -> bool {
+        self.within.start < self.within.end && self.within.end <= self.len
     }
 }
 

@@ -829,3 +829,22 @@ async fn files_an_older_ferry_wrote_are_still_served() {
         (0, 0, 3)
     );
 }
+
+#[tokio::test]
+async fn a_part_that_is_none_of_its_block_never_costs_the_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open_pieces(dir.path()).await;
+    let fetches = AtomicUsize::new(0);
+    let (k, d) = (key("q", 0), data(4, 1000));
+    get(&cache, &k, &d, &fetches).await;
+    cache.settle().await;
+    // Empty, and past the block's end: what the block has of it, the file kept.
+    assert!(get_part(&cache, &k, &d, 5..5, &fetches).await.is_empty());
+    assert_eq!(
+        get_part(&cache, &k, &d, 990..1010, &fetches).await,
+        d.slice(990..)
+    );
+    let s = cache.stats();
+    assert_eq!((fetches.load(Ordering::SeqCst), s.corrupt), (1, 0));
+    assert!(cache.contains(&k));
+}
