@@ -722,3 +722,112 @@ pub mod node_paths {
         }
     }
 }
+
+/// `cache_files`: the node cache's files as a previous process (or a failing disk) left them: a
+/// block file ([`ferry_cache::block::decode`], [`ferry_cache::block::read_range_with`]) and a
+/// whole object's sidecar ([`ferry_cache::object::decode_meta`]). A block's data sits at offset 0
+/// of its file, so whatever a part read serves must be the file's own bytes there; and what Ferry
+/// writes of the input's bytes reads back as them, whole and in parts.
+pub mod cache_files {
+    use ferry_cache::block::{self, BlockKey, CHUNK};
+    use ferry_cache::object::{decode_meta, ObjectKey};
+
+    fn key() -> BlockKey {
+        BlockKey {
+            endpoint: "http://127.0.0.1:7070".into(),
+            bucket: "data".into(),
+            key: "train/shard-0001.tar".into(),
+            etag: "\"9b2cf535f27731c974343645a3985328\"".into(),
+            index: 3,
+        }
+    }
+
+    /// Parts of `len` bytes picked by `seed`: the first and last byte, all of it, and a range
+    /// across a piece boundary.
+    fn parts(len: u64, seed: &[u8]) -> Vec<std::ops::Range<u64>> {
+        if len == 0 {
+            return Vec::new();
+        }
+        let pick = |i: usize| {
+            let b = seed.get(i).copied().unwrap_or(0) as u64;
+            b * len / 256
+        };
+        let (a, b) = (pick(0), pick(1));
+        let mut out = vec![0..1, len - 1..len, 0..len, a.min(b)..a.max(b) + 1];
+        if len > CHUNK {
+            out.push(CHUNK - 1..CHUNK + 1);
+        }
+        out
+    }
+
+    /// A part read of `file` as block `key` with `len` bytes of data.
+    fn read(
+        file: &[u8],
+        key: &BlockKey,
+        len: u64,
+        within: std::ops::Range<u64>,
+    ) -> Option<Vec<u8>> {
+        let at = |buf: &mut [u8], at: u64| -> std::io::Result<()> {
+            let start = usize::try_from(at).map_err(|_| std::io::ErrorKind::UnexpectedEof)?;
+            let src = file
+                .get(start..start.saturating_add(buf.len()))
+                .ok_or(std::io::ErrorKind::UnexpectedEof)?;
+            buf.copy_from_slice(src);
+            Ok(())
+        };
+        match block::read_range_with(at, key, len, within) {
+            Ok(Some(bytes)) => Some(bytes.to_vec()),
+            _ => None,
+        }
+    }
+
+    pub fn run(data: &[u8]) {
+        let k = key();
+        // The input as a block file.
+        let whole = block::decode(&k, bytes::Bytes::copy_from_slice(data));
+        let lens = match &whole {
+            Ok(d) => vec![d.len() as u64],
+            Err(_) => vec![data.len() as u64 / 2, data.len().saturating_sub(300) as u64],
+        };
+        if let Ok(d) = &whole {
+            assert_eq!(
+                &data[..d.len()],
+                &d[..],
+                "decoded data is not the file's first bytes"
+            );
+        }
+        for len in lens {
+            for within in parts(len, data) {
+                if let Some(got) = read(data, &k, len, within.clone()) {
+                    assert_eq!(
+                        &got[..],
+                        &data[within.start as usize..within.end as usize],
+                        "a part read served bytes that are not the file's"
+                    );
+                }
+            }
+        }
+        // The input as a sidecar.
+        let obj = ObjectKey {
+            endpoint: k.endpoint.clone(),
+            bucket: k.bucket.clone(),
+            key: k.key.clone(),
+            etag: k.etag.clone(),
+        };
+        if let Ok(meta) = decode_meta(&obj, data) {
+            assert!(
+                meta.chunk > 0 && meta.block_size % meta.chunk == 0,
+                "{meta:?}"
+            );
+            assert_eq!(meta.crcs.len() as u64, meta.size.div_ceil(meta.chunk));
+        }
+        // The input as a block's data: written as Ferry writes it, read back whole and in parts.
+        let file = block::encode(&k, data);
+        let back = block::decode(&k, bytes::Bytes::from(file.clone())).expect("own block file");
+        assert_eq!(&back[..], data);
+        for within in parts(data.len() as u64, data) {
+            let got = read(&file, &k, data.len() as u64, within.clone()).expect("own part");
+            assert_eq!(&got[..], &data[within.start as usize..within.end as usize]);
+        }
+    }
+}

@@ -279,11 +279,21 @@ pub fn read_range(
     within: Range<u64>,
 ) -> Result<Option<Bytes>, Invalid> {
     use std::os::unix::fs::FileExt;
+    read_range_with(|buf, at| file.read_exact_at(buf, at), key, data_len, within)
+}
+
+/// [`read_range`] from whatever `read_exact_at` reads (a file; the fuzz target's bytes).
+pub fn read_range_with(
+    read_exact_at: impl Fn(&mut [u8], u64) -> std::io::Result<()>,
+    key: &BlockKey,
+    data_len: u64,
+    within: Range<u64>,
+) -> Result<Option<Bytes>, Invalid> {
     if within.start >= within.end || within.end > data_len {
         return Err(Invalid::Malformed);
     }
     let mut tail = vec![0u8; tail_len(key, data_len)];
-    match file.read_exact_at(&mut tail, data_len) {
+    match read_exact_at(&mut tail, data_len) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
         Err(_) => return Err(Invalid::Malformed),
@@ -294,8 +304,7 @@ pub fn read_range(
     let tail = check_tail(key, &tail, data_len)?;
     let (span, first) = chunk_span(&within, tail.chunk, data_len);
     let mut buf = vec![0u8; (span.end - span.start) as usize];
-    file.read_exact_at(&mut buf, span.start)
-        .map_err(|_| Invalid::Malformed)?;
+    read_exact_at(&mut buf, span.start).map_err(|_| Invalid::Malformed)?;
     check_chunks(&buf, tail.chunk, &tail.crcs, first)?;
     let at = (within.start - span.start) as usize..(within.end - span.start) as usize;
     Ok(Some(exactly(Bytes::from(buf), at)))
@@ -549,6 +558,29 @@ pub(crate) mod tests {
         assert!(!matches!(read_range(&f, &k, len + 1, 0..4), Ok(Some(_))));
         let other = BlockKey { index: 4, ..k };
         assert_eq!(read_range(&f, &other, len, 0..4), Err(Invalid::OtherBlock));
+    }
+
+    /// The fuzz corpus's seeds, written by hand from the format above (not by this code), read.
+    #[test]
+    fn the_documented_formats_are_the_ones_read() {
+        let k = BlockKey {
+            endpoint: "http://127.0.0.1:7070".into(),
+            bucket: "data".into(),
+            key: "train/shard-0001.tar".into(),
+            etag: "\"9b2cf535f27731c974343645a3985328\"".into(),
+            index: 3,
+        };
+        let want = data_of(1000);
+        for seed in [
+            &include_bytes!("../../../fuzz/corpus/cache_files/seed-block-format3")[..],
+            &include_bytes!("../../../fuzz/corpus/cache_files/seed-block-format2")[..],
+        ] {
+            let got = decode(&k, Bytes::copy_from_slice(seed)).unwrap();
+            assert_eq!(&got[..], &want[..]);
+        }
+        let f3 = include_bytes!("../../../fuzz/corpus/cache_files/seed-block-format3");
+        let got = read_range(&file_of(f3), &k, 1000, 10..20).unwrap().unwrap();
+        assert_eq!(&got[..], &want[10..20]);
     }
 
     #[test]
