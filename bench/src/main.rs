@@ -266,6 +266,7 @@ fn run(
         rt: rt.handle().clone(),
         run_id: format!("rtt{}-{}", cli.rtt_ms, std::process::id()),
         round: 0,
+        rounds: cli.rounds,
         notes: Vec::new(),
     };
     let mut flags_used = Vec::new();

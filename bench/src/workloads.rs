@@ -189,6 +189,8 @@ pub struct Bench {
     pub run_id: String,
     /// The round being measured (from 0): each round's P3 writes new files.
     pub round: u32,
+    /// How many rounds the run measures (notes of a run of several say their round).
+    pub rounds: u32,
     /// Observations for the notes under the table.
     pub notes: Vec<String>,
 }
@@ -227,8 +229,9 @@ impl Bench {
                         let prefix = format!("writes/{name}/");
                         let missing = self.missing_objects(&prefix, count, size as u64);
                         if missing > 0 {
+                            let at = self.at();
                             self.notes.push(format!(
-                                "{}: P3: {missing} of {count} files were not in S3 (with their full size) right after close returned",
+                                "{at}{}: P3: {missing} of {count} files were not in S3 (with their full size) right after close returned",
                                 mount.kind.name()
                             ));
                         }
@@ -386,9 +389,18 @@ impl Bench {
         }
     }
 
+    /// "round N: " when the run measures several rounds, else nothing.
+    fn at(&self) -> String {
+        match self.rounds {
+            0 | 1 => String::new(),
+            _ => format!("round {}: ", self.round + 1),
+        }
+    }
+
     fn failed(&mut self, mount: &Mount, what: &str, e: String) -> Cell {
+        let at = self.at();
         self.notes
-            .push(format!("{}: {what}: {e}", mount.kind.name()));
+            .push(format!("{at}{}: {what}: {e}", mount.kind.name()));
         let short = if e.starts_with("timeout") || e.starts_with("skipped") {
             e.split(' ').next().unwrap_or("error").to_string()
         } else {
