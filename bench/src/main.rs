@@ -313,10 +313,7 @@ fn run(
         bench.round = round;
         let mut cells: HashMap<(Row, Column), Cell> = HashMap::new();
         // Notes of a run of several rounds say which round they are from.
-        let at = match cli.rounds {
-            1 => String::new(),
-            _ => format!("round {}: ", round + 1),
-        };
+        let at = bench.at();
         // The ceiling column.
         let ceiling = |r: anyhow::Result<f64>, notes: &mut Vec<String>, what: &str| match r {
             Ok(v) => Cell::Value(v),

@@ -390,7 +390,7 @@ impl Bench {
     }
 
     /// "round N: " when the run measures several rounds, else nothing.
-    fn at(&self) -> String {
+    pub fn at(&self) -> String {
         match self.rounds {
             0 | 1 => String::new(),
             _ => format!("round {}: ", self.round + 1),

@@ -748,14 +748,12 @@ impl BlockCache {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Bytes, E>>,
     {
-        // A part that is none of its block is read as the whole block, then cut.
-        let on_disk = part.is_valid().then(|| part.clone());
-        let data = self.get_or_fetch_part(key, on_disk, reader, fetch).await?;
-        Ok(if part.is_valid() {
-            data
-        } else {
-            part.cut(data)
-        })
+        if !part.is_valid() {
+            // None of its block: the whole block, cut (never a reason to doubt the file).
+            let data = self.get_or_fetch_part(key, None, reader, fetch).await?;
+            return Ok(part.cut(data));
+        }
+        self.get_or_fetch_part(key, Some(part), reader, fetch).await
     }
 
     async fn get_or_fetch_part<F, Fut, E>(
