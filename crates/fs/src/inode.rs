@@ -78,53 +78,118 @@ pub struct CachedEntry {
 }
 
 /// Per-directory caches: names from the last listing and names known to be missing.
+///
+/// The listing is kept once, sorted by name: lookups binary-search it, and what this mount learns
+/// after it (a name created, a name found missing) is an overlay on it (`added`, `removed`), so a
+/// kept listing costs one copy of its names and metadata.
 #[derive(Debug, Clone, Default)]
 pub struct DirCache {
-    pub entries: HashMap<String, CachedEntry>,
+    /// Until when the names (the listing and its overlay) are believed.
     pub entries_valid: Validity,
     pub negative: HashMap<String, Validity>,
-    /// The last listing (S3's entries, sorted by name) and when it was taken: new `opendir`s are
-    /// served from it while `entries_valid` holds. Dropped when this mount changes the directory.
-    pub listing: Option<(Arc<Vec<ListedEntry>>, Instant)>,
-    /// What `entries` and `listing` hold of the memory budget ([`crate::budget::Use::Listing`]),
-    /// shared by copies of this cache.
-    pub charge: Option<Arc<crate::Reservation>>,
+    /// The last listing (S3's entries, sorted by name) and when it was taken.
+    listing: Option<(Arc<Vec<ListedEntry>>, Instant)>,
+    /// Whether new `opendir`s may be served from `listing` (while `entries_valid` holds): no
+    /// longer once this mount changed the directory (the overlay is not a listing's order).
+    serves_readdir: bool,
+    /// Names learned since the listing (created here, or found by a lookup); they win over it.
+    added: HashMap<String, CachedEntry>,
+    /// Names of the listing found missing since.
+    removed: std::collections::HashSet<String>,
+    /// What `listing` holds of the memory budget ([`crate::budget::Use::Listing`]), shared by
+    /// copies of this cache.
+    charge: Option<Arc<crate::Reservation>>,
 }
 
-/// Bytes a listing of `entries` costs kept in a [`DirCache`] (the sorted listing and the name map:
-/// each name twice, its metadata twice, and their headers), for the memory budget.
+/// Bytes a listing of `entries` costs kept in a [`DirCache`] (each entry, and its name and ETag
+/// as malloc holds them), for the memory budget.
 pub fn kept_listing_bytes(entries: &[ListedEntry]) -> u64 {
     entries
         .iter()
         .map(|e| {
-            let etag = e
-                .meta
-                .as_ref()
-                .and_then(|m| m.etag.as_ref())
-                .map_or(0, |t| t.len());
-            2 * (e.name.len() + etag) as u64 + 320
+            let etag = e.meta.as_ref().and_then(|m| m.etag.as_ref());
+            (std::mem::size_of::<ListedEntry>()
+                + malloc_chunk(e.name.len())
+                + etag.map_or(0, |t| malloc_chunk(t.len()))) as u64
         })
         .sum()
 }
 
+/// What glibc's malloc holds for an allocation of `len` bytes: its 8-byte header, rounded up to
+/// 16, at least 32 (nothing for an empty string, which allocates nothing).
+fn malloc_chunk(len: usize) -> usize {
+    if len == 0 {
+        0
+    } else {
+        ((len + 8).div_ceil(16) * 16).max(32)
+    }
+}
+
 impl DirCache {
-    /// The last listing, while it is valid.
+    /// Forgets everything but the negative entries; names are believed until `valid`.
+    pub fn clear(&mut self, valid: Validity) {
+        self.entries_valid = valid;
+        self.listing = None;
+        self.serves_readdir = false;
+        self.added.clear();
+        self.removed.clear();
+        self.charge = None;
+    }
+
+    /// Keeps `listing` (sorted by name, taken at `at`), charged `charge`: lookups are answered
+    /// from it and new `opendir`s served from it while `entries_valid` holds.
+    pub fn keep(
+        &mut self,
+        listing: Arc<Vec<ListedEntry>>,
+        at: Instant,
+        charge: crate::Reservation,
+    ) {
+        self.listing = Some((listing, at));
+        self.serves_readdir = true;
+        self.added.clear();
+        self.removed.clear();
+        self.charge = Some(Arc::new(charge));
+    }
+
+    /// New `opendir`s are no longer served from the kept listing (this mount changed the
+    /// directory); lookups still are.
+    pub fn stop_serving_readdir(&mut self) {
+        self.serves_readdir = false;
+    }
+
+    /// The last listing, while it is valid and may serve `readdir`.
     pub fn cached_listing(&self, now: Instant) -> Option<&(Arc<Vec<ListedEntry>>, Instant)> {
         self.listing
             .as_ref()
-            .filter(|_| self.entries_valid.is_valid(now))
+            .filter(|_| self.serves_readdir && self.entries_valid.is_valid(now))
     }
 
     pub fn is_negative(&self, name: &str, now: Instant) -> bool {
         self.negative.get(name).is_some_and(|v| v.is_valid(now))
     }
 
-    pub fn cached(&self, name: &str, now: Instant) -> Option<&CachedEntry> {
-        if self.entries_valid.is_valid(now) {
-            self.entries.get(name)
-        } else {
-            None
+    /// What the listing (and what this mount learned since) says of `name`, while valid.
+    pub fn cached(&self, name: &str, now: Instant) -> Option<(Kind, Option<&ObjectMeta>)> {
+        if !self.entries_valid.is_valid(now) {
+            return None;
         }
+        if let Some(e) = self.added.get(name) {
+            return Some((e.kind, e.meta.as_ref()));
+        }
+        if self.removed.contains(name) {
+            return None;
+        }
+        let (listing, _) = self.listing.as_ref()?;
+        let i = listing
+            .binary_search_by(|e| e.name.as_str().cmp(name))
+            .ok()?;
+        Some((listing[i].kind, listing[i].meta.as_ref()))
+    }
+
+    fn listed(&self, name: &str) -> bool {
+        self.listing
+            .as_ref()
+            .is_some_and(|(l, _)| l.binary_search_by(|e| e.name.as_str().cmp(name)).is_ok())
     }
 
     pub fn add_negative(&mut self, name: &str, valid: Validity, now: Instant) {
@@ -138,13 +203,10 @@ impl DirCache {
                 self.negative.clear();
             }
         }
-        self.entries.remove(name);
-        if self
-            .listing
-            .as_ref()
-            .is_some_and(|(l, _)| l.binary_search_by(|e| e.name.as_str().cmp(name)).is_ok())
-        {
-            self.listing = None;
+        self.added.remove(name);
+        if self.listed(name) {
+            self.removed.insert(name.to_owned());
+            self.serves_readdir = false;
         }
         self.negative.insert(name.to_owned(), valid);
     }
@@ -152,9 +214,10 @@ impl DirCache {
     /// Records a name that now exists (created here, or learned from S3).
     pub fn add_positive(&mut self, name: &str, entry: CachedEntry) {
         self.negative.remove(name);
-        self.listing = None;
+        self.serves_readdir = false;
         if self.entries_valid != Validity::Expired {
-            self.entries.insert(name.to_owned(), entry);
+            self.removed.remove(name);
+            self.added.insert(name.to_owned(), entry);
         }
     }
 }
@@ -451,6 +514,85 @@ pub fn now_secs() -> SystemTime {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn listed(names: &[&str]) -> Arc<Vec<ListedEntry>> {
+        Arc::new(
+            names
+                .iter()
+                .map(|n| ListedEntry {
+                    name: (*n).to_owned(),
+                    kind: Kind::File,
+                    meta: Some(ObjectMeta {
+                        size: n.len() as u64,
+                        mtime: None,
+                        etag: Some(format!("\"{n}\"")),
+                    }),
+                })
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn a_kept_listing_answers_lookups_under_what_the_mount_learned_since() {
+        let budget = crate::MemoryBudget::new(1 << 20);
+        let now = Instant::now();
+        let mut c = DirCache::default();
+        c.clear(Validity::Forever);
+        let l = listed(&["a", "b", "c"]);
+        let charge = budget
+            .try_reserve_for(crate::budget::Use::Listing, kept_listing_bytes(&l))
+            .unwrap();
+        c.keep(l, now, charge);
+        assert!(c.cached_listing(now).is_some());
+        assert_eq!(c.cached("b", now).unwrap().1.unwrap().size, 1);
+        assert!(c.cached("z", now).is_none());
+
+        // Found missing: hidden, and the listing no longer serves readdir; the rest still answer.
+        c.add_negative("b", Validity::Forever, now);
+        assert!(c.cached("b", now).is_none());
+        assert!(c.cached_listing(now).is_none());
+        assert!(c.cached("a", now).is_some());
+        // Created again (or learned): the overlay wins over the listing.
+        let meta = ObjectMeta {
+            size: 9,
+            mtime: None,
+            etag: None,
+        };
+        c.add_positive(
+            "b",
+            CachedEntry {
+                kind: Kind::File,
+                meta: Some(meta.clone()),
+            },
+        );
+        assert_eq!(c.cached("b", now).unwrap().1, Some(&meta));
+        c.add_positive(
+            "new",
+            CachedEntry {
+                kind: Kind::Dir,
+                meta: None,
+            },
+        );
+        assert_eq!(c.cached("new", now).unwrap().0, Kind::Dir);
+        assert!(budget.used() > 0);
+
+        // Relisted: the overlay goes, and the charge with the old listing.
+        c.clear(Validity::Forever);
+        assert!(c.cached("a", now).is_none());
+        assert!(c.cached("new", now).is_none());
+        assert_eq!(budget.used(), 0);
+        // Past its validity nothing answers.
+        let mut c = DirCache::default();
+        c.clear(Validity::Until(now + std::time::Duration::from_secs(1)));
+        let charge = budget
+            .try_reserve_for(crate::budget::Use::Listing, 1)
+            .unwrap();
+        c.keep(listed(&["a"]), now, charge);
+        assert!(c.cached("a", now).is_some());
+        let later = now + std::time::Duration::from_secs(2);
+        assert!(c.cached("a", later).is_none());
+        assert!(c.cached_listing(later).is_none());
+    }
 
     #[test]
     fn inos_are_stable_and_distinct() {

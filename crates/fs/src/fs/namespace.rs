@@ -71,10 +71,10 @@ impl Fs {
             if let Some(c) = child.filter(|c| c.valid.is_valid(now)) {
                 return Ok(Found::Live(c.ino));
             }
-            if let Some(e) = p.cache.cached(name, now) {
+            if let Some((kind, meta)) = p.cache.cached(name, now) {
                 return Ok(Found::Fresh {
-                    kind: e.kind,
-                    meta: e.meta.clone(),
+                    kind,
+                    meta: meta.cloned(),
                     valid: p.cache.entries_valid,
                     first_page: None,
                 });
@@ -556,10 +556,7 @@ impl Fs {
             dir.state = InodeState::Remote;
             dir.valid = valid;
         }
-        dir.cache.entries.clear();
-        dir.cache.charge = None;
-        dir.cache.entries_valid = valid;
-        dir.cache.listing = None;
+        dir.cache.clear(valid);
         // Names the listing shows exist, kept or not: a name this mount remembered as missing
         // must not stay missing while `readdir` shows it.
         if valid.is_valid(now) {
@@ -577,25 +574,19 @@ impl Fs {
                 .then(|| self.budget.try_reserve_for(Use::Listing, bytes))
                 .flatten()
         });
-        if let Some(None) = charge {
-            tracing::debug!(
-                entries = remote.len(),
-                "memory budget spent: a listing is served but not kept"
-            );
-            dir.cache.entries_valid = Validity::Expired;
-        }
-        if let Some(Some(charge)) = charge {
-            dir.cache.charge = Some(Arc::new(charge));
-            dir.cache.listing = Some((Arc::new(remote.clone()), now));
-            for e in &remote {
-                dir.cache.entries.insert(
-                    e.name.clone(),
-                    CachedEntry {
-                        kind: e.kind,
-                        meta: e.meta.clone(),
-                    },
-                );
+        match charge {
+            Some(Some(charge)) => {
+                remote.shrink_to_fit();
+                dir.cache.keep(Arc::new(remote), now, charge);
             }
+            Some(None) => {
+                tracing::debug!(
+                    entries = remote.len(),
+                    "memory budget spent: a listing is served but not kept"
+                );
+                dir.cache.entries_valid = Validity::Expired;
+            }
+            None => {}
         }
         Ok((entries, now))
     }

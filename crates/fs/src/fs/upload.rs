@@ -301,7 +301,7 @@ impl Fs {
             let this = std::mem::replace(&mut up, dir.parent);
             st.inodes.set_state(this, InodeState::Remote);
             if let Some(parent) = st.inodes.get_mut(up) {
-                parent.cache.listing = None;
+                parent.cache.stop_serving_readdir();
             }
         }
         st.inodes.maybe_remove(w.ino);
