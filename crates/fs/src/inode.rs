@@ -92,13 +92,21 @@ pub struct DirCache {
     /// Whether new `opendir`s may be served from `listing` (while `entries_valid` holds): no
     /// longer once this mount changed the directory (the overlay is not a listing's order).
     serves_readdir: bool,
+    /// What this mount learned since the listing (boxed: most inodes are files, which never
+    /// have one, and every inode carries a `DirCache`).
+    overlay: Option<Box<Overlay>>,
+    /// What `listing` holds of the memory budget ([`crate::budget::Use::Listing`]), shared by
+    /// copies of this cache.
+    charge: Option<Arc<crate::Reservation>>,
+}
+
+/// Names a directory's mount learned after its listing.
+#[derive(Debug, Clone, Default)]
+struct Overlay {
     /// Names learned since the listing (created here, or found by a lookup); they win over it.
     added: HashMap<String, CachedEntry>,
     /// Names of the listing found missing since.
     removed: std::collections::HashSet<String>,
-    /// What `listing` holds of the memory budget ([`crate::budget::Use::Listing`]), shared by
-    /// copies of this cache.
-    charge: Option<Arc<crate::Reservation>>,
 }
 
 /// Bytes a listing of `entries` costs kept in a [`DirCache`] (each entry, and its name and ETag
@@ -131,8 +139,7 @@ impl DirCache {
         self.entries_valid = valid;
         self.listing = None;
         self.serves_readdir = false;
-        self.added.clear();
-        self.removed.clear();
+        self.overlay = None;
         self.charge = None;
     }
 
@@ -146,8 +153,7 @@ impl DirCache {
     ) {
         self.listing = Some((listing, at));
         self.serves_readdir = true;
-        self.added.clear();
-        self.removed.clear();
+        self.overlay = None;
         self.charge = Some(Arc::new(charge));
     }
 
@@ -173,11 +179,13 @@ impl DirCache {
         if !self.entries_valid.is_valid(now) {
             return None;
         }
-        if let Some(e) = self.added.get(name) {
-            return Some((e.kind, e.meta.as_ref()));
-        }
-        if self.removed.contains(name) {
-            return None;
+        if let Some(o) = &self.overlay {
+            if let Some(e) = o.added.get(name) {
+                return Some((e.kind, e.meta.as_ref()));
+            }
+            if o.removed.contains(name) {
+                return None;
+            }
         }
         let (listing, _) = self.listing.as_ref()?;
         let i = listing
@@ -203,9 +211,12 @@ impl DirCache {
                 self.negative.clear();
             }
         }
-        self.added.remove(name);
+        if let Some(o) = &mut self.overlay {
+            o.added.remove(name);
+        }
         if self.listed(name) {
-            self.removed.insert(name.to_owned());
+            let o = self.overlay.get_or_insert_with(Default::default);
+            o.removed.insert(name.to_owned());
             self.serves_readdir = false;
         }
         self.negative.insert(name.to_owned(), valid);
@@ -216,8 +227,9 @@ impl DirCache {
         self.negative.remove(name);
         self.serves_readdir = false;
         if self.entries_valid != Validity::Expired {
-            self.removed.remove(name);
-            self.added.insert(name.to_owned(), entry);
+            let o = self.overlay.get_or_insert_with(Default::default);
+            o.removed.remove(name);
+            o.added.insert(name.to_owned(), entry);
         }
     }
 }
@@ -530,6 +542,16 @@ mod tests {
                 })
                 .collect(),
         )
+    }
+
+    #[test]
+    fn an_inode_stays_small() {
+        // Every file carries a `DirCache`: what only directories need is boxed.
+        assert!(
+            std::mem::size_of::<Inode>() <= 336,
+            "{} bytes",
+            std::mem::size_of::<Inode>()
+        );
     }
 
     #[test]
