@@ -156,12 +156,17 @@ pub struct WriteHandle {
     pub memory: crate::budget::BufferCharge,
 }
 
+/// A directory handle's entries: shared with the directory's kept listing when nothing local
+/// is merged in, so an `opendir` of a large directory copies nothing.
+pub type Snapshot = std::sync::Arc<Vec<ListedEntry>>;
+
 /// An open directory: the listing snapshot taken at the first `readdir` (again after a rewind).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct DirHandle {
     pub ino: Ino,
-    /// Entries after `.` and `..`; offset `n` is index `n - 2`.
-    pub snapshot: Option<Vec<ListedEntry>>,
+    /// Entries after `.` and `..`; offset `n` is index `n - 2`. Often the directory's kept
+    /// listing itself, shared (see [`Snapshot`]).
+    pub snapshot: Option<Snapshot>,
     /// When the snapshot was listed (its entries' validity starts there); not carried over.
     #[serde(skip)]
     pub listed_at: Option<Instant>,

@@ -136,4 +136,25 @@ async fn a_kept_listing_is_charged_what_it_keeps() {
         again <= kept + kept / 20,
         "a second listing keeps nothing more: {again} against {kept}"
     );
+
+    // Eight readers with the directory open at once (data loader workers listing a dataset):
+    // their handles share the kept listing, none copies it.
+    let open_before = IN_USE.load(Ordering::Relaxed);
+    let mut handles = Vec::new();
+    for _ in 0..8 {
+        let fh = fs.opendir(images).unwrap();
+        let mut batch = Count(0);
+        fs.readdir(images, fh, 0, false, &mut batch).await.unwrap();
+        assert!(batch.0 > 0);
+        handles.push(fh);
+    }
+    let held = IN_USE.load(Ordering::Relaxed) - open_before;
+    eprintln!("8 open handles of the directory: {held} bytes");
+    assert!(
+        held < kept / 10,
+        "8 open handles hold {held} bytes against a listing of {kept}"
+    );
+    for fh in handles {
+        fs.releasedir(fh);
+    }
 }

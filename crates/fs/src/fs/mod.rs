@@ -30,7 +30,7 @@ use crate::budget::{MemoryBudget, PrefetchConfig, Use};
 use crate::config::MountConfig;
 use crate::error::FsError;
 use crate::handles::{
-    DirHandle, Handle, HandleTable, MultipartState, PartRecord, ReadHandle, WriteHandle,
+    DirHandle, Handle, HandleTable, MultipartState, PartRecord, ReadHandle, Snapshot, WriteHandle,
     WriteStatus, MAX_PARTS, PART_SIZE,
 };
 use crate::inode::{

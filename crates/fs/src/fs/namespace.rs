@@ -362,7 +362,7 @@ impl Fs {
 
     /// The directory's entries, local ones merged in, and when S3's part was listed: from the
     /// cached listing while it is valid, else listed (every page), refreshing the caches.
-    pub(super) async fn list_dir(&self, ino: Ino) -> Result<(Vec<ListedEntry>, Instant), FsError> {
+    pub(super) async fn list_dir(&self, ino: Ino) -> Result<(Snapshot, Instant), FsError> {
         let (entries, at, _) = self.list_dir_start(ino, false).await?;
         Ok((entries, at))
     }
@@ -377,7 +377,7 @@ impl Fs {
         &self,
         ino: Ino,
         stream: bool,
-    ) -> Result<(Vec<ListedEntry>, Instant, bool), FsError> {
+    ) -> Result<(Snapshot, Instant, bool), FsError> {
         let (dprefix, first, rest) = {
             let mut guard = self.lock();
             let st = &mut *guard;
@@ -390,6 +390,14 @@ impl Fs {
             if let Some((listing, at)) = inode.cache.cached_listing(Instant::now()) {
                 // A rest listing no longer wanted is aborted as it is dropped.
                 drop(rest);
+                let has_local = inode
+                    .children
+                    .values()
+                    .any(|c| st.inodes.get(*c).is_some_and(|c| c.is_local()));
+                if !has_local {
+                    // The kept listing itself: no copy per `opendir`.
+                    return Ok((listing.clone(), *at, false));
+                }
                 let mut entries = Vec::clone(listing);
                 for (name, child) in &inode.children {
                     let Some(c) = st.inodes.get(*child).filter(|c| c.is_local()) else {
@@ -405,7 +413,7 @@ impl Fs {
                         Err(i) => entries.insert(i, local),
                     }
                 }
-                return Ok((entries, *at, false));
+                return Ok((Arc::new(entries), *at, false));
             }
             let dprefix = dir_prefix(&self.cfg.prefix, &inode.path);
             // A lookup's first page, if it is still believed and no change was made through
@@ -460,7 +468,7 @@ impl Fs {
                                 task,
                             },
                         );
-                        return Ok((partial, p.at, true));
+                        return Ok((Arc::new(partial), p.at, true));
                     }
                     (dprefix, Some(p), rest)
                 }
@@ -508,7 +516,7 @@ impl Fs {
         listing: Listing,
         now: Instant,
         keep_negatives: bool,
-    ) -> Result<(Vec<ListedEntry>, Instant), FsError> {
+    ) -> Result<(Snapshot, Instant), FsError> {
         // Believed for the TTL from when it was listed, not from now: a listing adopted late
         // (a lookup's background listing) is no fresher than its LISTs.
         let valid = Validity::new(self.cfg.metadata_ttl, now);
@@ -524,27 +532,30 @@ impl Fs {
         let children: Vec<(String, Ino)> =
             dir.children.iter().map(|(n, i)| (n.clone(), *i)).collect();
 
-        // Live children learn the listing's metadata; local ones replace or join the listing.
-        let mut entries = remote.clone();
+        // Live children learn the listing's metadata; local ones replace or join the listing (in
+        // a copy: made only if there are any, else the listing is the snapshot, shared with the
+        // directory's cache).
+        let mut merged: Option<Vec<ListedEntry>> = None;
         for (name, child) in children {
             let Some(c) = st.inodes.get_mut(child) else {
                 continue;
             };
-            let pos = entries.binary_search_by(|e| e.name.as_str().cmp(&name));
             if c.is_local() {
                 let local = ListedEntry {
                     name,
                     kind: c.kind,
                     meta: c.meta.clone(),
                 };
-                match pos {
+                let entries = merged.get_or_insert_with(|| remote.clone());
+                match entries.binary_search_by(|e| e.name.as_str().cmp(&local.name)) {
                     Ok(i) => entries[i] = local,
                     Err(i) => entries.insert(i, local),
                 }
-            } else if let Ok(i) = pos {
-                if entries[i].kind == c.kind {
+            } else if let Ok(i) = remote.binary_search_by(|e| e.name.as_str().cmp(&name)) {
+                // (Names are unique among children: a local one never stands in this place.)
+                if remote[i].kind == c.kind {
                     if c.kind == Kind::File {
-                        c.meta = entries[i].meta.clone();
+                        c.meta = remote[i].meta.clone();
                     }
                     c.valid = valid;
                 }
@@ -574,11 +585,10 @@ impl Fs {
                 .then(|| self.budget.try_reserve_for(Use::Listing, bytes))
                 .flatten()
         });
+        remote.shrink_to_fit();
+        let remote = Arc::new(remote);
         match charge {
-            Some(Some(charge)) => {
-                remote.shrink_to_fit();
-                dir.cache.keep(Arc::new(remote), now, charge);
-            }
+            Some(Some(charge)) => dir.cache.keep(remote.clone(), now, charge),
             Some(None) => {
                 tracing::debug!(
                     entries = remote.len(),
@@ -588,7 +598,7 @@ impl Fs {
             }
             None => {}
         }
-        Ok((entries, now))
+        Ok((merged.map_or(remote, Arc::new), now))
     }
 
     /// `readdir` / `readdirplus` from offset `offset` (0 = start; a repeated 0 lists again).
@@ -617,21 +627,22 @@ impl Fs {
         }
         // Past the end of a first page served while the rest was listed: the rest joins it
         // (names the page showed are not repeated; offsets already handed out keep their entry).
-        let served_len = d.snapshot.as_ref().map_or(0, Vec::len) as u64;
+        let served_len = d.snapshot.as_ref().map_or(0, |s| s.len()) as u64;
         if d.partial && offset >= served_len + 2 {
             let (entries, listed_at) = self.list_dir(ino).await?;
-            let snapshot = d.snapshot.get_or_insert_with(Vec::new);
+            let snapshot = Arc::make_mut(d.snapshot.get_or_insert_with(Default::default));
             let seen: HashSet<&str> = snapshot.iter().map(|e| e.name.as_str()).collect();
             let rest: Vec<ListedEntry> = entries
-                .into_iter()
+                .iter()
                 .filter(|e| !seen.contains(e.name.as_str()))
+                .cloned()
                 .collect();
             snapshot.extend(rest);
             d.listed_at = Some(listed_at);
             d.partial = false;
         }
         d.served = true;
-        let entries = d.snapshot.as_deref().unwrap_or_default();
+        let entries = d.snapshot.as_deref().map_or(&[][..], Vec::as_slice);
         let snapshot_valid = Validity::new(
             self.cfg.metadata_ttl,
             d.listed_at.unwrap_or_else(Instant::now),
