@@ -92,12 +92,32 @@ pub struct DirCache {
     /// Whether new `opendir`s may be served from `listing` (while `entries_valid` holds): no
     /// longer once this mount changed the directory (the overlay is not a listing's order).
     serves_readdir: bool,
-    /// What this mount learned since the listing (boxed: most inodes are files, which never
-    /// have one, and every inode carries a `DirCache`).
+    /// What this mount learned since the listing (boxed: most directories never have one).
     overlay: Option<Box<Overlay>>,
     /// What `listing` holds of the memory budget ([`crate::budget::Use::Listing`]), shared by
     /// copies of this cache.
     charge: Option<Arc<crate::Reservation>>,
+}
+
+/// An inode's [`DirCache`], allocated at its first change: files (most inodes) never have one,
+/// and read through an empty one. Derefs to the cache; a mutable access allocates it.
+#[derive(Debug, Clone, Default)]
+pub struct DirSlot(Option<Box<DirCache>>);
+
+/// What an inode without a directory cache reads.
+static NO_DIR_CACHE: std::sync::LazyLock<DirCache> = std::sync::LazyLock::new(DirCache::default);
+
+impl std::ops::Deref for DirSlot {
+    type Target = DirCache;
+    fn deref(&self) -> &DirCache {
+        self.0.as_deref().unwrap_or(&NO_DIR_CACHE)
+    }
+}
+
+impl std::ops::DerefMut for DirSlot {
+    fn deref_mut(&mut self) -> &mut DirCache {
+        self.0.get_or_insert_with(Default::default)
+    }
 }
 
 /// Names a directory's mount learned after its listing.
@@ -257,7 +277,7 @@ pub struct Inode {
     /// Live children by name (directories).
     pub children: BTreeMap<String, Ino>,
     #[serde(skip)]
-    pub cache: DirCache,
+    pub cache: DirSlot,
 }
 
 impl Inode {
@@ -295,7 +315,7 @@ impl InodeTable {
             valid: Validity::Forever,
             last_open_etag: None,
             children: BTreeMap::new(),
-            cache: DirCache::default(),
+            cache: DirSlot::default(),
         };
         InodeTable {
             inodes: HashMap::from([(ROOT_INO, root)]),
@@ -330,7 +350,7 @@ impl InodeTable {
                     valid: Validity::Expired,
                     last_open_etag: None,
                     children: BTreeMap::new(),
-                    cache: DirCache::default(),
+                    cache: DirSlot::default(),
                 },
             );
         }
@@ -438,7 +458,7 @@ impl InodeTable {
             valid: Validity::Expired,
             last_open_etag: None,
             children: BTreeMap::new(),
-            cache: DirCache::default(),
+            cache: DirSlot::default(),
         });
         // New, or a live inode (detached by one of the other kind) attached again.
         if created || previous != Some(ino) {
@@ -546,9 +566,9 @@ mod tests {
 
     #[test]
     fn an_inode_stays_small() {
-        // Every file carries a `DirCache`: what only directories need is boxed.
+        // Most inodes are files: what only directories need is boxed.
         assert!(
-            std::mem::size_of::<Inode>() <= 336,
+            std::mem::size_of::<Inode>() <= 224,
             "{} bytes",
             std::mem::size_of::<Inode>()
         );

@@ -157,4 +157,25 @@ async fn a_kept_listing_is_charged_what_it_keeps() {
     for fh in handles {
         fs.releasedir(fh);
     }
+
+    // `ls -l`: readdirplus hands the kernel an inode per entry, which Ferry keeps until the
+    // kernel forgets it.
+    let plus_before = IN_USE.load(Ordering::Relaxed);
+    let fh = fs.opendir(images).unwrap();
+    let mut offset = 0;
+    loop {
+        let mut batch = Count(0);
+        fs.readdir(images, fh, offset, true, &mut batch).await.unwrap();
+        if batch.0 == 0 {
+            break;
+        }
+        offset += batch.0 as u64;
+    }
+    fs.releasedir(fh);
+    let per_inode = (IN_USE.load(Ordering::Relaxed) - plus_before) / N as i64;
+    eprintln!("an inode per entry (readdirplus): {per_inode} bytes each");
+    assert!(
+        per_inode <= 640,
+        "{per_inode} bytes per file inode (name, path and metadata included)"
+    );
 }
