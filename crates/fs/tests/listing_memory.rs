@@ -51,25 +51,23 @@ impl DirSink for Count {
     }
 }
 
-/// Lists `dir` once through `readdir` (not `readdirplus`: no inode per entry), to its end.
-async fn list(fs: &Fs, dir: u64) -> usize {
+/// Lists `dir` once, to its end, through `readdir` or (`plus`) `readdirplus`, which hands the
+/// kernel an inode per entry; returns how many entries it gave.
+async fn list(fs: &Fs, dir: u64, plus: bool) -> usize {
     let fh = fs.opendir(dir).unwrap();
-    let mut sink = Count(0);
-    let mut offset = 0;
+    let mut total = 0;
     loop {
-        let before = sink.0;
         let mut batch = Count(0);
-        fs.readdir(dir, fh, offset, false, &mut batch)
+        fs.readdir(dir, fh, total as u64, plus, &mut batch)
             .await
             .unwrap();
         if batch.0 == 0 {
             break;
         }
-        sink.0 = before + batch.0;
-        offset = sink.0 as u64;
+        total += batch.0;
     }
     fs.releasedir(fh);
-    sink.0
+    total
 }
 
 #[tokio::test(flavor = "current_thread")]
@@ -109,12 +107,16 @@ async fn a_kept_listing_is_charged_what_it_keeps() {
         .ino;
 
     let before = IN_USE.load(Ordering::Relaxed);
-    assert_eq!(list(&fs, images).await, N + 2, "every name, with . and ..");
+    assert_eq!(
+        list(&fs, images, false).await,
+        N + 2,
+        "every name, with . and .."
+    );
     let kept = IN_USE.load(Ordering::Relaxed) - before;
     let charged = budget.used_for(Use::Listing) as i64;
     // Served from what is kept: the second listing asks S3 nothing and keeps nothing more.
     store.reset_stats();
-    assert_eq!(list(&fs, images).await, N + 2);
+    assert_eq!(list(&fs, images, false).await, N + 2);
     assert_eq!(store.stats().list, 0, "the second listing is the kept one");
     let again = IN_USE.load(Ordering::Relaxed) - before;
     eprintln!(
@@ -161,17 +163,7 @@ async fn a_kept_listing_is_charged_what_it_keeps() {
     // `ls -l`: readdirplus hands the kernel an inode per entry, which Ferry keeps until the
     // kernel forgets it.
     let plus_before = IN_USE.load(Ordering::Relaxed);
-    let fh = fs.opendir(images).unwrap();
-    let mut offset = 0;
-    loop {
-        let mut batch = Count(0);
-        fs.readdir(images, fh, offset, true, &mut batch).await.unwrap();
-        if batch.0 == 0 {
-            break;
-        }
-        offset += batch.0 as u64;
-    }
-    fs.releasedir(fh);
+    assert_eq!(list(&fs, images, true).await, N + 2);
     let per_inode = (IN_USE.load(Ordering::Relaxed) - plus_before) / N as i64;
     eprintln!("an inode per entry (readdirplus): {per_inode} bytes each");
     assert!(
