@@ -85,6 +85,7 @@ pub async fn run() -> Result<()> {
                 "ferry_fuse_operations_total{op=\"lookup\",outcome=\"ENOENT\"}",
                 "ferry_fuse_operation_duration_seconds_bucket{op=\"open\"",
                 "ferry_mounts 1",
+                "ferry_inodes ",
             ][..],
         ),
     ] {

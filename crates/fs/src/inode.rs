@@ -292,6 +292,25 @@ pub struct InodeTable {
     inodes: HashMap<Ino, Inode>,
     #[serde(skip)]
     journal: JournalLink,
+    #[serde(skip)]
+    reported: Reported,
+}
+
+/// Whether a table's size counts in `ferry_inodes`: a live mount's table does, from its making
+/// (or [`InodeTable::report_size`]) until it is dropped; a copy (a snapshot's) does not.
+#[derive(Debug, Default)]
+struct Reported(bool);
+
+impl Clone for Reported {
+    fn clone(&self) -> Self {
+        Reported(false)
+    }
+}
+
+impl Drop for InodeTable {
+    fn drop(&mut self) {
+        self.report(-(self.inodes.len() as i64));
+    }
 }
 
 impl Default for InodeTable {
@@ -317,9 +336,27 @@ impl InodeTable {
             children: BTreeMap::new(),
             cache: DirSlot::default(),
         };
-        InodeTable {
+        let table = InodeTable {
             inodes: HashMap::from([(ROOT_INO, root)]),
             journal: JournalLink::default(),
+            reported: Reported(true),
+        };
+        table.report(1);
+        table
+    }
+
+    /// Counts this table's inodes in `ferry_inodes` from now on (a table rebuilt from a
+    /// snapshot); nothing if it counts already.
+    pub fn report_size(&mut self) {
+        if !self.reported.0 {
+            self.reported.0 = true;
+            self.report(self.inodes.len() as i64);
+        }
+    }
+
+    fn report(&self, delta: i64) {
+        if self.reported.0 {
+            ferry_metrics::metrics().node.inodes.inc_by(delta);
         }
     }
 
@@ -333,6 +370,7 @@ impl InodeTable {
             if is_attached {
                 attached.push((r.parent, r.name.clone(), r.ino));
             }
+            table.report(1);
             table.inodes.insert(
                 r.ino,
                 Inode {
@@ -446,6 +484,9 @@ impl InodeTable {
             self.maybe_remove(old);
         }
         let created = !self.inodes.contains_key(&ino);
+        if created {
+            self.report(1);
+        }
         let inode = self.inodes.entry(ino).or_insert_with(|| Inode {
             ino,
             parent,
@@ -488,6 +529,7 @@ impl InodeTable {
                 return;
             }
             let inode = self.inodes.remove(&ino).expect("just seen");
+            self.report(-1);
             if let Some(j) = self.journal.get() {
                 j.removed(ino);
             }

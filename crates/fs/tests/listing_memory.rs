@@ -162,12 +162,27 @@ async fn a_kept_listing_is_charged_what_it_keeps() {
 
     // `ls -l`: readdirplus hands the kernel an inode per entry, which Ferry keeps until the
     // kernel forgets it.
+    let inodes = || ferry_metrics::metrics().node.inodes.get();
+    let inodes_before = inodes();
     let plus_before = IN_USE.load(Ordering::Relaxed);
     assert_eq!(list(&fs, images, true).await, N + 2);
+    // `ferry_inodes` shows them, and gives them back with the mount.
+    assert_eq!(
+        inodes() - inodes_before,
+        N as i64,
+        "ferry_inodes counts each entry's inode"
+    );
     let per_inode = (IN_USE.load(Ordering::Relaxed) - plus_before) / N as i64;
     eprintln!("an inode per entry (readdirplus): {per_inode} bytes each");
     assert!(
         per_inode <= 640,
         "{per_inode} bytes per file inode (name, path and metadata included)"
+    );
+    let mounted = inodes();
+    drop(fs);
+    assert_eq!(
+        mounted - inodes(),
+        N as i64 + 3,
+        "the mount's inodes (root, train, images and the files) leave ferry_inodes with it"
     );
 }

@@ -115,6 +115,9 @@ impl CacheMetrics {
 #[derive(Debug)]
 pub struct NodeMetrics {
     pub mounts: Gauge,
+    /// Inodes kept for the kernel by every mount of the process (each about half a KiB, not
+    /// charged to the memory budget: the kernel holds them until it forgets them).
+    pub inodes: Gauge,
     /// `handover`, `recovery`, `failed`.
     taken_over: [Counter; 3],
     pub takeover_pause_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
@@ -288,6 +291,11 @@ pub(crate) fn build() -> (Registry, Metrics, Vec<AlreadyRegistered>) {
     );
     let node = NodeMetrics {
         mounts: reg!(names::MOUNTS, "Live FUSE mounts in this process.", gauge()),
+        inodes: reg!(
+            names::INODES,
+            "Inodes the mounts of this process keep for the kernel (about 0.5 KiB each, outside the memory budget).",
+            gauge()
+        ),
         taken_over: counters(&taken_over, "how", ["handover", "recovery", "failed"]),
         takeover_pause_seconds: reg!(
             names::TAKEOVER_PAUSE,

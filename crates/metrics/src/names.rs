@@ -22,6 +22,8 @@ pub const FUSE_OPS: &str = "ferry_fuse_operations_total";
 pub const FUSE_OP_SECONDS: &str = "ferry_fuse_operation_duration_seconds";
 /// Live FUSE mounts in this process.
 pub const MOUNTS: &str = "ferry_mounts";
+/// Inodes the mounts of this process keep for the kernel (outside the memory budget).
+pub const INODES: &str = "ferry_inodes";
 /// Bytes of the node-wide memory budget in use, by `kind`.
 pub const MEMORY_BUDGET_USED: &str = "ferry_memory_budget_used_bytes";
 /// The node-wide memory budget.

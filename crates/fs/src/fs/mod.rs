@@ -386,7 +386,11 @@ impl Fs {
             snap.config,
             snap.mount_time,
             FsState::new(
-                snap.inodes,
+                {
+                    let mut inodes = snap.inodes;
+                    inodes.report_size();
+                    inodes
+                },
                 HandleTable::restore(snap.next_fh, snap.handles),
                 io,
             ),
