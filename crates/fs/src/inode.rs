@@ -207,17 +207,17 @@ impl DirCache {
                 return None;
             }
         }
+        let e = self.listed(name)?;
+        Some((e.kind, e.meta.as_ref()))
+    }
+
+    /// `name`'s entry in the kept listing (whatever the overlay says).
+    fn listed(&self, name: &str) -> Option<&ListedEntry> {
         let (listing, _) = self.listing.as_ref()?;
         let i = listing
             .binary_search_by(|e| e.name.as_str().cmp(name))
             .ok()?;
-        Some((listing[i].kind, listing[i].meta.as_ref()))
-    }
-
-    fn listed(&self, name: &str) -> bool {
-        self.listing
-            .as_ref()
-            .is_some_and(|(l, _)| l.binary_search_by(|e| e.name.as_str().cmp(name)).is_ok())
+        Some(&listing[i])
     }
 
     pub fn add_negative(&mut self, name: &str, valid: Validity, now: Instant) {
@@ -234,7 +234,7 @@ impl DirCache {
         if let Some(o) = &mut self.overlay {
             o.added.remove(name);
         }
-        if self.listed(name) {
+        if self.listed(name).is_some() {
             let o = self.overlay.get_or_insert_with(Default::default);
             o.removed.insert(name.to_owned());
             self.serves_readdir = false;

@@ -93,18 +93,10 @@ async fn a_kept_listing_is_charged_what_it_keeps() {
         budget.clone(),
         PrefetchConfig::default(),
     );
-    let train = fs
-        .lookup(ROOT_INO, OsStr::new("train"))
-        .await
-        .unwrap()
-        .attr
-        .ino;
-    let images = fs
-        .lookup(train, OsStr::new("images"))
-        .await
-        .unwrap()
-        .attr
-        .ino;
+    let mut images = ROOT_INO;
+    for name in ["train", "images"] {
+        images = fs.lookup(images, OsStr::new(name)).await.unwrap().attr.ino;
+    }
 
     let before = IN_USE.load(Ordering::Relaxed);
     assert_eq!(

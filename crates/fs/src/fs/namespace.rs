@@ -387,33 +387,22 @@ impl Fs {
             if inode.kind != Kind::Dir {
                 return Err(FsError::NotDir);
             }
-            if let Some((listing, at)) = inode.cache.cached_listing(Instant::now()) {
-                // A rest listing no longer wanted is aborted as it is dropped.
-                drop(rest);
-                let has_local = inode
-                    .children
-                    .values()
-                    .any(|c| st.inodes.get(*c).is_some_and(|c| c.is_local()));
-                if !has_local {
-                    // The kept listing itself: no copy per `opendir`.
-                    return Ok((listing.clone(), *at, false));
-                }
-                let mut entries = Vec::clone(listing);
-                for (name, child) in &inode.children {
-                    let Some(c) = st.inodes.get(*child).filter(|c| c.is_local()) else {
-                        continue;
-                    };
-                    let local = ListedEntry {
+            let local: Vec<ListedEntry> = inode
+                .children
+                .iter()
+                .filter_map(|(name, child)| {
+                    let c = st.inodes.get(*child).filter(|c| c.is_local())?;
+                    Some(ListedEntry {
                         name: name.clone(),
                         kind: c.kind,
                         meta: c.meta.clone(),
-                    };
-                    match entries.binary_search_by(|e| e.name.as_str().cmp(name)) {
-                        Ok(i) => entries[i] = local,
-                        Err(i) => entries.insert(i, local),
-                    }
-                }
-                return Ok((Arc::new(entries), *at, false));
+                    })
+                })
+                .collect();
+            if let Some((listing, at)) = inode.cache.cached_listing(Instant::now()) {
+                // A rest listing no longer wanted is aborted as it is dropped.
+                drop(rest);
+                return Ok((with_local(listing.clone(), local), *at, false));
             }
             let dprefix = dir_prefix(&self.cfg.prefix, &inode.path);
             // A lookup's first page, if it is still believed and no change was made through
@@ -432,10 +421,7 @@ impl Fs {
                 Some(r) if r.prefix == dprefix && r.changes == st.changes => Some(r),
                 _ => None,
             };
-            let has_local = inode
-                .children
-                .values()
-                .any(|c| st.inodes.get(*c).is_some_and(|c| c.is_local()));
+            let has_local = !local.is_empty();
             let now = Instant::now();
             match first {
                 Some(p)
@@ -532,25 +518,18 @@ impl Fs {
         let children: Vec<(String, Ino)> =
             dir.children.iter().map(|(n, i)| (n.clone(), *i)).collect();
 
-        // Live children learn the listing's metadata; local ones replace or join the listing (in
-        // a copy: made only if there are any, else the listing is the snapshot, shared with the
-        // directory's cache).
-        let mut merged: Option<Vec<ListedEntry>> = None;
+        // Live children learn the listing's metadata; local ones replace or join it.
+        let mut local = Vec::new();
         for (name, child) in children {
             let Some(c) = st.inodes.get_mut(child) else {
                 continue;
             };
             if c.is_local() {
-                let local = ListedEntry {
+                local.push(ListedEntry {
                     name,
                     kind: c.kind,
                     meta: c.meta.clone(),
-                };
-                let entries = merged.get_or_insert_with(|| remote.clone());
-                match entries.binary_search_by(|e| e.name.as_str().cmp(&local.name)) {
-                    Ok(i) => entries[i] = local,
-                    Err(i) => entries.insert(i, local),
-                }
+                });
             } else if let Ok(i) = remote.binary_search_by(|e| e.name.as_str().cmp(&name)) {
                 // (Names are unique among children: a local one never stands in this place.)
                 if remote[i].kind == c.kind {
@@ -598,7 +577,7 @@ impl Fs {
             }
             None => {}
         }
-        Ok((merged.map_or(remote, Arc::new), now))
+        Ok((with_local(remote, local), now))
     }
 
     /// `readdir` / `readdirplus` from offset `offset` (0 = start; a repeated 0 lists again).
@@ -982,4 +961,20 @@ fn first_page_entries(
     let mut entries = builder.finish().entries;
     entries.retain(|e| !last.starts_with(e.name.as_str()) && !negative(&e.name));
     entries
+}
+
+/// A directory's snapshot: `listing` with this mount's `local` entries (sorted by name) replacing
+/// or joining it; the listing itself, shared, when there are none.
+fn with_local(listing: Snapshot, local: Vec<ListedEntry>) -> Snapshot {
+    if local.is_empty() {
+        return listing;
+    }
+    let mut entries = Vec::clone(&listing);
+    for l in local {
+        match entries.binary_search_by(|e| e.name.as_str().cmp(&l.name)) {
+            Ok(i) => entries[i] = l,
+            Err(i) => entries.insert(i, l),
+        }
+    }
+    Arc::new(entries)
 }
