@@ -6,7 +6,8 @@
 //! - **Integrity.** Each file carries its key and a crc32c of each 64 KiB piece of its data
 //!   ([`block`]); a read checks the pieces it takes bytes from ([`BlockCache::get_part_or_fetch_as`]).
 //!   A file that does not check out is a miss: it is deleted, counted (`corrupt`) and refetched.
-//! - **Atomic writes.** A block is written to `tmp/` and renamed into `blocks/`; a reader sees a
+//! - **Atomic writes.** A block is written to a temporary file in its own `blocks/xx/` directory
+//!   and renamed into place (a whole object: in `tmp/`, renamed into `objects/`); a reader sees a
 //!   whole file or none. No fsync: after a crash a torn file fails its checksum and is a miss.
 //! - **Single flight.** Concurrent misses of one block, from any number of mounts, run one fetch;
 //!   the others wait for it (`joins`). If that fetch fails, the next waiter runs its own.
@@ -418,6 +419,9 @@ pub struct BlockCache {
     ready: watch::Sender<bool>,
     counters: Counters,
     tmp_seq: AtomicU64,
+    /// This process's temporary block files: `blocks/xx/{tmp_prefix}{seq}` (never a block's
+    /// name, so the index thread deletes those a dead process left).
+    tmp_prefix: String,
     writes: AtomicUsize,
     writes_done: Notify,
     /// Objects whose blocks are all on disk, to be joined into whole files once the cache is
@@ -491,6 +495,15 @@ impl BlockCache {
         }
         std::fs::create_dir_all(&blocks_dir).map_err(dir_err(&blocks_dir))?;
         std::fs::create_dir_all(&objects_dir).map_err(dir_err(&objects_dir))?;
+        // Block files are made in their own `blocks/xx` directories, spread over the disk's
+        // block groups (directories made before this flag stay where they are).
+        match space::spread_subdirs(&blocks_dir) {
+            Ok(spread) => {
+                tracing::debug!(dir = %blocks_dir.display(), spread, "cache: block directories")
+            }
+            Err(e) => tracing::info!(dir = %blocks_dir.display(), error = %e,
+                "cache: could not spread the block directories over the disk"),
+        }
         // Leftovers of a previous process's unfinished writes.
         if tmp_dir.exists() {
             std::fs::remove_dir_all(&tmp_dir).map_err(dir_err(&tmp_dir))?;
@@ -524,6 +537,14 @@ impl BlockCache {
             ready: watch::channel(false).0,
             counters: Counters::default(),
             tmp_seq: AtomicU64::new(0),
+            // Distinct from a predecessor's sharing the directory during a handover.
+            tmp_prefix: format!(
+                "{TMP_MARK}{:x}-",
+                SystemTime::now()
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .map(|d| d.as_nanos())
+                    .unwrap_or_default()
+            ),
             writes: AtomicUsize::new(0),
             writes_done: Notify::new(),
             joins: Mutex::new(Joins::default()),
@@ -1453,31 +1474,27 @@ impl BlockCache {
         }
     }
 
-    /// Writes to a temporary file and renames it into place.
+    /// Writes to a temporary file beside the block's and renames it into place. Made in the
+    /// block's own directory, the file's inode comes from that directory's part of the disk
+    /// (see [`space::spread_subdirs`]), not from one `tmp/` for every block.
     fn write(&self, id: &FileId, pieces: &[&[u8]]) -> bool {
         let seq = self.tmp_seq.fetch_add(1, Ordering::Relaxed);
-        let tmp = self.tmp_dir.join(format!("{}-{seq}", block::hex(id)));
         let path = self.block_path(id);
+        let tmp = path.with_file_name(format!("{}{seq}", self.tmp_prefix));
         let result = (|| -> io::Result<()> {
             if self.direct {
-                let mut f = direct::DirectFile::create(&tmp)?;
+                let mut f = in_its_dir(&tmp, direct::DirectFile::create)?;
                 for piece in pieces {
                     f.write_all(piece)?;
                 }
                 f.finish()?;
             } else {
-                let mut f = File::create(&tmp)?;
+                let mut f = in_its_dir(&tmp, |p| File::create(p))?;
                 for piece in pieces {
                     f.write_all(piece)?;
                 }
             }
-            match std::fs::rename(&tmp, &path) {
-                Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                    std::fs::create_dir_all(path.parent().expect("blocks/xx/file"))?;
-                    std::fs::rename(&tmp, &path)
-                }
-                other => other,
-            }
+            std::fs::rename(&tmp, &path)
         })();
         match result {
             Ok(()) => true,
@@ -1539,6 +1556,12 @@ impl BlockCache {
                 tracing::warn!(dir = %self.trash_dir.display(), error = %e, "cache: emptying trash failed");
             }
         }
+        // Every block directory, made before the first block is stored: where the filesystem
+        // spreads them ([`space::spread_subdirs`]), making one reads the metadata of its part of
+        // the disk, which the first block file made there would otherwise wait for.
+        for first in 0..=u8::MAX {
+            let _ = std::fs::create_dir(self.blocks_dir.join(format!("{first:02x}")));
+        }
         let mut found: Vec<(SystemTime, Entry, u64)> = Vec::new();
         let mut stray = 0usize;
         let saved = std::mem::take(&mut *self.saved_checks.lock().expect("saved checks lock"));
@@ -1577,6 +1600,9 @@ impl BlockCache {
                             }
                             found.push((mtime(&meta), Entry::Object(id), meta.len() + side.len()))
                         }
+                        // Not a block's name: a dead process's unfinished write (`.tmp-`,
+                        // none of this one's yet: nothing is stored before the index is
+                        // rebuilt), or a stray file.
                         _ => {
                             stray += 1;
                             let _ = std::fs::remove_file(file.path());
@@ -1685,6 +1711,21 @@ fn read_block_file(
 
 /// The record of checked whole files a clean shutdown leaves for the next process.
 const CHECKED_FILE: &str = "checked";
+
+/// How a temporary block file's name starts (no block's name does: those are hex).
+const TMP_MARK: &str = ".tmp-";
+
+/// `create(path)`, making `path`'s directory first if it is missing (a block directory is made
+/// at its first block).
+fn in_its_dir<T>(path: &Path, create: impl Fn(&Path) -> io::Result<T>) -> io::Result<T> {
+    match create(path) {
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            std::fs::create_dir_all(path.parent().expect("a file in a directory"))?;
+            create(path)
+        }
+        other => other,
+    }
+}
 
 /// What identifies one version of a file on disk: any write changes its ctime.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

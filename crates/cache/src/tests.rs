@@ -65,10 +65,32 @@ fn files_on_disk(cache: &BlockCache) -> Vec<(FileId, u64)> {
     out
 }
 
+/// Temporary files left: in `tmp/` (whole objects) and beside the blocks.
+fn temp_files(cache: &BlockCache) -> usize {
+    let beside_blocks: usize = std::fs::read_dir(&cache.blocks_dir)
+        .unwrap()
+        .map(|dir| {
+            std::fs::read_dir(dir.unwrap().path())
+                .unwrap()
+                .filter(|f| {
+                    let f = f.as_ref().unwrap().file_name();
+                    f.to_str().unwrap().starts_with(TMP_MARK)
+                })
+                .count()
+        })
+        .sum();
+    beside_blocks + std::fs::read_dir(&cache.tmp_dir).unwrap().count()
+}
+
 #[tokio::test]
 async fn a_miss_fetches_and_stores_then_hits_are_served_from_disk() {
     let dir = tempfile::tempdir().unwrap();
     let cache = open(dir.path(), 10 * BS).await;
+    assert_eq!(
+        std::fs::read_dir(&cache.blocks_dir).unwrap().count(),
+        256,
+        "every block directory is made before the first block"
+    );
     let fetches = AtomicUsize::new(0);
     let (k, d) = (key("a", 0), data(1, 1000));
     assert_eq!(get(&cache, &k, &d, &fetches).await, d);
@@ -94,10 +116,7 @@ async fn a_miss_fetches_and_stores_then_hits_are_served_from_disk() {
     assert_eq!(fetches.load(Ordering::SeqCst), 2);
     // Stores are written behind the reader: wait for them before looking at the disk.
     cache.settle().await;
-    assert!(
-        std::fs::read_dir(&cache.tmp_dir).unwrap().next().is_none(),
-        "no temp files left"
-    );
+    assert_eq!(temp_files(&cache), 0, "no temp files left");
 }
 
 #[tokio::test]
@@ -197,10 +216,26 @@ async fn blocks_survive_a_restart_and_the_index_is_rebuilt() {
         cache.settle().await;
         cache.stats()
     };
-    // A half-written temporary file of the old process is removed.
-    std::fs::write(dir.path().join("tmp/leftover"), b"torn").unwrap();
+    // Half-written temporary files of the old process are removed: a whole object's in
+    // `tmp/`, a block's beside the blocks.
+    let blocks_xx = std::fs::read_dir(dir.path().join("blocks"))
+        .unwrap()
+        .next()
+        .unwrap()
+        .unwrap()
+        .path();
+    let torn = [
+        dir.path().join("tmp/leftover"),
+        blocks_xx.join(format!("{TMP_MARK}17a0-3")),
+    ];
+    for f in &torn {
+        std::fs::write(f, b"torn").unwrap();
+    }
     let cache = open(dir.path(), 100 * BS).await;
-    assert!(!dir.path().join("tmp/leftover").exists());
+    for f in &torn {
+        assert!(!f.exists(), "{} left", f.display());
+    }
+    assert_eq!(temp_files(&cache), 0);
     let after = cache.stats();
     assert_eq!((after.blocks, after.bytes), (before.blocks, before.bytes));
     for i in 0..20 {
@@ -287,7 +322,7 @@ async fn an_object_wanted_whole_is_joined_when_its_last_block_is_stored() {
             .unwrap()
             .len();
     assert_eq!(s.bytes, on_disk);
-    assert!(std::fs::read_dir(&cache.tmp_dir).unwrap().next().is_none());
+    assert_eq!(temp_files(&cache), 0);
 
     // Wanting it when every block is already there joins it at once; a missing block never.
     let (small, small_content) = object("small", BS / 2, 9);
