@@ -1715,8 +1715,8 @@ const CHECKED_FILE: &str = "checked";
 /// How a temporary block file's name starts (no block's name does: those are hex).
 const TMP_MARK: &str = ".tmp-";
 
-/// `create(path)`, making `path`'s directory first if it is missing (a block directory is made
-/// at its first block).
+/// `create(path)`, making `path`'s directory first if it is missing (the index thread makes every
+/// block directory at start; this makes one removed since).
 fn in_its_dir<T>(path: &Path, create: impl Fn(&Path) -> io::Result<T>) -> io::Result<T> {
     match create(path) {
         Err(e) if e.kind() == io::ErrorKind::NotFound => {
