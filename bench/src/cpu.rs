@@ -38,7 +38,7 @@ pub struct CpuSnap {
 }
 
 /// The machine's busy and stolen seconds since boot, from the `cpu` line of `/proc/stat`.
-fn machine() -> (f64, f64) {
+pub fn machine() -> (f64, f64) {
     let text = std::fs::read_to_string("/proc/stat").unwrap_or_default();
     let fields: Vec<f64> = text
         .lines()
@@ -57,7 +57,7 @@ fn machine() -> (f64, f64) {
 
 /// Seconds of CPU process `pid` (a number, or `self`) has used (user + system, all threads), if
 /// it is there.
-fn process(pid: &str) -> Option<f64> {
+pub fn process(pid: &str) -> Option<f64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     // After the command name (which may hold spaces), in parentheses: state is field 3, utime
     // and stime fields 14 and 15.

@@ -22,6 +22,10 @@
 //!
 //! A program to run by hand (no root needed), never a test.
 
+#[allow(dead_code)] // shared with ferry-bench, which uses the rest
+#[path = "cpu.rs"]
+mod cpu;
+
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -51,22 +55,12 @@ struct Cli {
     dir: PathBuf,
 }
 
-/// CPU seconds (user + system) of this process, its threads included.
-fn cpu_seconds() -> f64 {
-    // SAFETY: rusage is plain integers, for which all zeroes is a valid value.
-    let mut r: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: getrusage writes one rusage struct through the pointer, valid for the call.
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut r) };
-    let secs = |t: libc::timeval| t.tv_sec as f64 + t.tv_usec as f64 / 1e6;
-    secs(r.ru_utime) + secs(r.ru_stime)
-}
-
 /// The ceiling: `n` blocks of `len` bytes written with `O_DIRECT` into one file, at `keep`
 /// offsets in turn (so it takes the disk space of the cache, not of every block).
 fn ceiling(path: &std::path::Path, n: u64, len: u64, keep: u64) -> anyhow::Result<Pass> {
     use std::os::unix::fs::{FileExt, OpenOptionsExt};
     let layout = std::alloc::Layout::from_size_align(len as usize, 4096)?;
-    // SAFETY: the layout's size is not zero (checked by the caller's block size).
+    // SAFETY: the layout's size is not zero (`main` refuses a block of 0 KiB).
     let ptr = unsafe { std::alloc::alloc_zeroed(layout) };
     if ptr.is_null() {
         std::alloc::handle_alloc_error(layout);
@@ -105,29 +99,15 @@ fn ceiling(path: &std::path::Path, n: u64, len: u64, keep: u64) -> anyhow::Resul
     out
 }
 
-/// CPU seconds the whole machine spent busy (every CPU, `/proc/stat`): the kernel's writeback
-/// of the cache's metadata runs in its own threads, not in this process.
+/// CPU seconds (user + system) of this process, its threads (the cache's writers) included.
+fn cpu_seconds() -> f64 {
+    cpu::process("self").unwrap_or(0.0)
+}
+
+/// Seconds the whole machine's CPUs were busy ([`cpu::machine`]): the kernel writes the
+/// filesystem's metadata back from its own threads, not from this process.
 fn machine_busy_seconds() -> f64 {
-    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
-    let ticks: Vec<f64> = stat
-        .lines()
-        .next()
-        .unwrap_or_default()
-        .split_whitespace()
-        .skip(1)
-        .filter_map(|t| t.parse().ok())
-        .collect();
-    // user nice system idle iowait irq softirq steal: all but idle and iowait.
-    let busy: f64 = ticks
-        .iter()
-        .take(8)
-        .enumerate()
-        .filter(|(i, _)| *i != 3 && *i != 4)
-        .map(|(_, t)| t)
-        .sum();
-    // SAFETY: sysconf reads a constant.
-    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) } as f64;
-    busy / hz.max(1.0)
+    cpu::machine().0
 }
 
 /// `syncfs(2)` of the filesystem holding `dir`.
@@ -194,11 +174,22 @@ async fn main() -> anyhow::Result<()> {
         .prefix("ferry-bench-store-")
         .tempdir_in(&cli.dir)
         .with_context(|| format!("a work directory in {}", cli.dir.display()))?;
+    if cli.block_kib == 0 || cli.blocks == 0 || cli.keep == 0 {
+        bail!("--block-kib, --blocks and --keep must be at least 1");
+    }
     let block = cli.block_kib << 10;
     // A block file is its data plus a trailer of under 1 KiB (key, crcs): room for `keep` of them.
     let max_size = cli.keep * (block + 1024);
+    // Each offered block is one object's only block (a small file), of the cache's block size or
+    // shorter.
+    let block_size = block
+        .next_power_of_two()
+        .clamp(ferry_cache::MIN_BLOCK_SIZE, ferry_cache::MAX_BLOCK_SIZE);
+    if block > block_size {
+        bail!("--block-kib: at most {} KiB", block_size >> 10);
+    }
     let cache = BlockCache::open(CacheConfig {
-        block_size: block.max(ferry_cache::MIN_BLOCK_SIZE),
+        block_size,
         ..CacheConfig::new(work.path().join("cache"), max_size)
     })?;
     cache.ready().await;
@@ -222,15 +213,20 @@ async fn main() -> anyhow::Result<()> {
     println!("|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let row = |name: &str, p: &Pass| {
         let per = p.cpu / p.stored as f64;
+        // CPU time is counted in clock ticks: a short ceiling may count none.
+        let ratio = if ceiling_per > 0.0 {
+            format!("{:.1}", per / ceiling_per)
+        } else {
+            "—".to_owned()
+        };
         println!(
-            "| {name} | {} | {} | {:.2} | {:.0} | {:.2} | {:.3} | {:.1} | {:.2} |",
+            "| {name} | {} | {} | {:.2} | {:.0} | {:.2} | {:.3} | {ratio} | {:.2} |",
             p.stored,
             p.evicted,
             p.wall.as_secs_f64(),
             p.stored as f64 / p.wall.as_secs_f64(),
             p.cpu,
             per * 1e3,
-            per / ceiling_per,
             p.machine
         );
     };

@@ -25,7 +25,7 @@ const FS_TOPDIR_FL: libc::c_int = 0x0002_0000;
 /// deleted in the last one to six minutes (`recently_deleted` in `fs/ext4/ialloc.c`), one inode
 /// table lookup each, from the start of the group. Files made in one directory all come from one
 /// group, so after a few thousand deletions near it (evictions, joins, another program's
-/// cleanup) each new cache file of 128 KiB cost up to 1.2 ms of CPU, against 0.15–0.27 ms with
+/// cleanup) each new cache file of 128 KiB cost up to 1.4 ms of CPU, against 0.14–0.27 ms with
 /// the 256 block directories spread this way (`ferry-bench-store`; `doc/BENCHMARKS.md`, issue 17,
 /// twelfth session).
 pub fn spread_subdirs(dir: &Path) -> io::Result<bool> {
