@@ -147,7 +147,8 @@ pub struct CacheStats {
     pub joins: u64,
     /// Blocks written to disk.
     pub stored: u64,
-    /// Fetched blocks not stored (index not ready, no room under the floor, write failed).
+    /// Fetched blocks not stored (index not ready, no room under the floor, the writers' queue
+    /// full, the memory budget spent, write failed).
     pub skipped: u64,
     pub evictions: u64,
     /// Block or whole-object files that failed their checksum or named another object (deleted,
@@ -273,7 +274,18 @@ struct WriteJob {
     key: BlockKey,
     data: Bytes,
     cell: Option<Arc<FlightCell>>,
+    /// What [`BlockCache::charge_writes`] handed out for the block's bytes: held until the block
+    /// is written (dropped with the job).
+    _charge: Option<WriteCharge>,
 }
+
+/// A charge for a block's bytes while it waits for the writers (and is written): given back
+/// when dropped.
+pub type WriteCharge = Box<dyn Send>;
+
+/// Charges `bytes` of a block handed to the writers, or says no (`None`): the block is then not
+/// stored. See [`BlockCache::charge_writes`].
+pub type ChargeWrites = Box<dyn Fn(u64) -> Option<WriteCharge> + Send + Sync>;
 
 /// Lowers the calling thread's priority to [`WRITER_NICE`] (Linux: a thread's nice value is its
 /// own). Best effort.
@@ -305,6 +317,8 @@ fn write_blocks(cache: std::sync::Weak<BlockCache>) {
             c.end_flight(&job.key, cell);
         }
         c.write_queue.lock().expect("write queue lock").bytes -= job.data.len() as u64;
+        // The block's buffer and its charge go before the write counts as done (`settle`).
+        drop(job);
         c.writes.fetch_sub(1, Ordering::AcqRel);
         c.writes_done.notify_waiters();
     }
@@ -431,6 +445,9 @@ pub struct BlockCache {
     flushing: AtomicUsize,
     /// Blocks waiting for the writer threads.
     write_queue: Mutex<WriteQueue>,
+    /// Charges the bytes of every block handed to the writers until it is written (the node
+    /// plugin's memory budget): [`Self::charge_writes`].
+    charge_writes: std::sync::OnceLock<ChargeWrites>,
     write_ready: std::sync::Condvar,
     joins_ready: std::sync::Condvar,
     /// When a block was last stored: milliseconds since `opened`.
@@ -551,6 +568,7 @@ impl BlockCache {
             flushing: AtomicUsize::new(0),
             joins_ready: std::sync::Condvar::new(),
             write_queue: Mutex::new(WriteQueue::default()),
+            charge_writes: std::sync::OnceLock::new(),
             write_ready: std::sync::Condvar::new(),
             last_fill: AtomicU64::new(0),
             opened: std::time::Instant::now(),
@@ -643,6 +661,16 @@ impl BlockCache {
     pub fn write_backlog(&self) -> (u64, u64) {
         let q = self.write_queue.lock().expect("write queue lock");
         (q.bytes, WRITE_QUEUE_MAX)
+    }
+
+    /// Charges the bytes of every block handed to the writers with `charge` from then on, until
+    /// the block is written: a block whose bytes `charge` refuses is not stored (counted as
+    /// skipped), as when the queue is full. The node plugin charges them to its memory budget, so
+    /// blocks waiting for the disk count among the memory the budget bounds (a fetched block's
+    /// buffer outlives the read that fetched it while it waits). Set once: `false`, and `charge`
+    /// dropped, if it was set already.
+    pub fn charge_writes(&self, charge: ChargeWrites) -> bool {
+        self.charge_writes.set(charge).is_ok()
     }
 
     /// [`Self::settle`], for at most `limit` (readers of live mounts may keep filling the cache
@@ -896,22 +924,33 @@ impl BlockCache {
     }
 
     /// Hands block `key` to the writer threads (ending its flight, if any, once stored). When
-    /// more than [`WRITE_QUEUE_MAX`] bytes wait already, the block is not stored (counted as
-    /// skipped): readers never wait for the cache's disk, nor pile up its memory.
+    /// more than [`WRITE_QUEUE_MAX`] bytes wait already, or the charge for its bytes is refused
+    /// ([`Self::charge_writes`]), the block is not stored (counted as skipped): readers never wait
+    /// for the cache's disk, nor pile up its memory.
     fn queue_write(&self, key: BlockKey, data: Bytes, cell: Option<Arc<FlightCell>>) {
         self.writes.fetch_add(1, Ordering::AcqRel);
         let len = data.len() as u64;
-        {
-            let mut q = self.write_queue.lock().expect("write queue lock");
-            if q.bytes + len <= WRITE_QUEUE_MAX {
-                q.bytes += len;
-                q.jobs.push_back(WriteJob { key, data, cell });
-                drop(q);
-                self.write_ready.notify_one();
-                return;
+        let charge = self.charge_writes.get().map(|charge| charge(len));
+        let why = match charge {
+            Some(None) => "the memory budget is spent",
+            _ => {
+                let mut q = self.write_queue.lock().expect("write queue lock");
+                if q.bytes + len <= WRITE_QUEUE_MAX {
+                    q.bytes += len;
+                    q.jobs.push_back(WriteJob {
+                        key,
+                        data,
+                        cell,
+                        _charge: charge.flatten(),
+                    });
+                    drop(q);
+                    self.write_ready.notify_one();
+                    return;
+                }
+                "the cache's writers are behind"
             }
-        }
-        self.skip(&key, "the cache's writers are behind");
+        };
+        self.skip(&key, why);
         if let Some(cell) = cell {
             self.end_flight(&key, &cell);
         }

@@ -883,3 +883,82 @@ async fn a_part_that_is_none_of_its_block_never_costs_the_file() {
     assert_eq!((fetches.load(Ordering::SeqCst), s.corrupt), (1, 0));
     assert!(cache.contains(&k));
 }
+
+/// A block's bytes are charged from the moment it is handed to the writers until it is on disk;
+/// a refused charge leaves the block unstored (counted as skipped), and the reader still has it.
+#[tokio::test]
+async fn a_blocks_bytes_are_charged_until_it_is_written_and_a_refused_charge_skips_it() {
+    struct Charge {
+        held: Arc<std::sync::atomic::AtomicU64>,
+        bytes: u64,
+        /// The block file, and whether it existed when the charge was given back.
+        file: PathBuf,
+        on_disk: Arc<Mutex<Vec<bool>>>,
+    }
+    impl Drop for Charge {
+        fn drop(&mut self) {
+            self.on_disk.lock().unwrap().push(self.file.exists());
+            self.held.fetch_sub(self.bytes, Ordering::SeqCst);
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 10 * BS).await;
+    let held = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let charged = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let refuse = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let next_file = Arc::new(Mutex::new(PathBuf::new()));
+    let on_disk = Arc::new(Mutex::new(Vec::new()));
+    let (h, c, r, f, o) = (
+        held.clone(),
+        charged.clone(),
+        refuse.clone(),
+        next_file.clone(),
+        on_disk.clone(),
+    );
+    assert!(cache.charge_writes(Box::new(move |bytes| {
+        if r.load(Ordering::SeqCst) {
+            return None;
+        }
+        h.fetch_add(bytes, Ordering::SeqCst);
+        c.fetch_add(bytes, Ordering::SeqCst);
+        Some(Box::new(Charge {
+            held: h.clone(),
+            bytes,
+            file: f.lock().unwrap().clone(),
+            on_disk: o.clone(),
+        }))
+    })));
+    assert!(
+        !cache.charge_writes(Box::new(|_| None)),
+        "set once: the first charge stays"
+    );
+
+    let fetches = AtomicUsize::new(0);
+    for (i, k) in [key("a", 0), key("a", 1)].iter().enumerate() {
+        *next_file.lock().unwrap() = cache.block_path(&k.file_id());
+        let d = data(i as u8, 1000 + i);
+        assert_eq!(get(&cache, k, &d, &fetches).await, d);
+        cache.settle().await;
+        assert!(cache.contains(k));
+    }
+    assert_eq!(charged.load(Ordering::SeqCst), 2001, "each block's bytes");
+    assert_eq!(held.load(Ordering::SeqCst), 0, "given back once written");
+    assert_eq!(
+        *on_disk.lock().unwrap(),
+        [true, true],
+        "each charge is held until its block is on disk"
+    );
+
+    refuse.store(true, Ordering::SeqCst);
+    let (k, d) = (key("b", 0), data(7, 500));
+    assert_eq!(get(&cache, &k, &d, &fetches).await, d, "the reader has it");
+    cache.offer(key("b", 1), data(8, 500));
+    cache.settle().await;
+    assert!(!cache.contains(&k) && !cache.contains(&key("b", 1)));
+    let s = cache.stats();
+    assert_eq!((s.stored, s.skipped), (2, 2));
+    assert_eq!(charged.load(Ordering::SeqCst), 2001);
+    // Not stored, so a second read fetches again.
+    assert_eq!(get(&cache, &k, &d, &fetches).await, d);
+    assert_eq!(fetches.load(Ordering::SeqCst), 4);
+}

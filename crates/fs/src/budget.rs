@@ -1,10 +1,12 @@
 //! [`MemoryBudget`]: one byte budget shared by everything of every mount of the node plugin that
 //! grows with load ([`Use`]: prefetch and write buffers, small objects and directory sweeps read
-//! ahead, listings kept, FUSE sessions), and [`MountContext`], the node-level things a mount is
-//! given besides its plain-data [`crate::MountConfig`].
+//! ahead, listings kept, FUSE sessions, blocks waiting for the node cache's writers), and
+//! [`MountContext`], the node-level things a mount is given besides its plain-data
+//! [`crate::MountConfig`].
 //!
 //! What each kind does when the budget is spent: prefetching shrinks or stops, a write buffer
-//! waits, a listing is served but not kept (the next `readdir` or lookup lists again), and a FUSE
+//! waits, a listing is served but not kept (the next `readdir` or lookup lists again), a block is
+//! not stored in the node cache (it was read; only the copy on disk is given up), and a FUSE
 //! session is charged regardless (a mount is never refused for memory) so the others give way.
 //!
 //! Reservations are RAII ([`Reservation`] gives its bytes back when dropped). Prefetching never
@@ -39,15 +41,18 @@ pub enum Use {
     Listing,
     /// A FUSE session's resident cost (request buffer, thread, tables of an idle mount).
     Session,
+    /// Blocks handed to the node cache's writers, until they are on disk.
+    CacheWrite,
 }
 
 impl Use {
-    pub const ALL: [Use; 5] = [
+    pub const ALL: [Use; 6] = [
         Use::Prefetch,
         Use::Write,
         Use::ReadAhead,
         Use::Listing,
         Use::Session,
+        Use::CacheWrite,
     ];
 
     /// The metric label.
@@ -58,6 +63,7 @@ impl Use {
             Use::ReadAhead => "read_ahead",
             Use::Listing => "listing",
             Use::Session => "session",
+            Use::CacheWrite => "cache_write",
         }
     }
 }
@@ -80,11 +86,11 @@ struct Inner {
     /// Woken when reservations are given back while someone waits.
     freed: Notify,
     /// `ferry_memory_budget_used_bytes{kind}`: every reservation adds to its kind's and takes back.
-    gauges: [&'static ferry_metrics::Gauge; 5],
+    gauges: [&'static ferry_metrics::Gauge; 6],
     /// Sequential readers holding a prefetch window now (see [`StreamSlot`]).
     streams: AtomicU64,
     /// Bytes in use by [`Use`].
-    by_kind: [AtomicU64; 5],
+    by_kind: [AtomicU64; 6],
 }
 
 impl fmt::Debug for MemoryBudget {
@@ -455,6 +461,15 @@ impl MountContext {
 mod tests {
     use super::*;
 
+    /// Every kind has its own gauge: the metric's label set is exactly the kinds', in order.
+    #[test]
+    fn every_kind_is_a_label_of_the_metric() {
+        assert_eq!(Use::ALL.map(Use::label), ferry_metrics::MEMORY_KINDS);
+        for (i, u) in Use::ALL.iter().enumerate() {
+            assert_eq!(*u as usize, i);
+        }
+    }
+
     #[test]
     fn reservations_are_bounded_and_released_on_drop() {
         let b = MemoryBudget::new(100);
@@ -482,8 +497,8 @@ mod tests {
         assert_eq!(b.used(), 120, "a session is charged whatever the limit");
         assert_eq!(
             Use::ALL.map(|u| b.used_for(u)),
-            [30, 0, 0, 50, 40],
-            "prefetch, write, read-ahead, listing, session"
+            [30, 0, 0, 50, 40, 0],
+            "prefetch, write, read-ahead, listing, session, cache write"
         );
         assert!(
             b.try_reserve_for(Use::ReadAhead, 1).is_none(),
@@ -496,7 +511,7 @@ mod tests {
         );
         drop(s);
         assert_eq!(b.used(), 0);
-        assert_eq!(Use::ALL.map(|u| b.used_for(u)), [0; 5]);
+        assert_eq!(Use::ALL.map(|u| b.used_for(u)), [0; 6]);
     }
 
     #[test]

@@ -22,7 +22,7 @@ pub mod prefetch;
 pub mod proofs;
 pub mod warmup;
 
-pub use budget::{MemoryBudget, MountContext, PrefetchConfig, Reservation};
+pub use budget::{MemoryBudget, MountContext, PrefetchConfig, Reservation, Use};
 pub use config::{ConfigError, MetadataTtl, MountConfig};
 pub use error::FsError;
 pub use fs::{Fs, FsSnapshot};

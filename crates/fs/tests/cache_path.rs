@@ -8,7 +8,7 @@ use std::path::Path;
 use std::sync::Arc;
 
 use ferry_cache::{BlockCache, CacheConfig};
-use ferry_fs::{mount, MetadataTtl, MountConfig, MountContext, MountHandle};
+use ferry_fs::{mount, MemoryBudget, MetadataTtl, MountConfig, MountContext, MountHandle, Use};
 use ferry_s3::S3Store;
 use ferry_store::{FaultyStore, ObjectStore, Op};
 use ferry_testkit::S3Server;
@@ -77,6 +77,16 @@ impl Setup {
     }
 
     fn mount_with(&self, ttl: MetadataTtl, read_only: bool, passthrough: bool) -> MountHandle {
+        self.mount_in(ttl, read_only, |ctx| ctx.passthrough = passthrough)
+    }
+
+    /// A mount whose node-level context `ctx` sets up as it likes (the cache is set already).
+    fn mount_in(
+        &self,
+        ttl: MetadataTtl,
+        read_only: bool,
+        ctx_with: impl FnOnce(&mut MountContext),
+    ) -> MountHandle {
         let mut cfg = MountConfig::new(BUCKET);
         cfg.fs_name = format!("ferry:{BUCKET}/ds/");
         cfg.prefix = "ds/".into();
@@ -85,7 +95,7 @@ impl Setup {
         cfg.read_only = read_only;
         let mut ctx = MountContext::new(self.rt.handle().clone());
         ctx.cache = Some(self.cache.clone());
-        ctx.passthrough = passthrough;
+        ctx_with(&mut ctx);
         let store: Arc<dyn ObjectStore> = self.store.clone();
         mount(store, cfg, self.dir.path(), ctx).expect("mount")
     }
@@ -286,5 +296,44 @@ fn small_random_reads_from_the_node_cache_read_only_their_pieces() {
     assert_eq!(t.cache.stats().corrupt, 1, "{:?}", t.cache.stats());
     assert!(t.calls(Op::Get) > gets, "fetched again");
     drop(f);
+    m.unmount().unwrap();
+}
+
+/// Blocks waiting for the cache's writers are memory the node plugin's budget counts: with no
+/// room left in it, files are read (right) through the cache and none of their blocks is stored;
+/// with room, every block is stored and charged to it until written.
+#[test]
+fn the_cache_stores_blocks_only_within_the_memory_budget() {
+    let Some(t) = setup(8, 300 << 10) else {
+        return;
+    };
+    let ttl = MetadataTtl::Duration(std::time::Duration::from_secs(600));
+    // Less than one block: the mount's session is charged whatever the limit, so nothing else fits.
+    let m = t.mount_in(ttl, true, |ctx| ctx.budget = MemoryBudget::new(64 << 10));
+    let all: Vec<usize> = (0..8).collect();
+    t.read(&all, 2);
+    t.rt.block_on(t.cache.settle());
+    let s = t.cache.stats();
+    assert_eq!(s.stored, 0, "{s:?}");
+    assert!(s.skipped >= 8, "every file's block was refused: {s:?}");
+    m.unmount().unwrap();
+
+    // Another cache, charged to a budget with room: every block is stored, and each charge is
+    // given back once its block is written.
+    let Some(t) = setup(8, 300 << 10) else {
+        return;
+    };
+    let budget = MemoryBudget::new(1 << 30);
+    let b = budget.clone();
+    let m = t.mount_in(ttl, true, move |ctx| ctx.budget = b);
+    t.read(&all, 2);
+    t.rt.block_on(t.cache.settle());
+    let s = t.cache.stats();
+    assert_eq!((s.stored, s.skipped), (8, 0), "{s:?}");
+    assert_eq!(
+        budget.used_for(Use::CacheWrite),
+        0,
+        "given back once written"
+    );
     m.unmount().unwrap();
 }

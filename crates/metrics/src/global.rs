@@ -122,14 +122,21 @@ pub struct NodeMetrics {
     taken_over: [Counter; 3],
     pub takeover_pause_seconds: Gauge<f64, std::sync::atomic::AtomicU64>,
     /// By kind ([`MEMORY_KINDS`]).
-    memory_budget_used: [Gauge; 5],
+    memory_budget_used: [Gauge; 6],
     pub memory_budget_limit: Gauge,
     pub prefetch_hit_bytes: Counter,
     pub prefetch_wasted_bytes: Counter,
 }
 
 /// The kinds of `ferry_memory_budget_used_bytes{kind}` (ferry-fs's `budget::Use`).
-pub const MEMORY_KINDS: [&str; 5] = ["prefetch", "write", "read_ahead", "listing", "session"];
+pub const MEMORY_KINDS: [&str; 6] = [
+    "prefetch",
+    "write",
+    "read_ahead",
+    "listing",
+    "session",
+    "cache_write",
+];
 
 impl NodeMetrics {
     /// The memory budget's bytes in use for `kind` (one of [`MEMORY_KINDS`]; anything else counts

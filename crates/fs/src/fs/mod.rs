@@ -421,9 +421,18 @@ impl Fs {
     }
 
     /// Reads through the node's block cache `cache` (ignored when the mount opted out with
-    /// [`MountConfig::node_cache`] `false`).
+    /// [`MountConfig::node_cache`] `false`). The cache's writes are charged to this mount's
+    /// memory budget (the node plugin's, which all its mounts share) from the first mount on.
     pub fn with_cache(mut self, cache: Option<Arc<BlockCache>>) -> Self {
         self.cache = cache.filter(|_| self.cfg.node_cache);
+        if let Some(cache) = &self.cache {
+            let budget = self.budget.clone();
+            cache.charge_writes(Box::new(move |bytes| {
+                budget
+                    .try_reserve_for(Use::CacheWrite, bytes)
+                    .map(|r| Box::new(r) as ferry_cache::WriteCharge)
+            }));
+        }
         self
     }
 
