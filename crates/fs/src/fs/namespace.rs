@@ -82,15 +82,21 @@ impl Fs {
             let path = child_path(&p.path, name);
             // With a zero TTL no listing is ever cached: nothing to probe for.
             let caches = self.ttl().is_valid(now);
-            if caches && p.cache.cached_listing(now).is_none() && !p.is_local() {
-                let dprefix = dir_prefix(&self.cfg.prefix, &p.path);
-                self.probe_dir(st, parent, dprefix);
-            }
-            (path, st.changes)
+            let probe = (caches && p.cache.cached_listing(now).is_none() && !p.is_local())
+                .then(|| dir_prefix(&self.cfg.prefix, &p.path));
+            (path, st.changes, probe)
         };
-        let (path, changes) = path;
+        let (path, changes, probe) = path;
         let at = Instant::now();
-        match self.remote_lookup(&path).await? {
+        let found = self.remote_lookup(&path).await;
+        // The parent's probe after the lookup's own requests: on a server whose CPUs are busy,
+        // a LIST the caller waits for (a cold `ls -la dir`: the directory's first page) is not
+        // slowed by one it does not wait for (measured in doc/BENCHMARKS.md).
+        if let Some(dprefix) = probe {
+            let mut st = self.lock();
+            self.probe_dir(&mut st, parent, dprefix);
+        }
+        match found? {
             Some((kind, meta, page)) => Ok(Found::Fresh {
                 kind,
                 meta,

@@ -934,19 +934,28 @@ async fn mkdir_is_local_until_a_file_is_written() {
     assert_eq!(names(&fs, ROOT_INO).await, [("new".to_owned(), Kind::Dir)]);
 }
 
-/// Delegates to a `MemoryStore`, but HEAD of the keys in `failing` answers 500.
-#[derive(Debug)]
-struct HeadFails {
+/// Delegates to a `MemoryStore`, but HEAD of the keys in `failing` answers 500; every LIST's
+/// prefix is logged in `lists` as it starts, and a LIST of prefix `gate.0` waits for `gate.1`.
+#[derive(Debug, Default)]
+struct Hooked {
     inner: MemoryStore,
     failing: Vec<String>,
+    lists: Arc<std::sync::Mutex<Vec<String>>>,
+    gate: Option<(String, Arc<tokio::sync::Notify>)>,
 }
 
 #[async_trait]
-impl ObjectStore for HeadFails {
+impl ObjectStore for Hooked {
     async fn head_bucket(&self, bucket: &str) -> ferry_store::Result<()> {
         self.inner.head_bucket(bucket).await
     }
     async fn list(&self, bucket: &str, req: ListRequest<'_>) -> ferry_store::Result<ListPage> {
+        self.lists.lock().unwrap().push(req.prefix.to_owned());
+        if let Some((prefix, open)) = &self.gate {
+            if req.prefix == prefix {
+                open.notified().await;
+            }
+        }
         self.inner.list(bucket, req).await
     }
     async fn head(&self, bucket: &str, key: &str) -> ferry_store::Result<ObjectInfo> {
@@ -1027,9 +1036,10 @@ async fn head_error_on_a_directory_is_ignored_when_list_proves_it() {
     inner.create_bucket(B);
     inner.insert(B, "dir/file", &b"x"[..]);
     inner.insert(B, "plain", &b"x"[..]);
-    let store = HeadFails {
+    let store = Hooked {
         inner,
         failing: vec!["dir".into(), "plain".into()],
+        ..Hooked::default()
     };
     let fs = Fs::new(Arc::new(store), MountConfig::new(B));
     assert_eq!(
@@ -1670,6 +1680,43 @@ async fn let_background_run() {
     for _ in 0..20 {
         tokio::task::yield_now().await;
     }
+}
+
+/// A lookup's background probe of the parent starts once the lookup's own requests are
+/// answered: while the directory's LIST (its first page, which a cold `ls -la` waits for) is out,
+/// no LIST of the parent competes with it for the server.
+#[tokio::test]
+async fn the_parents_probe_waits_for_the_lookups_own_list() {
+    let inner = MemoryStore::new();
+    inner.create_bucket(B);
+    inner.insert(B, "dir/file", &b"x"[..]);
+    let open = Arc::new(tokio::sync::Notify::new());
+    let lists = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let store = Hooked {
+        inner,
+        lists: lists.clone(),
+        gate: Some(("dir/".into(), open.clone())),
+        ..Hooked::default()
+    };
+    let mut cfg = MountConfig::new(B);
+    cfg.metadata_ttl = MetadataTtl::Indefinite;
+    let fs = Arc::new(Fs::new(Arc::new(store), cfg));
+    let f = fs.clone();
+    let lookup = tokio::spawn(async move { f.lookup(ROOT_INO, n("dir")).await });
+    while lists.lock().unwrap().is_empty() {
+        tokio::task::yield_now().await;
+    }
+    let_background_run().await;
+    assert_eq!(*lists.lock().unwrap(), ["dir/"], "no probe while it is out");
+    open.notify_one();
+    let entry = lookup.await.unwrap().unwrap();
+    assert_eq!(entry.attr.kind, Kind::Dir);
+    let_background_run().await;
+    assert_eq!(
+        *lists.lock().unwrap(),
+        ["dir/", ""],
+        "then the root's probe"
+    );
 }
 
 #[tokio::test]
