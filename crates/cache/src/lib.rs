@@ -283,6 +283,11 @@ struct WriteJob {
 /// when dropped.
 pub type WriteCharge = Box<dyn Send>;
 
+/// A charge the fetcher of a block holds for its bytes already, taken when the fetched block is
+/// handed to the writers: `None` if the fetcher no longer holds it (then [`ChargeWrites`] is
+/// asked). See [`BlockCache::get_part_or_fetch_as`].
+pub type HeldCharge = Box<dyn FnOnce() -> Option<WriteCharge> + Send>;
+
 /// Charges `bytes` of a block handed to the writers, or says no (`None`): the block is then not
 /// stored. See [`BlockCache::charge_writes`].
 pub type ChargeWrites = Box<dyn Fn(u64) -> Option<WriteCharge> + Send + Sync>;
@@ -446,8 +451,8 @@ pub struct BlockCache {
     /// Blocks waiting for the writer threads.
     write_queue: Mutex<WriteQueue>,
     /// Charges the bytes of every block handed to the writers until it is written (the node
-    /// plugin's memory budget): [`Self::charge_writes`].
-    charge_writes: std::sync::OnceLock<ChargeWrites>,
+    /// plugin's memory budget), and the most bytes that may wait: [`Self::charge_writes`].
+    charge_writes: std::sync::OnceLock<(ChargeWrites, u64)>,
     write_ready: std::sync::Condvar,
     joins_ready: std::sync::Condvar,
     /// When a block was last stored: milliseconds since `opened`.
@@ -660,17 +665,28 @@ impl BlockCache {
     /// blocks dropped.
     pub fn write_backlog(&self) -> (u64, u64) {
         let q = self.write_queue.lock().expect("write queue lock");
-        (q.bytes, WRITE_QUEUE_MAX)
+        (q.bytes, self.queue_max())
     }
 
     /// Charges the bytes of every block handed to the writers with `charge` from then on, until
-    /// the block is written: a block whose bytes `charge` refuses is not stored (counted as
-    /// skipped), as when the queue is full. The node plugin charges them to its memory budget, so
-    /// blocks waiting for the disk count among the memory the budget bounds (a fetched block's
-    /// buffer outlives the read that fetched it while it waits). Set once: `false`, and `charge`
+    /// the block is written (unless its fetcher hands over a charge of its own), and lets at
+    /// most `queue_max` bytes wait (never more than [`WRITE_QUEUE_MAX`], never less than one
+    /// block): a block whose bytes `charge` refuses, or that would make the queue longer, is not
+    /// stored (counted as skipped). The node plugin charges them to its memory budget, so blocks
+    /// waiting for the disk count among the memory the budget bounds (a fetched block's buffer
+    /// outlives the read that fetched it while it waits), and keeps the queue to a share of the
+    /// budget, so writers behind do not pin what readers need. Set once: `false`, and `charge`
     /// dropped, if it was set already.
-    pub fn charge_writes(&self, charge: ChargeWrites) -> bool {
-        self.charge_writes.set(charge).is_ok()
+    pub fn charge_writes(&self, charge: ChargeWrites, queue_max: u64) -> bool {
+        let queue_max = queue_max.clamp(self.cfg.block_size, WRITE_QUEUE_MAX);
+        self.charge_writes.set((charge, queue_max)).is_ok()
+    }
+
+    /// The most bytes of blocks that may wait for the writers ([`Self::charge_writes`]).
+    fn queue_max(&self) -> u64 {
+        self.charge_writes
+            .get()
+            .map_or(WRITE_QUEUE_MAX, |(_, max)| *max)
     }
 
     /// [`Self::settle`], for at most `limit` (readers of live mounts may keep filling the cache
@@ -780,17 +796,21 @@ impl BlockCache {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Bytes, E>>,
     {
-        self.get_or_fetch_part(key, None, reader, fetch).await
+        self.get_or_fetch_part(key, None, reader, None, fetch).await
     }
 
     /// Bytes `part.within` of block `key` (`part.len` bytes long), as
     /// [`Self::get_or_fetch_as`] gets the block: from disk only the pieces that cover them are
     /// read and checked ([`block::read_range`]); a miss fetches (and stores) the whole block.
+    /// `charge`, if given, takes what the caller holds for the fetched bytes (a prefetch window's
+    /// share of the budget): if this call's fetch runs, the block's write holds it instead of
+    /// asking [`Self::charge_writes`] for a second charge of the same buffer.
     pub async fn get_part_or_fetch_as<F, Fut, E>(
         self: &Arc<Self>,
         key: &BlockKey,
         part: Part,
         reader: Reader,
+        charge: Option<HeldCharge>,
         fetch: F,
     ) -> Result<Bytes, E>
     where
@@ -799,10 +819,13 @@ impl BlockCache {
     {
         if !part.is_valid() {
             // None of its block: the whole block, cut (never a reason to doubt the file).
-            let data = self.get_or_fetch_part(key, None, reader, fetch).await?;
+            let data = self
+                .get_or_fetch_part(key, None, reader, charge, fetch)
+                .await?;
             return Ok(part.cut(data));
         }
-        self.get_or_fetch_part(key, Some(part), reader, fetch).await
+        self.get_or_fetch_part(key, Some(part), reader, charge, fetch)
+            .await
     }
 
     async fn get_or_fetch_part<F, Fut, E>(
@@ -810,6 +833,7 @@ impl BlockCache {
         key: &BlockKey,
         part: Option<Part>,
         reader: Reader,
+        charge: Option<HeldCharge>,
         fetch: F,
     ) -> Result<Bytes, E>
     where
@@ -844,6 +868,7 @@ impl BlockCache {
         };
         let mut ran = false;
         let mut fetch = Some(fetch);
+        let mut charge = Some(charge);
         // A cancelled init (its reader gone) ends the flight, so no orphan stays in the map.
         let mut guard = EndFlightOnDrop {
             cache: self,
@@ -865,7 +890,8 @@ impl BlockCache {
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
                 metrics().misses.inc();
                 let data = (fetch.take().expect("one init per caller"))().await?;
-                self.store_in_background(key.clone(), data.clone(), cell.clone());
+                let charge = charge.take().flatten().and_then(|held| held());
+                self.store_in_background(key.clone(), data.clone(), cell.clone(), charge);
                 Ok((owner, data))
             })
             .await
@@ -920,22 +946,32 @@ impl BlockCache {
         if data.is_empty() || self.contains(&key) {
             return;
         }
-        self.queue_write(key, data, None);
+        self.queue_write(key, data, None, None);
     }
 
-    /// Hands block `key` to the writer threads (ending its flight, if any, once stored). When
-    /// more than [`WRITE_QUEUE_MAX`] bytes wait already, or the charge for its bytes is refused
-    /// ([`Self::charge_writes`]), the block is not stored (counted as skipped): readers never wait
-    /// for the cache's disk, nor pile up its memory.
-    fn queue_write(&self, key: BlockKey, data: Bytes, cell: Option<Arc<FlightCell>>) {
+    /// Hands block `key` to the writer threads (ending its flight, if any, once stored), holding
+    /// `charge` (the caller's, for these bytes) or else one from [`Self::charge_writes`] until it
+    /// is written. When more than [`Self::queue_max`] bytes wait already, or that charge is
+    /// refused, the block is not stored (counted as skipped): readers never wait for the cache's
+    /// disk, nor pile up its memory.
+    fn queue_write(
+        &self,
+        key: BlockKey,
+        data: Bytes,
+        cell: Option<Arc<FlightCell>>,
+        charge: Option<WriteCharge>,
+    ) {
         self.writes.fetch_add(1, Ordering::AcqRel);
         let len = data.len() as u64;
-        let charge = self.charge_writes.get().map(|charge| charge(len));
+        let charge = match charge {
+            Some(held) => Some(Some(held)),
+            None => self.charge_writes.get().map(|(charge, _)| charge(len)),
+        };
         let why = match charge {
             Some(None) => "the memory budget is spent",
             _ => {
                 let mut q = self.write_queue.lock().expect("write queue lock");
-                if q.bytes + len <= WRITE_QUEUE_MAX {
+                if q.bytes + len <= self.queue_max() {
                     q.bytes += len;
                     q.jobs.push_back(WriteJob {
                         key,
@@ -960,8 +996,14 @@ impl BlockCache {
 
     /// Writes the block on a blocking thread, then ends its flight (late joiners take the bytes
     /// from the flight until the file is there).
-    fn store_in_background(self: &Arc<Self>, key: BlockKey, data: Bytes, cell: Arc<FlightCell>) {
-        self.queue_write(key, data, Some(cell));
+    fn store_in_background(
+        self: &Arc<Self>,
+        key: BlockKey,
+        data: Bytes,
+        cell: Arc<FlightCell>,
+        charge: Option<WriteCharge>,
+    ) {
+        self.queue_write(key, data, Some(cell), charge);
     }
 
     /// The block from disk (only `part` of it, if given), if intact; a bad file is deleted and

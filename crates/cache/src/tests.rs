@@ -736,7 +736,7 @@ async fn get_part(
         within,
     };
     cache
-        .get_part_or_fetch_as(k, part, Reader::Proven { owner: 0 }, || async {
+        .get_part_or_fetch_as(k, part, Reader::Proven { owner: 0 }, None, || async {
             fetches.fetch_add(1, Ordering::SeqCst);
             Ok::<_, std::convert::Infallible>(d.clone())
         })
@@ -885,7 +885,8 @@ async fn a_part_that_is_none_of_its_block_never_costs_the_file() {
 }
 
 /// A block's bytes are charged from the moment it is handed to the writers until it is on disk;
-/// a refused charge leaves the block unstored (counted as skipped), and the reader still has it.
+/// a refused charge leaves the block unstored (counted as skipped), and the reader still has it;
+/// a fetcher's own charge for the bytes is held instead of asking for one.
 #[tokio::test]
 async fn a_blocks_bytes_are_charged_until_it_is_written_and_a_refused_charge_skips_it() {
     struct Charge {
@@ -915,21 +916,24 @@ async fn a_blocks_bytes_are_charged_until_it_is_written_and_a_refused_charge_ski
         next_file.clone(),
         on_disk.clone(),
     );
-    assert!(cache.charge_writes(Box::new(move |bytes| {
-        if r.load(Ordering::SeqCst) {
-            return None;
-        }
-        h.fetch_add(bytes, Ordering::SeqCst);
-        c.fetch_add(bytes, Ordering::SeqCst);
-        Some(Box::new(Charge {
-            held: h.clone(),
-            bytes,
-            file: f.lock().unwrap().clone(),
-            on_disk: o.clone(),
-        }))
-    })));
+    assert!(cache.charge_writes(
+        Box::new(move |bytes| {
+            if r.load(Ordering::SeqCst) {
+                return None;
+            }
+            h.fetch_add(bytes, Ordering::SeqCst);
+            c.fetch_add(bytes, Ordering::SeqCst);
+            Some(Box::new(Charge {
+                held: h.clone(),
+                bytes,
+                file: f.lock().unwrap().clone(),
+                on_disk: o.clone(),
+            }))
+        }),
+        u64::MAX
+    ));
     assert!(
-        !cache.charge_writes(Box::new(|_| None)),
+        !cache.charge_writes(Box::new(|_| None), u64::MAX),
         "set once: the first charge stays"
     );
 
@@ -961,4 +965,62 @@ async fn a_blocks_bytes_are_charged_until_it_is_written_and_a_refused_charge_ski
     // Not stored, so a second read fetches again.
     assert_eq!(get(&cache, &k, &d, &fetches).await, d);
     assert_eq!(fetches.load(Ordering::SeqCst), 4);
+
+    // A fetcher that holds the charge for the bytes already (a prefetch window's share) hands
+    // it to the write: the block is stored without a second charge, and the caller's charge
+    // is given back only once the block is on disk.
+    let k = key("c", 0);
+    let file = cache.block_path(&k.file_id());
+    let own = Charge {
+        held: held.clone(),
+        bytes: 0,
+        file: file.clone(),
+        on_disk: on_disk.clone(),
+    };
+    let part = Part {
+        len: 600,
+        within: 0..600,
+    };
+    let got = cache
+        .get_part_or_fetch_as(
+            &k,
+            part,
+            Reader::Proven { owner: 0 },
+            Some(Box::new(move || Some(Box::new(own) as WriteCharge))),
+            || async { Ok::<_, std::convert::Infallible>(data(9, 600)) },
+        )
+        .await
+        .unwrap();
+    assert_eq!(got, data(9, 600));
+    cache.settle().await;
+    assert!(cache.contains(&k), "stored though the hook refuses");
+    assert_eq!(charged.load(Ordering::SeqCst), 2001, "no second charge");
+    assert_eq!(*on_disk.lock().unwrap(), [true, true, true]);
+}
+
+/// The writers' queue is kept to what the charge's owner allows: at least one block, at most
+/// the cache's own cap.
+#[tokio::test]
+async fn the_write_queue_is_kept_to_the_share_it_is_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 10 * BS).await;
+    assert_eq!(
+        cache.write_backlog(),
+        (0, WRITE_QUEUE_MAX),
+        "the cache's own cap"
+    );
+    assert!(cache.charge_writes(Box::new(|_| None), 0));
+    assert_eq!(cache.write_backlog(), (0, BS), "one block at least");
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 10 * BS).await;
+    assert!(cache.charge_writes(Box::new(|_| None), 3 * BS));
+    assert_eq!(cache.write_backlog(), (0, 3 * BS));
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 10 * BS).await;
+    assert!(cache.charge_writes(Box::new(|_| None), u64::MAX));
+    assert_eq!(
+        cache.write_backlog(),
+        (0, WRITE_QUEUE_MAX),
+        "never above the cap"
+    );
 }

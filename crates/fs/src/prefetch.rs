@@ -10,7 +10,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::ops::Range;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex, MutexGuard, Weak};
 
 use bytes::Bytes;
 use ferry_cache::{BlockCache, BlockKey, Reader};
@@ -122,7 +122,7 @@ pub struct Source {
 /// of the same credentials, those GETs are the proof, and the blocks go to the cache behind
 /// them. A first read thus costs no round trip more than without the cache.
 pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError> {
-    fetch_shared(src, range, None).await
+    fetch_shared(src, range, None, None).await
 }
 
 /// One GET shared by consecutive blocks that [`Prefetch::fill`] fetches ahead through the node
@@ -199,10 +199,15 @@ impl fmt::Debug for SharedGet {
 }
 
 /// [`fetch`], with the blocks `shared` covers taken from that one GET when they are fetched.
+/// `held`: the budget the caller holds for the range's bytes, if any (a prefetched part's): the
+/// node cache's write of a block fetched here holds it too if the part is still there when the
+/// block is handed over, so the buffer, which the write keeps alive, stays charged once until
+/// both are done with it (a part dropped before that gives its budget back at once).
 async fn fetch_shared(
     src: &Source,
     range: Range<u64>,
     shared: Option<&SharedGet>,
+    held: Option<&Weak<Reservation>>,
 ) -> Result<Bytes, StoreError> {
     let (Some(c), Some(etag)) = (&src.cache, src.etag.as_deref()) else {
         let version = Version::of(src.etag.as_deref(), src.last_modified, src.size);
@@ -250,7 +255,7 @@ async fn fetch_shared(
     // of the block file that hold them.
     let parts = futures::future::try_join_all((first..=last).map(|i| {
         let within = range.start.max(i * bs) - i * bs..range.end.min((i + 1) * bs) - i * bs;
-        cached_block(src, c, etag, i, within, reader, shared)
+        cached_block(src, c, etag, i, within, reader, shared, held)
     }))
     .await?;
     if matches!(reader, Reader::Unproven { .. }) {
@@ -286,7 +291,8 @@ fn block_key(src: &Source, c: &CacheUse, etag: &str, index: u64) -> BlockKey {
 }
 
 /// Bytes `within` (relative to the block's start) of block `index` of `src` from the node cache,
-/// or the block fetched (and stored) on a miss; as `reader`.
+/// or the block fetched (and stored) on a miss; as `reader`. The block's write holds `held`.
+#[allow(clippy::too_many_arguments)]
 async fn cached_block(
     src: &Source,
     c: &CacheUse,
@@ -295,6 +301,7 @@ async fn cached_block(
     within: Range<u64>,
     reader: Reader,
     shared: Option<&SharedGet>,
+    held: Option<&Weak<Reservation>>,
 ) -> Result<Bytes, StoreError> {
     let bs = c.cache.block_size();
     let start = index * bs;
@@ -306,9 +313,15 @@ async fn cached_block(
         len: end - start,
         within,
     };
+    let charge = held.cloned().map(|part| {
+        Box::new(move || {
+            part.upgrade()
+                .map(|r| Box::new(r) as ferry_cache::WriteCharge)
+        }) as ferry_cache::HeldCharge
+    });
     let data = c
         .cache
-        .get_part_or_fetch_as(&key, part, reader, || async move {
+        .get_part_or_fetch_as(&key, part, reader, charge, || async move {
             match shared {
                 Some(g) => g.block(start..end).await,
                 None => {
@@ -347,8 +360,9 @@ pub struct Part {
     pub start: u64,
     pub end: u64,
     state: PartState,
-    /// Budget held for the part's bytes from request start until the part is dropped.
-    _reservation: Option<Reservation>,
+    /// Budget held for the part's bytes from request start until the part is dropped (and the
+    /// node cache has written the blocks fetched for it: [`fetch_shared`]).
+    _reservation: Option<Arc<Reservation>>,
     /// Bytes of it handed to the reader (hits; the rest, if fetched, is waste when dropped).
     served: u64,
 }
@@ -379,7 +393,12 @@ impl Part {
     ) -> Part {
         let src = src.clone();
         let (start, end) = (range.start, range.end);
-        let task = tokio::spawn(async move { fetch_shared(&src, range, shared.as_ref()).await });
+        let reservation = reservation.map(Arc::new);
+        let held = reservation.as_ref().map(Arc::downgrade);
+        let task =
+            tokio::spawn(
+                async move { fetch_shared(&src, range, shared.as_ref(), held.as_ref()).await },
+            );
         Part {
             start,
             end,

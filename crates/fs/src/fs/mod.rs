@@ -247,6 +247,11 @@ impl FsState {
     }
 }
 
+/// Blocks waiting for the node cache's writers hold at most this share of the memory budget
+/// (1/8: 128 MiB of the default 1 GiB, so the cache's own 64 MiB cap is what binds there): on
+/// a small budget, writers that fall behind leave the rest to the readers' prefetch.
+const CACHE_QUEUE_SHARE: u64 = 8;
+
 /// Most pages a lookup's background listing of a directory reads (see [`Fs::probe_dir`]).
 const PROBE_PAGES: usize = 10;
 
@@ -421,17 +426,22 @@ impl Fs {
     }
 
     /// Reads through the node's block cache `cache` (ignored when the mount opted out with
-    /// [`MountConfig::node_cache`] `false`). The cache's writes are charged to this mount's
-    /// memory budget (the node plugin's, which all its mounts share) from the first mount on.
+    /// [`MountConfig::node_cache`] `false`). From the first mount on, the cache's writes are
+    /// charged to this mount's memory budget (the node plugin's, which all its mounts share),
+    /// and blocks waiting for them hold at most [`CACHE_QUEUE_SHARE`] of it.
     pub fn with_cache(mut self, cache: Option<Arc<BlockCache>>) -> Self {
         self.cache = cache.filter(|_| self.cfg.node_cache);
         if let Some(cache) = &self.cache {
             let budget = self.budget.clone();
-            cache.charge_writes(Box::new(move |bytes| {
-                budget
-                    .try_reserve_for(Use::CacheWrite, bytes)
-                    .map(|r| Box::new(r) as ferry_cache::WriteCharge)
-            }));
+            let queue_max = budget.limit() / CACHE_QUEUE_SHARE;
+            cache.charge_writes(
+                Box::new(move |bytes| {
+                    budget
+                        .try_reserve_for(Use::CacheWrite, bytes)
+                        .map(|r| Box::new(r) as ferry_cache::WriteCharge)
+                }),
+                queue_max,
+            );
         }
         self
     }
