@@ -335,5 +335,7 @@ fn the_cache_stores_blocks_only_within_the_memory_budget() {
         0,
         "given back once written"
     );
+    // A prefetched part's charge, which the write of its block shares, is given back too.
+    assert_eq!(budget.used_for(Use::Prefetch), 0);
     m.unmount().unwrap();
 }
