@@ -274,8 +274,8 @@ struct WriteJob {
     key: BlockKey,
     data: Bytes,
     cell: Option<Arc<FlightCell>>,
-    /// What [`BlockCache::charge_writes`] handed out for the block's bytes: held until the block
-    /// is written (dropped with the job).
+    /// The charge for the block's bytes (its fetcher's, or one [`BlockCache::charge_writes`]
+    /// handed out): held until the block is written (dropped with the job).
     _charge: Option<WriteCharge>,
 }
 
