@@ -963,13 +963,14 @@ impl BlockCache {
     ) {
         self.writes.fetch_add(1, Ordering::AcqRel);
         let len = data.len() as u64;
-        let charge = match charge {
-            Some(held) => Some(Some(held)),
-            None => self.charge_writes.get().map(|(charge, _)| charge(len)),
+        let charge = match (charge, self.charge_writes.get()) {
+            (Some(held), _) => Ok(Some(held)),
+            (None, Some((charge, _))) => charge(len).map(Some).ok_or("the memory budget is spent"),
+            (None, None) => Ok(None),
         };
         let why = match charge {
-            Some(None) => "the memory budget is spent",
-            _ => {
+            Err(why) => why,
+            Ok(charge) => {
                 let mut q = self.write_queue.lock().expect("write queue lock");
                 if q.bytes + len <= self.queue_max() {
                     q.bytes += len;
@@ -977,7 +978,7 @@ impl BlockCache {
                         key,
                         data,
                         cell,
-                        _charge: charge.flatten(),
+                        _charge: charge,
                     });
                     drop(q);
                     self.write_ready.notify_one();
