@@ -47,6 +47,7 @@ use std::collections::{HashMap, HashSet};
 use std::fs::File;
 use std::future::Future;
 use std::io::{self, Write};
+use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -796,15 +797,23 @@ impl BlockCache {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Bytes, E>>,
     {
-        self.get_or_fetch_part(key, None, reader, None, fetch).await
+        self.get_or_fetch_part(key, None, reader, None, |_| fetch())
+            .await
     }
 
     /// Bytes `part.within` of block `key` (`part.len` bytes long), as
     /// [`Self::get_or_fetch_as`] gets the block: from disk only the pieces that cover them are
     /// read and checked ([`block::read_range`]); a miss fetches (and stores) the whole block.
+    /// `fetch(range)` gets bytes `range` of the block (relative to its start): the whole block,
+    /// `0..part.len`, unless said below.
+    ///
     /// `charge`, if given, takes what the caller holds for the fetched bytes (a prefetch window's
     /// share of the budget): if this call's fetch runs, the block's write holds it instead of
-    /// asking [`Self::charge_writes`] for a second charge of the same buffer.
+    /// asking [`Self::charge_writes`] for a second charge of the same buffer. Without it, a miss
+    /// that fetches asks [`Self::charge_writes`] for the block's bytes before fetching them, held
+    /// from the fetch until the block is written: refused (the budget is spent), the miss fetches
+    /// only `part.within`, not stored (counted as skipped), rather than a whole block the cache
+    /// would not keep.
     pub async fn get_part_or_fetch_as<F, Fut, E>(
         self: &Arc<Self>,
         key: &BlockKey,
@@ -814,9 +823,11 @@ impl BlockCache {
         fetch: F,
     ) -> Result<Bytes, E>
     where
-        F: FnOnce() -> Fut,
+        F: FnOnce(Range<u64>) -> Fut,
         Fut: Future<Output = Result<Bytes, E>>,
     {
+        let len = part.len;
+        let fetch = move |range: Option<Range<u64>>| fetch(range.unwrap_or(0..len));
         if !part.is_valid() {
             // None of its block: the whole block, cut (never a reason to doubt the file).
             let data = self
@@ -828,16 +839,18 @@ impl BlockCache {
             .await
     }
 
+    /// `fetch(None)` gets the whole block, `fetch(Some(range))` only `range` of it (a `part`'s,
+    /// when the budget has no room for the whole block: [`Self::get_part_or_fetch_as`]).
     async fn get_or_fetch_part<F, Fut, E>(
         self: &Arc<Self>,
         key: &BlockKey,
         part: Option<Part>,
         reader: Reader,
-        charge: Option<HeldCharge>,
+        mut charge: Option<HeldCharge>,
         fetch: F,
     ) -> Result<Bytes, E>
     where
-        F: FnOnce() -> Fut,
+        F: FnOnce(Option<Range<u64>>) -> Fut,
         Fut: Future<Output = Result<Bytes, E>>,
     {
         metrics().lookups.inc();
@@ -856,15 +869,38 @@ impl BlockCache {
         };
         let cell = {
             let mut flights = self.flights.lock().expect("flights lock");
-            let flight = flights.entry(key.clone()).or_insert_with(|| Flight {
-                owner,
-                cell: Arc::default(),
-            });
-            (from_disk || flight.owner == owner).then(|| flight.cell.clone())
+            // This call will fetch: a part's whole block only if its bytes can be charged until
+            // written (the charge is taken now, held by the fetch).
+            let refused = match (&part, &charge, self.charge_writes.get()) {
+                (Some(p), None, Some((charge_writes, _))) if !flights.contains_key(key) => {
+                    match charge_writes(p.len) {
+                        Some(c) => {
+                            charge = Some(Box::new(move || Some(c)));
+                            None
+                        }
+                        None => Some(p.within.clone()),
+                    }
+                }
+                _ => None,
+            };
+            match refused {
+                Some(within) => Err(within),
+                None => {
+                    let flight = flights.entry(key.clone()).or_insert_with(|| Flight {
+                        owner,
+                        cell: Arc::default(),
+                    });
+                    Ok((from_disk || flight.owner == owner).then(|| flight.cell.clone()))
+                }
+            }
+        };
+        let cell = match cell {
+            Ok(cell) => cell,
+            Err(within) => return self.fetch_only(key, within, fetch).await,
         };
         let Some(cell) = cell else {
             // Another identity's fetch is in flight: this reader may not take its bytes.
-            return self.fetch_alone(key, fetch).await;
+            return self.fetch_alone(key, || fetch(None)).await;
         };
         let mut ran = false;
         let mut fetch = Some(fetch);
@@ -889,7 +925,7 @@ impl BlockCache {
                 }
                 self.counters.misses.fetch_add(1, Ordering::Relaxed);
                 metrics().misses.inc();
-                let data = (fetch.take().expect("one init per caller"))().await?;
+                let data = (fetch.take().expect("one init per caller"))(None).await?;
                 let charge = charge.take().flatten().and_then(|held| held());
                 self.store_in_background(key.clone(), data.clone(), cell.clone(), charge);
                 Ok((owner, data))
@@ -902,7 +938,7 @@ impl BlockCache {
             // Bytes another identity's fetch got, for a reader that has not shown access: never
             // handed over. (Its own init may have failed, leaving the flight to a proven one.)
             Ok((by, _)) if !from_disk && by != owner => match fetch.take() {
-                Some(fetch) => self.fetch_alone(key, fetch).await.map(cut),
+                Some(fetch) => self.fetch_alone(key, || fetch(None)).await.map(cut),
                 None => unreachable!("a caller that ran the init got its own bytes"),
             },
             Ok((_, data)) => {
@@ -930,6 +966,24 @@ impl BlockCache {
         let data = fetch().await?;
         self.offer(key.clone(), data.clone());
         Ok(data)
+    }
+
+    /// Bytes `within` of block `key` fetched by this caller alone and not stored: the budget has
+    /// no room for the whole block.
+    async fn fetch_only<F, Fut, E>(
+        &self,
+        key: &BlockKey,
+        within: Range<u64>,
+        fetch: F,
+    ) -> Result<Bytes, E>
+    where
+        F: FnOnce(Option<Range<u64>>) -> Fut,
+        Fut: Future<Output = Result<Bytes, E>>,
+    {
+        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        metrics().misses.inc();
+        self.skip(key, "the memory budget is spent");
+        fetch(Some(within)).await
     }
 
     fn end_flight(&self, key: &BlockKey, cell: &Arc<FlightCell>) {

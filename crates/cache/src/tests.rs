@@ -736,7 +736,7 @@ async fn get_part(
         within,
     };
     cache
-        .get_part_or_fetch_as(k, part, Reader::Proven { owner: 0 }, None, || async {
+        .get_part_or_fetch_as(k, part, Reader::Proven { owner: 0 }, None, |_| async {
             fetches.fetch_add(1, Ordering::SeqCst);
             Ok::<_, std::convert::Infallible>(d.clone())
         })
@@ -987,7 +987,7 @@ async fn a_blocks_bytes_are_charged_until_it_is_written_and_a_refused_charge_ski
             part,
             Reader::Proven { owner: 0 },
             Some(Box::new(move || Some(Box::new(own) as WriteCharge))),
-            || async { Ok::<_, std::convert::Infallible>(data(9, 600)) },
+            |_| async { Ok::<_, std::convert::Infallible>(data(9, 600)) },
         )
         .await
         .unwrap();
@@ -996,6 +996,85 @@ async fn a_blocks_bytes_are_charged_until_it_is_written_and_a_refused_charge_ski
     assert!(cache.contains(&k), "stored though the hook refuses");
     assert_eq!(charged.load(Ordering::SeqCst), 2001, "no second charge");
     assert_eq!(*on_disk.lock().unwrap(), [true, true, true]);
+}
+
+/// A part of a block fetched with nothing held for its bytes: the block's charge is taken before
+/// the fetch and held through it; refused, only the part is fetched, and not stored.
+#[tokio::test]
+async fn a_part_fetches_its_whole_block_only_if_the_budget_can_carry_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 10 * BS).await;
+    let held = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let room = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    struct Charge(Arc<std::sync::atomic::AtomicU64>, u64);
+    impl Drop for Charge {
+        fn drop(&mut self) {
+            self.0.fetch_sub(self.1, Ordering::SeqCst);
+        }
+    }
+    let (h, r) = (held.clone(), room.clone());
+    assert!(cache.charge_writes(
+        Box::new(move |bytes| {
+            r.load(Ordering::SeqCst).then(|| {
+                h.fetch_add(bytes, Ordering::SeqCst);
+                Box::new(Charge(h.clone(), bytes)) as WriteCharge
+            })
+        }),
+        u64::MAX
+    ));
+    let whole = data(5, 3000);
+    let read = |k: BlockKey, asked: Arc<Mutex<Vec<std::ops::Range<u64>>>>| {
+        let (cache, whole, held) = (cache.clone(), whole.clone(), held.clone());
+        async move {
+            let part = Part {
+                len: 3000,
+                within: 1000..1200,
+            };
+            cache
+                .get_part_or_fetch_as(&k, part, Reader::Proven { owner: 0 }, None, |range| {
+                    let whole_block = if range == (0..3000) { 3000 } else { 0 };
+                    assert_eq!(
+                        held.load(Ordering::SeqCst),
+                        whole_block,
+                        "charged when fetched"
+                    );
+                    asked.lock().unwrap().push(range.clone());
+                    let bytes = whole.slice(range.start as usize..range.end as usize);
+                    async move { Ok::<_, std::convert::Infallible>(bytes) }
+                })
+                .await
+                .unwrap()
+        }
+    };
+
+    // No room: only the part's bytes are fetched, and the block is not stored.
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let k = key("r", 0);
+    assert_eq!(
+        read(k.clone(), asked.clone()).await,
+        whole.slice(1000..1200)
+    );
+    cache.settle().await;
+    assert_eq!(*asked.lock().unwrap(), vec![1000..1200]);
+    assert!(!cache.contains(&k));
+    assert_eq!(cache.stats().skipped, 1);
+
+    // Room: the whole block, charged from the fetch until it is written.
+    room.store(true, Ordering::SeqCst);
+    assert_eq!(
+        read(k.clone(), asked.clone()).await,
+        whole.slice(1000..1200)
+    );
+    cache.settle().await;
+    assert_eq!(*asked.lock().unwrap(), [1000..1200, 0..3000]);
+    assert!(cache.contains(&k));
+    assert_eq!(held.load(Ordering::SeqCst), 0, "given back once written");
+    // Stored: read from disk, nothing fetched or charged.
+    assert_eq!(
+        read(k.clone(), asked.clone()).await,
+        whole.slice(1000..1200)
+    );
+    assert_eq!(asked.lock().unwrap().len(), 2);
 }
 
 /// The writers' queue is kept to what the charge's owner allows: at least one block, at most

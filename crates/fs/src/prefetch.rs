@@ -321,15 +321,22 @@ async fn cached_block(
     });
     let data = c
         .cache
-        .get_part_or_fetch_as(&key, part, reader, charge, || async move {
+        .get_part_or_fetch_as(&key, part, reader, charge, |range| async move {
+            // The whole block, or only the read's bytes when the budget cannot carry the block
+            // until it is stored (then a GET of them, unless a shared one brings them anyway).
+            let whole = range == (0..end - start);
             match shared {
-                Some(g) => g.block(start..end).await,
+                Some(g) if whole => g.block(start..end).await,
+                Some(g) => Ok(g
+                    .block(start..end)
+                    .await?
+                    .slice(range.start as usize..range.end as usize)),
                 None => {
                     fetch_exact(
                         &*src.store,
                         &src.bucket,
                         &src.key,
-                        start..end,
+                        start + range.start..start + range.end,
                         Version::ETag(etag),
                     )
                     .await

@@ -316,6 +316,29 @@ fn the_cache_stores_blocks_only_within_the_memory_budget() {
     let s = t.cache.stats();
     assert_eq!(s.stored, 0, "{s:?}");
     assert!(s.skipped >= 8, "every file's block was refused: {s:?}");
+    // A 4 KiB read (`O_DIRECT`: just these bytes reach the mount) of blocks the cache will not
+    // store fetches the read's bytes (rounded out to 64 KiB, as a random read is), not the whole
+    // 300 KiB block.
+    let got = t.store.stats().got_bytes;
+    for (name, data) in &t.files {
+        use std::os::unix::fs::{FileExt, OpenOptionsExt};
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECT)
+            .open(t.dir.path().join(name))
+            .unwrap();
+        let mut buf = vec![0u8; 4096];
+        f.read_exact_at(&mut buf, 100 << 10).unwrap();
+        assert!(
+            buf == data[100 << 10..(100 << 10) + 4096],
+            "{name}: wrong bytes"
+        );
+    }
+    let fetched = t.store.stats().got_bytes - got;
+    assert!(
+        fetched <= 8 * (64 << 10),
+        "{fetched} bytes fetched for 8 reads of 4 KiB"
+    );
     m.unmount().unwrap();
 
     // Another cache, charged to a budget with room: every block is stored, and each charge is

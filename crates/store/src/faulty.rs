@@ -42,6 +42,8 @@ pub struct FaultStats {
     pub delayed: u64,
     /// Every call, by operation (in [`Op::ALL`]'s order; see [`FaultStats::calls_of`]).
     pub calls: [u64; Op::ALL.len()],
+    /// Bytes the inner store's GETs returned (before any truncation).
+    pub got_bytes: u64,
 }
 
 impl FaultStats {
@@ -235,6 +237,7 @@ impl<S: ObjectStore> FaultyStore<S> {
     ) -> Result<Vec<Bytes>> {
         let (pieces, truncate) = self.run_planned(Op::Get, call).await?;
         let total: usize = pieces.iter().map(Bytes::len).sum();
+        self.lock().stats.got_bytes += total as u64;
         match truncate {
             Some(fraction) if total > 0 => {
                 // Strictly shorter: somewhere in [0, total).
@@ -511,9 +514,11 @@ mod tests {
         f.put(B, "x", "y".into()).await.unwrap();
         let stats = f.stats();
         assert_eq!((stats.calls_of(Op::Get), stats.calls_of(Op::Put)), (1, 1));
+        assert_eq!(stats.got_bytes, 4);
         assert_eq!(
             FaultStats {
                 calls: Default::default(),
+                got_bytes: 0,
                 ..stats
             },
             FaultStats::default(),
