@@ -334,7 +334,8 @@ impl Mount {
     /// `get 2000, list 3`; results other than `ok` are spelled out; and its FUSE requests by
     /// operation (`FUSE read 8192`, `FUSE open 1`); and, with the node cache, the blocks it
     /// stored and did not store so far (`cache fills 1990, cache not stored 10`: blocks still in
-    /// its write queue are in neither). `None` for other mounters.
+    /// its write queue are in neither); and the GET bodies' bytes (`MiB received 256`). `None`
+    /// for other mounters.
     pub fn s3_requests(&self) -> Option<String> {
         use std::io::{Read, Write};
         let addr = self.metrics_addr.as_ref()?;
@@ -346,12 +347,14 @@ impl Mount {
         s.read_to_string(&mut text).ok()?;
         let mut counts: Vec<(String, f64)> = Vec::new();
         for line in text.lines() {
-            for (metric, key) in [
-                ("ferry_cache_fills_total ", "cache fills"),
-                ("ferry_cache_store_skipped_total ", "cache not stored"),
+            for (metric, key, unit) in [
+                ("ferry_cache_fills_total ", "cache fills", 1.0),
+                ("ferry_cache_store_skipped_total ", "cache not stored", 1.0),
+                ("ferry_s3_received_bytes_total ", "MiB received", 1048576.0),
             ] {
                 if let Some(v) = line.strip_prefix(metric) {
-                    counts.push((key.to_string(), v.trim().parse().unwrap_or(0.0)));
+                    let v: f64 = v.trim().parse().unwrap_or(0.0);
+                    counts.push((key.to_string(), (v / unit).round()));
                 }
             }
             // FUSE requests too: e.g. how many requests the kernel split the reads into.
