@@ -149,7 +149,8 @@ pub struct CacheStats {
     /// Blocks written to disk.
     pub stored: u64,
     /// Fetched blocks not stored (index not ready, no room under the floor, the writers' queue
-    /// full, the memory budget spent, write failed).
+    /// full, the memory budget spent, write failed), and parts of blocks fetched alone because the
+    /// budget had no room for the whole block (counted when that fetch starts).
     pub skipped: u64,
     pub evictions: u64,
     /// Block or whole-object files that failed their checksum or named another object (deleted,
@@ -676,8 +677,11 @@ impl BlockCache {
     /// stored (counted as skipped). The node plugin charges them to its memory budget, so blocks
     /// waiting for the disk count among the memory the budget bounds (a fetched block's buffer
     /// outlives the read that fetched it while it waits), and keeps the queue to a share of the
-    /// budget, so writers behind do not pin what readers need. Set once: `false`, and `charge`
-    /// dropped, if it was set already.
+    /// budget, so writers behind do not pin what readers need. A read of part of a block with no
+    /// charge of its own asks `charge` before it fetches the block (under the cache's lock: it
+    /// must not call back into the cache), and fetches only its part when refused
+    /// ([`Self::get_part_or_fetch_as`]). Set once: `false`, and `charge` dropped, if it was set
+    /// already.
     pub fn charge_writes(&self, charge: ChargeWrites, queue_max: u64) -> bool {
         let queue_max = queue_max.clamp(self.cfg.block_size, WRITE_QUEUE_MAX);
         self.charge_writes.set((charge, queue_max)).is_ok()

@@ -280,7 +280,7 @@ pub(crate) fn build() -> (Registry, Metrics, Vec<AlreadyRegistered>) {
         fills: reg!(names::CACHE_FILLS, "Fetched blocks written into the node cache.", counter()),
         evictions: reg!(names::CACHE_EVICTIONS, "Cache blocks evicted.", counter()),
         corrupt: reg!(names::CACHE_CORRUPT, "Cache block or whole-object files that failed their checksum or key check (deleted).", counter()),
-        skipped: reg!(names::CACHE_SKIPPED, "Fetched blocks not stored in the node cache (no room, write failed, index not yet rebuilt).", counter()),
+        skipped: reg!(names::CACHE_SKIPPED, "Fetched blocks not stored in the node cache (no room, writers behind, memory budget spent, write failed, index not yet rebuilt), and reads that fetched only their part of a block for lack of budget.", counter()),
         denied: reg!(names::CACHE_DENIED, "Opens through a cached mount refused because its credentials were denied the object.", counter()),
         assembled: reg!(names::CACHE_ASSEMBLED, "Objects whose cached blocks were joined into one whole-object file.", counter()),
         passthrough_opens: reg!(names::CACHE_WHOLE_OPENS, "Opens served by handing the kernel a whole cached object (FUSE passthrough).", counter()),
