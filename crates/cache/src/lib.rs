@@ -927,8 +927,7 @@ impl BlockCache {
                         return Ok((owner, data));
                     }
                 }
-                self.counters.misses.fetch_add(1, Ordering::Relaxed);
-                metrics().misses.inc();
+                self.miss();
                 let data = (fetch.take().expect("one init per caller"))(None).await?;
                 let charge = charge.take().flatten().and_then(|held| held());
                 self.store_in_background(key.clone(), data.clone(), cell.clone(), charge);
@@ -965,8 +964,7 @@ impl BlockCache {
         F: FnOnce() -> Fut,
         Fut: Future<Output = Result<Bytes, E>>,
     {
-        self.counters.misses.fetch_add(1, Ordering::Relaxed);
-        metrics().misses.inc();
+        self.miss();
         let data = fetch().await?;
         self.offer(key.clone(), data.clone());
         Ok(data)
@@ -984,8 +982,7 @@ impl BlockCache {
         F: FnOnce(Option<Range<u64>>) -> Fut,
         Fut: Future<Output = Result<Bytes, E>>,
     {
-        self.counters.misses.fetch_add(1, Ordering::Relaxed);
-        metrics().misses.inc();
+        self.miss();
         self.skip(key, "the memory budget is spent");
         fetch(Some(within)).await
     }
@@ -1112,6 +1109,12 @@ impl BlockCache {
                 None
             }
         }
+    }
+
+    /// Counts a fetch run for a block not on disk.
+    fn miss(&self) {
+        self.counters.misses.fetch_add(1, Ordering::Relaxed);
+        metrics().misses.inc();
     }
 
     fn hit(&self, len: usize) {

@@ -324,9 +324,7 @@ async fn cached_block(
         .get_part_or_fetch_as(&key, part, reader, charge, |range| async move {
             // The whole block, or only the read's bytes when the budget cannot carry the block
             // until it is stored (then a GET of them, unless a shared one brings them anyway).
-            let whole = range == (0..end - start);
             match shared {
-                Some(g) if whole => g.block(start..end).await,
                 Some(g) => Ok(g
                     .block(start..end)
                     .await?
