@@ -8,15 +8,21 @@
 //! index       u64 LE (block index in the object)
 //! endpoint, bucket, key, etag: each u32 LE length + UTF-8 bytes
 //! crcs        ceil(data_len / chunk) × u32 LE: the crc32c of each piece (the last may be shorter)
+//! padding     zero bytes, fewer than 4,096: the file's length is a multiple of 4 KiB
 //! data_len    u64 LE
 //! chunk       u32 LE (bytes per checked piece of the data: [`CHUNK`] when written)
-//! crc32c      u32 LE, over the trailer before this field (index to chunk)
-//! "FERRYBK3"  magic and format version (8 bytes)
+//! crc32c      u32 LE, over the trailer before this field (index to chunk, padding included)
+//! "FERRYBK4"  magic and format version (8 bytes)
 //! ```
 //!
 //! The data comes first so that it sits at a page-aligned file offset: a block fetched into a
 //! page-aligned buffer is written from that buffer with `O_DIRECT` as it is ([`crate::direct`]),
 //! never copied into a bounce buffer first. (Format 1, `FERRYBK1`, had the header first.)
+//!
+//! The padding makes the whole file whole pages, so that it is written with `O_DIRECT` to its
+//! last byte, in one `pwritev` of the data and the trailer's page(s). Format 3 (`FERRYBK3`, still
+//! read) had no padding: its last piece, shorter than a page, went through the page cache (two
+//! `fcntl`s, a page-cache page, a delayed allocation and a writeback of its own per file).
 //!
 //! The data is checked piece by piece so that a read of a few KiB reads and checks
 //! [`CHUNK`]-sized pieces, not the whole block ([`read_range`]): the caller knows the block's
@@ -33,7 +39,11 @@ use std::ops::Range;
 use bytes::{BufMut, Bytes, BytesMut};
 use sha2::{Digest, Sha256};
 
-const MAGIC: &[u8; 8] = b"FERRYBK3";
+const MAGIC: &[u8; 8] = b"FERRYBK4";
+/// Format 3 (no padding): read, no longer written.
+const MAGIC_3: &[u8; 8] = b"FERRYBK3";
+/// Format 4 pads a block file to a multiple of this (the `O_DIRECT` alignment).
+const PAD: u64 = crate::direct::ALIGN as u64;
 /// Format 2: read, no longer written.
 const MAGIC_2: &[u8; 8] = b"FERRYBK2";
 /// Format 2's fixed trailer end: data_len, crc32c, magic.
@@ -105,7 +115,7 @@ pub enum Invalid {
     OtherBlock,
 }
 
-/// The file contents for `data` as block `key`.
+/// The file contents for `data` as block `key` (format 4).
 pub fn encode(key: &BlockKey, data: &[u8]) -> Vec<u8> {
     let mut file = data.to_vec();
     file.extend_from_slice(&encode_tail(key, data));
@@ -117,58 +127,76 @@ pub fn chunk_crcs(data: &[u8], chunk: u64) -> Vec<u32> {
     data.chunks(chunk as usize).map(crc32c::crc32c).collect()
 }
 
-/// What [`encode`] puts after the data (the trailer): the file is `data` and then this, written
-/// one after the other, so the data is never copied to build it.
+/// What [`encode`] puts after the data (the trailer, padded): the file is `data` and then this,
+/// written one after the other, so the data is never copied to build it.
 pub fn encode_tail(key: &BlockKey, data: &[u8]) -> Vec<u8> {
+    encode_tail_as(key, data, true)
+}
+
+/// The trailer of format 4 (`padded`) or 3.
+fn encode_tail_as(key: &BlockKey, data: &[u8], padded: bool) -> Vec<u8> {
     let crcs = chunk_crcs(data, CHUNK);
-    let mut tail = BytesMut::with_capacity(tail_len(key, data.len() as u64));
+    let len = tail_len_as(key, data.len() as u64, padded);
+    let mut tail = BytesMut::with_capacity(len);
     tail.put_u64_le(key.index);
     put_names(&mut tail, [&key.endpoint, &key.bucket, &key.key, &key.etag]);
     for crc in crcs {
         tail.put_u32_le(crc);
     }
+    tail.put_bytes(0, len - END - tail.len());
     tail.put_u64_le(data.len() as u64);
     tail.put_u32_le(CHUNK as u32);
     let crc = crc32c::crc32c(&tail);
     tail.put_u32_le(crc);
-    tail.put_slice(MAGIC);
+    tail.put_slice(if padded { MAGIC } else { MAGIC_3 });
     tail.to_vec()
 }
 
 /// The trailer's fixed end: data_len, chunk, crc32c, magic.
 const END: usize = 8 + 4 + 4 + 8;
 
-/// The length of block `key`'s trailer as this code writes it, when its data is `data_len` bytes.
-fn tail_len(key: &BlockKey, data_len: u64) -> usize {
+/// The length of a format-4 (`padded`) or format-3 trailer.
+fn tail_len_as(key: &BlockKey, data_len: u64, padded: bool) -> usize {
     let names = [&key.endpoint, &key.bucket, &key.key, &key.etag]
         .iter()
         .map(|n| 4 + n.len())
         .sum::<usize>();
-    8 + names + 4 * data_len.div_ceil(CHUNK) as usize + END
+    let len = 8 + names + 4 * data_len.div_ceil(CHUNK) as usize + END;
+    if padded {
+        ((data_len + len as u64).next_multiple_of(PAD) - data_len) as usize
+    } else {
+        len
+    }
 }
 
-/// A format-3 trailer, checked: its piece size and crcs.
+/// A format-3 or 4 trailer, checked: its piece size and crcs.
 struct Tail {
     chunk: u64,
     crcs: Vec<u32>,
 }
 
-/// The data length and piece size a format-3 trailer's fixed end states (unchecked: `file` ends
-/// with a trailer, or is no format-3 file).
-fn tail_end(file: &[u8]) -> Option<(u64, u64)> {
+/// The data length and piece size a format-3 or 4 trailer's fixed end states, and whether it is
+/// format 4 (unchecked: `file` ends with a trailer, or is no such file).
+fn tail_end(file: &[u8]) -> Option<(u64, u64, bool)> {
     let n = file.len();
-    if n < END || &file[n - 8..] != MAGIC {
+    if n < END {
         return None;
     }
+    let padded = match &file[n - 8..] {
+        m if m == MAGIC => true,
+        m if m == MAGIC_3 => false,
+        _ => return None,
+    };
     let data_len = u64::from_le_bytes(file[n - END..n - 16].try_into().expect("8 bytes"));
     let chunk = u32::from_le_bytes(file[n - 16..n - 12].try_into().expect("4 bytes"));
-    Some((data_len, u64::from(chunk)))
+    Some((data_len, u64::from(chunk), padded))
 }
 
-/// Checks `tail` (a whole format-3 trailer) against block `key` with `data_len` bytes of data.
+/// Checks `tail` (a whole format-3 or 4 trailer) against block `key` with `data_len` bytes of
+/// data: a format-4 trailer's padding must be zeros and end the file at a multiple of 4 KiB.
 fn check_tail(key: &BlockKey, tail: &[u8], data_len: u64) -> Result<Tail, Invalid> {
     let n = tail.len();
-    let (len, chunk) = tail_end(tail).ok_or(Invalid::Malformed)?;
+    let (len, chunk, padded) = tail_end(tail).ok_or(Invalid::Malformed)?;
     let stored = u32::from_le_bytes(tail[n - 12..n - 8].try_into().expect("4 bytes"));
     let computed = crc32c::crc32c(&tail[..n - 12]);
     if stored != computed {
@@ -189,7 +217,13 @@ fn check_tail(key: &BlockKey, tail: &[u8], data_len: u64) -> Result<Tail, Invali
     let crcs = (0..data_len.div_ceil(chunk))
         .map(|_| r.u32())
         .collect::<Result<Vec<_>, _>>()?;
-    if r.rest() != 0 {
+    let padding = r.take(r.rest())?;
+    let aligned = (data_len + n as u64).is_multiple_of(PAD);
+    if padded {
+        if !aligned || padding.len() as u64 >= PAD || padding.iter().any(|&b| b != 0) {
+            return Err(Invalid::Malformed);
+        }
+    } else if !padding.is_empty() {
         return Err(Invalid::Malformed);
     }
     Ok(Tail { chunk, crcs })
@@ -227,7 +261,7 @@ pub fn decode(key: &BlockKey, file: Bytes) -> Result<Bytes, Invalid> {
         return decode_2(key, file);
     }
     // The trailer starts where the data ends.
-    let (data_len, _) = tail_end(&file).ok_or(Invalid::Malformed)?;
+    let (data_len, _, _) = tail_end(&file).ok_or(Invalid::Malformed)?;
     let data_len = usize::try_from(data_len)
         .ok()
         .filter(|&l| l <= n - END)
@@ -270,7 +304,7 @@ fn decode_2(key: &BlockKey, file: Bytes) -> Result<Bytes, Invalid> {
 
 /// Bytes `within` of block `key`'s data (`data_len` bytes) from its open file: the trailer and the
 /// pieces that cover `within`, each checked, and nothing else read. `Ok(None)` when the file is
-/// not a format-3 file of that length (a format-2 file: read it whole with [`decode`]).
+/// not a format-4 or 3 file of that length (a format-2 file: read it whole with [`decode`]).
 /// Blocking.
 pub fn read_range(
     file: &std::fs::File,
@@ -292,15 +326,23 @@ pub fn read_range_with(
     if within.start >= within.end || within.end > data_len {
         return Err(Invalid::Malformed);
     }
-    let mut tail = vec![0u8; tail_len(key, data_len)];
-    match read_exact_at(&mut tail, data_len) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return Ok(None),
-        Err(_) => return Err(Invalid::Malformed),
+    // This code's format first; a shorter format-3 trailer where that finds none.
+    let mut found = None;
+    for padded in [true, false] {
+        let mut tail = vec![0u8; tail_len_as(key, data_len, padded)];
+        match read_exact_at(&mut tail, data_len) {
+            Ok(()) if tail_end(&tail).is_some() => {
+                found = Some(tail);
+                break;
+            }
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => {}
+            Err(_) => return Err(Invalid::Malformed),
+        }
     }
-    if &tail[tail.len() - 8..] != MAGIC {
+    let Some(tail) = found else {
         return Ok(None);
-    }
+    };
     let tail = check_tail(key, &tail, data_len)?;
     let (span, first) = chunk_span(&within, tail.chunk, data_len);
     let mut buf = vec![0u8; (span.end - span.start) as usize];
@@ -442,6 +484,76 @@ pub(crate) mod tests {
         assert_eq!(&file[file.len() - 8..], MAGIC);
     }
 
+    /// A block file is whole pages: its trailer's zero padding makes it so, whatever the data's
+    /// length; the padding is checked (zeros, fewer than a page, the file whole pages).
+    #[test]
+    fn a_block_file_is_whole_pages_and_its_padding_is_checked() {
+        let k = key();
+        for len in [1, 100, 4096 - 60, 4096, 128 << 10, (128 << 10) + 1, 4 << 20] {
+            let data = data_of(len);
+            let file = encode(&k, &data);
+            assert_eq!(file.len() % 4096, 0, "data of {len}");
+            assert!(file.len() - len < 4096 + tail_len_as(&k, len as u64, false));
+            assert_eq!(
+                &decode(&k, Bytes::from(file.clone())).unwrap()[..],
+                &data[..]
+            );
+        }
+        // A trailer that does not end the file at a page, or has more than a page of padding
+        // (its crc made to match): refused.
+        let data = data_of(100);
+        let good = encode_tail(&k, &data);
+        let names = 8
+            + [&k.endpoint, &k.bucket, &k.key, &k.etag]
+                .iter()
+                .map(|n| 4 + n.len())
+                .sum::<usize>()
+            + 4;
+        for pad in [
+            good.len() - END - names - 1,
+            good.len() - END - names + 4096,
+        ] {
+            let mut tail = good[..names].to_vec();
+            tail.extend(std::iter::repeat_n(0u8, pad));
+            tail.extend_from_slice(&(data.len() as u64).to_le_bytes());
+            tail.extend_from_slice(&(CHUNK as u32).to_le_bytes());
+            let crc = crc32c::crc32c(&tail);
+            tail.extend_from_slice(&crc.to_le_bytes());
+            tail.extend_from_slice(MAGIC);
+            let mut file = data.clone();
+            file.extend_from_slice(&tail);
+            assert_eq!(
+                decode(&k, Bytes::from(file)),
+                Err(Invalid::Malformed),
+                "padding {pad}"
+            );
+        }
+    }
+
+    /// A format-3 file (no padding), as the Ferry before format 4 wrote it, is read whole and in
+    /// part.
+    #[test]
+    fn a_format_3_file_is_still_read_whole_and_in_part() {
+        let k = key();
+        for len in [100, 128 << 10, 3 * CHUNK as usize + 5] {
+            let data = data_of(len);
+            let mut file = data.clone();
+            file.extend_from_slice(&encode_tail_as(&k, &data, false));
+            assert_eq!(&file[file.len() - 8..], MAGIC_3);
+            assert_eq!(
+                &decode(&k, Bytes::from(file.clone())).unwrap()[..],
+                &data[..]
+            );
+            let got = read_range(&file_of(&file), &k, len as u64, 10..20)
+                .unwrap()
+                .unwrap();
+            assert_eq!(&got[..], &data[10..20]);
+            let mut bad = file.clone();
+            bad[len + 3] ^= 1;
+            assert!(decode(&k, Bytes::from(bad)).is_err());
+        }
+    }
+
     #[test]
     fn another_blocks_file_is_refused() {
         let file = Bytes::from(encode(&key(), b"data"));
@@ -572,15 +684,22 @@ pub(crate) mod tests {
         };
         let want = data_of(1000);
         for seed in [
+            &include_bytes!("../../../fuzz/corpus/cache_files/seed-block-format4")[..],
             &include_bytes!("../../../fuzz/corpus/cache_files/seed-block-format3")[..],
             &include_bytes!("../../../fuzz/corpus/cache_files/seed-block-format2")[..],
         ] {
             let got = decode(&k, Bytes::copy_from_slice(seed)).unwrap();
             assert_eq!(&got[..], &want[..]);
         }
-        let f3 = include_bytes!("../../../fuzz/corpus/cache_files/seed-block-format3");
-        let got = read_range(&file_of(f3), &k, 1000, 10..20).unwrap().unwrap();
-        assert_eq!(&got[..], &want[10..20]);
+        for seed in [
+            &include_bytes!("../../../fuzz/corpus/cache_files/seed-block-format4")[..],
+            &include_bytes!("../../../fuzz/corpus/cache_files/seed-block-format3")[..],
+        ] {
+            let got = read_range(&file_of(seed), &k, 1000, 10..20)
+                .unwrap()
+                .unwrap();
+            assert_eq!(&got[..], &want[10..20]);
+        }
     }
 
     #[test]

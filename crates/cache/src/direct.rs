@@ -11,9 +11,11 @@
 //! block size: [`ALIGN`] (4 KiB) covers 512-byte and 4 KiB devices. Data that is itself
 //! [`ALIGN`]-aligned in memory, written at an aligned file offset (a block's data: a block file
 //! starts with it, and the S3 client reads bodies into page-aligned buffers), goes to the disk
-//! from where it is, whole pages at a time; only the rest is copied into the buffer. The last
-//! piece shorter than a page (a block file's trailer) is written through the page cache, at its
-//! exact length, once `O_DIRECT` is cleared on the descriptor. A filesystem
+//! from where it is, whole pages at a time; only the rest is copied into the buffer. A block
+//! file is whole pages (its trailer is padded, [`crate::block`]): its data and trailer go to the
+//! disk in one `pwritev` ([`DirectFile::write_pages`]). A last piece shorter than a page (a file
+//! that is not whole pages) is written through the page cache, at its exact length, once
+//! `O_DIRECT` is cleared on the descriptor. A filesystem
 //! that refuses `O_DIRECT` (tmpfs on older kernels, some FUSE or network filesystems) is found
 //! by [`supported`] once, at cache open, and written through the page cache as before.
 
@@ -97,6 +99,64 @@ impl DirectFile {
     /// Bytes that went through the buffer so far (not written from the caller's memory).
     pub fn copied(&self) -> u64 {
         self.copied
+    }
+
+    /// Writes `head` and then `tail` as a new file's first bytes in one `pwritev` (one device
+    /// write), `head` from where it is and `tail` through the buffer, when both are whole pages,
+    /// `head` page-aligned in memory and nothing written yet; `Ok(false)`, nothing written, when
+    /// they are not (then write them with [`Write`]). A block file is its data and its padded
+    /// trailer ([`crate::block`]).
+    pub fn write_pages(&mut self, head: &[u8], tail: &[u8]) -> io::Result<bool> {
+        use std::os::fd::AsRawFd;
+        let whole = |b: &[u8]| b.len().is_multiple_of(ALIGN);
+        if self.filled != 0
+            || self.offset != 0
+            || !whole(head)
+            || !whole(tail)
+            || tail.len() > BUF
+            || !(head.as_ptr() as usize).is_multiple_of(ALIGN)
+        {
+            return Ok(false);
+        }
+        let buf = self.buf.as_mut().expect("buffer until drop").as_mut();
+        buf[..tail.len()].copy_from_slice(tail);
+        self.copied += tail.len() as u64;
+        let tail = &buf[..tail.len()];
+        let total = head.len() + tail.len();
+        let mut done = 0;
+        while done < total {
+            let iov = |b: &[u8]| libc::iovec {
+                iov_base: b.as_ptr() as *mut libc::c_void,
+                iov_len: b.len(),
+            };
+            let iovs: Vec<libc::iovec> = if done < head.len() {
+                vec![iov(&head[done..]), iov(tail)]
+            } else {
+                vec![iov(&tail[done - head.len()..])]
+            };
+            // SAFETY: each iovec points into `head` or this file's buffer, both alive and
+            // unchanged for the call; the kernel only reads them.
+            let n = unsafe {
+                libc::pwritev(
+                    self.file.as_raw_fd(),
+                    iovs.as_ptr(),
+                    iovs.len() as libc::c_int,
+                    done as libc::off_t,
+                )
+            };
+            match n {
+                n if n > 0 => done += n as usize,
+                0 => return Err(io::ErrorKind::WriteZero.into()),
+                _ => {
+                    let e = io::Error::last_os_error();
+                    if e.kind() != io::ErrorKind::Interrupted {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        self.offset = total as u64;
+        Ok(true)
     }
 
     /// Writes the buffer's first `len` bytes (a multiple of [`ALIGN`]) at the current offset.
@@ -307,6 +367,61 @@ mod tests {
             want.extend_from_slice(data);
             want.extend_from_slice(tail);
             assert_eq!(std::fs::read(&path).unwrap(), want, "at {at}, {len} bytes");
+        }
+    }
+
+    /// Whole pages of aligned data and a whole-page trailer go out in one `pwritev`, only the
+    /// trailer through the buffer, and come back byte for byte; anything else is left to
+    /// `write` (nothing written, `false`).
+    #[test]
+    fn whole_pages_are_written_in_one_go() {
+        let Some(dir) = direct_dir() else { return };
+        let mut src = Aligned::new();
+        for (i, b) in src.as_mut().iter_mut().enumerate() {
+            *b = (i * 31 + 3) as u8;
+        }
+        let all = src.as_mut();
+        let trailer: Vec<u8> = (0..2 * ALIGN).map(|i| (i % 251) as u8).collect();
+        for (at, len, tail) in [
+            (0, BUF, ALIGN),
+            (0, 32 * ALIGN, ALIGN),
+            (ALIGN, ALIGN, 2 * ALIGN),
+        ] {
+            let path = dir.path().join(format!("p{at}-{len}-{tail}"));
+            let mut f = DirectFile::create(&path).unwrap();
+            assert!(f.write_pages(&all[at..at + len], &trailer[..tail]).unwrap());
+            assert_eq!(f.copied(), tail as u64, "only the trailer is copied");
+            f.finish().unwrap();
+            let mut want = all[at..at + len].to_vec();
+            want.extend_from_slice(&trailer[..tail]);
+            assert_eq!(
+                std::fs::read(&path).unwrap(),
+                want,
+                "at {at}, {len} + {tail}"
+            );
+        }
+        // Not whole pages, not aligned in memory, or after bytes already written: not taken.
+        for (at, len, tail, before) in [
+            (0, ALIGN + 1, ALIGN - 1, 0),
+            (0, ALIGN, 100, 0),
+            (1, ALIGN, ALIGN, 0),
+            (0, ALIGN, ALIGN, 7),
+        ] {
+            let path = dir.path().join(format!("n{at}-{len}-{tail}-{before}"));
+            let mut f = DirectFile::create(&path).unwrap();
+            f.write_all(&vec![9u8; before]).unwrap();
+            assert!(!f.write_pages(&all[at..at + len], &trailer[..tail]).unwrap());
+            f.write_all(&all[at..at + len]).unwrap();
+            f.write_all(&trailer[..tail]).unwrap();
+            f.finish().unwrap();
+            let mut want = vec![9u8; before];
+            want.extend_from_slice(&all[at..at + len]);
+            want.extend_from_slice(&trailer[..tail]);
+            assert_eq!(
+                std::fs::read(&path).unwrap(),
+                want,
+                "at {at}, {len} + {tail}"
+            );
         }
     }
 

@@ -61,8 +61,9 @@ pub use block::{BlockKey, FileId, Invalid};
 use lru::Lru;
 pub use object::{ObjectKey, ObjectMeta};
 
-/// The on-disk layout this code reads and writes (see [`object`] and [`block`]). Block format 3
-/// and sidecar format 2 (a crc per piece) kept layout 3: this code reads the formats before them,
+/// The on-disk layout this code reads and writes (see [`object`] and [`block`]). Block formats 3
+/// (a crc per piece) and 4 (padded to whole pages) and sidecar format 2 (a crc per piece) kept
+/// layout 3: this code reads the formats before them,
 /// so a node's cache survives the upgrade. (An older Ferry takes a newer file for a bad one:
 /// deleted, counted, fetched again.)
 const LAYOUT_VERSION: u32 = 3;
@@ -1627,8 +1628,14 @@ impl BlockCache {
         let result = (|| -> io::Result<()> {
             if self.direct {
                 let mut f = in_its_dir(&tmp, direct::DirectFile::create)?;
-                for piece in pieces {
-                    f.write_all(piece)?;
+                let one_write = match pieces {
+                    [data, tail] => f.write_pages(data, tail)?,
+                    _ => false,
+                };
+                if !one_write {
+                    for piece in pieces {
+                        f.write_all(piece)?;
+                    }
                 }
                 f.finish()?;
             } else {
