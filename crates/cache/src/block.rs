@@ -163,7 +163,12 @@ fn tail_len_as(key: &BlockKey, data_len: u64, padded: bool) -> usize {
         .sum::<usize>();
     let len = 8 + names + 4 * data_len.div_ceil(CHUNK) as usize + END;
     if padded {
-        ((data_len + len as u64).next_multiple_of(PAD) - data_len) as usize
+        // A length no block has (the caller's or a file's, unchecked) gets no padding rather
+        // than an overflow: its trailer is then not where a format-4 file's is.
+        data_len
+            .checked_add(len as u64)
+            .and_then(|end| end.checked_next_multiple_of(PAD))
+            .map_or(len, |end| (end - data_len) as usize)
     } else {
         len
     }
