@@ -83,19 +83,47 @@ fn temp_files(cache: &BlockCache) -> usize {
 }
 
 #[tokio::test]
+async fn a_block_whose_directory_is_not_made_yet_makes_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 10 * BS).await;
+    let fetches = AtomicUsize::new(0);
+    let (k, d) = (key("a", 0), data(1, 1000));
+    assert_eq!(get(&cache, &k, &d, &fetches).await, d);
+    cache.dirs_made().await;
+    let sub_of = |k: &BlockKey| cache.block_path(&k.file_id()).parent().unwrap().to_owned();
+    let k2 = (1..)
+        .map(|i| key(&format!("b{i}"), 0))
+        .find(|k2| sub_of(k2) != sub_of(&k))
+        .unwrap();
+    let sub = sub_of(&k2);
+    std::fs::remove_dir(&sub).unwrap();
+    let d2 = data(2, 1000);
+    assert_eq!(get(&cache, &k2, &d2, &fetches).await, d2);
+    cache.settle().await;
+    assert!(cache.contains(&k2) && sub.is_dir());
+    assert_eq!(get(&cache, &k2, &d2, &fetches).await, d2);
+    assert_eq!(
+        fetches.load(Ordering::SeqCst),
+        2,
+        "the second read is a hit"
+    );
+}
+
+#[tokio::test]
 async fn a_miss_fetches_and_stores_then_hits_are_served_from_disk() {
     let dir = tempfile::tempdir().unwrap();
     let cache = open(dir.path(), 10 * BS).await;
-    assert_eq!(
-        std::fs::read_dir(&cache.blocks_dir).unwrap().count(),
-        256,
-        "every block directory is made before the first block"
-    );
     let fetches = AtomicUsize::new(0);
     let (k, d) = (key("a", 0), data(1, 1000));
     assert_eq!(get(&cache, &k, &d, &fetches).await, d);
     cache.settle().await;
     assert!(cache.contains(&k));
+    cache.dirs_made().await;
+    assert_eq!(
+        std::fs::read_dir(&cache.blocks_dir).unwrap().count(),
+        256,
+        "every block directory is made once the index is ready"
+    );
     for _ in 0..3 {
         assert_eq!(get(&cache, &k, &d, &fetches).await, d);
     }
