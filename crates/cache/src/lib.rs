@@ -886,17 +886,16 @@ impl BlockCache {
             let mut flights = self.flights.lock().expect("flights lock");
             // This call will fetch: a part's whole block only if its bytes can be charged until
             // written (the charge is taken now, held by the fetch).
-            let refused = match (&part, &charge, self.charge_writes.get()) {
-                (Some(p), None, Some((charge_writes, _))) if !flights.contains_key(key) => {
-                    match charge_writes(p.len) {
-                        Some(c) => {
-                            charge = Some(Box::new(move || Some(c)));
-                            None
-                        }
-                        None => Some(p.within.clone()),
+            let refused = if flights.contains_key(key) {
+                None
+            } else {
+                match self.charge_fetch(part.as_ref(), charge.take()) {
+                    Ok(c) => {
+                        charge = c;
+                        None
                     }
+                    Err(within) => Some(within),
                 }
-                _ => None,
             };
             match refused {
                 Some(within) => Err(within),
@@ -915,7 +914,7 @@ impl BlockCache {
         };
         let Some(cell) = cell else {
             // Another identity's fetch is in flight: this reader may not take its bytes.
-            return self.fetch_alone(key, || fetch(None)).await;
+            return self.fetch_alone(key, part, charge, fetch).await;
         };
         let mut ran = false;
         let mut fetch = Some(fetch);
@@ -952,7 +951,10 @@ impl BlockCache {
             // Bytes another identity's fetch got, for a reader that has not shown access: never
             // handed over. (Its own init may have failed, leaving the flight to a proven one.)
             Ok((by, _)) if !from_disk && by != owner => match fetch.take() {
-                Some(fetch) => self.fetch_alone(key, || fetch(None)).await.map(cut),
+                Some(fetch) => {
+                    let charge = charge.take().flatten();
+                    self.fetch_alone(key, part, charge, fetch).await
+                }
                 None => unreachable!("a caller that ran the init got its own bytes"),
             },
             Ok((_, data)) => {
@@ -969,16 +971,52 @@ impl BlockCache {
         }
     }
 
-    /// `fetch` run by this caller on its own (no flight), the block stored behind it.
-    async fn fetch_alone<F, Fut, E>(self: &Arc<Self>, key: &BlockKey, fetch: F) -> Result<Bytes, E>
+    /// The charge a fetch of a whole block holds until the block is written: the caller's
+    /// `charge`, or, for a `part` without one, the block's bytes charged now through
+    /// [`Self::charge_writes`] (`Err(part.within)` when refused: only those bytes may be fetched).
+    /// Runs the hook, so the caller may hold the cache's locks but must not call back into it.
+    fn charge_fetch(
+        &self,
+        part: Option<&Part>,
+        charge: Option<HeldCharge>,
+    ) -> Result<Option<HeldCharge>, Range<u64>> {
+        match (part, charge, self.charge_writes.get()) {
+            (Some(p), None, Some((charge_writes, _))) => match charge_writes(p.len) {
+                Some(c) => Ok(Some(Box::new(move || Some(c)))),
+                None => Err(p.within.clone()),
+            },
+            (_, charge, _) => Ok(charge),
+        }
+    }
+
+    /// Block `key` (or `part` of it) fetched by this caller on its own, outside any flight (it
+    /// may not take another identity's bytes), the block stored behind it under the same charge
+    /// rules as a flight's fetch ([`Self::charge_fetch`]).
+    async fn fetch_alone<F, Fut, E>(
+        self: &Arc<Self>,
+        key: &BlockKey,
+        part: Option<Part>,
+        charge: Option<HeldCharge>,
+        fetch: F,
+    ) -> Result<Bytes, E>
     where
-        F: FnOnce() -> Fut,
+        F: FnOnce(Option<Range<u64>>) -> Fut,
         Fut: Future<Output = Result<Bytes, E>>,
     {
+        let charge = match self.charge_fetch(part.as_ref(), charge) {
+            Ok(charge) => charge,
+            Err(within) => return self.fetch_only(key, within, fetch).await,
+        };
         self.miss();
-        let data = fetch().await?;
-        self.offer(key.clone(), data.clone());
-        Ok(data)
+        let data = fetch(None).await?;
+        if !data.is_empty() && !self.contains(key) {
+            let charge = charge.and_then(|held| held());
+            self.queue_write(key.clone(), data.clone(), None, charge);
+        }
+        Ok(match &part {
+            Some(p) => p.cut(data),
+            None => data,
+        })
     }
 
     /// Bytes `within` of block `key` fetched by this caller alone and not stored: the budget has

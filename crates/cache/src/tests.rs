@@ -741,6 +741,105 @@ async fn an_unproven_reader_never_takes_bytes_another_identity_fetched() {
     );
 }
 
+/// A reader of another identity that may not join a fetch in flight fetches with its own
+/// credentials and gets only the part it asked for, not the whole block.
+#[tokio::test]
+async fn an_unproven_part_read_beside_another_identitys_fetch_gets_its_part() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 1 << 30).await;
+    let (k, d) = (key("shared", 0), data(7, 4096));
+    let go = Arc::new(Notify::new());
+    let x = {
+        let (cache, k, d, go) = (cache.clone(), k.clone(), d.clone(), go.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_fetch_as(&k, Reader::Proven { owner: 1 }, || async move {
+                    go.notified().await;
+                    Ok::<_, std::convert::Infallible>(d)
+                })
+                .await
+        })
+    };
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let part = Part {
+        len: d.len() as u64,
+        within: 5..9,
+    };
+    let own = cache
+        .get_part_or_fetch_as(&k, part, Reader::Unproven { owner: 2 }, None, |range| {
+            let d = d.clone();
+            async move {
+                Ok::<_, std::convert::Infallible>(d.slice(range.start as usize..range.end as usize))
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(own.len(), 4, "the part's length, not the block's");
+    assert_eq!(
+        own,
+        d.slice(5..9),
+        "the part, fetched with identity 2's credentials"
+    );
+    go.notify_one();
+    assert_eq!(x.await.unwrap().unwrap(), d);
+}
+
+/// The same lone fetch under a spent budget asks only for the part's bytes, as a flight's
+/// fetch would, and the block is not stored from it.
+#[tokio::test]
+async fn an_unproven_part_read_beside_another_identitys_fetch_keeps_to_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 1 << 30).await;
+    assert!(cache.charge_writes(Box::new(|_| None), u64::MAX));
+    let (k, d) = (key("shared", 0), data(9, 4096));
+    let go = Arc::new(Notify::new());
+    let x = {
+        let (cache, k, d, go) = (cache.clone(), k.clone(), d.clone(), go.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_fetch_as(&k, Reader::Proven { owner: 1 }, || async move {
+                    go.notified().await;
+                    Ok::<_, std::convert::Infallible>(d)
+                })
+                .await
+        })
+    };
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let part = Part {
+        len: d.len() as u64,
+        within: 100..200,
+    };
+    let asked = Mutex::new(Vec::new());
+    let own = cache
+        .get_part_or_fetch_as(&k, part, Reader::Unproven { owner: 2 }, None, |range| {
+            asked.lock().unwrap().push(range.clone());
+            let d = d.clone();
+            async move {
+                Ok::<_, std::convert::Infallible>(d.slice(range.start as usize..range.end as usize))
+            }
+        })
+        .await
+        .unwrap();
+    assert_eq!(own, d.slice(100..200));
+    assert_eq!(
+        *asked.lock().unwrap(),
+        vec![100..200],
+        "only the part's bytes were fetched"
+    );
+    go.notify_one();
+    assert_eq!(
+        x.await.unwrap().unwrap(),
+        d,
+        "identity 1's fetch is its own"
+    );
+    cache.settle().await;
+    assert!(!cache.contains(&k), "the budget is spent: nothing stored");
+}
+
 /// A cache of four-piece blocks, for part reads.
 async fn open_pieces(dir: &Path) -> Arc<BlockCache> {
     let cache = BlockCache::open(CacheConfig {
