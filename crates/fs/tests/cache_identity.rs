@@ -1,16 +1,19 @@
 //! The node cache and credentials, on a real S3 server that enforces access (versitygw with its
 //! internal IAM and a bucket policy) through real FUSE mounts: a pod whose credentials may list a
 //! prefix but not read its objects gets `EACCES`, although the bytes are in the node cache, while
-//! the pod allowed to read them is served from the cache.
+//! the pod allowed to read them is served from the cache. And two pods of different identities
+//! reading one object at once each get their own bytes.
 
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::sync::Arc;
+use std::time::Duration;
 
 use ferry_cache::{BlockCache, CacheConfig};
 use ferry_fs::{mount, MetadataTtl, MountConfig, MountContext, MountHandle};
-use ferry_s3::S3Store;
+use ferry_s3::{S3Options, S3Store};
 use ferry_store::{ObjectStore, StoreError};
-use ferry_testkit::S3Server;
+use ferry_testkit::{Fault, FaultPlan, FaultProxy, S3Server};
 
 const BUCKET: &str = "data";
 
@@ -163,6 +166,103 @@ fn a_pod_denied_the_objects_gets_eacces_while_the_allowed_pod_reads_from_the_cac
     assert_eq!((last.whole_opens, last.misses), (1, filled.misses));
 
     for m in [pod_a, pod_b, pod_c, pod_d] {
+        m.unmount().unwrap();
+    }
+}
+
+/// A pod that has not proven access reads a page of a block while another identity's GET of that
+/// block is in flight (held open by a fault proxy): it may not take those bytes, so it fetches
+/// with its own credentials and gets exactly the page; the other pod gets its bytes once its GET
+/// is retried. (The many-pods-per-node case with pod-level identities; a part read there was
+/// once answered with the whole block, which the mount turned into `EIO`.)
+#[test]
+fn a_pod_reading_beside_another_identitys_get_gets_its_own_bytes() {
+    if !ferry_testkit::prerequisite(
+        Path::new("/dev/fuse").exists(),
+        "/dev/fuse (real FUSE mounts)",
+    ) {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(4)
+        .enable_all()
+        .build()
+        .unwrap();
+    let server = S3Server::start();
+    let body: Vec<u8> = (0..(3u32 << 20) + 77)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into()).unwrap();
+    let (first, second) = rt.block_on(async {
+        server.create_bucket(BUCKET).await;
+        let root = server.store().await;
+        root.put(BUCKET, "ds/shard-0.bin", body.clone().into())
+            .await
+            .unwrap();
+        // The first pod's store goes through the proxy; a hung GET is abandoned after 5 s and
+        // retried.
+        let mut cfg = server.s3_config();
+        cfg.endpoint_url = Some(proxy.url());
+        let opts = S3Options {
+            read_timeout: Duration::from_secs(5),
+            attempt_timeout: Duration::from_secs(5),
+            ..S3Server::test_options()
+        };
+        let first = S3Store::with_options(cfg, opts).await.unwrap();
+        (first, server.store().await)
+    });
+    let cache_dir = tempfile::tempdir().unwrap();
+    let cache = BlockCache::open(CacheConfig {
+        block_size: 1 << 20,
+        ..CacheConfig::new(cache_dir.path(), 64 << 20)
+    })
+    .unwrap();
+    rt.block_on(cache.ready());
+    let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    // Two mounts, each its own identity (no shared proofs), on one node cache.
+    let pod_a = mount_as(first, &server, &cache, dir_a.path(), &rt, false);
+    let pod_b = mount_as(second, &server, &cache, dir_b.path(), &rt, false);
+    // The second pod knows the file from its listing only: no HEAD, so no proof of access.
+    let listed = std::fs::read_dir(dir_b.path()).unwrap().count();
+    assert_eq!(listed, 1);
+    // Both files open (their lookups done: a LIST is a GET too).
+    let file_a = std::fs::File::open(dir_a.path().join("shard-0.bin")).unwrap();
+    let file_b = std::fs::File::open(dir_b.path().join("shard-0.bin")).unwrap();
+
+    // The first pod's first GET is never answered: its fetch of block 0 stays in flight.
+    proxy.set_plan(Some(FaultPlan::always(&["GET"], Fault::Hang)));
+    let reader_a = std::thread::spawn(move || {
+        let mut all = vec![0u8; (3 << 20) + 77];
+        file_a.read_exact_at(&mut all, 0).map(|()| all)
+    });
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while proxy.injected().is_empty() || cache.stats().misses == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first pod's GET never came: {} requests through the proxy, {:?} injected, {:?}",
+            proxy.requests(),
+            proxy.injected(),
+            cache.stats()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    proxy.set_plan(None);
+
+    // The second pod reads one page of that block beside it.
+    let mut page = vec![0u8; 4096];
+    file_b.read_exact_at(&mut page, 3 * 4096).unwrap();
+    assert!(page == body[3 * 4096..4 * 4096], "the second pod's page");
+    let mut tail = vec![0u8; 77];
+    file_b.read_exact_at(&mut tail, 3 << 20).unwrap();
+    assert!(tail == body[3 << 20..], "the second pod's last bytes");
+
+    let read_a = reader_a.join().unwrap().unwrap();
+    assert!(
+        read_a == body,
+        "the first pod's bytes, after its GET was retried"
+    );
+    drop(file_b);
+    for m in [pod_a, pod_b] {
         m.unmount().unwrap();
     }
 }
