@@ -741,21 +741,25 @@ async fn an_unproven_reader_never_takes_bytes_another_identity_fetched() {
     );
 }
 
-/// A reader of another identity that may not join a fetch in flight fetches with its own
-/// credentials and gets only the part it asked for, not the whole block.
-#[tokio::test]
-async fn an_unproven_part_read_beside_another_identitys_fetch_gets_its_part() {
-    let dir = tempfile::tempdir().unwrap();
-    let cache = open(dir.path(), 1 << 30).await;
-    let (k, d) = (key("shared", 0), data(7, 4096));
+/// Identity `owner`'s fetch of `k` (giving `d`), started and held in flight until `go` is
+/// notified; the task gives its result.
+async fn fetch_held_as(
+    cache: &Arc<BlockCache>,
+    k: &BlockKey,
+    d: &Bytes,
+    owner: u64,
+) -> (
+    Arc<Notify>,
+    tokio::task::JoinHandle<Result<Bytes, std::convert::Infallible>>,
+) {
     let go = Arc::new(Notify::new());
     let x = {
         let (cache, k, d, go) = (cache.clone(), k.clone(), d.clone(), go.clone());
         tokio::spawn(async move {
             cache
-                .get_or_fetch_as(&k, Reader::Proven { owner: 1 }, || async move {
+                .get_or_fetch_as(&k, Reader::Proven { owner }, || async move {
                     go.notified().await;
-                    Ok::<_, std::convert::Infallible>(d)
+                    Ok(d)
                 })
                 .await
         })
@@ -763,6 +767,17 @@ async fn an_unproven_part_read_beside_another_identitys_fetch_gets_its_part() {
     for _ in 0..10 {
         tokio::task::yield_now().await;
     }
+    (go, x)
+}
+
+/// A reader of another identity that may not join a fetch in flight fetches with its own
+/// credentials and gets only the part it asked for, not the whole block.
+#[tokio::test]
+async fn an_unproven_part_read_beside_another_identitys_fetch_gets_its_part() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 1 << 30).await;
+    let (k, d) = (key("shared", 0), data(7, 4096));
+    let (go, x) = fetch_held_as(&cache, &k, &d, 1).await;
     let part = Part {
         len: d.len() as u64,
         within: 5..9,
@@ -794,21 +809,7 @@ async fn an_unproven_part_read_beside_another_identitys_fetch_keeps_to_the_budge
     let cache = open(dir.path(), 1 << 30).await;
     assert!(cache.charge_writes(Box::new(|_| None), u64::MAX));
     let (k, d) = (key("shared", 0), data(9, 4096));
-    let go = Arc::new(Notify::new());
-    let x = {
-        let (cache, k, d, go) = (cache.clone(), k.clone(), d.clone(), go.clone());
-        tokio::spawn(async move {
-            cache
-                .get_or_fetch_as(&k, Reader::Proven { owner: 1 }, || async move {
-                    go.notified().await;
-                    Ok::<_, std::convert::Infallible>(d)
-                })
-                .await
-        })
-    };
-    for _ in 0..10 {
-        tokio::task::yield_now().await;
-    }
+    let (go, x) = fetch_held_as(&cache, &k, &d, 1).await;
     let part = Part {
         len: d.len() as u64,
         within: 100..200,

@@ -36,25 +36,50 @@ fn mount_as(
     mount(Arc::new(store), cfg, dir, ctx).expect("mount")
 }
 
-#[test]
-fn a_pod_denied_the_objects_gets_eacces_while_the_allowed_pod_reads_from_the_cache() {
+/// A runtime for real FUSE mounts; `None` (and a CI failure) without `/dev/fuse`.
+fn fuse_runtime() -> Option<tokio::runtime::Runtime> {
     if !ferry_testkit::prerequisite(
         Path::new("/dev/fuse").exists(),
         "/dev/fuse (real FUSE mounts)",
     ) {
-        return;
+        return None;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(4)
-        .enable_all()
-        .build()
-        .unwrap();
+    Some(
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(4)
+            .enable_all()
+            .build()
+            .unwrap(),
+    )
+}
+
+/// A node cache of 1 MiB blocks in `dir`, ready.
+fn node_cache(dir: &Path, rt: &tokio::runtime::Runtime) -> Arc<BlockCache> {
+    let cache = BlockCache::open(CacheConfig {
+        block_size: 1 << 20,
+        ..CacheConfig::new(dir, 64 << 20)
+    })
+    .unwrap();
+    rt.block_on(cache.ready());
+    cache
+}
+
+/// A shard's bytes (3 MiB and 77 bytes: four blocks, the last short), seeded by `seed`.
+fn shard(seed: u32) -> Vec<u8> {
+    (0..(3u32 << 20) + 77)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> seed) as u8)
+        .collect()
+}
+
+#[test]
+fn a_pod_denied_the_objects_gets_eacces_while_the_allowed_pod_reads_from_the_cache() {
+    let Some(rt) = fuse_runtime() else {
+        return;
+    };
     let server = S3Server::start_with_iam();
     server.create_user("alice", "alice-secret-key", "user");
     server.create_user("bob", "bob-secret-key", "user");
-    let body: Vec<u8> = (0..(3u32 << 20) + 77)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 11) as u8)
-        .collect();
+    let body = shard(11);
     let (alice, bob) = rt.block_on(async {
         server.create_bucket(BUCKET).await;
         let root = server.store().await;
@@ -85,12 +110,7 @@ fn a_pod_denied_the_objects_gets_eacces_while_the_allowed_pod_reads_from_the_cac
     });
 
     let cache_dir = tempfile::tempdir().unwrap();
-    let cache = BlockCache::open(CacheConfig {
-        block_size: 1 << 20,
-        ..CacheConfig::new(cache_dir.path(), 64 << 20)
-    })
-    .unwrap();
-    rt.block_on(cache.ready());
+    let cache = node_cache(cache_dir.path(), &rt);
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     let pod_a = mount_as(alice, &server, &cache, dir_a.path(), &rt, true);
     let pod_b = mount_as(bob, &server, &cache, dir_b.path(), &rt, true);
@@ -177,21 +197,11 @@ fn a_pod_denied_the_objects_gets_eacces_while_the_allowed_pod_reads_from_the_cac
 /// once answered with the whole block, which the mount turned into `EIO`.)
 #[test]
 fn a_pod_reading_beside_another_identitys_get_gets_its_own_bytes() {
-    if !ferry_testkit::prerequisite(
-        Path::new("/dev/fuse").exists(),
-        "/dev/fuse (real FUSE mounts)",
-    ) {
+    let Some(rt) = fuse_runtime() else {
         return;
-    }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(4)
-        .enable_all()
-        .build()
-        .unwrap();
+    };
     let server = S3Server::start();
-    let body: Vec<u8> = (0..(3u32 << 20) + 77)
-        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
-        .collect();
+    let body = shard(13);
     let proxy = FaultProxy::start(([127, 0, 0, 1], server.port()).into()).unwrap();
     let (first, second) = rt.block_on(async {
         server.create_bucket(BUCKET).await;
@@ -212,12 +222,7 @@ fn a_pod_reading_beside_another_identitys_get_gets_its_own_bytes() {
         (first, server.store().await)
     });
     let cache_dir = tempfile::tempdir().unwrap();
-    let cache = BlockCache::open(CacheConfig {
-        block_size: 1 << 20,
-        ..CacheConfig::new(cache_dir.path(), 64 << 20)
-    })
-    .unwrap();
-    rt.block_on(cache.ready());
+    let cache = node_cache(cache_dir.path(), &rt);
     let (dir_a, dir_b) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
     // Two mounts, each its own identity (no shared proofs), on one node cache.
     let pod_a = mount_as(first, &server, &cache, dir_a.path(), &rt, false);
