@@ -878,10 +878,7 @@ impl BlockCache {
                 return Ok(data);
             }
         }
-        let cut = |data: Bytes| match &part {
-            Some(p) => p.cut(data),
-            None => data,
-        };
+        let cut = |data: Bytes| cut_to(part.as_ref(), data);
         let cell = {
             let mut flights = self.flights.lock().expect("flights lock");
             // This call will fetch: a part's whole block only if its bytes can be charged until
@@ -1009,14 +1006,8 @@ impl BlockCache {
         };
         self.miss();
         let data = fetch(None).await?;
-        if !data.is_empty() && !self.contains(key) {
-            let charge = charge.and_then(|held| held());
-            self.queue_write(key.clone(), data.clone(), None, charge);
-        }
-        Ok(match &part {
-            Some(p) => p.cut(data),
-            None => data,
-        })
+        self.offer_with(key.clone(), data.clone(), charge.and_then(|held| held()));
+        Ok(cut_to(part.as_ref(), data))
     }
 
     /// Bytes `within` of block `key` fetched by this caller alone and not stored: the budget has
@@ -1047,10 +1038,15 @@ impl BlockCache {
     /// thread (write-behind: the caller does not wait for the disk). Nothing happens if the block
     /// is already on disk.
     pub fn offer(self: &Arc<Self>, key: BlockKey, data: Bytes) {
+        self.offer_with(key, data, None);
+    }
+
+    /// [`Self::offer`], the write holding `charge` (else one from [`Self::charge_writes`]).
+    fn offer_with(&self, key: BlockKey, data: Bytes, charge: Option<WriteCharge>) {
         if data.is_empty() || self.contains(&key) {
             return;
         }
-        self.queue_write(key, data, None, None);
+        self.queue_write(key, data, None, charge);
     }
 
     /// Hands block `key` to the writer threads (ending its flight, if any, once stored), holding
@@ -1881,6 +1877,14 @@ impl Part {
     /// Whether the part is some of its block: not empty, not past the end.
     fn is_valid(&self) -> bool {
         self.within.start < self.within.end && self.within.end <= self.len
+    }
+}
+
+/// `part` of the whole block `data` ([`Part::cut`]), or all of it without one.
+fn cut_to(part: Option<&Part>, data: Bytes) -> Bytes {
+    match part {
+        Some(p) => p.cut(data),
+        None => data,
     }
 }
 
