@@ -418,6 +418,14 @@ impl Drop for EndFlightOnDrop<'_> {
 /// waiter).
 type FlightCell = OnceCell<(u64, Bytes)>;
 
+/// Why a flight's init left it empty.
+enum InitError<E> {
+    /// The fetch failed.
+    Fetch(E),
+    /// The budget has no room for the whole block: only these bytes (a part's) may be fetched.
+    Refused(Range<u64>),
+}
+
 /// The node's block cache. Cheap to share (`Arc`); every method is safe to call concurrently.
 pub struct BlockCache {
     cfg: CacheConfig,
@@ -927,16 +935,30 @@ impl BlockCache {
             .get_or_try_init(|| async {
                 ran = true;
                 guard.armed = true;
+                // This caller runs the flight's fetch: the map names the flight, by this caller's
+                // identity, also when it joined and a failed or cancelled init before it took the
+                // flight out of the map (later readers join this fetch, not start another).
+                self.claim_flight(key, &cell, owner);
                 // A fill may have finished between the read above and joining the flight.
                 if from_disk {
                     // The whole block: every caller joining this flight takes its part of it.
                     if let Some(data) = self.read(key, None).await {
+                        // Nothing to write: the flight ends here (left in the map, it would hand
+                        // these bytes to later readers without a look at the disk or a GET).
+                        self.end_flight(key, &cell);
                         return Ok((owner, data));
                     }
                 }
+                // The flight's creator was charged when it made the flight (passed through
+                // here); a caller that joined it and now fetches in its place is charged now.
+                let charge = self
+                    .charge_fetch(part.as_ref(), charge.take().flatten())
+                    .map_err(InitError::Refused)?;
                 self.miss();
-                let data = (fetch.take().expect("one init per caller"))(None).await?;
-                let charge = charge.take().flatten().and_then(|held| held());
+                let data = (fetch.take().expect("one init per caller"))(None)
+                    .await
+                    .map_err(InitError::Fetch)?;
+                let charge = charge.and_then(|held| held());
                 self.store_in_background(key.clone(), data.clone(), cell.clone(), charge);
                 Ok((owner, data))
             })
@@ -961,9 +983,15 @@ impl BlockCache {
                 }
                 Ok(cut(data))
             }
-            Err(e) => {
+            Err(InitError::Fetch(e)) => {
                 self.end_flight(key, &cell);
                 Err(e)
+            }
+            Err(InitError::Refused(within)) => {
+                // Left to the next waiter (or to a new flight), as after a failed fetch.
+                self.end_flight(key, &cell);
+                let fetch = fetch.take().expect("refused before its fetch ran");
+                self.fetch_only(key, within, fetch).await
             }
         }
     }
@@ -1025,6 +1053,26 @@ impl BlockCache {
         self.miss();
         self.skip(key, "the memory budget is spent");
         fetch(Some(within)).await
+    }
+
+    /// Makes `cell` block `key`'s flight, fetched by `owner`: a flight still in the map is
+    /// given the new owner; one taken out of it (its earlier init failed or was cancelled) is put
+    /// back, unless a newer flight of the block has started meanwhile.
+    fn claim_flight(&self, key: &BlockKey, cell: &Arc<FlightCell>, owner: u64) {
+        let mut flights = self.flights.lock().expect("flights lock");
+        match flights.get_mut(key) {
+            None => {
+                flights.insert(
+                    key.clone(),
+                    Flight {
+                        owner,
+                        cell: cell.clone(),
+                    },
+                );
+            }
+            Some(f) if Arc::ptr_eq(&f.cell, cell) => f.owner = owner,
+            Some(_) => {}
+        }
     }
 
     fn end_flight(&self, key: &BlockKey, cell: &Arc<FlightCell>) {

@@ -1231,3 +1231,257 @@ async fn the_write_queue_is_kept_to_the_share_it_is_given() {
         "never above the cap"
     );
 }
+
+/// A proven reader that misses on disk, then finds the block on disk when its flight's init
+/// reads again (the block was stored in between: a writer thread, or a predecessor process at a
+/// handover while this one's index is rebuilt), returns the disk's bytes from the init: its
+/// flight must still be ended, not left in the map (where it would pin the block's bytes for
+/// good and hand them to later readers, proven or not, without a GET).
+///
+/// The window between the two disk reads is made deterministic with a blocking pool of one
+/// thread: the reader's first disk read runs, then the block is written, then its second.
+#[test]
+fn a_flight_whose_init_is_served_from_disk_is_ended() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(1)
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = open(dir.path(), 1 << 30).await;
+        cache.dirs_made().await;
+        // As while the index is rebuilt at start: reads go to the disk (a blocking hop).
+        cache.ready.send_replace(false);
+        let (k, d) = (key("raced", 0), data(4, 3000));
+        // Hold the one blocking thread.
+        let (tx1, rx1) = std::sync::mpsc::channel::<()>();
+        let g1 = tokio::task::spawn_blocking(move || rx1.recv().unwrap());
+        let fetches = Arc::new(AtomicUsize::new(0));
+        let p = {
+            let (cache, k, fetches) = (cache.clone(), k.clone(), fetches.clone());
+            tokio::spawn(async move {
+                cache
+                    .get_or_fetch_as(&k, Reader::Proven { owner: 1 }, || async move {
+                        fetches.fetch_add(1, Ordering::SeqCst);
+                        Ok::<_, &str>(data(4, 3000))
+                    })
+                    .await
+                    .unwrap()
+            })
+        };
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        // Queued behind the reader's first disk read: started once that read is done.
+        let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+        let (tx2, rx2) = std::sync::mpsc::channel::<()>();
+        let g2 = tokio::task::spawn_blocking(move || {
+            started_tx.send(()).unwrap();
+            rx2.recv().unwrap()
+        });
+        tx1.send(()).unwrap();
+        g1.await.unwrap();
+        started_rx.await.unwrap();
+        // The first read missed; the block is now written (the reader's init reads it next).
+        cache.ready.send_replace(true);
+        cache.store(&k, &d);
+        cache.ready.send_replace(false);
+        assert!(cache.contains(&k));
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+        tx2.send(()).unwrap();
+        g2.await.unwrap();
+        assert_eq!(p.await.unwrap(), d);
+        assert_eq!(fetches.load(Ordering::SeqCst), 0, "served from disk");
+        cache.settle().await;
+        cache.ready.send_replace(true);
+        // Later (the proof expired, the identity's read permission revoked): a reader of the
+        // same identity that has not proven access must fetch with its credentials (denied).
+        let late = cache
+            .get_or_fetch_as(&k, Reader::Unproven { owner: 1 }, || async {
+                Err::<Bytes, &str>("403 AccessDenied")
+            })
+            .await;
+        assert_eq!(
+            late.map(|b| b.len()),
+            Err("403 AccessDenied"),
+            "an unproven reader was handed the block without a GET"
+        );
+        assert!(
+            cache.flights.lock().unwrap().is_empty(),
+            "a flight was left in the map: {:?}",
+            cache.flights.lock().unwrap().keys().collect::<Vec<_>>()
+        );
+    });
+}
+
+/// A part read with nothing held for its bytes that waited on another reader's flight and
+/// fetches after that fetch failed starts the block's GET itself: under a spent budget it must
+/// fetch only its part (Read granularity), as it would had it found no flight.
+#[tokio::test]
+async fn a_part_read_taking_over_a_failed_flight_keeps_to_the_budget() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 1 << 30).await;
+    assert!(cache.charge_writes(Box::new(|_| None), u64::MAX));
+    let (k, d) = (key("budget", 0), data(2, 4096));
+    let fail = Arc::new(Notify::new());
+    // A whole-block reader (a warm-up) starts the flight, then fails.
+    let a = {
+        let (cache, k, fail) = (cache.clone(), k.clone(), fail.clone());
+        tokio::spawn(async move {
+            cache
+                .get_or_fetch(&k, || async move {
+                    fail.notified().await;
+                    Err::<Bytes, &str>("503 SlowDown")
+                })
+                .await
+        })
+    };
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    let asked = Arc::new(Mutex::new(Vec::new()));
+    let b = {
+        let (cache, k, d, asked) = (cache.clone(), k.clone(), d.clone(), asked.clone());
+        tokio::spawn(async move {
+            let part = Part {
+                len: d.len() as u64,
+                within: 100..200,
+            };
+            cache
+                .get_part_or_fetch_as(&k, part, Reader::Proven { owner: 1 }, None, |range| {
+                    asked.lock().unwrap().push(range.clone());
+                    async move { Ok::<_, &str>(d.slice(range.start as usize..range.end as usize)) }
+                })
+                .await
+        })
+    };
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    fail.notify_one();
+    assert_eq!(a.await.unwrap(), Err("503 SlowDown"));
+    assert_eq!(b.await.unwrap().unwrap(), d.slice(100..200));
+    assert_eq!(
+        *asked.lock().unwrap(),
+        vec![100..200],
+        "only the part's bytes: the budget has no room for the block"
+    );
+}
+
+/// Reader `b` waits on a flight whose first fetch never ends by itself; `end_first` ends it
+/// without bytes (a failed GET, a reader gone), so `b` fetches next; reader `c` arrives while
+/// `b`'s GET runs. Returns how many GETs had started when `c` had arrived: 1 when `c` joined
+/// `b`'s, as "One GET per block" says.
+async fn gets_after_the_first_fetch_ends<End, EndFut>(first: Fetching, end_first: End) -> usize
+where
+    End: FnOnce(Fetching) -> EndFut,
+    EndFut: std::future::Future<Output = ()>,
+{
+    let (cache, k) = (first.cache.clone(), first.key.clone());
+    let d = data(6, 3000);
+    let fetches = Arc::new(AtomicUsize::new(0));
+    let go = Arc::new(Notify::new());
+    let fetch = || {
+        let (cache, k, d, fetches, go) = (
+            cache.clone(),
+            k.clone(),
+            d.clone(),
+            fetches.clone(),
+            go.clone(),
+        );
+        tokio::spawn(async move {
+            cache
+                .get_or_fetch(&k, || async move {
+                    fetches.fetch_add(1, Ordering::SeqCst);
+                    go.notified().await;
+                    Ok::<_, &str>(d)
+                })
+                .await
+        })
+    };
+    let b = fetch();
+    settle_tasks().await;
+    end_first(first).await;
+    settle_tasks().await;
+    assert_eq!(fetches.load(Ordering::SeqCst), 1, "b fetches next");
+    let c = fetch();
+    settle_tasks().await;
+    let running = fetches.load(Ordering::SeqCst);
+    go.notify_waiters();
+    assert_eq!(b.await.unwrap().unwrap(), d);
+    go.notify_waiters();
+    assert_eq!(c.await.unwrap().unwrap(), d);
+    running
+}
+
+/// A reader's fetch of block `key` in flight, started by [`fetching`].
+struct Fetching {
+    cache: Arc<BlockCache>,
+    key: BlockKey,
+    task: tokio::task::JoinHandle<Result<Bytes, &'static str>>,
+}
+
+/// Starts a reader fetching block `key` with `fetch`, and lets it run until it waits.
+async fn fetching<F>(cache: &Arc<BlockCache>, key: &BlockKey, fetch: F) -> Fetching
+where
+    F: std::future::Future<Output = Result<Bytes, &'static str>> + Send + 'static,
+{
+    let task = {
+        let (cache, key) = (cache.clone(), key.clone());
+        tokio::spawn(async move { cache.get_or_fetch(&key, || fetch).await })
+    };
+    settle_tasks().await;
+    Fetching {
+        cache: cache.clone(),
+        key: key.clone(),
+        task,
+    }
+}
+
+/// Lets every spawned task of this (current-thread) runtime run until it waits.
+async fn settle_tasks() {
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+}
+
+/// When a flight's fetch fails, the waiter that fetches next runs the one GET of the block: a
+/// reader arriving while that GET is in flight joins it rather than starting a second one.
+#[tokio::test]
+async fn a_reader_arriving_after_a_failed_fetch_joins_the_next_waiters_get() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 1 << 30).await;
+    let fail = Arc::new(Notify::new());
+    let failing = {
+        let fail = fail.clone();
+        async move {
+            fail.notified().await;
+            Err("503 SlowDown")
+        }
+    };
+    let first = fetching(&cache, &key("retry", 0), failing).await;
+    let gets = gets_after_the_first_fetch_ends(first, |first| async move {
+        fail.notify_one();
+        assert_eq!(first.task.await.unwrap(), Err("503 SlowDown"));
+    })
+    .await;
+    assert_eq!(gets, 1, "c started a second GET of the block beside b's");
+}
+
+/// The same when the flight's fetch is cancelled (its reader went away: a prefetch aborted by a
+/// random read).
+#[tokio::test]
+async fn a_reader_arriving_after_a_cancelled_fetch_joins_the_next_waiters_get() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 1 << 30).await;
+    let first = fetching(&cache, &key("cancel", 0), std::future::pending()).await;
+    let gets = gets_after_the_first_fetch_ends(first, |first| async move {
+        first.task.abort();
+        assert!(first.task.await.unwrap_err().is_cancelled());
+    })
+    .await;
+    assert_eq!(gets, 1, "c started a second GET of the block beside b's");
+}
