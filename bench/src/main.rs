@@ -296,7 +296,7 @@ fn run(
         if *kind == Kind::FerryCache {
             let fs = fs_type_of(work);
             flags_used.push(format!(
-                "  - the cache: a fresh, empty directory per mount under {} ({fs}{}), all removed at the end of the run",
+                "  - the cache: a fresh, empty directory per mount under {} ({fs}{}), all removed at the end of the run; each mount's workloads waited for its block directories, as the node plugin makes them at start",
                 work.display(),
                 if fs == "tmpfs" {
                     ": **not a local disk**, set TMPDIR"
