@@ -230,7 +230,7 @@ pub struct S3Target {
 /// Whether the node cache in `cache` has made its 256 block directories (`blocks/00` to
 /// `blocks/ff`, `ff` last). A fresh cache makes them in the background when it opens: the CSI
 /// node plugin opens its cache when it starts, before it serves any volume, so its pods' first
-/// reads never share the CPU with those `mkdir`s (65 ms of CPU on the benchmark VM, where ext4
+/// reads never share the CPU with those `mkdir`s (59–80 ms of CPU on the benchmark VM, where ext4
 /// spreads new directories over the disk); a standalone `mount --cache` opens it at the mount.
 /// Waiting for them measures what the chart's users run.
 fn cache_dirs_made(cache: &Path) -> bool {
