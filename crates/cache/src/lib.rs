@@ -239,6 +239,15 @@ impl State {
         len
     }
 
+    /// The least recent entry `keep` does not keep, removed.
+    fn pop_lru_except(&mut self, keep: impl Fn(&Entry) -> bool) -> Option<(Entry, u64)> {
+        let (entry, len) = self.lru.pop_lru_except(keep)?;
+        if matches!(entry, Entry::Object(_)) {
+            self.objects -= 1;
+        }
+        Some((entry, len))
+    }
+
     fn pop_lru(&mut self) -> Option<(Entry, u64)> {
         let (entry, len) = self.lru.pop_lru()?;
         if matches!(entry, Entry::Object(_)) {
@@ -1475,24 +1484,21 @@ impl BlockCache {
         )
         .len() as u64;
         let len = size + meta_len;
-        // Room for the new file while the blocks are still there; never by evicting them.
+        // Room for the new file while the blocks are still there: never by evicting them (passed
+        // over where they are in the order, however old), and nothing evicted for a file that
+        // cannot fit beside them.
         let victims = {
             let mut st = self.lock();
+            let own: u64 = ours.iter().filter_map(|b| st.lru.size(b)).sum();
+            if own + st.pending + len > self.cfg.max_size {
+                return false;
+            }
             let mut victims = Vec::new();
             while st.lru.bytes() + st.pending + len > self.cfg.max_size {
-                match st.pop_lru() {
-                    Some((v, vlen)) if ours.contains(&v) => {
-                        st.insert(v, vlen);
-                        break;
-                    }
+                match st.pop_lru_except(|e| ours.contains(e)) {
                     Some((v, _)) => victims.push(v),
                     None => break,
                 }
-            }
-            if st.lru.bytes() + st.pending + len > self.cfg.max_size {
-                drop(st);
-                self.delete(&victims);
-                return false;
             }
             st.pending += len;
             victims

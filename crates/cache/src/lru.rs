@@ -66,6 +66,21 @@ impl<K: Hash + Eq + Clone> Lru<K> {
         Some((key, size))
     }
 
+    /// Removes and returns the least recently used entry that `keep` does not keep (the kept
+    /// ones stay where they are in the order).
+    pub fn pop_lru_except(&mut self, keep: impl Fn(&K) -> bool) -> Option<(K, u64)> {
+        let seq = *self.order.iter().find(|(_, k)| !keep(k))?.0;
+        let key = self.order.remove(&seq).expect("just found");
+        let (_, size) = self.entries.remove(&key).expect("order mirrors entries");
+        self.bytes -= size;
+        Some((key, size))
+    }
+
+    /// The size of `key`, if it is there.
+    pub fn size(&self, key: &K) -> Option<u64> {
+        self.entries.get(key).map(|&(_, size)| size)
+    }
+
     pub fn contains(&self, key: &K) -> bool {
         self.entries.contains_key(key)
     }
@@ -120,6 +135,10 @@ mod tests {
         fn pop(&mut self) -> Option<(u8, u64)> {
             (!self.0.is_empty()).then(|| self.0.remove(0))
         }
+        fn pop_except(&mut self, keep: impl Fn(&u8) -> bool) -> Option<(u8, u64)> {
+            let i = self.0.iter().position(|e| !keep(&e.0))?;
+            Some(self.0.remove(i))
+        }
         fn bytes(&self) -> u64 {
             self.0.iter().map(|e| e.1).sum()
         }
@@ -131,6 +150,8 @@ mod tests {
         Touch(u8),
         Remove(u8),
         Pop,
+        /// Pops the least recent entry not below this key (a join passing over its own blocks).
+        PopExcept(u8),
         /// What the cache does before adding a block: evict until `bytes + incoming <= limit`.
         EvictFor(u64, u64),
     }
@@ -141,6 +162,7 @@ mod tests {
             3 => (0u8..16).prop_map(Op::Touch),
             1 => (0u8..16).prop_map(Op::Remove),
             1 => Just(Op::Pop),
+            1 => (0u8..16).prop_map(Op::PopExcept),
             2 => (0u64..600, 1u64..100).prop_map(|(l, s)| Op::EvictFor(l, s)),
         ]
     }
@@ -156,6 +178,10 @@ mod tests {
                     Op::Touch(k) => prop_assert_eq!(lru.touch(&k), model.touch(k)),
                     Op::Remove(k) => prop_assert_eq!(lru.remove(&k), model.remove(k)),
                     Op::Pop => prop_assert_eq!(lru.pop_lru(), model.pop()),
+                    Op::PopExcept(below) => prop_assert_eq!(
+                        lru.pop_lru_except(|k| *k < below),
+                        model.pop_except(|k| *k < below)
+                    ),
                     Op::EvictFor(limit, incoming) => {
                         while lru.bytes() + incoming > limit {
                             let got = lru.pop_lru();

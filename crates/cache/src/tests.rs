@@ -1485,3 +1485,67 @@ async fn a_reader_arriving_after_a_cancelled_fetch_joins_the_next_waiters_get() 
     .await;
     assert_eq!(gets, 1, "c started a second GET of the block beside b's");
 }
+
+/// An object too big to be joined within the budget even with every other entry gone (its
+/// blocks stay on disk while its whole file is written) is not joined: nothing else may be
+/// evicted for a join that cannot happen.
+#[tokio::test]
+async fn a_join_that_cannot_fit_evicts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let fetches = AtomicUsize::new(0);
+    // Room for ten blocks: six blocks and their six-block whole file never fit.
+    let cache = open(dir.path(), 10 * (BS + 4096)).await;
+    let others: Vec<BlockKey> = (0..3).map(|i| key("other", i)).collect();
+    for (i, k) in others.iter().enumerate() {
+        get(&cache, k, &data(i as u8, BS as usize), &fetches).await;
+    }
+    cache.settle().await;
+    let (obj, content) = object("too-big", 6 * BS, 7);
+    read_all(&cache, &obj, &content, &fetches).await;
+    cache.settle().await;
+    let before = cache.stats();
+    assert_eq!((before.blocks, before.evictions), (9, 0), "{before:?}");
+    cache.want_whole(obj.clone(), 6 * BS);
+    cache.settle().await;
+    let after = cache.stats();
+    assert!(!cache.has_whole(&obj), "{after:?}");
+    let kept: Vec<bool> = others.iter().map(|k| cache.contains(k)).collect();
+    assert_eq!(
+        (kept, after.evictions),
+        (vec![true; 3], 0),
+        "blocks evicted for a join that could not fit: {after:?}"
+    );
+}
+
+/// A join that fits once one other (older or newer) entry is evicted is made, also when a block
+/// of the object itself is the least recently used entry: the object's own blocks are passed
+/// over, not taken for a reason to give up (and not made the most recent entries either).
+#[tokio::test]
+async fn a_join_that_fits_is_made_when_its_own_block_is_least_recent() {
+    let dir = tempfile::tempdir().unwrap();
+    let fetches = AtomicUsize::new(0);
+    let cache = open(dir.path(), 10 * (BS + 4096)).await;
+    // The object's two blocks first (least recent), then seven others: nine of ten blocks' room.
+    let (obj, content) = object("old", 2 * BS, 7);
+    read_all(&cache, &obj, &content, &fetches).await;
+    cache.settle().await;
+    for i in 0..7 {
+        get(
+            &cache,
+            &key("newer", i),
+            &data(i as u8, BS as usize),
+            &fetches,
+        )
+        .await;
+    }
+    cache.settle().await;
+    assert_eq!(cache.stats().blocks, 9);
+    // Evicting one newer block makes room for the two-block whole file beside its blocks.
+    cache.want_whole(obj.clone(), 2 * BS);
+    cache.settle().await;
+    assert!(
+        cache.has_whole(&obj),
+        "a join with room for it was refused: {:?}",
+        cache.stats()
+    );
+}
