@@ -424,8 +424,8 @@ impl Drop for EndFlightOnDrop<'_> {
 
 /// A flight's result: the bytes and the owner whose fetch got them (the one that ran the init,
 /// which is not always the flight's creator: a failed or cancelled init leaves it to the next
-/// waiter).
-type FlightCell = OnceCell<(u64, Bytes)>;
+/// waiter); `None` when the init found the block on disk (no GET: no proof for anyone).
+type FlightCell = OnceCell<(Option<u64>, Bytes)>;
 
 /// Why a flight's init left it empty.
 enum InitError<E> {
@@ -955,7 +955,7 @@ impl BlockCache {
                         // Nothing to write: the flight ends here (left in the map, it would hand
                         // these bytes to later readers without a look at the disk or a GET).
                         self.end_flight(key, &cell);
-                        return Ok((owner, data));
+                        return Ok((None, data));
                     }
                 }
                 // The flight's creator was charged when it made the flight (passed through
@@ -969,7 +969,7 @@ impl BlockCache {
                     .map_err(InitError::Fetch)?;
                 let charge = charge.and_then(|held| held());
                 self.store_in_background(key.clone(), data.clone(), cell.clone(), charge);
-                Ok((owner, data))
+                Ok((Some(owner), data))
             })
             .await
             .cloned();
@@ -978,7 +978,8 @@ impl BlockCache {
         match result {
             // Bytes another identity's fetch got, for a reader that has not shown access: never
             // handed over. (Its own init may have failed, leaving the flight to a proven one.)
-            Ok((by, _)) if !from_disk && by != owner => match fetch.take() {
+            // Nor bytes a proven reader's init took from disk: no GET with its credentials.
+            Ok((by, _)) if !from_disk && by != Some(owner) => match fetch.take() {
                 Some(fetch) => {
                     let charge = charge.take().flatten();
                     self.fetch_alone(key, part, charge, fetch).await
@@ -1175,9 +1176,19 @@ impl BlockCache {
         let id = key.file_id();
         let path = self.block_path(&id);
         let (k, p) = (key.clone(), part.clone());
-        let got = tokio::task::spawn_blocking(move || read_block_file(&path, &k, p))
-            .await
-            .ok()?;
+        let cache = self.clone();
+        let got = tokio::task::spawn_blocking(move || {
+            let got = read_block_file(&path, &k, p);
+            if matches!(&got, Err(e) if e.kind() == io::ErrorKind::NotFound) {
+                // Indexed, yet gone (deleted under the index: a predecessor's eviction at a
+                // handover, a bad file a read deleted while the index was rebuilt): forgotten,
+                // or the fetched block would never be stored again.
+                cache.forget_if_gone(Entry::Block(id));
+            }
+            got
+        })
+        .await
+        .ok()?;
         let got = match got {
             Ok(got) => got,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
@@ -1239,6 +1250,28 @@ impl BlockCache {
         self.publish_size();
     }
 
+    /// Drops `entry` from the index if one of its files is gone (blocking). Checked under the
+    /// index's lock: a file is renamed into place before it is indexed, and taken out of the
+    /// index before it is deleted, so a file missing then is not one being stored.
+    fn forget_if_gone(&self, entry: Entry) {
+        let paths = self.entry_paths(&entry);
+        let gone = {
+            let mut st = self.lock();
+            if !st.lru.contains(&entry) {
+                return;
+            }
+            let gone = paths.iter().any(|p| !p.exists());
+            if gone {
+                st.remove(&entry);
+            }
+            gone
+        };
+        if gone {
+            self.forget(&entry);
+            self.publish_size();
+        }
+    }
+
     /// Drops `entry` from the index and, for an object, what is remembered about it.
     fn forget(&self, entry: &Entry) {
         self.lock().remove(entry);
@@ -1253,7 +1286,16 @@ impl BlockCache {
         if let Some(m) = self.metas.lock().expect("metas lock").get(id) {
             return Some(m.clone());
         }
-        let file = std::fs::read(self.meta_path(id)).ok()?;
+        let file = match std::fs::read(self.meta_path(id)) {
+            Ok(file) => file,
+            Err(e) => {
+                if e.kind() == io::ErrorKind::NotFound {
+                    // As a block file gone under the index ([`Self::read`]).
+                    self.forget_if_gone(Entry::Object(*id));
+                }
+                return None;
+            }
+        };
         match object::decode_meta(obj, &file) {
             Ok(meta) if meta.block_size == self.cfg.block_size => {
                 let meta = Arc::new(meta);
@@ -1291,7 +1333,16 @@ impl BlockCache {
         };
         // The pieces the sidecar's crcs cover that hold `within`.
         let (span, first) = block::chunk_span(&within, meta.chunk, meta.size);
-        let file = File::open(self.object_path(&id)).ok()?;
+        let file = match File::open(self.object_path(&id)) {
+            Ok(file) => file,
+            Err(e) => {
+                if e.kind() == io::ErrorKind::NotFound {
+                    // As a block file gone under the index ([`Self::read`]).
+                    self.forget_if_gone(Entry::Object(id));
+                }
+                return None;
+            }
+        };
         let mut buf = vec![0u8; (span.end - span.start) as usize];
         if let Err(e) = file.read_exact_at(&mut buf, span.start) {
             tracing::warn!(key = %key.key, error = %e, "cache: reading a whole-object file failed");

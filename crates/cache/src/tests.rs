@@ -1549,3 +1549,161 @@ async fn a_join_that_fits_is_made_when_its_own_block_is_least_recent() {
         cache.stats()
     );
 }
+
+/// A reader that has not proven access joins a flight of its own identity (the bytes of a GET
+/// made with its own credentials would be its proof). The flight's proven reader then finds the
+/// block on disk when its init reads again (stored in between) and makes no GET: the waiting
+/// unproven reader must not be handed those disk bytes (no GET with its credentials was made,
+/// "Who may read"); it fetches with its own credentials.
+///
+/// Ordered as in `a_flight_whose_init_is_served_from_disk_is_ended`: a blocking pool of one
+/// thread, the proven reader's second disk read held until the unproven reader waits.
+#[test]
+fn an_unproven_waiter_is_not_handed_bytes_its_flight_read_from_disk() {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(1)
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = open(dir.path(), 1 << 30).await;
+        cache.dirs_made().await;
+        // As while the index is rebuilt at start: reads go to the disk (a blocking hop).
+        cache.ready.send_replace(false);
+        let (k, d) = (key("unproven-join", 0), data(5, 3000));
+        let (tx1, rx1) = std::sync::mpsc::channel::<()>();
+        let g1 = tokio::task::spawn_blocking(move || rx1.recv().unwrap());
+        let p = {
+            let (cache, k) = (cache.clone(), k.clone());
+            tokio::spawn(async move {
+                cache
+                    .get_or_fetch_as(&k, Reader::Proven { owner: 1 }, || async move {
+                        Ok::<_, &str>(data(5, 3000))
+                    })
+                    .await
+                    .unwrap()
+            })
+        };
+        settle_tasks().await;
+        let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+        let (tx2, rx2) = std::sync::mpsc::channel::<()>();
+        let g2 = tokio::task::spawn_blocking(move || {
+            started_tx.send(()).unwrap();
+            rx2.recv().unwrap()
+        });
+        tx1.send(()).unwrap();
+        g1.await.unwrap();
+        started_rx.await.unwrap();
+        // The proven reader's first read missed; the block is written now.
+        cache.ready.send_replace(true);
+        cache.store(&k, &d);
+        cache.ready.send_replace(false);
+        settle_tasks().await;
+        assert!(
+            cache.flights.lock().unwrap().contains_key(&k),
+            "the proven reader's flight is up, its init's disk read queued"
+        );
+        // Same identity, not proven (its mount's proof lifetime is over): joins the flight.
+        let u = {
+            let (cache, k) = (cache.clone(), k.clone());
+            tokio::spawn(async move {
+                cache
+                    .get_or_fetch_as(&k, Reader::Unproven { owner: 1 }, || async {
+                        Err::<Bytes, &str>("403 AccessDenied")
+                    })
+                    .await
+            })
+        };
+        settle_tasks().await;
+        tx2.send(()).unwrap();
+        g2.await.unwrap();
+        assert_eq!(p.await.unwrap(), d, "the proven reader is served from disk");
+        cache.ready.send_replace(true);
+        assert_eq!(
+            u.await.unwrap().map(|b| b.len()),
+            Err("403 AccessDenied"),
+            "an unproven reader was handed the block from disk without a GET"
+        );
+    });
+}
+
+/// A block file that goes away under this process's index (a predecessor sharing the directory
+/// at a handover evicts it after this process indexed it at start; or a read during the index
+/// rebuild deletes a bad file the scan had listed already) must not stay indexed: read, it is a
+/// miss, and the fetched block is stored again, so the next read is a hit, not a GET for as long
+/// as the index keeps the ghost.
+#[tokio::test]
+async fn a_block_file_gone_under_the_index_is_stored_again() {
+    let dir = tempfile::tempdir().unwrap();
+    // The predecessor: room for one block of 40,000 bytes (a 40 KiB file), not two.
+    let old = open(dir.path(), BS).await;
+    let fetches = AtomicUsize::new(0);
+    let (x, dx) = (key("ghost", 0), data(1, 40_000));
+    assert_eq!(get(&old, &x, &dx, &fetches).await, dx);
+    old.settle().await;
+    assert!(old.contains(&x));
+    // The successor starts on the same directory and indexes the block.
+    let new = open(dir.path(), 1 << 30).await;
+    assert!(new.contains(&x));
+    // The predecessor, still serving, stores another block and evicts this one.
+    let (y, dy) = (key("other", 0), data(2, 40_000));
+    assert_eq!(get(&old, &y, &dy, &fetches).await, dy);
+    old.settle().await;
+    assert!(
+        !new.block_path(&x.file_id()).exists(),
+        "evicted by the predecessor"
+    );
+    drop(old);
+    let before = fetches.load(Ordering::SeqCst);
+    assert_eq!(get(&new, &x, &dx, &fetches).await, dx);
+    new.settle().await;
+    assert_eq!(get(&new, &x, &dx, &fetches).await, dx);
+    assert_eq!(
+        fetches.load(Ordering::SeqCst) - before,
+        1,
+        "the block was never stored again: every read is a GET"
+    );
+    assert!(new.block_path(&x.file_id()).exists());
+}
+
+/// The same for a whole-object file (and its sidecar) that goes away under the index: its
+/// blocks are stored again once fetched (an indexed whole file turns every block of its object
+/// away: "joined into a whole file meanwhile").
+#[tokio::test]
+async fn a_whole_object_gone_under_the_index_is_stored_again() {
+    let dir = tempfile::tempdir().unwrap();
+    // The predecessor: room for the object's blocks and its whole file while it is joined, and
+    // for two more full blocks only once the whole file is evicted.
+    let old = open(dir.path(), 150_000).await;
+    let fetches = AtomicUsize::new(0);
+    let size = BS + 100;
+    let (obj, content) = object("ghost-whole", size, 4);
+    old.want_whole(obj.clone(), size);
+    read_all(&old, &obj, &content, &fetches).await;
+    old.settle().await;
+    assert!(old.has_whole(&obj));
+    // The successor indexes the whole file.
+    let new = open(dir.path(), 1 << 30).await;
+    assert!(new.has_whole(&obj));
+    // The predecessor stores two blocks and evicts the whole file.
+    for name in ["y", "z"] {
+        let (k, d) = (key(name, 0), data(6, BS as usize));
+        assert_eq!(get(&old, &k, &d, &fetches).await, d);
+        old.settle().await;
+    }
+    assert!(
+        !new.object_path(&obj.file_id()).exists(),
+        "evicted by the predecessor"
+    );
+    drop(old);
+    let before = fetches.load(Ordering::SeqCst);
+    read_all(&new, &obj, &content, &fetches).await;
+    new.settle().await;
+    read_all(&new, &obj, &content, &fetches).await;
+    assert_eq!(
+        fetches.load(Ordering::SeqCst) - before,
+        2,
+        "the object's two blocks were never stored again: every read is a GET"
+    );
+}
