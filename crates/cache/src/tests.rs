@@ -1232,6 +1232,25 @@ async fn the_write_queue_is_kept_to_the_share_it_is_given() {
     );
 }
 
+/// A current-thread runtime with one blocking thread: blocking hops (disk reads while the index
+/// is rebuilt) run one at a time, in the order they were spawned.
+fn one_blocking_thread() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .max_blocking_threads(1)
+        .build()
+        .unwrap()
+}
+
+/// A cache in `dir` whose reads go to the disk (a blocking hop), as while its index is rebuilt
+/// at start.
+async fn reading_from_disk(dir: &Path) -> Arc<BlockCache> {
+    let cache = open(dir, 1 << 30).await;
+    cache.dirs_made().await;
+    cache.ready.send_replace(false);
+    cache
+}
+
 /// A proven reader that misses on disk, then finds the block on disk when its flight's init
 /// reads again (the block was stored in between: a writer thread, or a predecessor process at a
 /// handover while this one's index is rebuilt), returns the disk's bytes from the init: its
@@ -1242,17 +1261,9 @@ async fn the_write_queue_is_kept_to_the_share_it_is_given() {
 /// thread: the reader's first disk read runs, then the block is written, then its second.
 #[test]
 fn a_flight_whose_init_is_served_from_disk_is_ended() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .max_blocking_threads(1)
-        .build()
-        .unwrap();
-    rt.block_on(async {
+    one_blocking_thread().block_on(async {
         let dir = tempfile::tempdir().unwrap();
-        let cache = open(dir.path(), 1 << 30).await;
-        cache.dirs_made().await;
-        // As while the index is rebuilt at start: reads go to the disk (a blocking hop).
-        cache.ready.send_replace(false);
+        let cache = reading_from_disk(dir.path()).await;
         let (k, d) = (key("raced", 0), data(4, 3000));
         // Hold the one blocking thread.
         let (tx1, rx1) = std::sync::mpsc::channel::<()>();
@@ -1560,17 +1571,9 @@ async fn a_join_that_fits_is_made_when_its_own_block_is_least_recent() {
 /// thread, the proven reader's second disk read held until the unproven reader waits.
 #[test]
 fn an_unproven_waiter_is_not_handed_bytes_its_flight_read_from_disk() {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .max_blocking_threads(1)
-        .build()
-        .unwrap();
-    rt.block_on(async {
+    one_blocking_thread().block_on(async {
         let dir = tempfile::tempdir().unwrap();
-        let cache = open(dir.path(), 1 << 30).await;
-        cache.dirs_made().await;
-        // As while the index is rebuilt at start: reads go to the disk (a blocking hop).
-        cache.ready.send_replace(false);
+        let cache = reading_from_disk(dir.path()).await;
         let (k, d) = (key("unproven-join", 0), data(5, 3000));
         let (tx1, rx1) = std::sync::mpsc::channel::<()>();
         let g1 = tokio::task::spawn_blocking(move || rx1.recv().unwrap());
