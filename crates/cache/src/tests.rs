@@ -1251,6 +1251,32 @@ async fn reading_from_disk(dir: &Path) -> Arc<BlockCache> {
     cache
 }
 
+/// The one blocking thread is held by `g1` (let go through `tx1`), and a reader's first disk
+/// read is queued behind it: lets that read run (it misses), then stores block `k` before the
+/// reader's next disk read, which waits behind the returned hold (`g2`, let go through `tx2`).
+async fn store_after_first_disk_read(
+    cache: &Arc<BlockCache>,
+    k: &BlockKey,
+    d: &Bytes,
+    tx1: std::sync::mpsc::Sender<()>,
+    g1: tokio::task::JoinHandle<()>,
+) -> (std::sync::mpsc::Sender<()>, tokio::task::JoinHandle<()>) {
+    // Queued behind the reader's first disk read: started once that read is done.
+    let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
+    let (tx2, rx2) = std::sync::mpsc::channel::<()>();
+    let g2 = tokio::task::spawn_blocking(move || {
+        started_tx.send(()).unwrap();
+        rx2.recv().unwrap()
+    });
+    tx1.send(()).unwrap();
+    g1.await.unwrap();
+    started_rx.await.unwrap();
+    cache.ready.send_replace(true);
+    cache.store(k, d);
+    cache.ready.send_replace(false);
+    (tx2, g2)
+}
+
 /// A proven reader that misses on disk, then finds the block on disk when its flight's init
 /// reads again (the block was stored in between: a writer thread, or a predecessor process at a
 /// handover while this one's index is rebuilt), returns the disk's bytes from the init: its
@@ -1284,20 +1310,8 @@ fn a_flight_whose_init_is_served_from_disk_is_ended() {
         for _ in 0..10 {
             tokio::task::yield_now().await;
         }
-        // Queued behind the reader's first disk read: started once that read is done.
-        let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
-        let (tx2, rx2) = std::sync::mpsc::channel::<()>();
-        let g2 = tokio::task::spawn_blocking(move || {
-            started_tx.send(()).unwrap();
-            rx2.recv().unwrap()
-        });
-        tx1.send(()).unwrap();
-        g1.await.unwrap();
-        started_rx.await.unwrap();
         // The first read missed; the block is now written (the reader's init reads it next).
-        cache.ready.send_replace(true);
-        cache.store(&k, &d);
-        cache.ready.send_replace(false);
+        let (tx2, g2) = store_after_first_disk_read(&cache, &k, &d, tx1, g1).await;
         assert!(cache.contains(&k));
         for _ in 0..10 {
             tokio::task::yield_now().await;
@@ -1589,19 +1603,8 @@ fn an_unproven_waiter_is_not_handed_bytes_its_flight_read_from_disk() {
             })
         };
         settle_tasks().await;
-        let (started_tx, started_rx) = tokio::sync::oneshot::channel::<()>();
-        let (tx2, rx2) = std::sync::mpsc::channel::<()>();
-        let g2 = tokio::task::spawn_blocking(move || {
-            started_tx.send(()).unwrap();
-            rx2.recv().unwrap()
-        });
-        tx1.send(()).unwrap();
-        g1.await.unwrap();
-        started_rx.await.unwrap();
         // The proven reader's first read missed; the block is written now.
-        cache.ready.send_replace(true);
-        cache.store(&k, &d);
-        cache.ready.send_replace(false);
+        let (tx2, g2) = store_after_first_disk_read(&cache, &k, &d, tx1, g1).await;
         settle_tasks().await;
         assert!(
             cache.flights.lock().unwrap().contains_key(&k),
