@@ -841,7 +841,8 @@ impl BlockCache {
     ///
     /// `charge`, if given, takes what the caller holds for the fetched bytes (a prefetch window's
     /// share of the budget): if this call's fetch runs, the block's write holds it instead of
-    /// asking [`Self::charge_writes`] for a second charge of the same buffer. Without it, a miss
+    /// asking [`Self::charge_writes`] for a second charge of the same buffer (only when `part`
+    /// is the whole block: a smaller part's charge does not cover the block). Without it, a miss
     /// that fetches asks [`Self::charge_writes`] for the block's bytes before fetching them, held
     /// from the fetch until the block is written: refused (the budget is spent), the miss fetches
     /// only `part.within`, not stored (counted as skipped), rather than a whole block the cache
@@ -1007,14 +1008,19 @@ impl BlockCache {
     }
 
     /// The charge a fetch of a whole block holds until the block is written: the caller's
-    /// `charge`, or, for a `part` without one, the block's bytes charged now through
-    /// [`Self::charge_writes`] (`Err(part.within)` when refused: only those bytes may be fetched).
+    /// `charge` when its part is the whole block, or, for a `part` without one (or with one for
+    /// only some of the block), the block's bytes charged now through [`Self::charge_writes`]
+    /// (`Err(part.within)` when refused: only those bytes may be fetched).
     /// Runs the hook, so the caller may hold the cache's locks but must not call back into it.
     fn charge_fetch(
         &self,
         part: Option<&Part>,
         charge: Option<HeldCharge>,
     ) -> Result<Option<HeldCharge>, Range<u64>> {
+        // The caller's charge is for its part's bytes: it covers the fetched block's buffer only
+        // when the part is the whole block (a smaller part is cut out as a copy, which that
+        // charge goes on covering, and the block waits for the writers on its own).
+        let charge = charge.filter(|_| part.is_none_or(|p| p.within == (0..p.len)));
         match (part, charge, self.charge_writes.get()) {
             (Some(p), None, Some((charge_writes, _))) => match charge_writes(p.len) {
                 Some(c) => Ok(Some(Box::new(move || Some(c)))),

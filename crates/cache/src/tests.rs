@@ -1713,3 +1713,61 @@ async fn a_whole_object_gone_under_the_index_is_stored_again() {
         "the object's two blocks were never stored again: every read is a GET"
     );
 }
+
+/// A prefetched part that starts in the middle of its block (`Prefetch::fill` after a seek: the
+/// part runs from the reader to the block's end) holds the budget for its own bytes only. Its
+/// miss fetches the whole block, and the part keeps a copy of its bytes, so the block's buffer
+/// waiting for the writers is not the part's: it must be charged for its own length ("a block
+/// waiting for them is charged ... until it is on disk"), not ride on the part's smaller charge.
+#[tokio::test]
+async fn a_block_fetched_for_a_part_of_it_is_charged_for_the_whole_block() {
+    struct Charge(Arc<Mutex<Vec<(&'static str, u64)>>>, &'static str, u64);
+    impl Drop for Charge {
+        fn drop(&mut self) {
+            self.0.lock().unwrap().push((self.1, self.2));
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 1 << 30).await;
+    // Every charge a stored block held, given back once the block was written.
+    let released = Arc::new(Mutex::new(Vec::new()));
+    let r = released.clone();
+    assert!(cache.charge_writes(
+        Box::new(move |bytes| Some(
+            Box::new(Charge(r.clone(), "cache_write", bytes)) as WriteCharge
+        )),
+        u64::MAX
+    ));
+    let (k, d) = (key("mid-block", 0), data(3, 3000));
+    // The part: bytes 1000..3000 of the block, the budget held for those 2,000 bytes.
+    let part = Part {
+        len: d.len() as u64,
+        within: 1000..3000,
+    };
+    let own = Charge(released.clone(), "prefetch part", 2000);
+    let got = cache
+        .get_part_or_fetch_as(
+            &k,
+            part,
+            Reader::Proven { owner: 0 },
+            Some(Box::new(move || Some(Box::new(own) as WriteCharge))),
+            |range| {
+                let d = d.clone();
+                async move {
+                    Ok::<_, std::convert::Infallible>(
+                        d.slice(range.start as usize..range.end as usize),
+                    )
+                }
+            },
+        )
+        .await
+        .unwrap();
+    assert_eq!(got, data(3, 3000).slice(1000..3000));
+    cache.settle().await;
+    assert!(cache.contains(&k));
+    let charges = released.lock().unwrap().clone();
+    assert!(
+        charges.contains(&("cache_write", 3000)),
+        "the 3,000-byte block waited for the writers on the part's charge only: {charges:?}"
+    );
+}
