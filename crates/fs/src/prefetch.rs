@@ -125,6 +125,16 @@ pub async fn fetch(src: &Source, range: Range<u64>) -> Result<Bytes, StoreError>
     fetch_shared(src, range, None, None).await
 }
 
+/// [`fetch`] for a caller that holds `held` for the range's bytes (a directory sweep's read-ahead
+/// reservation): a block fetched whole for it is written under that charge, not a second one.
+pub async fn fetch_held(
+    src: &Source,
+    range: Range<u64>,
+    held: &Arc<Reservation>,
+) -> Result<Bytes, StoreError> {
+    fetch_shared(src, range, None, Some(&Arc::downgrade(held))).await
+}
+
 /// One GET shared by consecutive blocks that [`Prefetch::fill`] fetches ahead through the node
 /// cache: each block keeps its own single flight and cache file, but the blocks the GET spans
 /// that are fetched at all come from one request (started by the first that needs it). The body

@@ -514,3 +514,82 @@ async fn opens_far_apart_do_not_add_up_to_a_sweep() {
     open(30).await;
     assert!(Fs::swept(&fs.lock(), ROOT_INO), "not swept");
 }
+
+/// A sweep near the memory budget: each file it fetches is charged once, from before its GET
+/// until its block is on disk. Charged twice (its read-ahead reservation, and again as a block
+/// waiting for the writers), a file the budget holds once but not twice is fetched and never
+/// stored, and every later open of it is a GET.
+#[tokio::test]
+async fn a_sweep_near_the_budget_stores_what_it_fetches() {
+    let (_dir, cache, store) = cache_and_store().await;
+    const SIZE: usize = 30_000;
+    let files: Vec<(String, Vec<u8>)> = (0..40u32)
+        .map(|i| (format!("f{i:02}"), data(SIZE + i as usize, i as u8)))
+        .collect();
+    let mut etags = HashMap::new();
+    for (name, body) in &files {
+        etags.insert(name.clone(), store.insert(B, name, body.clone()));
+    }
+    // The listing's charge, measured on a mount of the same bucket with room to spare (and
+    // without the cache, whose writes are charged to the first budget it is given).
+    let mut cfg = MountConfig::new(B);
+    cfg.endpoint = "http://s3.test".into();
+    cfg.metadata_ttl = crate::config::MetadataTtl::Indefinite;
+    let probe = Fs::new(Arc::new(store.clone()), cfg.clone());
+    assert_eq!(list_root(&probe).await.len(), 2 + 40, ". and .. too");
+    let listing = probe.budget().used_for(Use::Listing);
+    drop(probe);
+    // Room for the listing and one file and a half: every file fits once, none twice.
+    let budget = MemoryBudget::new(listing + (SIZE as u64 + 39) * 3 / 2);
+    let fs = Fs::with_budget(
+        Arc::new(store.clone()),
+        cfg,
+        budget.clone(),
+        PrefetchConfig::default(),
+    )
+    .with_cache(Some(cache.clone()));
+    assert_eq!(list_root(&fs).await.len(), 2 + 40);
+    assert_eq!(
+        budget.used_for(Use::Listing),
+        listing,
+        "the listing is kept"
+    );
+    // A shuffled order: the sixteenth open starts the sweep of the 24 files left.
+    let order: Vec<usize> = (0..40).map(|i| (i * 37) % 40).collect();
+    for &i in &order[..16] {
+        let (name, body) = &files[i];
+        assert_eq!(&read_all(&fs, name, 1 << 20).await.unwrap(), body);
+        cache.settle().await;
+        assert!(
+            is_cached(&cache, name, &etags[name]),
+            "{name} read, not stored"
+        );
+    }
+    assert!(Fs::swept(&fs.lock(), ROOT_INO), "not swept");
+    // The sweep's GETs (one file at a time: each waits its turn for the budget).
+    for _ in 0..3000 {
+        if store.stats().get >= 40 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(store.stats().get, 40, "each file fetched once");
+    cache.settle().await;
+    for &i in &order[16..] {
+        let (name, _) = &files[i];
+        assert!(
+            is_cached(&cache, name, &etags[name]),
+            "{name} was swept but not stored"
+        );
+    }
+    for &i in &order[16..] {
+        let (name, body) = &files[i];
+        assert_eq!(&read_all(&fs, name, 1 << 20).await.unwrap(), body);
+    }
+    assert_eq!(store.stats().get, 40, "the swept files read from the cache");
+    assert_eq!(
+        budget.used(),
+        listing,
+        "every charge but the listing's given back"
+    );
+}

@@ -10,9 +10,10 @@
 //! [`SWEEP_OPEN_SHARE`] of its entries (a few files picked out of a big directory never start
 //! it); it runs once per directory and mount, fetches only files of at most
 //! [`crate::PrefetchConfig::small_object_max`] that the cache does not hold whole, at most
-//! [`SWEEP_IN_FLIGHT`] at once (and [`SWEEPS_AT_ONCE`] sweeps per mount), charged to the memory
-//! budget while in flight, and stops at a quarter of the cache's size. Each GET uses the mount's own credentials (and proves its access,
-//! see `prefetch::fetch`).
+//! [`SWEEP_IN_FLIGHT`] at once (and [`SWEEPS_AT_ONCE`] sweeps per mount), each file charged to the
+//! memory budget once, from before its GET until its blocks are on disk, and stops at a quarter
+//! of the cache's size. Each GET uses the mount's own credentials (and proves its access, see
+//! `prefetch::fetch`).
 
 use super::*;
 use futures::stream::{self, StreamExt};
@@ -152,10 +153,12 @@ impl Fs {
                             }
                             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
                         }
-                        // ... nor over the memory budget: a sweep can wait.
-                        let _held = loop {
+                        // ... nor over the memory budget: a sweep can wait. The blocks fetched
+                        // wait for the writers under this charge (not a second one, which near
+                        // the budget would be refused and leave them unstored).
+                        let held = loop {
                             match budget.try_reserve_for(crate::budget::Use::ReadAhead, src.size) {
-                                Some(r) => break r,
+                                Some(r) => break Arc::new(r),
                                 None => {
                                     tokio::time::sleep(std::time::Duration::from_millis(50)).await
                                 }
@@ -170,7 +173,7 @@ impl Fs {
                             return;
                         }
                         // A failure is the opener's to see when it reads the file itself.
-                        let _ = fetch(&src, 0..src.size).await;
+                        let _ = crate::prefetch::fetch_held(&src, 0..src.size, &held).await;
                     }
                 })
                 .await;
