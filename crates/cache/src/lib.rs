@@ -406,7 +406,11 @@ struct Flight {
     cell: Arc<FlightCell>,
 }
 
-/// Ends a flight whose init was dropped before it finished (its reader went away).
+/// Ends a flight when the init that holds it ends without bytes to store: failed, refused,
+/// served from disk, or dropped (its reader went away). Owned by the init, it runs while the
+/// init still holds the cell, before a waiter can take the flight over: ended later, it could
+/// end the flight that waiter has just claimed, and a reader arriving then would start a
+/// second GET.
 struct EndFlightOnDrop<'a> {
     cache: &'a BlockCache,
     key: &'a BlockKey,
@@ -416,7 +420,7 @@ struct EndFlightOnDrop<'a> {
 
 impl Drop for EndFlightOnDrop<'_> {
     fn drop(&mut self) {
-        if self.armed && !self.cell.initialized() {
+        if self.armed {
             self.cache.end_flight(self.key, self.cell);
         }
     }
@@ -934,17 +938,17 @@ impl BlockCache {
         let mut ran = false;
         let mut fetch = Some(fetch);
         let mut charge = Some(charge);
-        // A cancelled init (its reader gone) ends the flight, so no orphan stays in the map.
-        let mut guard = EndFlightOnDrop {
-            cache: self,
-            key,
-            cell: &cell,
-            armed: false,
-        };
         let result = cell
             .get_or_try_init(|| async {
                 ran = true;
-                guard.armed = true;
+                // Unless its block goes to the writers (who end the flight once it is stored),
+                // this init ends the flight, so no orphan stays in the map.
+                let mut guard = EndFlightOnDrop {
+                    cache: self,
+                    key,
+                    cell: &cell,
+                    armed: true,
+                };
                 // This caller runs the flight's fetch: the map names the flight, by this caller's
                 // identity, also when it joined and a failed or cancelled init before it took the
                 // flight out of the map (later readers join this fetch, not start another).
@@ -953,9 +957,9 @@ impl BlockCache {
                 if from_disk {
                     // The whole block: every caller joining this flight takes its part of it.
                     if let Some(data) = self.read(key, None).await {
-                        // Nothing to write: the flight ends here (left in the map, it would hand
-                        // these bytes to later readers without a look at the disk or a GET).
-                        self.end_flight(key, &cell);
+                        // Nothing to write: the flight ends here (`guard`; left in the map, it
+                        // would hand these bytes to later readers without a look at the disk or
+                        // a GET).
                         return Ok((None, data));
                     }
                 }
@@ -970,12 +974,11 @@ impl BlockCache {
                     .map_err(InitError::Fetch)?;
                 let charge = charge.and_then(|held| held());
                 self.store_in_background(key.clone(), data.clone(), cell.clone(), charge);
+                guard.armed = false;
                 Ok((Some(owner), data))
             })
             .await
             .cloned();
-        guard.armed = false;
-        drop(guard);
         match result {
             // Bytes another identity's fetch got, for a reader that has not shown access: never
             // handed over. (Its own init may have failed, leaving the flight to a proven one.)
@@ -994,13 +997,9 @@ impl BlockCache {
                 }
                 Ok(cut(data))
             }
-            Err(InitError::Fetch(e)) => {
-                self.end_flight(key, &cell);
-                Err(e)
-            }
+            // The init ended the flight: it is left to the next waiter (or to a new flight).
+            Err(InitError::Fetch(e)) => Err(e),
             Err(InitError::Refused(within)) => {
-                // Left to the next waiter (or to a new flight), as after a failed fetch.
-                self.end_flight(key, &cell);
                 let fetch = fetch.take().expect("refused before its fetch ran");
                 self.fetch_only(key, within, fetch).await
             }
