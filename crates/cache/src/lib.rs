@@ -134,6 +134,12 @@ pub enum CacheError {
     MaxSize { max: u64, block: u64 },
     #[error("cache directory {path}: {source}")]
     Dir { path: PathBuf, source: io::Error },
+    #[error(
+        "cache directory {path} is in use by another process{}: each process needs a cache \
+         directory of its own (the mounts of one node plugin share its cache)",
+        holder.map(|pid| format!(" (pid {pid})")).unwrap_or_default()
+    )]
+    InUse { path: PathBuf, holder: Option<u32> },
 }
 
 /// What the cache did since it was opened.
@@ -274,12 +280,30 @@ const WRITER_NICE: i32 = 10;
 struct Joins {
     queue: std::collections::VecDeque<(ObjectKey, u64)>,
     queued: HashSet<FileId>,
+    /// The cache was dropped: the joiner ends.
+    closed: bool,
 }
 
 #[derive(Default)]
 struct WriteQueue {
     jobs: std::collections::VecDeque<WriteJob>,
     bytes: u64,
+    /// The cache was dropped: the writers end.
+    closed: bool,
+}
+
+/// What the cache's writer and joiner threads wait on. They hold it, and the cache only while
+/// they work on a job: waiting, they keep the cache alive no more than a dropped handle does,
+/// and its drop ends them (`closed`, set under each queue's lock).
+#[derive(Default)]
+struct Work {
+    /// Blocks waiting for the writer threads.
+    write_queue: Mutex<WriteQueue>,
+    write_ready: std::sync::Condvar,
+    /// Objects whose blocks are all on disk, to be joined into whole files once the cache is
+    /// idle (see [`JOIN_IDLE`]); each counts in `writes` until joined.
+    joins: Mutex<Joins>,
+    joins_ready: std::sync::Condvar,
 }
 
 struct WriteJob {
@@ -313,27 +337,27 @@ fn lower_priority() {
 }
 
 /// A writer thread: stores queued blocks; ends when the cache is dropped.
-fn write_blocks(cache: std::sync::Weak<BlockCache>) {
+fn write_blocks(cache: std::sync::Weak<BlockCache>, work: Arc<Work>) {
     lower_priority();
     loop {
-        let Some(c) = cache.upgrade() else { return };
         let job = {
-            let mut q = c.write_queue.lock().expect("write queue lock");
-            if q.jobs.is_empty() {
-                let (guard, _) = c
-                    .write_ready
-                    .wait_timeout(q, std::time::Duration::from_secs(1))
-                    .expect("write queue lock");
-                q = guard;
+            let mut q = work.write_queue.lock().expect("write queue lock");
+            loop {
+                if q.closed {
+                    return;
+                }
+                if let Some(job) = q.jobs.pop_front() {
+                    break job;
+                }
+                q = work.write_ready.wait(q).expect("write queue lock");
             }
-            q.jobs.pop_front()
         };
-        let Some(job) = job else { continue };
+        let Some(c) = cache.upgrade() else { return };
         c.store(&job.key, &job.data);
         if let Some(cell) = &job.cell {
             c.end_flight(&job.key, cell);
         }
-        c.write_queue.lock().expect("write queue lock").bytes -= job.data.len() as u64;
+        work.write_queue.lock().expect("write queue lock").bytes -= job.data.len() as u64;
         // The block's buffer and its charge go before the write counts as done (`settle`).
         drop(job);
         c.writes.fetch_sub(1, Ordering::AcqRel);
@@ -348,20 +372,22 @@ const JOIN_IDLE: std::time::Duration = std::time::Duration::from_millis(300);
 
 /// The joiner thread: joins queued objects one at a time once the cache has been idle for
 /// [`JOIN_IDLE`]; ends when the cache is dropped.
-fn join_when_idle(cache: std::sync::Weak<BlockCache>) {
+fn join_when_idle(cache: std::sync::Weak<BlockCache>, work: Arc<Work>) {
     lower_priority();
     loop {
+        {
+            // Woken by a new join, or by the cache's drop.
+            let mut joins = work.joins.lock().expect("joins lock");
+            while joins.queue.is_empty() && !joins.closed {
+                joins = work.joins_ready.wait(joins).expect("joins lock");
+            }
+            if joins.closed {
+                return;
+            }
+        }
         let Some(c) = cache.upgrade() else { return };
         let next = {
-            let mut joins = c.joins.lock().expect("joins lock");
-            if joins.queue.is_empty() {
-                // Woken by a new join; the timeout notices a dropped cache.
-                let (guard, _) = c
-                    .joins_ready
-                    .wait_timeout(joins, std::time::Duration::from_secs(1))
-                    .expect("joins lock");
-                joins = guard;
-            }
+            let mut joins = work.joins.lock().expect("joins lock");
             if joins.queue.is_empty() {
                 None
             } else {
@@ -467,25 +493,37 @@ pub struct BlockCache {
     /// This process's temporary block files: `blocks/xx/{tmp_prefix}{seq}` (never a block's
     /// name, so the index thread deletes those a dead process left).
     tmp_prefix: String,
+    /// The directory's lock, held for the cache's life ([`Self::open`]).
+    _lock: File,
     writes: AtomicUsize,
     writes_done: Notify,
-    /// Objects whose blocks are all on disk, to be joined into whole files once the cache is
-    /// idle (see [`JOIN_IDLE`]); each counts in `writes` until joined.
-    joins: Mutex<Joins>,
+    /// The writers' and the joiner's queues ([`Work`]).
+    work: Arc<Work>,
     /// [`Self::settle`] calls waiting: joins run without waiting for the cache to go idle.
     flushing: AtomicUsize,
-    /// Blocks waiting for the writer threads.
-    write_queue: Mutex<WriteQueue>,
     /// Charges the bytes of every block handed to the writers until it is written (the node
     /// plugin's memory budget), and the most bytes that may wait: [`Self::charge_writes`].
     charge_writes: std::sync::OnceLock<(ChargeWrites, u64)>,
-    write_ready: std::sync::Condvar,
-    joins_ready: std::sync::Condvar,
     /// When a block was last stored: milliseconds since `opened`.
     last_fill: AtomicU64,
     opened: std::time::Instant,
     /// Warm-ups started in this process (by id), so each runs once.
     claimed: Mutex<std::collections::HashSet<String>>,
+}
+
+impl Drop for BlockCache {
+    /// Ends the writer and joiner threads (blocks still queued are not stored). Set under each
+    /// queue's lock, so a thread that found its queue open is waiting by the time it is told.
+    fn drop(&mut self) {
+        if let Ok(mut q) = self.work.write_queue.lock() {
+            q.closed = true;
+        }
+        self.work.write_ready.notify_all();
+        if let Ok(mut joins) = self.work.joins.lock() {
+            joins.closed = true;
+        }
+        self.work.joins_ready.notify_all();
+    }
 }
 
 impl std::fmt::Debug for BlockCache {
@@ -501,7 +539,21 @@ impl std::fmt::Debug for BlockCache {
 impl BlockCache {
     /// Opens (creating) the cache at `cfg.dir`. Returns at once; the index of the blocks already
     /// there is rebuilt on a background thread ([`BlockCache::ready`]).
+    ///
+    /// One process at a time: the cache holds an exclusive lock on the directory (`lock`) for
+    /// its life. Held by another process, open waits up to [`LOCK_WAIT`] for it (a node plugin's
+    /// predecessor lets go as it exits, just before its successor opens the cache), then fails
+    /// with [`CacheError::InUse`]: two processes would each keep `max_size` of their own in it,
+    /// and delete each other's files.
     pub fn open(cfg: CacheConfig) -> Result<Arc<BlockCache>, CacheError> {
+        Self::open_waiting(cfg, LOCK_WAIT)
+    }
+
+    /// [`Self::open`], waiting at most `wait` for another process's lock on the directory.
+    fn open_waiting(
+        cfg: CacheConfig,
+        wait: std::time::Duration,
+    ) -> Result<Arc<BlockCache>, CacheError> {
         cfg.validate()?;
         let dir_err = |path: &Path| {
             let path = path.to_owned();
@@ -512,6 +564,7 @@ impl BlockCache {
         let tmp_dir = cfg.dir.join("tmp");
         let trash_dir = cfg.dir.join("trash");
         std::fs::create_dir_all(&cfg.dir).map_err(dir_err(&cfg.dir))?;
+        let lock = lock_dir(&cfg.dir, wait)?;
         // A directory written with another block size or format is emptied, not misread: its
         // files move to `trash/` (deleted by the index thread, so opening stays quick).
         let layout_path = cfg.dir.join("layout");
@@ -565,6 +618,7 @@ impl BlockCache {
         let _ = std::fs::remove_file(&checked_path);
         let direct = direct::supported(&tmp_dir);
         let cache = Arc::new(BlockCache {
+            _lock: lock,
             cfg,
             blocks_dir,
             objects_dir,
@@ -586,7 +640,6 @@ impl BlockCache {
             dirs_made: watch::channel(false).0,
             counters: Counters::default(),
             tmp_seq: AtomicU64::new(0),
-            // Distinct from a predecessor's sharing the directory during a handover.
             tmp_prefix: format!(
                 "{TMP_MARK}{:x}-",
                 SystemTime::now()
@@ -596,12 +649,9 @@ impl BlockCache {
             ),
             writes: AtomicUsize::new(0),
             writes_done: Notify::new(),
-            joins: Mutex::new(Joins::default()),
+            work: Arc::default(),
             flushing: AtomicUsize::new(0),
-            joins_ready: std::sync::Condvar::new(),
-            write_queue: Mutex::new(WriteQueue::default()),
             charge_writes: std::sync::OnceLock::new(),
-            write_ready: std::sync::Condvar::new(),
             last_fill: AtomicU64::new(0),
             opened: std::time::Instant::now(),
             claimed: Mutex::new(Default::default()),
@@ -611,16 +661,16 @@ impl BlockCache {
             .name("ferry-cache-index".into())
             .spawn(move || c.rebuild_index())
             .map_err(dir_err(&cache.cfg.dir))?;
-        let weak = Arc::downgrade(&cache);
+        let (weak, work) = (Arc::downgrade(&cache), cache.work.clone());
         std::thread::Builder::new()
             .name("ferry-cache-join".into())
-            .spawn(move || join_when_idle(weak))
+            .spawn(move || join_when_idle(weak, work))
             .map_err(dir_err(&cache.cfg.dir))?;
         for i in 0..WRITERS {
-            let weak = Arc::downgrade(&cache);
+            let (weak, work) = (Arc::downgrade(&cache), cache.work.clone());
             std::thread::Builder::new()
                 .name(format!("ferry-cache-w{i}"))
-                .spawn(move || write_blocks(weak))
+                .spawn(move || write_blocks(weak, work))
                 .map_err(dir_err(&cache.cfg.dir))?;
         }
         Ok(cache)
@@ -629,14 +679,14 @@ impl BlockCache {
     /// Queues `obj` to be joined into one whole file when the cache is idle.
     fn queue_join(&self, obj: ObjectKey, size: u64) {
         {
-            let mut joins = self.joins.lock().expect("joins lock");
+            let mut joins = self.work.joins.lock().expect("joins lock");
             if !joins.queued.insert(obj.file_id()) {
                 return;
             }
             self.writes.fetch_add(1, Ordering::AcqRel);
             joins.queue.push_back((obj, size));
         }
-        self.joins_ready.notify_one();
+        self.work.joins_ready.notify_one();
     }
 
     /// Milliseconds since the last block was stored.
@@ -684,7 +734,7 @@ impl BlockCache {
         }
         self.flushing.fetch_add(1, Ordering::AcqRel);
         let _flushing = Flushing(&self.flushing);
-        self.joins_ready.notify_all();
+        self.work.joins_ready.notify_all();
         loop {
             let notified = self.writes_done.notified();
             if self.writes.load(Ordering::Acquire) == 0 {
@@ -698,7 +748,7 @@ impl BlockCache {
     /// blocks are not stored): a background filler (a sweep) waits for room instead of having its
     /// blocks dropped.
     pub fn write_backlog(&self) -> (u64, u64) {
-        let q = self.write_queue.lock().expect("write queue lock");
+        let q = self.work.write_queue.lock().expect("write queue lock");
         (q.bytes, self.queue_max())
     }
 
@@ -1134,7 +1184,7 @@ impl BlockCache {
         let why = match charge {
             Err(why) => why,
             Ok(charge) => {
-                let mut q = self.write_queue.lock().expect("write queue lock");
+                let mut q = self.work.write_queue.lock().expect("write queue lock");
                 if q.bytes + len <= self.queue_max() {
                     q.bytes += len;
                     q.jobs.push_back(WriteJob {
@@ -1144,7 +1194,7 @@ impl BlockCache {
                         _charge: charge,
                     });
                     drop(q);
-                    self.write_ready.notify_one();
+                    self.work.write_ready.notify_one();
                     return;
                 }
                 "the cache's writers are behind"
@@ -1185,8 +1235,8 @@ impl BlockCache {
         let got = tokio::task::spawn_blocking(move || {
             let got = read_block_file(&path, &k, p);
             if matches!(&got, Err(e) if e.kind() == io::ErrorKind::NotFound) {
-                // Indexed, yet gone (deleted under the index: a predecessor's eviction at a
-                // handover, a bad file a read deleted while the index was rebuilt): forgotten,
+                // Indexed, yet gone (deleted under the index: by something other than the
+                // cache, or a bad file a read deleted while the index was rebuilt): forgotten,
                 // or the fetched block would never be stored again.
                 cache.forget_if_gone(Entry::Block(id));
             }
@@ -2042,6 +2092,49 @@ fn in_its_dir<T>(path: &Path, create: impl Fn(&Path) -> io::Result<T>) -> io::Re
         }
         other => other,
     }
+}
+
+/// How long [`BlockCache::open`] waits for another process to let go of the cache directory.
+pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Takes the exclusive lock on cache directory `dir` (`flock` on `dir/lock`, which records the
+/// holder's pid), waiting up to `wait` for another process to let go.
+fn lock_dir(dir: &Path, wait: std::time::Duration) -> Result<File, CacheError> {
+    let path = dir.join("lock");
+    let dir_err = |source| CacheError::Dir {
+        path: path.clone(),
+        source,
+    };
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .read(true)
+        .write(true)
+        .open(&path)
+        .map_err(dir_err)?;
+    let deadline = Instant::now() + wait;
+    loop {
+        match file.try_lock() {
+            Ok(()) => break,
+            Err(std::fs::TryLockError::WouldBlock) if Instant::now() < deadline => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(std::fs::TryLockError::WouldBlock) => {
+                let holder = std::fs::read_to_string(&path)
+                    .ok()
+                    .and_then(|s| s.trim().parse().ok());
+                return Err(CacheError::InUse {
+                    path: dir.to_owned(),
+                    holder,
+                });
+            }
+            Err(std::fs::TryLockError::Error(e)) => return Err(dir_err(e)),
+        }
+    }
+    file.set_len(0).map_err(dir_err)?;
+    file.write_all_at(format!("{}\n", std::process::id()).as_bytes(), 0)
+        .map_err(dir_err)?;
+    Ok(file)
 }
 
 /// What identifies one version of a file on disk: any write changes its ctime.

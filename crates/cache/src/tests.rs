@@ -1634,43 +1634,31 @@ fn an_unproven_waiter_is_not_handed_bytes_its_flight_read_from_disk() {
     });
 }
 
-/// A block file that goes away under this process's index (a predecessor sharing the directory
-/// at a handover evicts it after this process indexed it at start; or a read during the index
-/// rebuild deletes a bad file the scan had listed already) must not stay indexed: read, it is a
-/// miss, and the fetched block is stored again, so the next read is a hit, not a GET for as long
-/// as the index keeps the ghost.
+/// A block file that goes away under the index (deleted by something other than the cache: an
+/// operator freeing space, a cleaner of old files such as systemd-tmpfiles for a cache under
+/// `/var/tmp`; or a read during the index rebuild deleting a bad file the scan had listed
+/// already) must not stay indexed: read, it is a miss, and the fetched block is stored again, so
+/// the next read is a hit, not a GET for as long as the index keeps the ghost.
 #[tokio::test]
 async fn a_block_file_gone_under_the_index_is_stored_again() {
     let dir = tempfile::tempdir().unwrap();
-    // The predecessor: room for one block of 40,000 bytes (a 40 KiB file), not two.
-    let old = open(dir.path(), BS).await;
+    let cache = open(dir.path(), 1 << 30).await;
     let fetches = AtomicUsize::new(0);
     let (x, dx) = (key("ghost", 0), data(1, 40_000));
-    assert_eq!(get(&old, &x, &dx, &fetches).await, dx);
-    old.settle().await;
-    assert!(old.contains(&x));
-    // The successor starts on the same directory and indexes the block.
-    let new = open(dir.path(), 1 << 30).await;
-    assert!(new.contains(&x));
-    // The predecessor, still serving, stores another block and evicts this one.
-    let (y, dy) = (key("other", 0), data(2, 40_000));
-    assert_eq!(get(&old, &y, &dy, &fetches).await, dy);
-    old.settle().await;
-    assert!(
-        !new.block_path(&x.file_id()).exists(),
-        "evicted by the predecessor"
-    );
-    drop(old);
+    assert_eq!(get(&cache, &x, &dx, &fetches).await, dx);
+    cache.settle().await;
+    assert!(cache.contains(&x));
+    std::fs::remove_file(cache.block_path(&x.file_id())).unwrap();
     let before = fetches.load(Ordering::SeqCst);
-    assert_eq!(get(&new, &x, &dx, &fetches).await, dx);
-    new.settle().await;
-    assert_eq!(get(&new, &x, &dx, &fetches).await, dx);
+    assert_eq!(get(&cache, &x, &dx, &fetches).await, dx);
+    cache.settle().await;
+    assert_eq!(get(&cache, &x, &dx, &fetches).await, dx);
     assert_eq!(
         fetches.load(Ordering::SeqCst) - before,
         1,
         "the block was never stored again: every read is a GET"
     );
-    assert!(new.block_path(&x.file_id()).exists());
+    assert!(cache.block_path(&x.file_id()).exists());
 }
 
 /// The same for a whole-object file (and its sidecar) that goes away under the index: its
@@ -1679,34 +1667,21 @@ async fn a_block_file_gone_under_the_index_is_stored_again() {
 #[tokio::test]
 async fn a_whole_object_gone_under_the_index_is_stored_again() {
     let dir = tempfile::tempdir().unwrap();
-    // The predecessor: room for the object's blocks and its whole file while it is joined, and
-    // for two more full blocks only once the whole file is evicted.
-    let old = open(dir.path(), 150_000).await;
+    let cache = open(dir.path(), 1 << 30).await;
     let fetches = AtomicUsize::new(0);
     let size = BS + 100;
     let (obj, content) = object("ghost-whole", size, 4);
-    old.want_whole(obj.clone(), size);
-    read_all(&old, &obj, &content, &fetches).await;
-    old.settle().await;
-    assert!(old.has_whole(&obj));
-    // The successor indexes the whole file.
-    let new = open(dir.path(), 1 << 30).await;
-    assert!(new.has_whole(&obj));
-    // The predecessor stores two blocks and evicts the whole file.
-    for name in ["y", "z"] {
-        let (k, d) = (key(name, 0), data(6, BS as usize));
-        assert_eq!(get(&old, &k, &d, &fetches).await, d);
-        old.settle().await;
-    }
-    assert!(
-        !new.object_path(&obj.file_id()).exists(),
-        "evicted by the predecessor"
-    );
-    drop(old);
+    cache.want_whole(obj.clone(), size);
+    read_all(&cache, &obj, &content, &fetches).await;
+    cache.settle().await;
+    assert!(cache.has_whole(&obj));
+    let id = obj.file_id();
+    std::fs::remove_file(cache.object_path(&id)).unwrap();
+    std::fs::remove_file(cache.meta_path(&id)).unwrap();
     let before = fetches.load(Ordering::SeqCst);
-    read_all(&new, &obj, &content, &fetches).await;
-    new.settle().await;
-    read_all(&new, &obj, &content, &fetches).await;
+    read_all(&cache, &obj, &content, &fetches).await;
+    cache.settle().await;
+    read_all(&cache, &obj, &content, &fetches).await;
     assert_eq!(
         fetches.load(Ordering::SeqCst) - before,
         2,
@@ -1770,4 +1745,70 @@ async fn a_block_fetched_for_a_part_of_it_is_charged_for_the_whole_block() {
         charges.contains(&("cache_write", 3000)),
         "the 3,000-byte block waited for the writers on the part's charge only: {charges:?}"
     );
+}
+
+/// One process per cache directory: a second open while the first cache lives is refused with an
+/// error that names the directory and the holder (two caches would each keep `max_size` of
+/// their own in it and delete each other's files). `flock` locks belong to the open file, so a
+/// second open in the same process stands for another process here.
+#[tokio::test]
+async fn a_cache_directory_in_use_is_refused_naming_it_and_its_holder() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 1 << 30).await;
+    let cfg = CacheConfig {
+        block_size: BS,
+        ..CacheConfig::new(dir.path(), 1 << 30)
+    };
+    let err = BlockCache::open_waiting(cfg, std::time::Duration::from_millis(50)).unwrap_err();
+    match &err {
+        CacheError::InUse { path, holder } => {
+            assert_eq!(path, dir.path());
+            assert_eq!(*holder, Some(std::process::id()));
+        }
+        other => panic!("not refused as in use: {other}"),
+    }
+    let msg = err.to_string();
+    assert!(
+        msg.contains(&dir.path().display().to_string())
+            && msg.contains("in use by another process")
+            && msg.contains(&format!("pid {}", std::process::id())),
+        "{msg}"
+    );
+    // The first cache is untouched by the refused open.
+    let (k, d) = (key("still-mine", 0), data(3, 5000));
+    let fetches = AtomicUsize::new(0);
+    assert_eq!(get(&cache, &k, &d, &fetches).await, d);
+    cache.settle().await;
+    assert!(cache.contains(&k));
+}
+
+/// Dropping the last handle of a cache ends its writer and joiner threads (they hold the cache
+/// only while they work on a job) and lets go of its directory: the next open of it succeeds
+/// and finds what was stored.
+#[tokio::test]
+async fn a_dropped_cache_ends_its_threads_and_lets_go_of_its_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 1 << 30).await;
+    let (k, d) = (key("kept", 0), data(4, 5000));
+    let fetches = AtomicUsize::new(0);
+    assert_eq!(get(&cache, &k, &d, &fetches).await, d);
+    cache.settle().await;
+    let (weak, work) = (Arc::downgrade(&cache), Arc::downgrade(&cache.work));
+    drop(cache);
+    // A writer that has just stored the block may hold the cache a moment longer: open waits
+    // for its lock.
+    let again = open(dir.path(), 1 << 30).await;
+    assert!(weak.upgrade().is_none(), "the first cache is still alive");
+    assert!(again.contains(&k));
+    // The first cache's threads end once told (each holds its queues until then).
+    let ended = tokio::task::spawn_blocking(move || {
+        let deadline = Instant::now() + LOCK_WAIT;
+        while work.strong_count() > 0 && Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        work.strong_count() == 0
+    })
+    .await
+    .unwrap();
+    assert!(ended, "the first cache's threads still run");
 }
