@@ -1406,26 +1406,28 @@ fn local_values(local: &Local, cluster: &KubeCluster, images: &Images, target: &
             json!({"name": "AWS_ENDPOINT_URL_STS", "value": local.moto.endpoint_url()}),
         ],
     );
+    // On the host network every port is the host's: free ones, and four different ones (each
+    // port's listener is held until all four are chosen: one at a time, the kernel may hand out
+    // the same port twice, and a node plugin whose metrics and health ports clash never starts).
+    let [metrics, controller_metrics, controller_health, node_health] = free_ports();
     json!({
         "image": {"pullPolicy": "Never"},
         "sidecars": {"provisioner": {"image": {"repository": prov_repo, "tag": prov_tag, "pullPolicy": "Never"}}},
         "kubernetesApi": {"host": "127.0.0.1", "port": port},
         // moto, for the pod-identity volume.
         "s3": {"allowedEndpoints": [local.moto.endpoint_url()]},
-        // On the host network every port is the host's: free ones, so nothing else on this
-        // machine can clash.
-        "metrics": {"port": free_port()},
+        "metrics": {"port": metrics},
         "controller": {
             // One replica: on the host network the chart allows one per node.
             "replicas": 1,
             "hostNetwork": true,
-            "metricsPort": free_port(),
-            "healthPort": free_port(),
+            "metricsPort": controller_metrics,
+            "healthPort": controller_health,
             "extraEnv": env,
         },
         "node": {
             "hostNetwork": true,
-            "healthPort": free_port(),
+            "healthPort": node_health,
             "kubeletDir": local.node.kubelet_dir().display().to_string(),
             "cache": {"hostPath": local.node.dir().join("cache").display().to_string()},
             "extraEnv": env,
@@ -1644,11 +1646,17 @@ fn pod_state(p: &Pod) -> String {
     s
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("binding 127.0.0.1:0")
+/// `N` different ports free on this machine now: every listener is held until all are bound.
+fn free_ports<const N: usize>() -> [u16; N] {
+    let listeners: Vec<std::net::TcpListener> = (0..N)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("binding 127.0.0.1:0"))
+        .collect();
+    std::array::from_fn(|i| {
+        listeners[i]
+            .local_addr()
+            .expect("a bound listener's address")
+            .port()
+    })
 }
 
 /// `s` without terminal colour escapes (`ESC [ ... m`).
