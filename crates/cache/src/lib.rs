@@ -481,9 +481,10 @@ pub struct BlockCache {
     state: Mutex<State>,
     /// Sidecars of whole objects read so far.
     metas: Mutex<HashMap<FileId, Arc<ObjectMeta>>>,
-    /// Per whole object: a gate held while it is checked, and whether it was checked in full by
-    /// this process (or written by it).
-    verified: Mutex<HashMap<FileId, Arc<Mutex<bool>>>>,
+    /// Per whole object: a gate held while it is checked, and, once it was checked in full by
+    /// this process (or written by it, or trusted from the previous one), the stamp its file had
+    /// then: [`Self::save_checked`] records it only if the file still has that stamp.
+    verified: Mutex<HashMap<FileId, Arc<Mutex<Option<FileStamp>>>>>,
     flights: Mutex<HashMap<BlockKey, Flight>>,
     ready: watch::Sender<bool>,
     /// Whether the index thread has made every block directory (after `ready`).
@@ -1318,6 +1319,12 @@ impl BlockCache {
             let gone = paths.iter().any(|p| !p.exists());
             if gone {
                 st.remove(&entry);
+                // The rest of it (a whole object's data file whose sidecar went, or the other
+                // way round) would stay on disk counted by nothing. Deleted under the lock: a
+                // join of the object cannot put a new file there meanwhile.
+                for p in &paths {
+                    let _ = std::fs::remove_file(p);
+                }
             }
             gone
         };
@@ -1401,6 +1408,11 @@ impl BlockCache {
         let mut buf = vec![0u8; (span.end - span.start) as usize];
         if let Err(e) = file.read_exact_at(&mut buf, span.start) {
             tracing::warn!(key = %key.key, error = %e, "cache: reading a whole-object file failed");
+            if e.kind() == io::ErrorKind::UnexpectedEof {
+                // Shorter than its sidecar says: a bad file, as one that fails its crcs (kept,
+                // it would turn its object's blocks away from the cache for good).
+                self.drop_corrupt(Entry::Object(id));
+            }
             return None;
         }
         if block::check_chunks(&buf, meta.chunk, &meta.crcs, first).is_err() {
@@ -1448,11 +1460,24 @@ impl BlockCache {
             .or_default()
             .clone();
         let mut checked = gate.lock().expect("verify gate");
-        let file = File::open(self.object_path(&id)).ok()?;
-        if !*checked {
+        let file = match File::open(self.object_path(&id)) {
+            Ok(file) => file,
+            Err(e) => {
+                if e.kind() == io::ErrorKind::NotFound {
+                    // As a block file gone under the index ([`Self::read`]).
+                    drop(checked);
+                    self.forget_if_gone(Entry::Object(id));
+                }
+                return None;
+            }
+        };
+        // Stamped before a check: a write during it changes the file's ctime. A file whose
+        // stamp moved since it was checked (written to since) is checked again.
+        let stamp = file.metadata().ok().map(|m| FileStamp::of(&m));
+        if checked.is_none() || *checked != stamp {
             let meta = self.meta(obj, &id)?;
             let ok = meta.size == size
-                && file.metadata().is_ok_and(|m| m.len() == size)
+                && stamp.is_some_and(|st| st.size == size)
                 && check_whole(&file, &meta);
             if !ok {
                 tracing::warn!(key = %obj.key, etag = %obj.etag,
@@ -1461,7 +1486,7 @@ impl BlockCache {
                 self.drop_corrupt(Entry::Object(id));
                 return None;
             }
-            *checked = true;
+            *checked = stamp;
         }
         Some(file)
     }
@@ -1471,24 +1496,27 @@ impl BlockCache {
     /// the cache's filesystem first (`syncfs`), so a recorded file is on disk as checked.
     /// Blocking; returns how many files it recorded.
     pub fn save_checked(&self) -> io::Result<usize> {
-        let ids: Vec<FileId> = {
+        let ids: Vec<(FileId, FileStamp)> = {
             let verified = self.verified.lock().expect("verified lock");
             verified
                 .iter()
-                .filter(|(_, gate)| gate.try_lock().is_ok_and(|g| *g))
-                .map(|(id, _)| *id)
+                .filter_map(|(id, gate)| Some((*id, (*gate.try_lock().ok()?)?)))
                 .collect()
         };
         let dir = File::open(&self.cfg.dir)?;
         nix::unistd::syncfs(&dir)?;
         let mut out = String::new();
         let mut n = 0;
-        for id in ids {
+        for (id, checked) in ids {
             if !self.lock().lru.contains(&Entry::Object(id)) {
                 continue;
             }
             if let Ok(meta) = std::fs::metadata(self.object_path(&id)) {
                 let st = FileStamp::of(&meta);
+                if st != checked {
+                    // Changed since it was checked: the next process checks it again.
+                    continue;
+                }
                 out.push_str(&format!(
                     "{} {} {} {} {}\n",
                     block::hex(&id),
@@ -1610,7 +1638,8 @@ impl BlockCache {
             victims
         };
         self.delete(&victims);
-        let written = self.make_room_on_disk(len) && self.write_whole(obj, id, size, write);
+        let written = self.make_room_on_disk(len, |e| ours.contains(e))
+            && self.write_whole(obj, id, size, write);
         let mut st = self.lock();
         st.pending -= len;
         if !written {
@@ -1627,6 +1656,9 @@ impl BlockCache {
             }
         }
         // Written from checked blocks by this process: no need to check it again before use.
+        let stamp = std::fs::metadata(self.object_path(id))
+            .ok()
+            .map(|m| FileStamp::of(&m));
         *self
             .verified
             .lock()
@@ -1634,7 +1666,7 @@ impl BlockCache {
             .entry(*id)
             .or_default()
             .lock()
-            .expect("verify gate") = true;
+            .expect("verify gate") = stamp;
         self.counters.assembled.fetch_add(1, Ordering::Relaxed);
         metrics().assembled.inc();
         self.publish_size();
@@ -1773,7 +1805,7 @@ impl BlockCache {
             victims
         };
         self.delete(&victims);
-        let stored = self.make_room_on_disk(len) && self.write(&id, &[data, &tail]);
+        let stored = self.make_room_on_disk(len, |_| false) && self.write(&id, &[data, &tail]);
         let mut st = self.lock();
         st.pending -= len;
         if stored {
@@ -1801,8 +1833,9 @@ impl BlockCache {
         }
     }
 
-    /// Evicts until `len` more bytes leave `min_free` free; `false` if that is impossible.
-    fn make_room_on_disk(&self, len: u64) -> bool {
+    /// Evicts until `len` more bytes leave `min_free` free, passing over the entries `keep`
+    /// keeps (a join's own blocks); `false` if that is impossible.
+    fn make_room_on_disk(&self, len: u64, keep: impl Fn(&Entry) -> bool) -> bool {
         loop {
             let free = match space::available(&self.blocks_dir) {
                 Ok(free) => free,
@@ -1814,7 +1847,7 @@ impl BlockCache {
             if free >= self.cfg.min_free.saturating_add(len) {
                 return true;
             }
-            let victim = self.lock().pop_lru();
+            let victim = self.lock().pop_lru_except(&keep);
             match victim {
                 Some((victim, _)) => self.delete(&[victim]),
                 None => return false,
@@ -1913,7 +1946,7 @@ impl BlockCache {
         let mut found: Vec<(SystemTime, Entry, u64)> = Vec::new();
         let mut stray = 0usize;
         let saved = std::mem::take(&mut *self.saved_checks.lock().expect("saved checks lock"));
-        let mut trusted: Vec<FileId> = Vec::new();
+        let mut trusted: Vec<(FileId, FileStamp)> = Vec::new();
         let mtime = |m: &std::fs::Metadata| m.modified().unwrap_or(SystemTime::UNIX_EPOCH);
         for (dir, whole) in [(&self.blocks_dir, false), (&self.objects_dir, true)] {
             let Ok(subdirs) = std::fs::read_dir(dir) else {
@@ -1943,8 +1976,9 @@ impl BlockCache {
                             found.push((mtime(&meta), Entry::Block(id), meta.len()))
                         }
                         (Some(id), Ok(meta), Some(Ok(side))) if meta.is_file() => {
-                            if saved.get(&id) == Some(&FileStamp::of(&meta)) {
-                                trusted.push(id);
+                            let stamp = FileStamp::of(&meta);
+                            if saved.get(&id) == Some(&stamp) {
+                                trusted.push((id, stamp));
                             }
                             found.push((mtime(&meta), Entry::Object(id), meta.len() + side.len()))
                         }
@@ -1976,8 +2010,8 @@ impl BlockCache {
         };
         {
             let mut verified = self.verified.lock().expect("verified lock");
-            for id in &trusted {
-                verified.insert(*id, Arc::new(Mutex::new(true)));
+            for (id, stamp) in &trusted {
+                verified.insert(*id, Arc::new(Mutex::new(Some(*stamp))));
             }
             self.counters
                 .trusted

@@ -530,6 +530,113 @@ async fn a_clean_shutdown_lets_the_next_process_trust_unchanged_whole_files_only
     assert_eq!(cache.stats().corrupt, 1);
 }
 
+/// A whole file this process checked (or wrote) and that then changed on disk while it ran is
+/// not recorded as checked at its clean shutdown: the record vouches for what was checked, so
+/// the next process checks the file and refuses it.
+#[tokio::test]
+async fn a_whole_file_changed_after_its_check_is_not_trusted_by_the_next_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let fetches = AtomicUsize::new(0);
+    let size = 2 * BS + 99;
+    let (obj, content) = object("changed", size, 8);
+    {
+        let cache = open(dir.path(), 20 * BS).await;
+        cache.want_whole(obj.clone(), size);
+        read_all(&cache, &obj, &content, &fetches).await;
+        cache.settle().await;
+        let f = cache.open_whole(&obj, size).expect("whole file");
+        assert_eq!(read_file(f), content.to_vec());
+        // Altered on disk after the check, while the process still runs (a later clock tick:
+        // its ctime moves).
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let path = cache.object_path(&obj.file_id());
+        let mut bytes = std::fs::read(&path).unwrap();
+        bytes[5] ^= 1;
+        std::fs::write(&path, bytes).unwrap();
+        cache.save_checked().unwrap();
+    }
+    let cache = open(dir.path(), 20 * BS).await;
+    assert_eq!(
+        cache.stats().trusted,
+        0,
+        "a file changed since its check is not trusted"
+    );
+    assert!(
+        cache.open_whole(&obj, size).is_none(),
+        "a corrupt whole file is handed out unchecked"
+    );
+    assert_eq!(cache.stats().corrupt, 1);
+}
+
+/// The same within one process: a whole file changed on disk since this process checked (or
+/// wrote) it is checked again before the next hand-out, and refused (one `fstat` per open tells).
+#[tokio::test]
+async fn a_whole_file_changed_after_its_check_is_checked_again_before_the_next_hand_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let fetches = AtomicUsize::new(0);
+    let size = 2 * BS + 99;
+    let (obj, content) = object("changed-live", size, 9);
+    let cache = open(dir.path(), 20 * BS).await;
+    cache.want_whole(obj.clone(), size);
+    read_all(&cache, &obj, &content, &fetches).await;
+    cache.settle().await;
+    let f = cache.open_whole(&obj, size).expect("whole file");
+    assert_eq!(read_file(f), content.to_vec());
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let path = cache.object_path(&obj.file_id());
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[5] ^= 1;
+    std::fs::write(&path, bytes).unwrap();
+    assert!(
+        cache.open_whole(&obj, size).is_none(),
+        "a whole file changed since its check is handed out unchecked"
+    );
+    assert_eq!(cache.stats().corrupt, 1);
+}
+
+/// A whole file shorter than its sidecar says (cut short: a crash before its data reached the
+/// disk, a full disk) is a bad file: dropped and counted when a read finds it short, as one that
+/// fails its crcs is. Kept, it stays indexed, every block of its object is turned away from the
+/// cache ("joined into a whole file meanwhile") and every read of them is a GET for good (without
+/// passthrough, nothing else ever checks it).
+#[tokio::test]
+async fn a_whole_file_cut_short_is_dropped_by_the_read_that_finds_it_short() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 20 * BS).await;
+    let fetches = AtomicUsize::new(0);
+    let size = 3 * BS;
+    let (obj, content) = object("short", size, 10);
+    cache.want_whole(obj.clone(), size);
+    read_all(&cache, &obj, &content, &fetches).await;
+    cache.settle().await;
+    assert!(cache.has_whole(&obj));
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(cache.object_path(&obj.file_id()))
+        .unwrap();
+    f.set_len(size - 100).unwrap();
+    drop(f);
+    // The first read finds it short (the file is dropped: its blocks are fetched and stored
+    // again, once) ...
+    for _ in 0..2 {
+        read_all(&cache, &obj, &content, &fetches).await;
+        cache.settle().await;
+    }
+    // ... and later ones read them from the cache.
+    let before = fetches.load(Ordering::SeqCst);
+    for _ in 0..2 {
+        read_all(&cache, &obj, &content, &fetches).await;
+        cache.settle().await;
+    }
+    assert_eq!(
+        fetches.load(Ordering::SeqCst) - before,
+        0,
+        "the last block is fetched at every read: {:?}",
+        cache.stats()
+    );
+    assert_eq!(cache.stats().corrupt, 1);
+}
+
 fn cache_dir_file(dir: &Path, rel: &str) -> PathBuf {
     let p = dir.join(rel);
     std::fs::create_dir_all(p.parent().unwrap()).unwrap();
@@ -1686,6 +1793,98 @@ async fn a_whole_object_gone_under_the_index_is_stored_again() {
         fetches.load(Ordering::SeqCst) - before,
         2,
         "the object's two blocks were never stored again: every read is a GET"
+    );
+}
+
+/// A whole object whose sidecar goes away under the index (a cleaner of old files: a sidecar is
+/// read once per process, so it looks unused) is dropped from the index by the read that finds
+/// it missing; its data file must go with it, or it stays on disk counted by nothing (the budget
+/// is exceeded by the object's size until the next restart deletes it as stray).
+#[tokio::test]
+async fn a_whole_object_whose_sidecar_is_gone_leaves_no_uncounted_data_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 1 << 30).await;
+    let fetches = AtomicUsize::new(0);
+    let size = 2 * BS + 100;
+    let (obj, content) = object("no-sidecar", size, 5);
+    cache.want_whole(obj.clone(), size);
+    read_all(&cache, &obj, &content, &fetches).await;
+    cache.settle().await;
+    assert!(cache.has_whole(&obj));
+    let id = obj.file_id();
+    std::fs::remove_file(cache.meta_path(&id)).unwrap();
+    read_all(&cache, &obj, &content, &fetches).await;
+    cache.settle().await;
+    assert!(!cache.has_whole(&obj), "forgotten by the read");
+    let mut on_disk = 0;
+    for dir in [&cache.blocks_dir, &cache.objects_dir] {
+        for sub in std::fs::read_dir(dir).unwrap() {
+            for f in std::fs::read_dir(sub.unwrap().path()).unwrap() {
+                on_disk += f.unwrap().metadata().unwrap().len();
+            }
+        }
+    }
+    assert_eq!(
+        cache.stats().bytes,
+        on_disk,
+        "bytes on disk the index does not count (the data file left behind: {})",
+        cache.object_path(&id).exists()
+    );
+}
+
+/// A whole object's data file gone under the index is forgotten by the hand-out that finds it
+/// missing too (as by a read), with its sidecar: not left indexed, so every open of the object
+/// would keep asking for a file that is not there.
+#[tokio::test]
+async fn a_whole_file_gone_under_the_index_is_forgotten_by_the_hand_out_that_finds_it_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    let cache = open(dir.path(), 1 << 30).await;
+    let fetches = AtomicUsize::new(0);
+    let size = 2 * BS + 100;
+    let (obj, content) = object("no-data", size, 6);
+    cache.want_whole(obj.clone(), size);
+    read_all(&cache, &obj, &content, &fetches).await;
+    cache.settle().await;
+    assert!(cache.has_whole(&obj));
+    let id = obj.file_id();
+    std::fs::remove_file(cache.object_path(&id)).unwrap();
+    assert!(cache.open_whole(&obj, size).is_none());
+    assert!(!cache.has_whole(&obj), "still indexed");
+    assert!(!cache.meta_path(&id).exists(), "its sidecar left behind");
+    assert_eq!(cache.stats().bytes, 0);
+}
+
+/// A join short of free disk space (`min_free`) makes room as it does under the budget: never by
+/// evicting the object's own blocks, which it is about to copy (evicted, the copy fails, the
+/// join is lost and the blocks must be fetched again).
+#[tokio::test]
+async fn a_join_short_of_disk_space_never_evicts_the_objects_own_blocks() {
+    let dir = tempfile::tempdir().unwrap();
+    let fetches = AtomicUsize::new(0);
+    let size = 3 * BS;
+    let (obj, content) = object("tight", size, 7);
+    {
+        let cache = open(dir.path(), 1 << 30).await;
+        read_all(&cache, &obj, &content, &fetches).await;
+        cache.settle().await;
+        assert_eq!(cache.stats().blocks, 3);
+    }
+    // The same directory on a filesystem that has no room left above the floor.
+    let cache = BlockCache::open(CacheConfig {
+        block_size: BS,
+        min_free: u64::MAX / 4,
+        ..CacheConfig::new(dir.path(), 1 << 30)
+    })
+    .unwrap();
+    cache.ready().await;
+    assert_eq!(cache.stats().blocks, 3);
+    cache.want_whole(obj.clone(), size);
+    cache.settle().await;
+    assert!(!cache.has_whole(&obj));
+    assert!(
+        (0..3).all(|i| cache.contains(&obj.block(i))),
+        "the object's own blocks were evicted for its join: {:?}",
+        cache.stats()
     );
 }
 

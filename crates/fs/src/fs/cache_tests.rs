@@ -292,6 +292,45 @@ async fn a_changed_object_is_a_new_block_and_the_old_handle_gets_estale() {
     assert_eq!(read_all(&fs, "f", 4096).await.unwrap(), data(2000, 7));
 }
 
+/// An inode open through passthrough reads the whole file of the version its first handle
+/// pinned; the kernel makes every later open of the inode use that same backing file. An open
+/// that pins a newer version (the object was replaced) must not be joined to it: its reads
+/// would return the older version's bytes.
+#[tokio::test]
+async fn an_open_of_a_newer_version_is_not_joined_to_the_older_versions_passthrough_file() {
+    let (_dir, cache, store) = cache_and_store().await;
+    let old = data((3 * BS) as usize, 11);
+    store.insert(B, "f", old.clone());
+    let fs = mount(Arc::new(store.clone()), &cache, |_| {});
+    assert_eq!(read_all(&fs, "f", 1 << 20).await.unwrap(), old);
+    cache.settle().await;
+    let ino = ino_of(&fs, "f").await.unwrap();
+    let a = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    let mut file = fs
+        .passthrough_file(a.fh)
+        .expect("the whole file is handed out");
+    let mut bytes = Vec::new();
+    std::io::Read::read_to_end(&mut file, &mut bytes).unwrap();
+    assert_eq!(bytes, old);
+    // The adapter registered it as the inode's backing file 1.
+    fs.set_backing_id(a.fh, 1);
+
+    // The object is replaced; the inode's metadata expires: the next open HEADs the new version.
+    let new = data((3 * BS) as usize, 12);
+    store.insert(B, "f", new.clone());
+    fs.lock().inodes.get_mut(ino).unwrap().valid = Validity::Expired;
+    match fs.open(ino, libc::O_RDONLY, PID).await {
+        Ok(b) => {
+            // What the adapter does for an inode with a backing file (`Passthrough::existing`).
+            assert!(
+                !fs.join_passthrough(b.fh, 1),
+                "a handle of the new version is joined to the old version's whole file"
+            );
+        }
+        Err(e) => assert_eq!(e.errno(), libc::EBUSY, "{e}"),
+    }
+}
+
 #[tokio::test]
 async fn a_small_random_read_on_a_cold_cache_fetches_the_one_block_it_touches() {
     let (_dir, cache, store) = cache_and_store().await;

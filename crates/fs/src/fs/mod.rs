@@ -259,10 +259,13 @@ const PROBE_PAGES: usize = 10;
 const PROBED_MAX: usize = 4096;
 
 /// Open read handles of one inode by kernel I/O mode.
-#[derive(Debug, Default, Clone, Copy)]
+#[derive(Debug, Default, Clone)]
 struct IoModes {
     cached: u32,
     passthrough: u32,
+    /// The version (ETag) the passthrough handles pinned: their backing file is its whole file,
+    /// which the kernel makes every passthrough open of the inode share.
+    passthrough_etag: Option<String>,
 }
 
 impl FsState {
@@ -274,10 +277,22 @@ impl FsState {
             .is_some_and(|m| m.passthrough > 0 || m.cached == 1)
     }
 
+    /// Whether an open of `ino` pinning version `etag` must be refused: the inode's passthrough
+    /// handles read another version's whole file, and the kernel would serve this open from it
+    /// too (it admits no cached-mode open beside them).
+    fn passthrough_of_another_version(&self, ino: Ino, etag: Option<&str>) -> bool {
+        self.io
+            .get(&ino)
+            .is_some_and(|m| m.passthrough > 0 && m.passthrough_etag.as_deref() != etag)
+    }
+
     fn io_closed(&mut self, ino: Ino, passthrough: bool) {
         if let Some(m) = self.io.get_mut(&ino) {
             if passthrough {
                 m.passthrough = m.passthrough.saturating_sub(1);
+                if m.passthrough == 0 {
+                    m.passthrough_etag = None;
+                }
             } else {
                 m.cached = m.cached.saturating_sub(1);
             }
@@ -381,7 +396,10 @@ impl Fs {
             if let Handle::Read(r) = h {
                 let m = io.entry(r.ino).or_default();
                 match r.passthrough {
-                    true => m.passthrough += 1,
+                    true => {
+                        m.passthrough += 1;
+                        m.passthrough_etag = r.etag.clone();
+                    }
                     false => m.cached += 1,
                 }
             }

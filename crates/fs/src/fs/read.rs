@@ -112,6 +112,15 @@ impl Fs {
         };
         let valid = self.ttl();
         let mut st = self.lock();
+        // The kernel makes every open of an inode open through passthrough use the same backing
+        // file: the whole file of the version those handles pinned. Another version cannot be
+        // read beside them (their bytes would be served as its).
+        if st.passthrough_of_another_version(ino, meta.etag.as_deref()) {
+            return Err(FsError::Busy(
+                "another version of the file is open for reading straight from the node cache; \
+                 close it first",
+            ));
+        }
         let inode = st.inodes.get_mut(ino).ok_or_else(|| stale(ino))?;
         if inode.meta.as_ref() != Some(&meta) {
             inode.meta = Some(meta.clone());
@@ -213,12 +222,14 @@ impl Fs {
             return None;
         };
         r.passthrough = true;
+        let etag = r.etag.clone();
         drop(g);
         // A successor after a crash must know: it may not open the inode in cached mode.
         st.handles.set_passthrough(fh, Some(0));
         let m = st.io.entry(ino).or_default();
         m.cached -= 1;
         m.passthrough += 1;
+        m.passthrough_etag = etag;
         Some(file)
     }
 
@@ -281,11 +292,14 @@ impl Fs {
         }
         r.passthrough = true;
         r.backing_id = Some(id);
-        let ino = r.ino;
+        let (ino, etag) = (r.ino, r.etag.clone());
         drop(g);
         st.handles.set_passthrough(fh, Some(id));
         let m = st.io.entry(ino).or_default();
         m.cached = m.cached.saturating_sub(1);
+        if m.passthrough == 0 {
+            m.passthrough_etag = etag;
+        }
         m.passthrough += 1;
         true
     }
@@ -319,6 +333,9 @@ impl Fs {
             st.handles.set_passthrough(fh, None);
             let m = st.io.entry(ino).or_default();
             m.passthrough = m.passthrough.saturating_sub(1);
+            if m.passthrough == 0 {
+                m.passthrough_etag = None;
+            }
             m.cached += 1;
         }
     }
