@@ -140,6 +140,7 @@ pub fn mount_config(p: &Published, default_ttl: MetadataTtl) -> MountConfig {
 /// unless this node plugin already ran the same warm-up.
 fn start_warm_up(
     store: Arc<dyn ferry_store::ObjectStore>,
+    proofs: Arc<ferry_fs::Proofs>,
     cache: Arc<ferry_cache::BlockCache>,
     cfg: &MountConfig,
     subs: &[String],
@@ -156,7 +157,7 @@ fn start_warm_up(
     info!(bucket = %w.bucket, prefixes = ?w.prefixes, "warm-up started");
     tokio::spawn(async move {
         let (bucket, prefixes) = (w.bucket.clone(), w.prefixes.clone());
-        match ferry_fs::warm_up(store, cache, w).await {
+        match ferry_fs::warm_up_as(store, proofs, cache, w).await {
             Ok(r) => {
                 ferry_cache::warmup_done(if r.truncated { "truncated" } else { "ok" });
                 info!(%bucket, ?prefixes, objects = r.objects, fetched_blocks = r.fetched, cached_blocks = r.cached, bytes = r.bytes, truncated = r.truncated, "warm-up done");
@@ -653,7 +654,10 @@ impl Inner {
             &published.spec.options.warm_up,
             config.node_cache,
         ) {
-            start_warm_up(warm_store, cache.clone(), &config, subs);
+            // With the mount's identity (the proofs its store's mounts share): its readers
+            // join the warm-up's GETs.
+            let proofs = self.mount_context.proofs.for_store(&warm_store);
+            start_warm_up(warm_store, proofs, cache.clone(), &config, subs);
         }
         info!(
             bucket = %published.spec.bucket,

@@ -770,6 +770,18 @@ impl BlockCache {
         self.charge_writes.set((charge, queue_max)).is_ok()
     }
 
+    /// A charge for `bytes` of a block its caller is about to fetch, from [`Self::charge_writes`]
+    /// (to hand to [`Self::get_part_or_fetch_as`], so the block is charged from before its GET
+    /// until it is written): `Some(None)` when no charge is set, `None` when it is refused (a
+    /// background filler, such as a warm-up, waits and asks again rather than fetch a block the
+    /// cache would not keep).
+    pub fn charge_block(&self, bytes: u64) -> Option<Option<WriteCharge>> {
+        match self.charge_writes.get() {
+            None => Some(None),
+            Some((charge, _)) => charge(bytes).map(Some),
+        }
+    }
+
     /// The most bytes of blocks that may wait for the writers ([`Self::charge_writes`]).
     fn queue_max(&self) -> u64 {
         self.charge_writes

@@ -30,4 +30,4 @@ pub use handover::KernelInit;
 pub use journal::{replay, Journal, JournalError, JournalHeader, Recovered};
 pub use mount::{is_mounted, mount, resume, Frozen, MountError, MountHandle};
 pub use proofs::{ProofRegistry, Proofs};
-pub use warmup::{warm_up, WarmUp, WarmUpReport};
+pub use warmup::{warm_up, warm_up_as, WarmUp, WarmUpReport};

@@ -8,11 +8,12 @@
 
 use std::sync::Arc;
 
-use ferry_cache::{BlockCache, BlockKey, ObjectKey};
+use ferry_cache::{BlockCache, BlockKey, HeldCharge, ObjectKey, Part, Reader};
 use ferry_store::{list_pages, ListRequest, ObjectStore, StoreError, Version};
 use futures::stream::{FuturesUnordered, StreamExt, TryStreamExt};
 
 use crate::prefetch::fetch_exact;
+use crate::proofs::Proofs;
 
 /// Blocks fetched at once by one warm-up.
 const IN_FLIGHT: usize = 8;
@@ -62,6 +63,19 @@ pub async fn warm_up(
     cache: Arc<BlockCache>,
     w: WarmUp,
 ) -> Result<WarmUpReport, StoreError> {
+    warm_up_as(store, Arc::new(Proofs::default()), cache, w).await
+}
+
+/// [`warm_up`] as the identity whose proofs are `proofs` (the publishing mount's store's): its
+/// GETs are that identity's, so a reader of it that has not proven access yet joins them.
+pub async fn warm_up_as(
+    store: Arc<dyn ObjectStore>,
+    proofs: Arc<Proofs>,
+    cache: Arc<BlockCache>,
+    w: WarmUp,
+) -> Result<WarmUpReport, StoreError> {
+    // The flights it starts are this identity's (another identity's readers never take them).
+    let owner = proofs.id();
     let bs = cache.block_size();
     let limit = cache.config().max_size;
     let mut report = WarmUpReport::default();
@@ -113,30 +127,74 @@ pub async fn warm_up(
                         continue;
                     }
                     while inflight.len() >= IN_FLIGHT {
-                        let len = inflight.next().await.expect("non-empty")?;
-                        record(&mut report, len, &w, &mut next_log);
+                        if let Some(len) = inflight.next().await.expect("non-empty")? {
+                            record(&mut report, len, &w, &mut next_log);
+                        }
                     }
                     let (store, cache, bucket) = (store.clone(), cache.clone(), w.bucket.clone());
                     inflight.push(async move {
+                        let len = end - start;
+                        // Never faster than the cache's writers (a block over their backlog is
+                        // not stored) ...
+                        loop {
+                            let (waiting, most) = cache.write_backlog();
+                            if waiting == 0 || waiting + len <= most / 2 {
+                                break;
+                            }
+                            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+                        }
+                        // ... nor over the memory budget: the block is charged from before its
+                        // GET until it is on disk (a warm-up can wait; a block fetched while the
+                        // budget has no room for it would be dropped, not stored).
+                        let charge = loop {
+                            match cache.charge_block(len) {
+                                Some(charge) => break charge,
+                                None => {
+                                    tokio::time::sleep(std::time::Duration::from_millis(50)).await
+                                }
+                            }
+                        };
+                        let held = charge.map(|c| Box::new(move || Some(c)) as HeldCharge);
+                        // As the publishing mount's identity: its readers join this GET.
                         let data = cache
-                            .get_or_fetch(&key, || {
-                                fetch_exact(
-                                    &*store,
-                                    &bucket,
-                                    &key.key,
-                                    start..end,
-                                    Version::ETag(&key.etag),
-                                )
-                            })
-                            .await?;
-                        Ok::<u64, StoreError>(data.len() as u64)
+                            .get_part_or_fetch_as(
+                                &key,
+                                Part {
+                                    len,
+                                    within: 0..len,
+                                },
+                                Reader::Proven { owner },
+                                held,
+                                |range| {
+                                    fetch_exact(
+                                        &*store,
+                                        &bucket,
+                                        &key.key,
+                                        start + range.start..start + range.end,
+                                        Version::ETag(&key.etag),
+                                    )
+                                },
+                            )
+                            .await;
+                        match data {
+                            Ok(data) => Ok(Some(data.len() as u64)),
+                            // Overwritten or deleted since the LIST: passed over, not the end of
+                            // the warm-up (a reader of the new version fetches it then).
+                            Err(StoreError::PreconditionFailed(_) | StoreError::NotFound(_)) => {
+                                tracing::debug!(key = %key.key, "warm-up: object changed since its listing; skipped");
+                                Ok(None)
+                            }
+                            Err(e) => Err(e),
+                        }
                     });
                 }
             }
         }
     }
     while let Some(len) = inflight.next().await {
-        record(&mut report, len?, &w, &mut next_log);
+        if let Some(len) = len? {
+            record(&mut report, len, &w, &mut next_log);
+        }
     }
     Ok(report)
 }
@@ -203,5 +261,86 @@ mod tests {
             .unwrap();
         assert!(r.truncated);
         assert_eq!(r.bytes, 1 << 20);
+    }
+
+    /// A warm-up is there to fill the cache: a block it fetches is stored, not dropped because
+    /// the memory budget had no room for it when it arrived (nor fetched uncharged before). Here
+    /// the budget refuses the first two charges it is asked for, then has room.
+    #[tokio::test]
+    async fn a_warm_up_stores_every_block_it_fetches_when_the_budget_was_short_for_a_while() {
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let dir = tempfile::tempdir().unwrap();
+        let cache = BlockCache::open(CacheConfig {
+            block_size: 64 << 10,
+            ..CacheConfig::new(dir.path(), 1 << 20)
+        })
+        .unwrap();
+        cache.ready().await;
+        let refusals = Arc::new(AtomicU64::new(2));
+        let r = refusals.clone();
+        assert!(cache.charge_writes(
+            Box::new(move |_| {
+                match r.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1)) {
+                    Ok(_) => None,
+                    Err(_) => Some(Box::new(()) as ferry_cache::WriteCharge),
+                }
+            }),
+            u64::MAX,
+        ));
+        let store = MemoryStore::new();
+        store.create_bucket("b");
+        store.insert("b", "ds/a", vec![1u8; 200 << 10]);
+        let w = WarmUp {
+            endpoint: String::new(),
+            bucket: "b".into(),
+            prefixes: vec!["ds/".into()],
+        };
+        let r = warm_up(Arc::new(store.clone()), cache.clone(), w)
+            .await
+            .unwrap();
+        cache.settle().await;
+        let s = cache.stats();
+        assert_eq!((r.fetched, s.stored, s.skipped), (4, 4, 0), "{s:?}");
+        assert_eq!(
+            store.stats().get_bytes,
+            200 << 10,
+            "each block fetched once"
+        );
+    }
+
+    /// An object overwritten (412) or deleted (404) between the warm-up's LIST and its GET is
+    /// passed over: the warm-up goes on with the rest of the prefix, as a sweep does, instead of
+    /// ending there and leaving every later object cold.
+    #[tokio::test]
+    async fn a_warm_up_goes_on_past_an_object_changed_since_its_listing() {
+        use ferry_store::{FaultyStore, Op};
+        let dir = tempfile::tempdir().unwrap();
+        let cache = BlockCache::open(CacheConfig {
+            block_size: 64 << 10,
+            ..CacheConfig::new(dir.path(), 1 << 20)
+        })
+        .unwrap();
+        cache.ready().await;
+        let store = MemoryStore::new();
+        store.create_bucket("b");
+        for i in 0..4 {
+            store.insert("b", &format!("ds/{i}"), vec![i as u8; 1000]);
+        }
+        let faulty = FaultyStore::new(store.clone(), 1);
+        faulty.fail_next(
+            Op::Get,
+            1,
+            StoreError::PreconditionFailed("412: ds/0 was overwritten".into()),
+        );
+        let w = WarmUp {
+            endpoint: String::new(),
+            bucket: "b".into(),
+            prefixes: vec!["ds/".into()],
+        };
+        let r = warm_up(Arc::new(faulty), cache.clone(), w).await;
+        cache.settle().await;
+        let r = r.expect("the warm-up goes on");
+        assert_eq!((r.objects, r.fetched), (4, 3));
+        assert_eq!(cache.stats().stored, 3, "{:?}", cache.stats());
     }
 }

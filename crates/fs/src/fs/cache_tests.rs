@@ -632,3 +632,95 @@ async fn a_sweep_near_the_budget_stores_what_it_fetches() {
         "every charge but the listing's given back"
     );
 }
+
+/// A warm-up fetches with the publishing mount's credentials: a reader of that identity that has
+/// not proven access yet (it knows the file from a LIST) joins the warm-up's GET of a block in
+/// flight, as concurrent misses of one identity do (One GET per block; Warm-up: "readers share
+/// its GETs through the single flight"), and makes no second GET of its own.
+#[tokio::test]
+async fn a_reader_of_the_warming_identity_joins_the_warm_ups_get() {
+    let (_dir, cache, store) = cache_and_store().await;
+    let body = data(BS as usize, 21);
+    store.insert(B, "f", body.clone());
+    let slow = Arc::new(FaultyStore::new(store.clone(), 1));
+    slow.set_latency([Op::Get], Duration::from_millis(500), Duration::ZERO);
+    let shared: Arc<dyn ObjectStore> = slow.clone();
+    let registry = crate::proofs::ProofRegistry::default();
+    let fs = mount(shared.clone(), &cache, |_| {}).with_proofs(registry.for_store(&shared));
+    assert!(list_root(&fs).await.contains(&"f".to_owned()));
+    let w = crate::WarmUp {
+        endpoint: "http://s3.test".into(),
+        bucket: B.into(),
+        prefixes: vec![String::new()],
+    };
+    let warm = tokio::spawn(crate::warm_up_as(
+        shared.clone(),
+        registry.for_store(&shared),
+        cache.clone(),
+        w,
+    ));
+    // The warm-up's GET of the block has started (and takes 500 ms).
+    while slow.stats().calls_of(Op::Get) == 0 {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    assert_eq!(read_all(&fs, "f", 128 << 10).await.unwrap(), body);
+    assert_eq!(warm.await.unwrap().unwrap().fetched, 1);
+    cache.settle().await;
+    let s = store.stats();
+    assert_eq!((s.head, s.get), (0, 1), "one GET of the block: {s:?}");
+}
+
+/// The sweep waits while the cache's writers are behind (over half their queue), but a file
+/// larger than half of an empty queue must not wait for ever: with a small memory budget (the
+/// writers' queue is an eighth of it) and small blocks, files of a few hundred KiB (below
+/// `small_object_max`) were never swept, and the sweep's slot was held until the mount went.
+#[tokio::test]
+async fn a_sweep_fetches_files_larger_than_half_the_writers_queue() {
+    let (_dir, cache, store) = cache_and_store().await;
+    const SIZE: usize = 300 << 10;
+    let files: Vec<(String, Vec<u8>)> = (0..40u32)
+        .map(|i| (format!("g{i:02}"), data(SIZE, i as u8)))
+        .collect();
+    let mut etags = HashMap::new();
+    for (name, body) in &files {
+        etags.insert(name.clone(), store.insert(B, name, body.clone()));
+    }
+    let mut cfg = MountConfig::new(B);
+    cfg.endpoint = "http://s3.test".into();
+    cfg.metadata_ttl = crate::config::MetadataTtl::Indefinite;
+    // 4 MiB: the writers' queue is 512 KiB, half of it less than one file.
+    let budget = MemoryBudget::new(4 << 20);
+    let fs = Fs::with_budget(
+        Arc::new(store.clone()),
+        cfg,
+        budget.clone(),
+        PrefetchConfig::default(),
+    )
+    .with_cache(Some(cache.clone()));
+    assert_eq!(list_root(&fs).await.len(), 2 + 40);
+    let order: Vec<usize> = (0..40).map(|i| (i * 37) % 40).collect();
+    for &i in &order[..16] {
+        let (name, body) = &files[i];
+        assert_eq!(&read_all(&fs, name, 128 << 10).await.unwrap(), body);
+    }
+    cache.settle().await;
+    assert!(Fs::swept(&fs.lock(), ROOT_INO), "not swept");
+    for _ in 0..300 {
+        if order[16..]
+            .iter()
+            .all(|&i| is_cached(&cache, &files[i].0, &etags[&files[i].0]))
+        {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+        cache.settle().await;
+    }
+    for &i in &order[16..] {
+        let name = &files[i].0;
+        assert!(
+            is_cached(&cache, name, &etags[name]),
+            "{name} never swept: {:?}",
+            cache.stats()
+        );
+    }
+}

@@ -145,10 +145,11 @@ impl Fs {
                     let (cache, budget) = (cache.clone(), budget.clone());
                     async move {
                         // Never faster than the cache's writers (blocks over their backlog are
-                        // not stored, and readers would fetch them again) ...
+                        // not stored, and readers would fetch them again) ... but a file larger
+                        // than half the queue (a small budget's) goes once the queue is empty.
                         loop {
                             let (waiting, most) = cache.write_backlog();
-                            if waiting + src.size <= most / 2 {
+                            if waiting == 0 || waiting + src.size <= most / 2 {
                                 break;
                             }
                             tokio::time::sleep(std::time::Duration::from_millis(20)).await;
