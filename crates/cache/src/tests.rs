@@ -530,31 +530,42 @@ async fn a_clean_shutdown_lets_the_next_process_trust_unchanged_whole_files_only
     assert_eq!(cache.stats().corrupt, 1);
 }
 
+/// A cache at `dir` holding object `name` whole (two blocks and a bit), handed out once (so
+/// checked), whose file is then altered on disk (a byte flipped at a later clock tick: its ctime
+/// moves) while the cache still runs.
+async fn whole_file_checked_then_altered(
+    dir: &Path,
+    name: &str,
+    seed: u8,
+) -> (Arc<BlockCache>, ObjectKey, u64) {
+    let fetches = AtomicUsize::new(0);
+    let size = 2 * BS + 99;
+    let (obj, content) = object(name, size, seed);
+    let cache = open(dir, 20 * BS).await;
+    cache.want_whole(obj.clone(), size);
+    read_all(&cache, &obj, &content, &fetches).await;
+    cache.settle().await;
+    let f = cache.open_whole(&obj, size).expect("whole file");
+    assert_eq!(read_file(f), content.to_vec());
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let path = cache.object_path(&obj.file_id());
+    let mut bytes = std::fs::read(&path).unwrap();
+    bytes[5] ^= 1;
+    std::fs::write(&path, bytes).unwrap();
+    (cache, obj, size)
+}
+
 /// A whole file this process checked (or wrote) and that then changed on disk while it ran is
 /// not recorded as checked at its clean shutdown: the record vouches for what was checked, so
 /// the next process checks the file and refuses it.
 #[tokio::test]
 async fn a_whole_file_changed_after_its_check_is_not_trusted_by_the_next_process() {
     let dir = tempfile::tempdir().unwrap();
-    let fetches = AtomicUsize::new(0);
-    let size = 2 * BS + 99;
-    let (obj, content) = object("changed", size, 8);
-    {
-        let cache = open(dir.path(), 20 * BS).await;
-        cache.want_whole(obj.clone(), size);
-        read_all(&cache, &obj, &content, &fetches).await;
-        cache.settle().await;
-        let f = cache.open_whole(&obj, size).expect("whole file");
-        assert_eq!(read_file(f), content.to_vec());
-        // Altered on disk after the check, while the process still runs (a later clock tick:
-        // its ctime moves).
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        let path = cache.object_path(&obj.file_id());
-        let mut bytes = std::fs::read(&path).unwrap();
-        bytes[5] ^= 1;
-        std::fs::write(&path, bytes).unwrap();
+    let (obj, size) = {
+        let (cache, obj, size) = whole_file_checked_then_altered(dir.path(), "changed", 8).await;
         cache.save_checked().unwrap();
-    }
+        (obj, size)
+    };
     let cache = open(dir.path(), 20 * BS).await;
     assert_eq!(
         cache.stats().trusted,
@@ -573,20 +584,7 @@ async fn a_whole_file_changed_after_its_check_is_not_trusted_by_the_next_process
 #[tokio::test]
 async fn a_whole_file_changed_after_its_check_is_checked_again_before_the_next_hand_out() {
     let dir = tempfile::tempdir().unwrap();
-    let fetches = AtomicUsize::new(0);
-    let size = 2 * BS + 99;
-    let (obj, content) = object("changed-live", size, 9);
-    let cache = open(dir.path(), 20 * BS).await;
-    cache.want_whole(obj.clone(), size);
-    read_all(&cache, &obj, &content, &fetches).await;
-    cache.settle().await;
-    let f = cache.open_whole(&obj, size).expect("whole file");
-    assert_eq!(read_file(f), content.to_vec());
-    std::thread::sleep(std::time::Duration::from_millis(20));
-    let path = cache.object_path(&obj.file_id());
-    let mut bytes = std::fs::read(&path).unwrap();
-    bytes[5] ^= 1;
-    std::fs::write(&path, bytes).unwrap();
+    let (cache, obj, size) = whole_file_checked_then_altered(dir.path(), "changed-live", 9).await;
     assert!(
         cache.open_whole(&obj, size).is_none(),
         "a whole file changed since its check is handed out unchecked"

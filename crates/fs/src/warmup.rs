@@ -215,15 +215,21 @@ mod tests {
     use ferry_cache::CacheConfig;
     use ferry_store::MemoryStore;
 
-    #[tokio::test]
-    async fn warms_the_prefix_once_within_the_cache_size() {
-        let dir = tempfile::tempdir().unwrap();
+    /// A ready cache of 64 KiB blocks with room for 1 MiB, at `dir`.
+    async fn small_cache(dir: &std::path::Path) -> Arc<BlockCache> {
         let cache = BlockCache::open(CacheConfig {
             block_size: 64 << 10,
-            ..CacheConfig::new(dir.path(), 1 << 20)
+            ..CacheConfig::new(dir, 1 << 20)
         })
         .unwrap();
         cache.ready().await;
+        cache
+    }
+
+    #[tokio::test]
+    async fn warms_the_prefix_once_within_the_cache_size() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = small_cache(dir.path()).await;
         let store = MemoryStore::new();
         store.create_bucket("b");
         store.insert("b", "ds/a", vec![1u8; 200 << 10]);
@@ -270,12 +276,7 @@ mod tests {
     async fn a_warm_up_stores_every_block_it_fetches_when_the_budget_was_short_for_a_while() {
         use std::sync::atomic::{AtomicU64, Ordering};
         let dir = tempfile::tempdir().unwrap();
-        let cache = BlockCache::open(CacheConfig {
-            block_size: 64 << 10,
-            ..CacheConfig::new(dir.path(), 1 << 20)
-        })
-        .unwrap();
-        cache.ready().await;
+        let cache = small_cache(dir.path()).await;
         let refusals = Arc::new(AtomicU64::new(2));
         let r = refusals.clone();
         assert!(cache.charge_writes(
@@ -315,12 +316,7 @@ mod tests {
     async fn a_warm_up_goes_on_past_an_object_changed_since_its_listing() {
         use ferry_store::{FaultyStore, Op};
         let dir = tempfile::tempdir().unwrap();
-        let cache = BlockCache::open(CacheConfig {
-            block_size: 64 << 10,
-            ..CacheConfig::new(dir.path(), 1 << 20)
-        })
-        .unwrap();
-        cache.ready().await;
+        let cache = small_cache(dir.path()).await;
         let store = MemoryStore::new();
         store.create_bucket("b");
         for i in 0..4 {

@@ -31,16 +31,41 @@ fn cache(dir: &std::path::Path) -> Arc<BlockCache> {
     .unwrap()
 }
 
+/// The tests' mount of bucket `B` (listings kept for the mount's life).
+fn mount_config() -> MountConfig {
+    let mut cfg = MountConfig::new(B);
+    cfg.endpoint = "http://s3.test".into();
+    cfg.metadata_ttl = crate::config::MetadataTtl::Indefinite;
+    cfg
+}
+
 fn mount(
     store: Arc<dyn ObjectStore>,
     cache: &Arc<BlockCache>,
     tweak: impl FnOnce(&mut MountConfig),
 ) -> Fs {
-    let mut cfg = MountConfig::new(B);
-    cfg.endpoint = "http://s3.test".into();
-    cfg.metadata_ttl = crate::config::MetadataTtl::Indefinite;
+    let mut cfg = mount_config();
     tweak(&mut cfg);
     Fs::new(store, cfg).with_cache(Some(cache.clone()))
+}
+
+/// A mount of bucket `B` on `cache` whose memory is charged to `budget`.
+fn mount_with_budget(store: &MemoryStore, cache: &Arc<BlockCache>, budget: &MemoryBudget) -> Fs {
+    Fs::with_budget(
+        Arc::new(store.clone()),
+        mount_config(),
+        budget.clone(),
+        PrefetchConfig::default(),
+    )
+    .with_cache(Some(cache.clone()))
+}
+
+/// `files` put in bucket `B`: each one's ETag by name.
+fn insert_files(store: &MemoryStore, files: &[(String, Vec<u8>)]) -> HashMap<String, String> {
+    files
+        .iter()
+        .map(|(name, body)| (name.clone(), store.insert(B, name, body.clone())))
+        .collect()
 }
 
 /// A ready cache in a temporary directory and an empty store with the bucket.
@@ -467,10 +492,7 @@ async fn swept_in_order(step: usize) {
     let files: Vec<(String, Vec<u8>)> = (0..200u32)
         .map(|i| (format!("f{i:03}"), data(4096 + i as usize, (i % 251) as u8)))
         .collect();
-    let mut etags = HashMap::new();
-    for (name, body) in &files {
-        etags.insert(name.clone(), store.insert(B, name, body.clone()));
-    }
+    let etags = insert_files(&store, &files);
     let fs = mount(Arc::new(store.clone()), &cache, |_| {});
     assert_eq!(list_root(&fs).await.len(), 2 + 200, ". and .. too");
     let order: Vec<usize> = (0..200).map(|i| (i * step) % 200).collect();
@@ -565,28 +587,16 @@ async fn a_sweep_near_the_budget_stores_what_it_fetches() {
     let files: Vec<(String, Vec<u8>)> = (0..40u32)
         .map(|i| (format!("f{i:02}"), data(SIZE + i as usize, i as u8)))
         .collect();
-    let mut etags = HashMap::new();
-    for (name, body) in &files {
-        etags.insert(name.clone(), store.insert(B, name, body.clone()));
-    }
+    let etags = insert_files(&store, &files);
     // The listing's charge, measured on a mount of the same bucket with room to spare (and
     // without the cache, whose writes are charged to the first budget it is given).
-    let mut cfg = MountConfig::new(B);
-    cfg.endpoint = "http://s3.test".into();
-    cfg.metadata_ttl = crate::config::MetadataTtl::Indefinite;
-    let probe = Fs::new(Arc::new(store.clone()), cfg.clone());
+    let probe = Fs::new(Arc::new(store.clone()), mount_config());
     assert_eq!(list_root(&probe).await.len(), 2 + 40, ". and .. too");
     let listing = probe.budget().used_for(Use::Listing);
     drop(probe);
     // Room for the listing and one file and a half: every file fits once, none twice.
     let budget = MemoryBudget::new(listing + (SIZE as u64 + 39) * 3 / 2);
-    let fs = Fs::with_budget(
-        Arc::new(store.clone()),
-        cfg,
-        budget.clone(),
-        PrefetchConfig::default(),
-    )
-    .with_cache(Some(cache.clone()));
+    let fs = mount_with_budget(&store, &cache, &budget);
     assert_eq!(list_root(&fs).await.len(), 2 + 40);
     assert_eq!(
         budget.used_for(Use::Listing),
@@ -681,22 +691,10 @@ async fn a_sweep_fetches_files_larger_than_half_the_writers_queue() {
     let files: Vec<(String, Vec<u8>)> = (0..40u32)
         .map(|i| (format!("g{i:02}"), data(SIZE, i as u8)))
         .collect();
-    let mut etags = HashMap::new();
-    for (name, body) in &files {
-        etags.insert(name.clone(), store.insert(B, name, body.clone()));
-    }
-    let mut cfg = MountConfig::new(B);
-    cfg.endpoint = "http://s3.test".into();
-    cfg.metadata_ttl = crate::config::MetadataTtl::Indefinite;
+    let etags = insert_files(&store, &files);
     // 4 MiB: the writers' queue is 512 KiB, half of it less than one file.
     let budget = MemoryBudget::new(4 << 20);
-    let fs = Fs::with_budget(
-        Arc::new(store.clone()),
-        cfg,
-        budget.clone(),
-        PrefetchConfig::default(),
-    )
-    .with_cache(Some(cache.clone()));
+    let fs = mount_with_budget(&store, &cache, &budget);
     assert_eq!(list_root(&fs).await.len(), 2 + 40);
     let order: Vec<usize> = (0..40).map(|i| (i * 37) % 40).collect();
     for &i in &order[..16] {
