@@ -530,6 +530,19 @@ async fn a_clean_shutdown_lets_the_next_process_trust_unchanged_whole_files_only
     assert_eq!(cache.stats().corrupt, 1);
 }
 
+/// `obj` (`content`) read whole through `cache`, which joins it into one whole file.
+async fn make_whole(
+    cache: &Arc<BlockCache>,
+    obj: &ObjectKey,
+    content: &Bytes,
+    fetches: &AtomicUsize,
+) {
+    cache.want_whole(obj.clone(), content.len() as u64);
+    read_all(cache, obj, content, fetches).await;
+    cache.settle().await;
+    assert!(cache.has_whole(obj));
+}
+
 /// A cache at `dir` holding object `name` whole (two blocks and a bit), handed out once (so
 /// checked), whose file is then altered on disk (a byte flipped at a later clock tick: its ctime
 /// moves) while the cache still runs.
@@ -542,9 +555,7 @@ async fn whole_file_checked_then_altered(
     let size = 2 * BS + 99;
     let (obj, content) = object(name, size, seed);
     let cache = open(dir, 20 * BS).await;
-    cache.want_whole(obj.clone(), size);
-    read_all(&cache, &obj, &content, &fetches).await;
-    cache.settle().await;
+    make_whole(&cache, &obj, &content, &fetches).await;
     let f = cache.open_whole(&obj, size).expect("whole file");
     assert_eq!(read_file(f), content.to_vec());
     std::thread::sleep(std::time::Duration::from_millis(20));
@@ -604,10 +615,7 @@ async fn a_whole_file_cut_short_is_dropped_by_the_read_that_finds_it_short() {
     let fetches = AtomicUsize::new(0);
     let size = 3 * BS;
     let (obj, content) = object("short", size, 10);
-    cache.want_whole(obj.clone(), size);
-    read_all(&cache, &obj, &content, &fetches).await;
-    cache.settle().await;
-    assert!(cache.has_whole(&obj));
+    make_whole(&cache, &obj, &content, &fetches).await;
     let f = std::fs::OpenOptions::new()
         .write(true)
         .open(cache.object_path(&obj.file_id()))
@@ -1776,10 +1784,7 @@ async fn a_whole_object_gone_under_the_index_is_stored_again() {
     let fetches = AtomicUsize::new(0);
     let size = BS + 100;
     let (obj, content) = object("ghost-whole", size, 4);
-    cache.want_whole(obj.clone(), size);
-    read_all(&cache, &obj, &content, &fetches).await;
-    cache.settle().await;
-    assert!(cache.has_whole(&obj));
+    make_whole(&cache, &obj, &content, &fetches).await;
     let id = obj.file_id();
     std::fs::remove_file(cache.object_path(&id)).unwrap();
     std::fs::remove_file(cache.meta_path(&id)).unwrap();
@@ -1805,10 +1810,7 @@ async fn a_whole_object_whose_sidecar_is_gone_leaves_no_uncounted_data_file() {
     let fetches = AtomicUsize::new(0);
     let size = 2 * BS + 100;
     let (obj, content) = object("no-sidecar", size, 5);
-    cache.want_whole(obj.clone(), size);
-    read_all(&cache, &obj, &content, &fetches).await;
-    cache.settle().await;
-    assert!(cache.has_whole(&obj));
+    make_whole(&cache, &obj, &content, &fetches).await;
     let id = obj.file_id();
     std::fs::remove_file(cache.meta_path(&id)).unwrap();
     read_all(&cache, &obj, &content, &fetches).await;
@@ -1840,10 +1842,7 @@ async fn a_whole_file_gone_under_the_index_is_forgotten_by_the_hand_out_that_fin
     let fetches = AtomicUsize::new(0);
     let size = 2 * BS + 100;
     let (obj, content) = object("no-data", size, 6);
-    cache.want_whole(obj.clone(), size);
-    read_all(&cache, &obj, &content, &fetches).await;
-    cache.settle().await;
-    assert!(cache.has_whole(&obj));
+    make_whole(&cache, &obj, &content, &fetches).await;
     let id = obj.file_id();
     std::fs::remove_file(cache.object_path(&id)).unwrap();
     assert!(cache.open_whole(&obj, size).is_none());
