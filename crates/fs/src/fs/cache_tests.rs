@@ -711,7 +711,7 @@ async fn a_sweep_fetches_files_larger_than_half_the_writers_queue() {
     }
     cache.settle().await;
     assert!(Fs::swept(&fs.lock(), ROOT_INO), "not swept");
-    for _ in 0..300 {
+    for _ in 0..3000 {
         if order[16..]
             .iter()
             .all(|&i| is_cached(&cache, &files[i].0, &etags[&files[i].0]))
