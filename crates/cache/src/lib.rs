@@ -753,6 +753,28 @@ impl BlockCache {
         (q.bytes, self.queue_max())
     }
 
+    /// Waits until blocks of `len` bytes may go to the writers without making their backlog more
+    /// than half full, or until it is empty (a file larger than half the queue goes then): a
+    /// background filler (a sweep, a warm-up) keeps behind the writers, so the blocks it fetches
+    /// are not dropped and fetched again by readers.
+    pub async fn writers_have_room(&self, len: u64) {
+        loop {
+            let (waiting, most) = self.write_backlog();
+            if waiting == 0 || waiting + len <= most / 2 {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A file of `entry` found missing (`e` is `NotFound`): the entry is forgotten if it is gone
+    /// under the index, as [`Self::read`] does for a block file (blocking).
+    fn forget_if_missing(&self, e: &io::Error, entry: Entry) {
+        if e.kind() == io::ErrorKind::NotFound {
+            self.forget_if_gone(entry);
+        }
+    }
+
     /// Charges the bytes of every block handed to the writers with `charge` from then on, until
     /// the block is written (unless its fetcher hands over a charge of its own), and lets at
     /// most `queue_max` bytes wait (never more than [`WRITE_QUEUE_MAX`], never less than one
@@ -1247,11 +1269,11 @@ impl BlockCache {
         let cache = self.clone();
         let got = tokio::task::spawn_blocking(move || {
             let got = read_block_file(&path, &k, p);
-            if matches!(&got, Err(e) if e.kind() == io::ErrorKind::NotFound) {
+            if let Err(e) = &got {
                 // Indexed, yet gone (deleted under the index: by something other than the
                 // cache, or a bad file a read deleted while the index was rebuilt): forgotten,
                 // or the fetched block would never be stored again.
-                cache.forget_if_gone(Entry::Block(id));
+                cache.forget_if_missing(e, Entry::Block(id));
             }
             got
         })
@@ -1363,10 +1385,7 @@ impl BlockCache {
         let file = match std::fs::read(self.meta_path(id)) {
             Ok(file) => file,
             Err(e) => {
-                if e.kind() == io::ErrorKind::NotFound {
-                    // As a block file gone under the index ([`Self::read`]).
-                    self.forget_if_gone(Entry::Object(*id));
-                }
+                self.forget_if_missing(&e, Entry::Object(*id));
                 return None;
             }
         };
@@ -1410,10 +1429,7 @@ impl BlockCache {
         let file = match File::open(self.object_path(&id)) {
             Ok(file) => file,
             Err(e) => {
-                if e.kind() == io::ErrorKind::NotFound {
-                    // As a block file gone under the index ([`Self::read`]).
-                    self.forget_if_gone(Entry::Object(id));
-                }
+                self.forget_if_missing(&e, Entry::Object(id));
                 return None;
             }
         };
@@ -1475,11 +1491,10 @@ impl BlockCache {
         let file = match File::open(self.object_path(&id)) {
             Ok(file) => file,
             Err(e) => {
-                if e.kind() == io::ErrorKind::NotFound {
-                    // As a block file gone under the index ([`Self::read`]).
-                    drop(checked);
-                    self.forget_if_gone(Entry::Object(id));
-                }
+                // Not under the gate: forgetting takes the `verified` lock, which a join holds
+                // while it takes the gate.
+                drop(checked);
+                self.forget_if_missing(&e, Entry::Object(id));
                 return None;
             }
         };

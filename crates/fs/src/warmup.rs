@@ -136,13 +136,7 @@ pub async fn warm_up_as(
                         let len = end - start;
                         // Never faster than the cache's writers (a block over their backlog is
                         // not stored) ...
-                        loop {
-                            let (waiting, most) = cache.write_backlog();
-                            if waiting == 0 || waiting + len <= most / 2 {
-                                break;
-                            }
-                            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                        }
+                        cache.writers_have_room(len).await;
                         // ... nor over the memory budget: the block is charged from before its
                         // GET until it is on disk (a warm-up can wait; a block fetched while the
                         // budget has no room for it would be dropped, not stored).

@@ -145,15 +145,8 @@ impl Fs {
                     let (cache, budget) = (cache.clone(), budget.clone());
                     async move {
                         // Never faster than the cache's writers (blocks over their backlog are
-                        // not stored, and readers would fetch them again) ... but a file larger
-                        // than half the queue (a small budget's) goes once the queue is empty.
-                        loop {
-                            let (waiting, most) = cache.write_backlog();
-                            if waiting == 0 || waiting + src.size <= most / 2 {
-                                break;
-                            }
-                            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-                        }
+                        // not stored, and readers would fetch them again) ...
+                        cache.writers_have_room(src.size).await;
                         // ... nor over the memory budget: a sweep can wait. The blocks fetched
                         // wait for the writers under this charge (not a second one, which near
                         // the budget would be refused and leave them unstored).
