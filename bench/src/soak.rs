@@ -293,6 +293,7 @@ pub async fn run(plugin: &mut Plugin, cli: &Cli) -> anyhow::Result<String> {
             .collect(),
         faults: vec![Fault::SlowDown, Fault::InternalError, Fault::CutBody],
         every: fault_every,
+        ranged_only: false,
     }));
 
     let stop = Arc::new(AtomicBool::new(false));

@@ -16,7 +16,7 @@ use ferry_node::{NodeConfig, NodeService};
 use ferry_proto::csi::v1 as pb;
 use ferry_s3::{S3Credentials, S3Store};
 use ferry_store::{ListRequest, ObjectStore};
-use ferry_testkit::{FaultProxy, S3Server};
+use ferry_testkit::{Fault, FaultPlan, FaultProxy, S3Server};
 use ferry_volume::{AllowedEndpoints, DeletePolicy, Endpoint, MetadataTtl, VolumeId};
 use futures::TryStreamExt;
 use pb::volume_capability::access_mode::Mode;
@@ -40,6 +40,14 @@ impl Env {
     /// An Env whose driver allows what `allowed` returns for its S3 server besides its default
     /// endpoint (that server); `None`: the default list (the AWS S3 endpoints).
     async fn start_allowing(allowed: impl FnOnce(&S3Server) -> Option<AllowedEndpoints>) -> Env {
+        Env::start_with(allowed, None).await
+    }
+
+    /// [`Env::start_allowing`] with the node cache `cache` shared by its mounts.
+    async fn start_with(
+        allowed: impl FnOnce(&S3Server) -> Option<AllowedEndpoints>,
+        cache: Option<Arc<ferry_cache::BlockCache>>,
+    ) -> Env {
         ferry_testkit::init_tracing();
         let s3 = S3Server::start();
         let allowed = allowed(&s3);
@@ -62,7 +70,9 @@ impl Env {
         }
         let stores = Arc::new(stores);
         let mounts = Arc::new(MountTable::default());
-        let node = NodeService::new(
+        let mut ctx = ferry_fs::MountContext::new(tokio::runtime::Handle::current());
+        ctx.cache = cache;
+        let node = NodeService::with_context(
             NodeConfig {
                 node_id: "test-node".into(),
                 kubelet_root: dir.path().join("kubelet"),
@@ -70,6 +80,7 @@ impl Env {
             },
             stores.clone(),
             mounts.clone(),
+            ctx,
         );
         let (ctrl, node) = common::serve(dir.path(), stores, node).await;
         let store = S3Store::new(s3.s3_config()).await.unwrap();
@@ -673,6 +684,124 @@ async fn a_read_only_volume_keeps_its_metadata_unless_a_mount_option_says_otherw
     for (t, ..) in &targets {
         env.unpublish("v", t).await.unwrap();
     }
+}
+
+/// `ferry_cache_warmups_total{result}` as this process counts it.
+fn warm_ups(result: &str) -> u64 {
+    let line = format!("ferry_cache_warmups_total{{result=\"{result}\"}} ");
+    ferry_metrics::render()
+        .lines()
+        .find_map(|l| l.strip_prefix(&line).map(|n| n.parse().unwrap()))
+        .unwrap_or(0)
+}
+
+/// Waits up to a minute for `ready`; `false` if it never held.
+async fn eventually(mut ready: impl FnMut() -> bool) -> bool {
+    for _ in 0..3000 {
+        if ready() {
+            return true;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    false
+}
+
+/// A warm-up fetches with the credentials of the mount that runs it, so it ends with that
+/// mount: unpublished before the warm-up is done, it stops it, and another mount of the volume
+/// goes on with it or, with none, the next publish starts it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_warm_up_ends_with_the_mount_that_runs_it() {
+    let cache_dir = tempfile::tempdir().unwrap();
+    let cache =
+        ferry_cache::BlockCache::open(ferry_cache::CacheConfig::new(cache_dir.path(), 64 << 20))
+            .unwrap();
+    let mut forwarder = None;
+    let mut env = Env::start_with(
+        |s3| {
+            let f = FaultProxy::start(([127, 0, 0, 1], s3.port()).into()).unwrap();
+            let allowed = AllowedEndpoints::parse(&format!("aws,{}", f.url())).unwrap();
+            forwarder = Some(f);
+            Some(allowed)
+        },
+        Some(cache.clone()),
+    )
+    .await;
+    let forwarder = forwarder.unwrap();
+    env.s3.create_bucket("warm").await;
+    for dir in ["a/", "b/"] {
+        for i in 0..3u8 {
+            let key = format!("{dir}f{i}");
+            env.store
+                .put("warm", &key, payload(i, 100_000))
+                .await
+                .unwrap();
+        }
+    }
+    // Each object is one block.
+    let blocks = || cache.stats().blocks;
+    let ctx = |prefix: &str| {
+        map(&[
+            ("bucketName", "warm"),
+            ("prefix", prefix),
+            ("endpointUrl", &forwarder.url()),
+            ("forcePathStyle", "true"),
+            ("prefetchOnMount", "true"),
+        ])
+    };
+    let cap = mount_capability(Mode::MultiNodeReaderOnly, &[]);
+    let hang = || FaultPlan::always(&["GET"], Fault::Hang).ranged();
+    let stopped = warm_ups("stopped");
+
+    // Alone: unpublished mid-way, its warm-up stops; the next publish starts it again.
+    forwarder.set_plan(Some(hang()));
+    let (a1, a2) = (env.target("pod-a1", "pv"), env.target("pod-a2", "pv"));
+    env.publish("va", &a1, cap.clone(), ctx("a/"), true)
+        .await
+        .unwrap();
+    assert!(
+        eventually(|| forwarder.injected().len() >= 3).await,
+        "the warm-up's three GETs never reached the server"
+    );
+    env.unpublish("va", &a1).await.unwrap();
+    assert_eq!(
+        warm_ups("stopped"),
+        stopped + 1,
+        "the warm-up was not stopped"
+    );
+    forwarder.set_plan(None);
+    env.publish("va", &a2, cap.clone(), ctx("a/"), true)
+        .await
+        .unwrap();
+    assert!(
+        eventually(|| blocks() == 3).await,
+        "the next publish did not warm the volume"
+    );
+    env.unpublish("va", &a2).await.unwrap();
+
+    // Beside another mount of the volume: that mount goes on with it.
+    forwarder.set_plan(Some(hang()));
+    let hung = forwarder.injected().len();
+    let (b1, b2) = (env.target("pod-b1", "pv"), env.target("pod-b2", "pv"));
+    env.publish("vb", &b1, cap.clone(), ctx("b/"), true)
+        .await
+        .unwrap();
+    assert!(eventually(|| forwarder.injected().len() >= hung + 3).await);
+    env.publish("vb", &b2, cap.clone(), ctx("b/"), true)
+        .await
+        .unwrap();
+    // The GETs of b1's warm-up stay unanswered; the ones made after this are served.
+    forwarder.set_plan(None);
+    env.unpublish("vb", &b1).await.unwrap();
+    assert_eq!(
+        warm_ups("stopped"),
+        stopped + 2,
+        "the warm-up was not stopped"
+    );
+    assert!(
+        eventually(|| blocks() == 6).await,
+        "the volume's other mount did not go on with the warm-up"
+    );
+    env.unpublish("vb", &b2).await.unwrap();
 }
 
 /// CreateVolume refuses prefixes that would be the whole bucket or escape it, and a delete-policy

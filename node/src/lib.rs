@@ -8,6 +8,7 @@
 //! - [`registration`]: kubelet plugin registration (the socket in `plugins_registry`), behind
 //!   [`authority`], which makes kubelet's requests acceptable to h2;
 //! - [`targetpath`]: kubelet target-path checks;
+//! - [`warm`]: volume warm-ups (`prefetchOnMount`), run by one live mount that asked for each;
 //! - [`size`]: byte sizes and the memory budget on the command line;
 //! - [`mountinfo`] (from `ferry-fs`): what the kernel says is mounted where.
 
@@ -20,6 +21,7 @@ pub mod registration;
 pub mod service;
 pub mod size;
 pub mod targetpath;
+pub mod warm;
 
 pub use ferry_fs::{alloc, mountinfo};
 /// The descriptor holder's client and framing (their own package: `ferry-fd-holder` links none of

@@ -11,6 +11,8 @@ use std::sync::Mutex;
 use ferry_fs::{MountConfig, MountHandle};
 use ferry_volume::VolumeSpec;
 
+use crate::warm::MountWarmUp;
+
 /// What a NodePublishVolume asked for; a repeat with the same key is idempotent.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Published {
@@ -55,6 +57,9 @@ pub struct Mounted {
     pub request: Vec<u8>,
     /// The memfd its journal is written to (with a descriptor holder; see `crate::keeper`).
     pub journal: Option<std::fs::File>,
+    /// The warm-up it asked for (`prefetchOnMount` with the node cache on), run by one of the
+    /// mounts that asked for it.
+    pub warm_up: Option<MountWarmUp>,
 }
 
 fn mounts_gauge() -> &'static ferry_metrics::Gauge {
@@ -85,15 +90,25 @@ impl MountTable {
         }
     }
 
-    pub fn insert(&self, target: PathBuf, m: Mounted) {
+    /// Adds a live mount and starts the warm-up it asks for unless another mount runs it or it
+    /// was run.
+    pub fn insert(&self, target: PathBuf, mut m: Mounted) {
         let mut mounts = self.mounts.lock().unwrap();
+        if let Some(w) = m.warm_up.as_mut() {
+            w.start();
+        }
         mounts.insert(target, m);
         mounts_gauge().set(mounts.len() as i64);
     }
 
+    /// Takes a mount out of the table; a warm-up it runs is stopped and handed to another mount
+    /// of the same warm-up, or let go ([`crate::warm::hand_over`]).
     pub fn remove(&self, target: &Path) -> Option<Mounted> {
         let mut mounts = self.mounts.lock().unwrap();
-        let m = mounts.remove(target);
+        let mut m = mounts.remove(target);
+        if let Some(m) = m.as_mut() {
+            crate::warm::hand_over(m, &mut mounts);
+        }
         mounts_gauge().set(mounts.len() as i64);
         m
     }

@@ -34,6 +34,7 @@ use crate::keeper::{self, Keeper};
 use crate::mountinfo;
 use crate::mounts::{MountCredentials, MountTable, Mounted, Published};
 use crate::targetpath;
+use crate::warm::MountWarmUp;
 
 /// Node-level settings.
 #[derive(Debug, Clone)]
@@ -136,38 +137,33 @@ pub fn mount_config(p: &Published, default_ttl: MetadataTtl) -> MountConfig {
     }
 }
 
-/// Starts filling the node cache from the volume's prefix (or its sub-prefixes) in the background,
-/// unless this node plugin already ran the same warm-up.
-fn start_warm_up(
+/// The warm-up a mount of `published` asks for (`prefetchOnMount`, the node cache on), fetching
+/// with the mount's `store`.
+fn warm_up_of(
+    ctx: &ferry_fs::MountContext,
+    published: &Published,
+    config: &MountConfig,
     store: Arc<dyn ferry_store::ObjectStore>,
-    proofs: Arc<ferry_fs::Proofs>,
-    cache: Arc<ferry_cache::BlockCache>,
-    cfg: &MountConfig,
-    subs: &[String],
-) {
-    let w = ferry_fs::WarmUp {
-        endpoint: cfg.endpoint.clone(),
-        bucket: cfg.bucket.clone(),
-        prefixes: subs.iter().map(|s| format!("{}{s}", cfg.prefix)).collect(),
+) -> Option<MountWarmUp> {
+    let (Some(cache), Some(subs), true) = (
+        &ctx.cache,
+        &published.spec.options.warm_up,
+        config.node_cache,
+    ) else {
+        return None;
     };
-    if !cache.claim(&w.id()) {
-        info!(bucket = %w.bucket, prefixes = ?w.prefixes, "warm-up already run on this node; not repeated");
-        return;
-    }
-    info!(bucket = %w.bucket, prefixes = ?w.prefixes, "warm-up started");
-    tokio::spawn(async move {
-        let (bucket, prefixes) = (w.bucket.clone(), w.prefixes.clone());
-        match ferry_fs::warm_up_as(store, proofs, cache, w).await {
-            Ok(r) => {
-                ferry_cache::warmup_done(if r.truncated { "truncated" } else { "ok" });
-                info!(%bucket, ?prefixes, objects = r.objects, fetched_blocks = r.fetched, cached_blocks = r.cached, bytes = r.bytes, truncated = r.truncated, "warm-up done");
-            }
-            Err(e) => {
-                ferry_cache::warmup_done("error");
-                warn!(%bucket, ?prefixes, error = %e, "warm-up failed");
-            }
-        }
-    });
+    let w = ferry_fs::WarmUp {
+        endpoint: config.endpoint.clone(),
+        bucket: config.bucket.clone(),
+        prefixes: subs
+            .iter()
+            .map(|s| format!("{}{s}", config.prefix))
+            .collect(),
+    };
+    // With the mount's identity (the proofs its store's mounts share): its readers join the
+    // warm-up's GETs.
+    let proofs = ctx.proofs.for_store(&store);
+    Some(MountWarmUp::new(store, proofs, cache.clone(), w))
 }
 
 impl NodeService {
@@ -649,16 +645,7 @@ impl Inner {
             e => CsiError::Internal(format!("mounting at {}: {e}", shown(&target))),
         })?;
         created.keep();
-        if let (Some(cache), Some(subs), true) = (
-            &self.mount_context.cache,
-            &published.spec.options.warm_up,
-            config.node_cache,
-        ) {
-            // With the mount's identity (the proofs its store's mounts share): its readers
-            // join the warm-up's GETs.
-            let proofs = self.mount_context.proofs.for_store(&warm_store);
-            start_warm_up(warm_store, proofs, cache.clone(), &config, subs);
-        }
+        let warm_up = warm_up_of(&self.mount_context, &published, &config, warm_store);
         info!(
             bucket = %published.spec.bucket,
             prefix = %published.spec.prefix,
@@ -687,6 +674,7 @@ impl Inner {
                 handle,
                 request,
                 journal,
+                warm_up,
             },
         );
         Ok(pb::NodePublishVolumeResponse {})
@@ -1016,6 +1004,7 @@ impl Inner {
         let journal = self
             .journal_for(&record.target, &mut ctx)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
+        let warm_up = warm_up_of(&self.mount_context, &published, &config, store.clone());
         let target = record.target.clone();
         let (snapshot, dev, kernel) = (record.snapshot, record.dev, record.kernel);
         let handle = tokio::task::spawn_blocking(move || {
@@ -1034,6 +1023,9 @@ impl Inner {
                 handle,
                 request: record.request,
                 journal,
+                // Started again if the predecessor had not finished it: blocks it stored are
+                // found on disk, not fetched.
+                warm_up,
             },
         );
         Ok(())

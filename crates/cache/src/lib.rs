@@ -846,6 +846,12 @@ impl BlockCache {
             .insert(id.to_owned())
     }
 
+    /// Lets go of `id` (a warm-up stopped before its end): the next [`claim`](Self::claim) of it
+    /// succeeds.
+    pub fn unclaim(&self, id: &str) {
+        self.claimed.lock().expect("claims lock").remove(id);
+    }
+
     /// Counts an open refused because the mount's own credentials were denied the object (its
     /// blocks may be on disk; they are not served to that mount).
     pub fn note_denied(&self) {

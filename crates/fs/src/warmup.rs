@@ -74,6 +74,9 @@ pub async fn warm_up_as(
     cache: Arc<BlockCache>,
     w: WarmUp,
 ) -> Result<WarmUpReport, StoreError> {
+    // Nothing is stored, and nothing found on disk is known, until the cache's index of its
+    // blocks is rebuilt (a node plugin just started or taking over).
+    cache.ready().await;
     // The flights it starts are this identity's (another identity's readers never take them).
     let owner = proofs.id();
     let bs = cache.block_size();

@@ -114,6 +114,7 @@ fn transient_faults_slow_reads_down_but_never_corrupt_them() {
             Fault::Hang,
         ],
         every: 2,
+        ranged_only: false,
     }));
 
     let root = m.root.clone();
@@ -335,6 +336,7 @@ fn uploads_survive_transient_faults_and_fail_cleanly_on_persistent_ones() {
         methods: vec!["PUT".into(), "POST".into()],
         faults: vec![Fault::SlowDown, Fault::InternalError, Fault::Hang],
         every: 2,
+        ranged_only: false,
     }));
     for (name, data) in [("small", &small), ("large", &large)] {
         let (p, d) = (m.path(name), data.clone());

@@ -549,6 +549,7 @@ fn run_model(ttl: MetadataTtl, default_cases: u32, flaky: bool) {
                 Fault::ShortBody,
             ],
             every: 3,
+            ranged_only: false,
         }));
         let mut cfg = env.server.s3_config();
         cfg.endpoint_url = Some(proxy.url());

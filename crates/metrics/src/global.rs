@@ -92,19 +92,21 @@ pub struct CacheMetrics {
     pub assembled: Counter,
     pub passthrough_opens: Counter,
     pub warmup_bytes: Counter,
-    /// `ok`, `truncated`, `error`.
-    warmups: [Counter; 3],
+    /// `ok`, `truncated`, `error`, `stopped`.
+    warmups: [Counter; 4],
     pub bytes: Gauge,
     pub blocks: Gauge,
     pub objects: Gauge,
 }
 
 impl CacheMetrics {
-    /// Counts a finished warm-up by result: `ok`, `truncated`, anything else is `error`.
+    /// Counts a finished warm-up by result: `ok`, `truncated`, `stopped` (its mount was
+    /// unpublished first), anything else is `error`.
     pub fn warmup_done(&self, result: &str) {
         let i = match result {
             "ok" => 0,
             "truncated" => 1,
+            "stopped" => 3,
             _ => 2,
         };
         self.warmups[i].inc();
@@ -268,7 +270,7 @@ pub(crate) fn build() -> (Registry, Metrics, Vec<AlreadyRegistered>) {
 
     let warmups = reg!(
         names::CACHE_WARMUPS,
-        "Volume warm-ups finished, by result.",
+        "Volume warm-ups finished, by result (`stopped`: the mount running it was unpublished first).",
         Family::<Labels, Counter>::default()
     );
     let cache = CacheMetrics {
@@ -285,7 +287,7 @@ pub(crate) fn build() -> (Registry, Metrics, Vec<AlreadyRegistered>) {
         assembled: reg!(names::CACHE_ASSEMBLED, "Objects whose cached blocks were joined into one whole-object file.", counter()),
         passthrough_opens: reg!(names::CACHE_WHOLE_OPENS, "Opens served by handing the kernel a whole cached object (FUSE passthrough).", counter()),
         warmup_bytes: reg!(names::CACHE_WARMUP_BYTES, "Bytes fetched into the node cache by volume warm-ups.", counter()),
-        warmups: counters(&warmups, "result", ["ok", "truncated", "error"]),
+        warmups: counters(&warmups, "result", ["ok", "truncated", "error", "stopped"]),
         bytes: reg!(names::CACHE_BYTES, "Bytes of block and whole-object files in the node cache.", gauge()),
         blocks: reg!(names::CACHE_BLOCKS, "Block files in the node cache.", gauge()),
         objects: reg!(names::CACHE_OBJECTS, "Whole-object files in the node cache.", gauge()),

@@ -46,6 +46,8 @@ pub struct FaultPlan {
     pub faults: Vec<Fault>,
     /// Every `every`-th matching request breaks (1 = all of them).
     pub every: u64,
+    /// Only requests with a `Range` header match (an object's ranged GET; not a LIST).
+    pub ranged_only: bool,
 }
 
 impl FaultPlan {
@@ -55,6 +57,15 @@ impl FaultPlan {
             methods: methods.iter().map(|m| m.to_string()).collect(),
             faults: vec![fault],
             every: 1,
+            ranged_only: false,
+        }
+    }
+
+    /// This plan for ranged requests only (an object's ranged GET; not a LIST).
+    pub fn ranged(self) -> FaultPlan {
+        FaultPlan {
+            ranged_only: true,
+            ..self
         }
     }
 }
@@ -211,11 +222,13 @@ fn serve(
         .next()
         .unwrap_or("")
         .to_owned();
+    let ranged = header(&head, "range").is_some();
     let fault = {
         let mut s = lock(state);
         s.requests += 1;
+        let matches = |p: &FaultPlan| p.methods.contains(&method) && (ranged || !p.ranged_only);
         let fault = match &s.plan {
-            Some(p) if p.methods.contains(&method) && !p.faults.is_empty() => {
+            Some(p) if matches(p) && !p.faults.is_empty() => {
                 let every = p.every.max(1);
                 let n = s.matched;
                 n.is_multiple_of(every)
@@ -223,7 +236,7 @@ fn serve(
             }
             _ => None,
         };
-        if s.plan.as_ref().is_some_and(|p| p.methods.contains(&method)) {
+        if s.plan.as_ref().is_some_and(matches) {
             s.matched += 1;
         }
         fault

@@ -1,0 +1,129 @@
+//! Volume warm-ups (`prefetchOnMount`) as the node plugin runs them: one per (endpoint, bucket,
+//! prefixes) in the process, run by one of the live mounts that asked for it, with that mount's
+//! store and identity.
+//!
+//! A warm-up fetches with the credentials of the mount that runs it, so it ends with that mount:
+//! when the mount is unpublished before the warm-up is done, the warm-up is stopped and handed to
+//! another live mount that asked for the same warm-up (with that mount's credentials), or, when
+//! there is none, its claim is let go so that the next publish of the volume starts it again.
+//! Blocks it already stored stay in the cache and are not fetched again.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use ferry_cache::BlockCache;
+use ferry_fs::{Proofs, WarmUp};
+use ferry_store::ObjectStore;
+use tokio::task::AbortHandle;
+use tracing::{info, warn};
+
+use crate::mounts::Mounted;
+
+/// A mount's warm-up: what it warms, with what, and the task when this mount runs it.
+pub struct MountWarmUp {
+    store: Arc<dyn ObjectStore>,
+    proofs: Arc<Proofs>,
+    cache: Arc<BlockCache>,
+    warm: WarmUp,
+    task: Option<AbortHandle>,
+}
+
+impl MountWarmUp {
+    /// The warm-up of a mount of `store` (its reads prove access with `proofs`).
+    pub fn new(
+        store: Arc<dyn ObjectStore>,
+        proofs: Arc<Proofs>,
+        cache: Arc<BlockCache>,
+        warm: WarmUp,
+    ) -> Self {
+        MountWarmUp {
+            store,
+            proofs,
+            cache,
+            warm,
+            task: None,
+        }
+    }
+
+    /// Starts the warm-up unless this process already ran it or runs it for another mount.
+    pub fn start(&mut self) {
+        if self.task.is_some() {
+            return;
+        }
+        if !self.cache.claim(&self.warm.id()) {
+            info!(bucket = %self.warm.bucket, prefixes = ?self.warm.prefixes, "warm-up already running or run on this node; not repeated");
+            return;
+        }
+        info!(bucket = %self.warm.bucket, prefixes = ?self.warm.prefixes, "warm-up started");
+        self.run();
+    }
+
+    /// Runs the warm-up this process has claimed.
+    fn run(&mut self) {
+        let (store, proofs, cache, w) = (
+            self.store.clone(),
+            self.proofs.clone(),
+            self.cache.clone(),
+            self.warm.clone(),
+        );
+        let task = tokio::spawn(async move {
+            let (bucket, prefixes) = (w.bucket.clone(), w.prefixes.clone());
+            match ferry_fs::warm_up_as(store, proofs, cache, w).await {
+                Ok(r) => {
+                    ferry_cache::warmup_done(if r.truncated { "truncated" } else { "ok" });
+                    info!(%bucket, ?prefixes, objects = r.objects, fetched_blocks = r.fetched, cached_blocks = r.cached, bytes = r.bytes, truncated = r.truncated, "warm-up done");
+                }
+                Err(e) => {
+                    ferry_cache::warmup_done("error");
+                    warn!(%bucket, ?prefixes, error = %e, "warm-up failed");
+                }
+            }
+        });
+        self.task = Some(task.abort_handle());
+    }
+
+    /// Stops the warm-up if this mount runs it and it is not done; `true` if it was stopped.
+    fn stop(&mut self) -> bool {
+        match self.task.take() {
+            Some(t) if !t.is_finished() => {
+                t.abort();
+                ferry_cache::warmup_done("stopped");
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// `true` while this mount runs the warm-up.
+    pub fn is_running(&self) -> bool {
+        self.task.as_ref().is_some_and(|t| !t.is_finished())
+    }
+}
+
+/// After `gone` left the table `live` (unpublished): a warm-up it was running is stopped, and
+/// handed to another live mount that asked for the same one, or let go (the next publish of the
+/// volume starts it again). Runs under the mount table's lock, so a publish cannot slip between.
+pub fn hand_over(gone: &mut Mounted, live: &mut HashMap<PathBuf, Mounted>) {
+    let Some(w) = gone.warm_up.as_mut() else {
+        return;
+    };
+    if !w.stop() {
+        return;
+    }
+    let id = w.warm.id();
+    let heir = live
+        .values_mut()
+        .filter_map(|m| m.warm_up.as_mut())
+        .find(|o| o.warm.id() == id && Arc::ptr_eq(&o.cache, &w.cache));
+    match heir {
+        Some(heir) => {
+            info!(bucket = %w.warm.bucket, prefixes = ?w.warm.prefixes, "the volume that ran the warm-up was unpublished; another mount of it goes on with it, with its own credentials");
+            heir.run();
+        }
+        None => {
+            info!(bucket = %w.warm.bucket, prefixes = ?w.warm.prefixes, "warm-up stopped: the volume that ran it was unpublished (its credentials); the next publish starts it again");
+            w.cache.unclaim(&id);
+        }
+    }
+}
