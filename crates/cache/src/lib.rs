@@ -1651,13 +1651,18 @@ impl BlockCache {
         )
         .len() as u64;
         let len = size + meta_len;
+        let Some(free) = self.free_on_disk() else {
+            return false;
+        };
         // Room for the new file while the blocks are still there: never by evicting them (passed
         // over where they are in the order, however old), and nothing evicted for a file that
-        // cannot fit beside them.
-        let victims = {
+        // cannot fit beside them, in the cache or on its filesystem.
+        let (victims, own) = {
             let mut st = self.lock();
             let own: u64 = ours.iter().filter_map(|b| st.lru.size(b)).sum();
-            if own + st.pending + len > self.cfg.max_size {
+            if own + st.pending + len > self.cfg.max_size
+                || !self.could_fit_on_disk(&st, free, len, own)
+            {
                 return false;
             }
             let mut victims = Vec::new();
@@ -1668,10 +1673,10 @@ impl BlockCache {
                 }
             }
             st.pending += len;
-            victims
+            (victims, own)
         };
         self.delete(&victims);
-        let written = self.make_room_on_disk(len, |e| ours.contains(e))
+        let written = self.make_room_on_disk(len, own, |e| ours.contains(e))
             && self.write_whole(obj, id, size, write);
         let mut st = self.lock();
         st.pending -= len;
@@ -1838,7 +1843,7 @@ impl BlockCache {
             victims
         };
         self.delete(&victims);
-        let stored = self.make_room_on_disk(len, |_| false) && self.write(&id, &[data, &tail]);
+        let stored = self.make_room_on_disk(len, 0, |_| false) && self.write(&id, &[data, &tail]);
         let mut st = self.lock();
         st.pending -= len;
         if stored {
@@ -1866,21 +1871,40 @@ impl BlockCache {
         }
     }
 
+    /// Bytes available on the cache's filesystem; `None` (logged) if `statvfs` fails.
+    fn free_on_disk(&self) -> Option<u64> {
+        space::available(&self.blocks_dir)
+            .inspect_err(|e| {
+                tracing::warn!(dir = %self.cfg.dir.display(), error = %e, "cache: statvfs failed");
+            })
+            .ok()
+    }
+
+    /// Whether `len` more bytes would leave `min_free` free on the cache's filesystem, which has
+    /// `free` bytes available, once every entry but the `kept` bytes of them were evicted.
+    fn could_fit_on_disk(&self, st: &State, free: u64, len: u64, kept: u64) -> bool {
+        free.saturating_add(st.lru.bytes().saturating_sub(kept))
+            >= self.cfg.min_free.saturating_add(len)
+    }
+
     /// Evicts until `len` more bytes leave `min_free` free, passing over the entries `keep`
-    /// keeps (a join's own blocks); `false` if that is impossible.
-    fn make_room_on_disk(&self, len: u64, keep: impl Fn(&Entry) -> bool) -> bool {
+    /// keeps (a join's own blocks, `kept` bytes); `false`, with nothing evicted, if evicting
+    /// every other entry would not be enough.
+    fn make_room_on_disk(&self, len: u64, kept: u64, keep: impl Fn(&Entry) -> bool) -> bool {
         loop {
-            let free = match space::available(&self.blocks_dir) {
-                Ok(free) => free,
-                Err(e) => {
-                    tracing::warn!(dir = %self.cfg.dir.display(), error = %e, "cache: statvfs failed");
-                    return false;
-                }
+            let Some(free) = self.free_on_disk() else {
+                return false;
             };
             if free >= self.cfg.min_free.saturating_add(len) {
                 return true;
             }
-            let victim = self.lock().pop_lru_except(&keep);
+            let victim = {
+                let mut st = self.lock();
+                if !self.could_fit_on_disk(&st, free, len, kept) {
+                    return false;
+                }
+                st.pop_lru_except(&keep)
+            };
             match victim {
                 Some((victim, _)) => self.delete(&[victim]),
                 None => return false,

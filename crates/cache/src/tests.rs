@@ -1885,6 +1885,41 @@ async fn a_join_short_of_disk_space_never_evicts_the_objects_own_blocks() {
     );
 }
 
+/// A join that could not fit on the disk even after evicting every other entry evicts nothing:
+/// what it would evict is lost for no join.
+#[tokio::test]
+async fn a_join_that_cannot_fit_on_the_disk_evicts_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let fetches = AtomicUsize::new(0);
+    let size = 3 * BS;
+    let (obj, content) = object("too-big", size, 7);
+    let (other, other_content) = object("bystander", 2 * BS, 8);
+    {
+        let cache = open(dir.path(), 1 << 30).await;
+        read_all(&cache, &other, &other_content, &fetches).await;
+        read_all(&cache, &obj, &content, &fetches).await;
+        cache.settle().await;
+        assert_eq!(cache.stats().blocks, 5);
+    }
+    // The same directory on a filesystem that has no room left above the floor.
+    let cache = BlockCache::open(CacheConfig {
+        block_size: BS,
+        min_free: u64::MAX / 4,
+        ..CacheConfig::new(dir.path(), 1 << 30)
+    })
+    .unwrap();
+    cache.ready().await;
+    cache.want_whole(obj.clone(), size);
+    cache.settle().await;
+    assert!(!cache.has_whole(&obj));
+    assert!(
+        (0..2).all(|i| cache.contains(&other.block(i))),
+        "a join that could not fit evicted another object's blocks: {:?}",
+        cache.stats()
+    );
+    assert_eq!(cache.stats().blocks, 5);
+}
+
 /// A prefetched part that starts in the middle of its block (`Prefetch::fill` after a seek: the
 /// part runs from the reader to the block's end) holds the budget for its own bytes only. Its
 /// miss fetches the whole block, and the part keeps a copy of its bytes, so the block's buffer
