@@ -1374,6 +1374,24 @@ impl BlockCache {
         }
     }
 
+    /// Runs `f` on `map` (the `metas` or `verified` of whole objects) if whole object `id` is in
+    /// the index, under `map`'s lock. [`delete`](Self::delete) and [`forget`](Self::forget) take
+    /// an entry out of the index before they take it out of `map`, so nothing is remembered for
+    /// an object already gone (a sidecar read or a check racing its eviction).
+    fn while_indexed<T, R>(
+        &self,
+        map: &Mutex<HashMap<FileId, T>>,
+        id: &FileId,
+        f: impl FnOnce(&mut HashMap<FileId, T>) -> R,
+    ) -> Option<R> {
+        let mut m = map.lock().expect("whole-object map lock");
+        // Lock order: the map, then the index (never the other way round).
+        if !self.lock().lru.contains(&Entry::Object(*id)) {
+            return None;
+        }
+        Some(f(&mut m))
+    }
+
     /// Drops `entry` from the index and, for an object, what is remembered about it.
     fn forget(&self, entry: &Entry) {
         self.lock().remove(entry);
@@ -1398,10 +1416,7 @@ impl BlockCache {
         match object::decode_meta(obj, &file) {
             Ok(meta) if meta.block_size == self.cfg.block_size => {
                 let meta = Arc::new(meta);
-                self.metas
-                    .lock()
-                    .expect("metas lock")
-                    .insert(*id, meta.clone());
+                self.while_indexed(&self.metas, id, |m| m.insert(*id, meta.clone()));
                 Some(meta)
             }
             Ok(_) | Err(_) => {
@@ -1483,16 +1498,7 @@ impl BlockCache {
 
     fn checked_whole(&self, obj: &ObjectKey, size: u64) -> Option<File> {
         let id = obj.file_id();
-        if !self.lock().lru.contains(&Entry::Object(id)) {
-            return None;
-        }
-        let gate = self
-            .verified
-            .lock()
-            .expect("verified lock")
-            .entry(id)
-            .or_default()
-            .clone();
+        let gate = self.while_indexed(&self.verified, &id, |v| v.entry(id).or_default().clone())?;
         let mut checked = gate.lock().expect("verify gate");
         let file = match File::open(self.object_path(&id)) {
             Ok(file) => file,
@@ -1697,14 +1703,9 @@ impl BlockCache {
         let stamp = std::fs::metadata(self.object_path(id))
             .ok()
             .map(|m| FileStamp::of(&m));
-        *self
-            .verified
-            .lock()
-            .expect("verified lock")
-            .entry(*id)
-            .or_default()
-            .lock()
-            .expect("verify gate") = stamp;
+        self.while_indexed(&self.verified, id, |v| {
+            *v.entry(*id).or_default().lock().expect("verify gate") = stamp;
+        });
         self.counters.assembled.fetch_add(1, Ordering::Relaxed);
         metrics().assembled.inc();
         self.publish_size();

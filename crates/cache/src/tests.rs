@@ -1885,6 +1885,36 @@ async fn a_join_short_of_disk_space_never_evicts_the_objects_own_blocks() {
     );
 }
 
+/// What the cache remembers of a whole object (its sidecar, its check) is never kept for an
+/// object no longer in the index: a sidecar read or a check that ran while the object was
+/// evicted (out of the index first, then out of these maps) would otherwise put it back, for
+/// the life of the process.
+#[tokio::test]
+async fn nothing_is_remembered_of_a_whole_object_taken_out_of_the_index() {
+    let dir = tempfile::tempdir().unwrap();
+    let fetches = AtomicUsize::new(0);
+    let size = 2 * BS + 99;
+    let (obj, content) = object("evicted-while-read", size, 5);
+    let cache = open(dir.path(), 20 * BS).await;
+    make_whole(&cache, &obj, &content, &fetches).await;
+    let id = obj.file_id();
+    cache.forget(&Entry::Object(id));
+    assert!(cache.metas.lock().unwrap().is_empty());
+    assert!(cache.verified.lock().unwrap().is_empty());
+    // The sidecar and the file are still there (the eviction has not deleted them yet): a read
+    // of the sidecar and a check racing it.
+    assert!(cache.meta(&obj, &id).is_some());
+    assert!(cache.checked_whole(&obj, size).is_none());
+    assert!(
+        cache.metas.lock().unwrap().is_empty(),
+        "a sidecar was remembered for an object out of the index"
+    );
+    assert!(
+        cache.verified.lock().unwrap().is_empty(),
+        "a check was remembered for an object out of the index"
+    );
+}
+
 /// A join that could not fit on the disk even after evicting every other entry evicts nothing:
 /// what it would evict is lost for no join.
 #[tokio::test]
