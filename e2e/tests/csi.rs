@@ -804,6 +804,66 @@ async fn a_warm_up_ends_with_the_mount_that_runs_it() {
     env.unpublish("vb", &b2).await.unwrap();
 }
 
+/// A warm-up that failed (here every GET answers 500) did not warm the volume: the next publish
+/// of it starts it again, as after a warm-up stopped by an unpublish, instead of the node never
+/// warming it again until the node plugin restarts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_failed_warm_up_runs_again_at_the_next_publish() {
+    let cache_dir = tempfile::tempdir().unwrap();
+    let cache =
+        ferry_cache::BlockCache::open(ferry_cache::CacheConfig::new(cache_dir.path(), 64 << 20))
+            .unwrap();
+    let mut forwarder = None;
+    let mut env = Env::start_with(
+        |s3| {
+            let f = FaultProxy::start(([127, 0, 0, 1], s3.port()).into()).unwrap();
+            let allowed = AllowedEndpoints::parse(&format!("aws,{}", f.url())).unwrap();
+            forwarder = Some(f);
+            Some(allowed)
+        },
+        Some(cache.clone()),
+    )
+    .await;
+    let forwarder = forwarder.unwrap();
+    env.s3.create_bucket("warmfail").await;
+    for i in 0..3u8 {
+        env.store
+            .put("warmfail", &format!("d/f{i}"), payload(i, 100_000))
+            .await
+            .unwrap();
+    }
+    let ctx = map(&[
+        ("bucketName", "warmfail"),
+        ("prefix", "d/"),
+        ("endpointUrl", &forwarder.url()),
+        ("forcePathStyle", "true"),
+        ("prefetchOnMount", "true"),
+    ]);
+    let cap = mount_capability(Mode::MultiNodeReaderOnly, &[]);
+    let errors = warm_ups("error");
+    forwarder.set_plan(Some(
+        FaultPlan::always(&["GET"], Fault::InternalError).ranged(),
+    ));
+    let (t1, t2) = (env.target("pod-f1", "pv"), env.target("pod-f2", "pv"));
+    env.publish("vf", &t1, cap.clone(), ctx.clone(), true)
+        .await
+        .unwrap();
+    assert!(
+        eventually(|| warm_ups("error") > errors).await,
+        "the warm-up did not fail"
+    );
+    env.unpublish("vf", &t1).await.unwrap();
+    forwarder.set_plan(None);
+    env.publish("vf", &t2, cap, ctx, true).await.unwrap();
+    let warmed = eventually(|| cache.stats().blocks == 3).await;
+    env.unpublish("vf", &t2).await.unwrap();
+    assert!(
+        warmed,
+        "the next publish did not warm the volume (cached blocks: {})",
+        cache.stats().blocks
+    );
+}
+
 /// CreateVolume refuses prefixes that would be the whole bucket or escape it, and a delete-policy
 /// template that could give two volumes one prefix.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

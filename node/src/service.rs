@@ -163,7 +163,13 @@ fn warm_up_of(
     // With the mount's identity (the proofs its store's mounts share): its readers join the
     // warm-up's GETs.
     let proofs = ctx.proofs.for_store(&store);
-    Some(MountWarmUp::new(store, proofs, cache.clone(), w))
+    Some(MountWarmUp::new(
+        store,
+        proofs,
+        cache.clone(),
+        w,
+        ctx.runtime.clone(),
+    ))
 }
 
 impl NodeService {

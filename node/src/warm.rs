@@ -5,7 +5,8 @@
 //! A warm-up fetches with the credentials of the mount that runs it, so it ends with that mount:
 //! when the mount is unpublished before the warm-up is done, the warm-up is stopped and handed to
 //! another live mount that asked for the same warm-up (with that mount's credentials), or, when
-//! there is none, its claim is let go so that the next publish of the volume starts it again.
+//! there is none, its claim is let go so that the next publish of the volume starts it again. A
+//! warm-up that fails lets its claim go too.
 //! Blocks it already stored stay in the cache and are not fetched again.
 
 use std::collections::HashMap;
@@ -15,6 +16,7 @@ use std::sync::Arc;
 use ferry_cache::BlockCache;
 use ferry_fs::{Proofs, WarmUp};
 use ferry_store::ObjectStore;
+use tokio::runtime::Handle;
 use tokio::task::AbortHandle;
 use tracing::{info, warn};
 
@@ -26,22 +28,27 @@ pub struct MountWarmUp {
     proofs: Arc<Proofs>,
     cache: Arc<BlockCache>,
     warm: WarmUp,
+    /// Where its task runs: it may be started off the runtime (a handover called off puts its
+    /// mounts back on the handover thread, and a claim a failed warm-up let go is taken there).
+    runtime: Handle,
     task: Option<AbortHandle>,
 }
 
 impl MountWarmUp {
-    /// The warm-up of a mount of `store` (its reads prove access with `proofs`).
+    /// The warm-up of a mount of `store` (its reads prove access with `proofs`), run on `runtime`.
     pub fn new(
         store: Arc<dyn ObjectStore>,
         proofs: Arc<Proofs>,
         cache: Arc<BlockCache>,
         warm: WarmUp,
+        runtime: Handle,
     ) -> Self {
         MountWarmUp {
             store,
             proofs,
             cache,
             warm,
+            runtime,
             task: None,
         }
     }
@@ -67,16 +74,19 @@ impl MountWarmUp {
             self.cache.clone(),
             self.warm.clone(),
         );
-        let task = tokio::spawn(async move {
-            let (bucket, prefixes) = (w.bucket.clone(), w.prefixes.clone());
-            match ferry_fs::warm_up_as(store, proofs, cache, w).await {
+        let task = self.runtime.spawn(async move {
+            let (bucket, prefixes, id) = (w.bucket.clone(), w.prefixes.clone(), w.id());
+            match ferry_fs::warm_up_as(store, proofs, cache.clone(), w).await {
                 Ok(r) => {
                     ferry_cache::warmup_done(if r.truncated { "truncated" } else { "ok" });
                     info!(%bucket, ?prefixes, objects = r.objects, fetched_blocks = r.fetched, cached_blocks = r.cached, bytes = r.bytes, truncated = r.truncated, "warm-up done");
                 }
                 Err(e) => {
+                    // It did not warm the volume: the next publish of it starts it again (maybe
+                    // with other credentials, or the error gone), as after one stopped.
+                    cache.unclaim(&id);
                     ferry_cache::warmup_done("error");
-                    warn!(%bucket, ?prefixes, error = %e, "warm-up failed");
+                    warn!(%bucket, ?prefixes, error = %e, "warm-up failed; the next publish of the volume starts it again");
                 }
             }
         });
@@ -125,5 +135,80 @@ pub fn hand_over(gone: &mut Mounted, live: &mut HashMap<PathBuf, Mounted>) {
             info!(bucket = %w.warm.bucket, prefixes = ?w.warm.prefixes, "warm-up stopped: the volume that ran it was unpublished (its credentials); the next publish starts it again");
             w.cache.unclaim(&id);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ferry_store::MemoryStore;
+
+    /// A warm-up of `prefixes` in bucket `b` of `store`, into `cache`.
+    fn warm_up(store: MemoryStore, cache: &Arc<BlockCache>, prefixes: &[&str]) -> MountWarmUp {
+        MountWarmUp::new(
+            Arc::new(store),
+            Arc::new(Proofs::default()),
+            cache.clone(),
+            WarmUp {
+                endpoint: String::new(),
+                bucket: "b".into(),
+                prefixes: prefixes.iter().map(|p| p.to_string()).collect(),
+            },
+            Handle::current(),
+        )
+    }
+
+    /// Waits up to ten seconds for `w`'s task to end.
+    async fn ended(w: &MountWarmUp) {
+        for _ in 0..1000 {
+            if !w.is_running() {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        panic!("the warm-up never ended");
+    }
+
+    /// A warm-up that failed did not warm the volume: its claim is let go, so the next publish
+    /// starts it again (one that ended well keeps it: it is not repeated).
+    #[tokio::test]
+    async fn a_failed_warm_up_lets_its_claim_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = BlockCache::open(ferry_cache::CacheConfig::new(dir.path(), 64 << 20)).unwrap();
+        // No bucket: its LIST fails.
+        let mut failed = warm_up(MemoryStore::new(), &cache, &["x/"]);
+        failed.start();
+        ended(&failed).await;
+        assert!(
+            cache.claim(&failed.warm.id()),
+            "the failed warm-up kept its claim: no publish of the volume starts it again"
+        );
+        let store = MemoryStore::new();
+        store.create_bucket("b");
+        store.insert("b", "y/a", vec![1u8; 10]);
+        let mut done = warm_up(store, &cache, &["y/"]);
+        done.start();
+        ended(&done).await;
+        assert!(
+            !cache.claim(&done.warm.id()),
+            "a warm-up done is not repeated"
+        );
+    }
+
+    /// A warm-up may start off the runtime: a handover called off puts its mounts back on the
+    /// handover thread, where one may take the claim a failed warm-up let go.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 1)]
+    async fn a_warm_up_starts_off_the_runtime() {
+        let dir = tempfile::tempdir().unwrap();
+        let cache = BlockCache::open(ferry_cache::CacheConfig::new(dir.path(), 64 << 20)).unwrap();
+        let mut w = warm_up(MemoryStore::new(), &cache, &["x/"]);
+        let mut w = std::thread::spawn(move || {
+            w.start();
+            w
+        })
+        .join()
+        .expect("started off the runtime");
+        ended(&w).await;
+        assert!(w.task.take().is_some(), "it ran");
     }
 }
