@@ -11,6 +11,7 @@
 
 use std::collections::HashMap;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use ferry_cache::BlockCache;
@@ -31,7 +32,15 @@ pub struct MountWarmUp {
     /// Where its task runs: it may be started off the runtime (a handover called off puts its
     /// mounts back on the handover thread, and a claim a failed warm-up let go is taken there).
     runtime: Handle,
-    task: Option<AbortHandle>,
+    task: Option<Running>,
+}
+
+/// A warm-up task this mount runs.
+struct Running {
+    task: AbortHandle,
+    /// Set by whichever comes first: the task as it ends, or [`MountWarmUp::stop`]. The other
+    /// leaves the warm-up as it is (counted once; a warm-up that has ended is not stopped).
+    settled: Arc<AtomicBool>,
 }
 
 impl MountWarmUp {
@@ -74,9 +83,16 @@ impl MountWarmUp {
             self.cache.clone(),
             self.warm.clone(),
         );
+        let settled = Arc::new(AtomicBool::new(false));
+        let ended = settled.clone();
         let task = self.runtime.spawn(async move {
             let (bucket, prefixes, id) = (w.bucket.clone(), w.prefixes.clone(), w.id());
-            match ferry_fs::warm_up_as(store, proofs, cache.clone(), w).await {
+            let res = ferry_fs::warm_up_as(store, proofs, cache.clone(), w).await;
+            if ended.swap(true, Ordering::SeqCst) {
+                // Stopped as it ended: `stop` counted it (and let its claim go or handed it on).
+                return;
+            }
+            match res {
                 Ok(r) => {
                     ferry_cache::warmup_done(if r.truncated { "truncated" } else { "ok" });
                     info!(%bucket, ?prefixes, objects = r.objects, fetched_blocks = r.fetched, cached_blocks = r.cached, bytes = r.bytes, truncated = r.truncated, "warm-up done");
@@ -90,14 +106,18 @@ impl MountWarmUp {
                 }
             }
         });
-        self.task = Some(task.abort_handle());
+        self.task = Some(Running {
+            task: task.abort_handle(),
+            settled,
+        });
     }
 
     /// Stops the warm-up if this mount runs it and it is not done; `true` if it was stopped.
     fn stop(&mut self) -> bool {
         match self.task.take() {
-            Some(t) if !t.is_finished() => {
-                t.abort();
+            // Not once the task has ended (done and counted), even if it has not returned yet.
+            Some(t) if !t.settled.swap(true, Ordering::SeqCst) => {
+                t.task.abort();
                 ferry_cache::warmup_done("stopped");
                 true
             }
@@ -107,7 +127,7 @@ impl MountWarmUp {
 
     /// `true` while this mount runs the warm-up.
     pub fn is_running(&self) -> bool {
-        self.task.as_ref().is_some_and(|t| !t.is_finished())
+        self.task.as_ref().is_some_and(|t| !t.task.is_finished())
     }
 }
 
@@ -210,5 +230,103 @@ mod tests {
         .expect("started off the runtime");
         ended(&w).await;
         assert!(w.task.take().is_some(), "it ran");
+    }
+}
+
+#[cfg(test)]
+mod race {
+    use super::*;
+    use ferry_store::MemoryStore;
+    use std::sync::mpsc;
+    use std::sync::Mutex;
+    use tracing::field::{Field, Visit};
+    use tracing::span::{Attributes, Id, Record};
+    use tracing::{Event, Metadata};
+
+    /// A subscriber that stops the thread logging "warm-up done" until told to go on.
+    struct PauseAtDone {
+        reached: Mutex<mpsc::Sender<()>>,
+        go_on: Mutex<mpsc::Receiver<()>>,
+    }
+
+    struct Message(bool);
+
+    impl Visit for Message {
+        fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+            if field.name() == "message" && format!("{value:?}") == "warm-up done" {
+                self.0 = true;
+            }
+        }
+    }
+
+    impl tracing::Subscriber for PauseAtDone {
+        fn enabled(&self, _: &Metadata<'_>) -> bool {
+            true
+        }
+        fn new_span(&self, _: &Attributes<'_>) -> Id {
+            Id::from_u64(1)
+        }
+        fn record(&self, _: &Id, _: &Record<'_>) {}
+        fn record_follows_from(&self, _: &Id, _: &Id) {}
+        fn event(&self, event: &Event<'_>) {
+            let mut m = Message(false);
+            event.record(&mut m);
+            if m.0 {
+                self.reached.lock().unwrap().send(()).unwrap();
+                let _ = self.go_on.lock().unwrap().recv();
+            }
+        }
+        fn enter(&self, _: &Id) {}
+        fn exit(&self, _: &Id) {}
+    }
+
+    /// A warm-up that has ended (done, counted) but whose task has not returned yet is not
+    /// stopped: stopping it would count it twice and let its claim go, so the next publish (or
+    /// another mount of it) would run it all again.
+    #[test]
+    fn a_warm_up_that_ended_is_not_stopped() {
+        let (reached_tx, reached) = mpsc::channel();
+        let (go_on, go_on_rx) = mpsc::channel();
+        let sub = Arc::new(PauseAtDone {
+            reached: Mutex::new(reached_tx),
+            go_on: Mutex::new(go_on_rx),
+        });
+        let s = sub.clone();
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .on_thread_start(move || {
+                std::mem::forget(tracing::subscriber::set_default(s.clone()));
+            })
+            .enable_all()
+            .build()
+            .unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let cache = {
+            let _rt = rt.enter();
+            BlockCache::open(ferry_cache::CacheConfig::new(dir.path(), 64 << 20)).unwrap()
+        };
+        let store = MemoryStore::new();
+        store.create_bucket("b");
+        let mut w = MountWarmUp::new(
+            Arc::new(store),
+            Arc::new(Proofs::default()),
+            cache.clone(),
+            WarmUp {
+                endpoint: String::new(),
+                bucket: "b".into(),
+                prefixes: vec!["x/".into()],
+            },
+            rt.handle().clone(),
+        );
+        w.start();
+        reached
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the warm-up never ended");
+        let stopped = w.stop();
+        go_on.send(()).unwrap();
+        assert!(
+            !stopped,
+            "a warm-up that had ended was stopped (and counted twice)"
+        );
     }
 }
