@@ -1029,8 +1029,8 @@ impl Inner {
                 handle,
                 request: record.request,
                 journal,
-                // Started again if the predecessor had not finished it: blocks it stored are
-                // found on disk, not fetched.
+                // Started again: the predecessor's claims ended with it, and whether it had
+                // finished is not handed over. Blocks still cached are found, not fetched.
                 warm_up,
             },
         );
