@@ -730,3 +730,34 @@ async fn a_sweep_fetches_files_larger_than_half_the_writers_queue() {
         );
     }
 }
+
+/// A file open for writing is open in the kernel's cached I/O mode until its last close, also
+/// once its upload completed (`fsync`, or a `close` of one of several descriptors): the kernel
+/// fails a passthrough open of the inode beside it (`EIO` to the reader). Its read opens must
+/// stay in cached mode until the writer's handle is released.
+#[tokio::test]
+async fn a_file_still_open_for_writing_is_not_read_through_passthrough() {
+    let (_dir, cache, store) = cache_and_store().await;
+    let fs = mount(Arc::new(store.clone()), &cache, |c| c.read_only = false);
+    let body = data((3 * BS) as usize, 13);
+    let (e, w) = fs.create(ROOT_INO, OsStr::new("f"), PID).await.unwrap();
+    fs.write(w.fh, 0, &body).await.unwrap();
+    fs.fsync(w.fh).await.unwrap();
+    // Read whole through the cache (it is then whole there), the writer's handle still open.
+    assert_eq!(read_all(&fs, "f", 1 << 20).await.unwrap(), body);
+    cache.settle().await;
+    let r = fs.open(e.attr.ino, libc::O_RDONLY, PID).await.unwrap();
+    assert!(
+        !fs.may_passthrough(r.fh) && fs.passthrough_file(r.fh).is_none(),
+        "handed to the kernel for passthrough beside the open write handle"
+    );
+    fs.release(r.fh).await.unwrap();
+    // Once the writer's handle is released, the next open may read through passthrough.
+    fs.release(w.fh).await.unwrap();
+    let r = fs.open(e.attr.ino, libc::O_RDONLY, PID).await.unwrap();
+    assert!(
+        fs.passthrough_file(r.fh).is_some(),
+        "passthrough once the writer closed"
+    );
+    fs.release(r.fh).await.unwrap();
+}

@@ -258,9 +258,11 @@ const PROBE_PAGES: usize = 10;
 /// Most directories remembered as probed.
 const PROBED_MAX: usize = 4096;
 
-/// Open read handles of one inode by kernel I/O mode.
+/// Open file handles of one inode by kernel I/O mode.
 #[derive(Debug, Default, Clone)]
 struct IoModes {
+    /// Read handles in cached mode, and write handles (always cached mode, until their last
+    /// close, also once their upload completed).
     cached: u32,
     passthrough: u32,
     /// The version (ETag) the passthrough handles pinned: their backing file is its whole file,
@@ -393,15 +395,20 @@ impl Fs {
     ) -> Self {
         let mut io: HashMap<Ino, IoModes> = HashMap::new();
         for (_, h) in &snap.handles {
-            if let Handle::Read(r) = h {
-                let m = io.entry(r.ino).or_default();
-                match r.passthrough {
-                    true => {
-                        m.passthrough += 1;
-                        m.passthrough_etag = r.etag.clone();
+            match h {
+                Handle::Read(r) => {
+                    let m = io.entry(r.ino).or_default();
+                    match r.passthrough {
+                        true => {
+                            m.passthrough += 1;
+                            m.passthrough_etag = r.etag.clone();
+                        }
+                        false => m.cached += 1,
                     }
-                    false => m.cached += 1,
                 }
+                // Open in the kernel's cached mode, like a cached-mode read handle.
+                Handle::Write(w) => io.entry(w.ino).or_default().cached += 1,
+                Handle::Dir(_) => {}
             }
         }
         Fs::assemble(
@@ -632,7 +639,11 @@ impl Fs {
         let h = self.lock().handles.remove(fh).ok_or_else(bad_fh)?;
         let mut g = h.lock().await;
         match &mut *g {
-            Handle::Write(w) => self.complete(w).await,
+            Handle::Write(w) => {
+                // Counted as a cached-mode open until its last close, also once completed.
+                self.lock().io_closed(w.ino, false);
+                self.complete(w).await
+            }
             Handle::Read(r) => {
                 // Aborts GETs in flight and gives their memory back.
                 r.prefetch.reset();

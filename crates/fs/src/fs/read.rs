@@ -53,6 +53,8 @@ impl Fs {
                     etag: None,
                 });
                 inode.last_open_etag = None;
+                // The kernel opens it in cached mode: no passthrough open beside it.
+                st.io.entry(ino).or_default().cached += 1;
                 let got = st.handles.insert(Handle::Write(WriteHandle {
                     ino,
                     parent,

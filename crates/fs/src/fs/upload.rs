@@ -48,6 +48,8 @@ impl Fs {
             p.cache.negative.remove(name);
         }
         st.changes += 1;
+        // The kernel opens it in cached mode: no passthrough open beside it.
+        st.io.entry(ino).or_default().cached += 1;
         let got = st.handles.insert(Handle::Write(WriteHandle {
             ino,
             parent,
