@@ -761,3 +761,37 @@ async fn a_file_still_open_for_writing_is_not_read_through_passthrough() {
     );
     fs.release(r.fh).await.unwrap();
 }
+
+/// Inode numbers are the path's: a file created again (after an unlink) at the path of a file
+/// still open through passthrough is the same inode, which the kernel admits no cached-mode
+/// open of beside those handles. Like an open that replaces it, its creation is refused (`EBUSY`)
+/// rather than failed by the kernel (`EIO` to the writer, after the empty object was put).
+#[tokio::test]
+async fn a_file_is_not_created_again_at_the_path_of_one_open_through_passthrough() {
+    let (_dir, cache, store) = cache_and_store().await;
+    let old = data((3 * BS) as usize, 14);
+    store.insert(B, "f", old.clone());
+    let fs = mount(Arc::new(store.clone()), &cache, |c| {
+        c.read_only = false;
+        c.allow_delete = true;
+    });
+    assert_eq!(read_all(&fs, "f", 1 << 20).await.unwrap(), old);
+    cache.settle().await;
+    let ino = ino_of(&fs, "f").await.unwrap();
+    let a = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    fs.passthrough_file(a.fh)
+        .expect("the whole file is handed out");
+    fs.set_backing_id(a.fh, 1);
+    fs.unlink(ROOT_INO, OsStr::new("f")).await.unwrap();
+    match fs.create(ROOT_INO, OsStr::new("f"), PID).await {
+        Ok((e, w)) => panic!(
+            "created as inode {} (the passthrough handles' {ino}), handle {}",
+            e.attr.ino, w.fh
+        ),
+        Err(e) => assert_eq!(e.errno(), libc::EBUSY, "{e}"),
+    }
+    // Once the passthrough handle is closed, the file is created.
+    fs.release(a.fh).await.unwrap();
+    let (_, w) = fs.create(ROOT_INO, OsStr::new("f"), PID).await.unwrap();
+    fs.release(w.fh).await.unwrap();
+}
