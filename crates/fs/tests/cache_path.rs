@@ -365,3 +365,28 @@ fn the_cache_stores_blocks_only_within_the_memory_budget() {
     assert_eq!(budget.used_for(Use::Prefetch), 0);
     m.unmount().unwrap();
 }
+
+/// A file written through the mount is open in the kernel's cached I/O mode until its last
+/// close, also once `fsync` completed its upload. A read of it meanwhile, once it is whole in the
+/// node cache, must not be handed to passthrough: the kernel fails that open (`EIO`).
+#[test]
+fn a_file_still_open_for_writing_is_read_beside_it() {
+    use std::io::Write;
+    let Some(t) = setup(0, 0) else {
+        return;
+    };
+    let m = t.mount(MetadataTtl::Indefinite, false);
+    let path = t.dir.path().join("new");
+    let data = body(9, 6 << 20);
+    let mut w = std::fs::File::create(&path).unwrap();
+    w.write_all(&data).unwrap();
+    w.sync_all().unwrap();
+    // Read to its end (cached mode): the object is then whole in the node cache.
+    assert!(std::fs::read(&path).unwrap() == data);
+    t.rt.block_on(t.cache.settle());
+    assert_eq!(t.cache.stats().objects, 1, "{:?}", t.cache.stats());
+    let again = std::fs::read(&path);
+    drop(w);
+    assert!(again.expect("read beside the open writer") == data);
+    m.unmount().unwrap();
+}
