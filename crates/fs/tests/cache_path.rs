@@ -390,3 +390,42 @@ fn a_file_still_open_for_writing_is_read_beside_it() {
     assert!(again.expect("read beside the open writer") == data);
     m.unmount().unwrap();
 }
+
+/// Inode numbers are the path's: a file created again after an unlink, at the path of one still
+/// open through passthrough, is the same inode, which the kernel does not open in cached mode
+/// beside it. The create is refused (`EBUSY`), not failed by the kernel (`EIO`) after the empty
+/// object was put.
+#[test]
+fn a_file_is_not_created_again_at_the_path_of_one_open_through_passthrough() {
+    let Some(t) = setup(1, 6 << 20) else {
+        return;
+    };
+    let mut cfg = MountConfig::new(BUCKET);
+    cfg.prefix = "ds/".into();
+    cfg.endpoint = "http://versitygw.test".into();
+    cfg.metadata_ttl = MetadataTtl::Indefinite;
+    cfg.read_only = false;
+    cfg.allow_delete = true;
+    let mut ctx = MountContext::new(t.rt.handle().clone());
+    ctx.cache = Some(t.cache.clone());
+    ctx.passthrough = true;
+    let store: Arc<dyn ObjectStore> = t.store.clone();
+    let m = mount(store, cfg, t.dir.path(), ctx).expect("mount");
+    let (name, data) = &t.files[0];
+    let path = t.dir.path().join(name);
+    t.read(&[0], 1);
+    t.rt.block_on(t.cache.settle());
+    let reader = std::fs::File::open(&path).unwrap();
+    assert_eq!(t.cache.stats().whole_opens, 1, "{:?}", t.cache.stats());
+    std::fs::remove_file(&path).unwrap();
+    let created = std::fs::File::create(&path).map(drop);
+    let err = created.expect_err("created beside the passthrough reader");
+    assert_eq!(err.raw_os_error(), Some(libc::EBUSY), "{err}");
+    let mut got = Vec::new();
+    std::io::Read::read_to_end(&mut &reader, &mut got).unwrap();
+    assert!(got == *data, "the reader reads on");
+    drop(reader);
+    let gone = t.rt.block_on(t.store.head(BUCKET, &format!("ds/{name}")));
+    assert!(gone.is_err(), "an object was put: {gone:?}");
+    m.unmount().unwrap();
+}
