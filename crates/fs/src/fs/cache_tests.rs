@@ -795,3 +795,37 @@ async fn a_file_is_not_created_again_at_the_path_of_one_open_through_passthrough
     let (_, w) = fs.create(ROOT_INO, OsStr::new("f"), PID).await.unwrap();
     fs.release(w.fh).await.unwrap();
 }
+
+/// A successor (take-over) counts the write handles it inherits as cached-mode opens too: the
+/// kernel still has them open.
+#[tokio::test]
+async fn a_successor_does_not_read_through_passthrough_beside_an_inherited_write_handle() {
+    let (_dir, cache, store) = cache_and_store().await;
+    let fs = mount(Arc::new(store.clone()), &cache, |c| c.read_only = false);
+    let body = data((3 * BS) as usize, 15);
+    let (e, w) = fs.create(ROOT_INO, OsStr::new("f"), PID).await.unwrap();
+    fs.write(w.fh, 0, &body).await.unwrap();
+    fs.fsync(w.fh).await.unwrap();
+    let next = Fs::from_snapshot(
+        Arc::new(store.clone()),
+        fs.snapshot().await,
+        MemoryBudget::default(),
+        PrefetchConfig::default(),
+    )
+    .with_cache(Some(cache.clone()));
+    assert_eq!(read_all(&next, "f", 1 << 20).await.unwrap(), body);
+    cache.settle().await;
+    let r = next.open(e.attr.ino, libc::O_RDONLY, PID).await.unwrap();
+    assert!(
+        next.passthrough_file(r.fh).is_none(),
+        "handed to the kernel for passthrough beside the inherited write handle"
+    );
+    next.release(r.fh).await.unwrap();
+    next.release(w.fh).await.unwrap();
+    let r = next.open(e.attr.ino, libc::O_RDONLY, PID).await.unwrap();
+    assert!(
+        next.passthrough_file(r.fh).is_some(),
+        "passthrough once the writer closed"
+    );
+    next.release(r.fh).await.unwrap();
+}
