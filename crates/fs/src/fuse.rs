@@ -313,6 +313,12 @@ fn resent(req: &Request) -> bool {
     req.unique().0 & crate::handover::FUSE_UNIQUE_RESEND != 0
 }
 
+/// `req`'s `unique` as the kernel first sent it (without the re-send bit): the same when it is
+/// re-sent to a successor, which tells from it the handle a dead process opened for it.
+fn request_id(req: &Request) -> u64 {
+    req.unique().0 & !crate::handover::FUSE_UNIQUE_RESEND
+}
+
 /// Answers an open with passthrough through the connection's backing file `id` (which stays
 /// registered: [`Passthrough`] unregisters it).
 fn opened_passthrough(reply: ReplyOpen, fh: u64, id: u32) {
@@ -611,10 +617,17 @@ impl Filesystem for FuseAdapter {
         let pid = req.pid();
         let pt = self.pt.clone();
         let read_only = flags.0 & libc::O_ACCMODE == libc::O_RDONLY && flags.0 & libc::O_TRUNC == 0;
+        let (request, again) = (request_id(req), resent(req));
         self.serve("open", move |fs| async move {
+            if again {
+                // A handle a dead process opened for it never reached the kernel.
+                if let Some(fh) = fs.forget_unanswered(request).await {
+                    pt.closed(fh);
+                }
+            }
             // Only a write handle keeps its process (reading /proc costs more than the open).
             let owner = if read_only { pid } else { tgid(pid) };
-            let o = match fs.open(ino.0, flags.0, owner).await {
+            let o = match fs.open_for(ino.0, flags.0, owner, Some(request)).await {
                 Ok(o) => o,
                 Err(e) => return reply.error(errno("open", &e)),
             };
@@ -971,8 +984,16 @@ impl Filesystem for FuseAdapter {
     ) {
         let name = name.to_owned();
         let pid = req.pid();
+        let (request, again) = (request_id(req), resent(req));
         self.spawn("create", move |fs| async move {
-            match fs.create(parent.0, &name, tgid(pid)).await {
+            if again {
+                // A handle a dead process opened for it never reached the kernel.
+                fs.forget_unanswered(request).await;
+            }
+            match fs
+                .create_for(parent.0, &name, tgid(pid), Some(request))
+                .await
+            {
                 Ok((e, o)) => reply.created(
                     &e.ttl,
                     &file_attr(&e.attr),

@@ -190,27 +190,59 @@ pub struct HandleTable {
 struct Slot {
     handle: Arc<AsyncMutex<Handle>>,
     pin: JournaledHandle,
+    /// The kernel's request that opened it (its `unique`), when known: journaled with it, so
+    /// that a successor the kernel re-sends that request to knows the handle's number never
+    /// reached the kernel ([`HandleTable::unanswered`]).
+    request: Option<u64>,
 }
 
 impl Slot {
-    fn new(handle: Handle) -> Self {
+    fn new(handle: Handle, request: Option<u64>) -> Self {
         Slot {
             pin: JournaledHandle::of(&handle),
             handle: Arc::new(AsyncMutex::new(handle)),
+            request,
         }
     }
 }
 
 impl HandleTable {
     pub fn insert(&mut self, handle: Handle) -> u64 {
+        self.insert_for(handle, None)
+    }
+
+    /// [`HandleTable::insert`] of the handle the kernel's request `request` (its `unique`, without
+    /// the re-send bit) opens.
+    pub(crate) fn insert_for(&mut self, handle: Handle, request: Option<u64>) -> u64 {
         self.next_fh += 1;
         let fh = self.next_fh;
-        let slot = Slot::new(handle);
+        let slot = Slot::new(handle, request);
         if let Some(j) = self.journal.get() {
-            j.opened(fh, &slot.pin);
+            j.opened(fh, &slot.pin, request);
         }
         self.handles.insert(fh, slot);
         fh
+    }
+
+    /// The handle request `request` opened: when the kernel re-sends that request (after a
+    /// crash), its reply never reached the kernel, which therefore never uses (nor releases)
+    /// that handle.
+    pub(crate) fn unanswered(&self, request: u64) -> Option<u64> {
+        self.handles
+            .iter()
+            .find(|(_, s)| s.request == Some(request))
+            .map(|(fh, _)| *fh)
+    }
+
+    /// The requests that opened handles, as (handle, request).
+    pub(crate) fn requests(&self) -> Vec<(u64, u64)> {
+        let mut v: Vec<_> = self
+            .handles
+            .iter()
+            .filter_map(|(fh, s)| Some((*fh, s.request?)))
+            .collect();
+        v.sort();
+        v
     }
 
     /// From now on, opens and closes are appended to `journal`.
@@ -218,10 +250,14 @@ impl HandleTable {
         self.journal = JournalLink(Some(journal));
     }
 
-    /// Every handle's pin, by number.
-    pub(crate) fn journaled(&self) -> Vec<(u64, &JournaledHandle)> {
-        let mut v: Vec<_> = self.handles.iter().map(|(k, s)| (*k, &s.pin)).collect();
-        v.sort_by_key(|(k, _)| *k);
+    /// Every handle's pin and opening request, by number.
+    pub(crate) fn journaled(&self) -> Vec<(u64, &JournaledHandle, Option<u64>)> {
+        let mut v: Vec<_> = self
+            .handles
+            .iter()
+            .map(|(k, s)| (*k, &s.pin, s.request))
+            .collect();
+        v.sort_by_key(|(k, _, _)| *k);
         v
     }
 
@@ -241,7 +277,7 @@ impl HandleTable {
             *passthrough = id.is_some();
             *backing_id = id.filter(|&i| i != 0);
             if let Some(j) = self.journal.get() {
-                j.opened(fh, &slot.pin);
+                j.opened(fh, &slot.pin, slot.request);
             }
         }
     }
@@ -292,10 +328,20 @@ impl HandleTable {
             next_fh,
             handles: handles
                 .into_iter()
-                .map(|(fh, h)| (fh, Slot::new(h)))
+                .map(|(fh, h)| (fh, Slot::new(h, None)))
                 .collect(),
             journal: JournalLink::default(),
         }
+    }
+
+    /// The table with the requests that opened its handles (see [`HandleTable::requests`]).
+    pub(crate) fn with_requests(mut self, requests: &[(u64, u64)]) -> Self {
+        for (fh, request) in requests {
+            if let Some(slot) = self.handles.get_mut(fh) {
+                slot.request = Some(*request);
+            }
+        }
+        self
     }
 }
 

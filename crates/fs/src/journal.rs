@@ -14,6 +14,10 @@
 //! `Ready`; later records are upserts and removals. Only live state is journaled (identities and
 //! pins, not metadata caches or upload data): what is not there is re-learned from S3.
 //!
+//! A handle is journaled as it is opened, before the kernel gets the reply, with the kernel
+//! request that opened it: a successor the kernel re-sends that request to (it was never
+//! answered) drops the handle, which the kernel never knew ([`crate::Fs::forget_unanswered`]).
+//!
 //! Handing a journal over: [`Journal::compact_into`] writes a complete journal into a new file
 //! and then marks the old one `Superseded`. A holder keeps the old file until the new one is
 //! handed to it, and recovery tries the newest first: a new file cut off before `Ready` is
@@ -216,6 +220,9 @@ enum Record {
     Opened {
         fh: u64,
         handle: JournaledHandle,
+        /// The kernel request that opened it (its `unique`), when known.
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        request: Option<u64>,
     },
     Closed {
         fh: u64,
@@ -262,6 +269,9 @@ pub struct Recovered {
     pub inodes: Vec<RecoveredInode>,
     /// Open handles by number.
     pub handles: Vec<(u64, JournaledHandle)>,
+    /// The kernel requests that opened them, as (handle, request `unique`): a request the kernel
+    /// re-sends to a successor was never answered, and its handle never reached the kernel.
+    pub requests: Vec<(u64, u64)>,
 }
 
 /// The live set while records are applied.
@@ -271,6 +281,8 @@ struct Live {
     /// `(parent, name)` → the attached child.
     slots: HashMap<(Ino, String), Ino>,
     handles: BTreeMap<u64, JournaledHandle>,
+    /// Handle → the request that opened it.
+    requests: BTreeMap<u64, u64>,
 }
 
 /// Reads a journal from its start. A record cut off at the end of the file (length past the end,
@@ -363,6 +375,7 @@ pub fn replay_bytes(bytes: &[u8]) -> Result<Recovered, JournalError> {
         inodes,
         slots,
         handles,
+        requests,
     } = live;
     // Attached means shown in a live directory: under a parent that is gone, an inode lives on
     // only for the kernel's references (as the table rebuilt from it has it).
@@ -381,6 +394,7 @@ pub fn replay_bytes(bytes: &[u8]) -> Result<Recovered, JournalError> {
         header,
         inodes,
         handles: handles.into_iter().collect(),
+        requests: requests.into_iter().collect(),
     })
 }
 
@@ -407,11 +421,20 @@ impl Live {
                     }
                 }
             }
-            Record::Opened { fh, handle } => {
+            Record::Opened {
+                fh,
+                handle,
+                request,
+            } => {
                 self.handles.insert(fh, handle);
+                match request {
+                    Some(r) => self.requests.insert(fh, r),
+                    None => self.requests.remove(&fh),
+                };
             }
             Record::Closed { fh } => {
                 self.handles.remove(&fh);
+                self.requests.remove(&fh);
             }
             Record::Start { .. } | Record::Ready | Record::Superseded | Record::Broken { .. } => {
                 unreachable!("handled by replay")
@@ -430,7 +453,8 @@ pub fn write_snapshot(
     extra: serde_json::Value,
 ) -> std::io::Result<()> {
     let journal = Journal::new(file, extra);
-    let handles = HandleTable::restore(snap.next_fh, snap.handles.clone());
+    let handles =
+        HandleTable::restore(snap.next_fh, snap.handles.clone()).with_requests(&snap.requests);
     journal.begin(&snap.config, snap.mount_time, &snap.inodes, &handles);
     if journal.is_broken() {
         return Err(std::io::Error::other("writing the journal failed"));
@@ -461,6 +485,7 @@ pub fn recovered_snapshot(rec: &Recovered) -> FsSnapshot {
             .iter()
             .map(|(fh, h)| (*fh, h.clone().into_handle()))
             .collect(),
+        requests: rec.requests.clone(),
     }
 }
 
@@ -624,10 +649,11 @@ impl Journal {
         self.append(&Record::Removed { ino });
     }
 
-    pub(crate) fn opened(&self, fh: u64, handle: &JournaledHandle) {
+    pub(crate) fn opened(&self, fh: u64, handle: &JournaledHandle, request: Option<u64>) {
         self.append(&Record::Opened {
             fh,
             handle: handle.clone(),
+            request,
         });
     }
 
@@ -661,10 +687,11 @@ fn write_fresh(
             attached: inodes.is_attached(inode),
         })?;
     }
-    for (fh, handle) in handles.journaled() {
+    for (fh, handle, request) in handles.journaled() {
         put(&Record::Opened {
             fh,
             handle: handle.clone(),
+            request,
         })?;
     }
     put(&Record::Ready)?;

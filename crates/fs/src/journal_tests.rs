@@ -375,8 +375,9 @@ fn live_set(inodes: &InodeTable, handles: &HandleTable) -> Recovered {
         handles: handles
             .journaled()
             .into_iter()
-            .map(|(fh, h)| (fh, h.clone()))
+            .map(|(fh, h, _)| (fh, h.clone()))
             .collect(),
+        requests: handles.requests(),
     }
 }
 
@@ -423,7 +424,7 @@ proptest! {
                     }));
                 }
                 Op::Close(i) => {
-                    let open: Vec<u64> = handles.journaled().iter().map(|(fh, _)| *fh).collect();
+                    let open: Vec<u64> = handles.journaled().iter().map(|(fh, _, _)| *fh).collect();
                     if !open.is_empty() {
                         handles.remove(open[i % open.len()]);
                     }
@@ -490,4 +491,63 @@ fn an_inode_whose_parent_is_gone_is_detached() {
         replay(&mut again.try_clone().unwrap()).unwrap().inodes,
         rec.inodes
     );
+}
+
+/// The process is killed after an open's handle is journaled but before the kernel got the
+/// reply: the kernel re-sends that `OPEN` (same `unique`) to the successor, which opens it again.
+/// The handle the kernel never received (here one through passthrough, as the adapter's join of
+/// an inode's backing file makes it) must not keep the inode open for the rest of the mount's
+/// life. Likewise a `CREATE`'s write handle.
+#[tokio::test]
+async fn a_handle_whose_open_was_never_answered_does_not_outlive_the_crash() {
+    const OPEN: u64 = 1000;
+    const CREATE: u64 = 1001;
+    let (store, cfg) = setup();
+    store.insert(B, "f", &b"old"[..]);
+    let (fs, mut file) = journaled(&store, cfg);
+    let ino = fs.lookup(ROOT_INO, n("f")).await.unwrap().attr.ino;
+    let orphan = fs
+        .open_for(ino, libc::O_RDONLY, PID, Some(OPEN))
+        .await
+        .unwrap()
+        .fh;
+    assert!(fs.join_passthrough(orphan, 7));
+    fs.create_for(ROOT_INO, n("g"), PID, Some(CREATE))
+        .await
+        .unwrap();
+    // kill -9 before the replies.
+    drop(fs);
+
+    let (rec, fs) = recover(&store, &mut file);
+    assert_eq!(rec.requests.len(), 2, "{:?}", rec.requests);
+    // The kernel's re-sent OPEN, answered this time; then the reader closes.
+    assert_eq!(fs.forget_unanswered(OPEN).await, Some(orphan));
+    let r = fs
+        .open_for(ino, libc::O_RDONLY, PID, Some(OPEN))
+        .await
+        .unwrap()
+        .fh;
+    assert!(fs.join_passthrough(r, 7));
+    fs.release(r).await.unwrap();
+    // Nothing is open in the kernel: the file can be replaced.
+    match fs.open(ino, libc::O_WRONLY | libc::O_TRUNC, PID).await {
+        Ok(w) => fs.release(w.fh).await.unwrap(),
+        Err(e) => panic!(
+            "replacing the file after its only reader closed: {e} (errno {}); handles left: {:?}",
+            e.errno(),
+            fs.passthrough_handles()
+        ),
+    }
+    // The re-sent CREATE makes the file, written by its writer.
+    assert!(fs.forget_unanswered(CREATE).await.is_some());
+    let (_, w) = fs
+        .create_for(ROOT_INO, n("g"), PID, Some(CREATE))
+        .await
+        .unwrap();
+    fs.write(w.fh, 0, b"new").await.unwrap();
+    fs.release(w.fh).await.unwrap();
+    assert_eq!(&store.get_object(B, "g").unwrap()[..], b"new");
+    assert_eq!(fs.table_sizes().1, 0, "handles left");
+    // A request never re-sent (answered) names no handle to drop.
+    assert_eq!(fs.forget_unanswered(OPEN).await, None);
 }

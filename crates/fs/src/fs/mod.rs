@@ -143,6 +143,9 @@ pub struct FsSnapshot {
     pub inodes: InodeTable,
     pub next_fh: u64,
     pub handles: Vec<(u64, Handle)>,
+    /// The kernel requests that opened handles, as (handle, request `unique`), when known.
+    #[serde(default)]
+    pub requests: Vec<(u64, u64)>,
 }
 
 #[derive(Debug)]
@@ -421,7 +424,7 @@ impl Fs {
                     inodes.report_size();
                     inodes
                 },
-                HandleTable::restore(snap.next_fh, snap.handles),
+                HandleTable::restore(snap.next_fh, snap.handles).with_requests(&snap.requests),
                 io,
             ),
             budget,
@@ -506,12 +509,13 @@ impl Fs {
 
     /// The inode and handle tables as plain data. Waits for in-flight operations on each handle.
     pub async fn snapshot(&self) -> FsSnapshot {
-        let (inodes, next_fh, entries) = {
+        let (inodes, next_fh, entries, requests) = {
             let st = self.lock();
             (
                 st.inodes.clone(),
                 st.handles.next_fh(),
                 st.handles.entries(),
+                st.handles.requests(),
             )
         };
         let mut handles = Vec::with_capacity(entries.len());
@@ -524,6 +528,7 @@ impl Fs {
             inodes,
             next_fh,
             handles,
+            requests,
         }
     }
 
@@ -632,6 +637,41 @@ impl Fs {
                 Handle::Write(_) | Handle::Dir(_) => {}
             }
         }
+    }
+
+    /// The kernel re-sent its request `request` (`FUSE_NOTIFY_RESEND`, to a successor after a
+    /// crash): that request was never answered, so a handle the process before opened for it
+    /// (journaled before the reply) never reached the kernel, which will neither use nor release
+    /// it. Forgets that handle as a `release` would, except that a write handle's upload is not
+    /// completed (nobody wrote to it), and returns its number (the adapter lets go of its backing
+    /// file). The request is then served afresh.
+    pub async fn forget_unanswered(&self, request: u64) -> Option<u64> {
+        let (fh, h) = {
+            let mut st = self.lock();
+            let fh = st.handles.unanswered(request)?;
+            (fh, st.handles.remove(fh)?)
+        };
+        let mut g = h.lock().await;
+        let (ino, passthrough) = match &mut *g {
+            Handle::Write(w) => {
+                if w.status == WriteStatus::Open {
+                    self.fail_write(w).await;
+                }
+                (w.ino, false)
+            }
+            Handle::Read(r) => {
+                r.prefetch.reset();
+                (r.ino, r.passthrough)
+            }
+            Handle::Dir(_) => return Some(fh),
+        };
+        self.lock().io_closed(ino, passthrough);
+        tracing::info!(
+            fh,
+            ino,
+            "dropped a handle whose open the kernel re-sent (never answered)"
+        );
+        Some(fh)
     }
 
     /// `release` (last close): completes an upload still open and forgets the handle.

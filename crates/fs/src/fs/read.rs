@@ -11,6 +11,18 @@ impl Fs {
     /// `O_TRUNC` and `allow_overwrite`, and starts a new upload that replaces the object.
     /// `pid` is the opening process (only its `flush` completes an upload).
     pub async fn open(&self, ino: Ino, flags: i32, pid: u32) -> Result<Opened, FsError> {
+        self.open_for(ino, flags, pid, None).await
+    }
+
+    /// [`Fs::open`] for the kernel's request `request` (its `unique`, journaled with the handle:
+    /// see [`Fs::forget_unanswered`]).
+    pub async fn open_for(
+        &self,
+        ino: Ino,
+        flags: i32,
+        pid: u32,
+        request: Option<u64>,
+    ) -> Result<Opened, FsError> {
         // O_RDONLY|O_TRUNC truncates too (the kernel already checked write permission).
         let write = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
         let (key, cached) = {
@@ -55,19 +67,22 @@ impl Fs {
                 inode.last_open_etag = None;
                 // The kernel opens it in cached mode: no passthrough open beside it.
                 st.io.entry(ino).or_default().cached += 1;
-                let got = st.handles.insert(Handle::Write(WriteHandle {
-                    ino,
-                    parent,
-                    name,
-                    key: file_key(&self.cfg.prefix, &path),
-                    pid,
-                    written: 0,
-                    pending: Vec::new(),
-                    upload: None,
-                    status: WriteStatus::Open,
-                    replaces: true,
-                    memory: Default::default(),
-                }));
+                let got = st.handles.insert_for(
+                    Handle::Write(WriteHandle {
+                        ino,
+                        parent,
+                        name,
+                        key: file_key(&self.cfg.prefix, &path),
+                        pid,
+                        written: 0,
+                        pending: Vec::new(),
+                        upload: None,
+                        status: WriteStatus::Open,
+                        replaces: true,
+                        memory: Default::default(),
+                    }),
+                    request,
+                );
                 debug_assert_eq!(got, fh);
                 return Ok(Opened {
                     fh,
@@ -154,7 +169,7 @@ impl Fs {
         self.prefetch_following(&mut st, parent, &name, fetched_ahead);
         self.note_open_for_sweep(&mut st, parent);
         st.io.entry(ino).or_default().cached += 1;
-        let fh = st.handles.insert(Handle::Read(handle));
+        let fh = st.handles.insert_for(Handle::Read(handle), request);
         Ok(Opened { fh, keep_cache })
     }
 

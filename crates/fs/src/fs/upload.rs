@@ -18,6 +18,18 @@ impl Fs {
         name: &OsStr,
         pid: u32,
     ) -> Result<(Entry, Opened), FsError> {
+        self.create_for(parent, name, pid, None).await
+    }
+
+    /// [`Fs::create`] for the kernel's request `request` (its `unique`, journaled with the
+    /// handle: see [`Fs::forget_unanswered`]).
+    pub async fn create_for(
+        &self,
+        parent: Ino,
+        name: &OsStr,
+        pid: u32,
+        request: Option<u64>,
+    ) -> Result<(Entry, Opened), FsError> {
         if self.cfg.read_only {
             return Err(FsError::ReadOnly);
         }
@@ -59,19 +71,22 @@ impl Fs {
         st.changes += 1;
         // The kernel opens it in cached mode: no passthrough open beside it.
         st.io.entry(ino).or_default().cached += 1;
-        let got = st.handles.insert(Handle::Write(WriteHandle {
-            ino,
-            parent,
-            name: name.to_owned(),
-            key,
-            pid,
-            written: 0,
-            pending: Vec::new(),
-            upload: None,
-            status: WriteStatus::Open,
-            replaces: false,
-            memory: Default::default(),
-        }));
+        let got = st.handles.insert_for(
+            Handle::Write(WriteHandle {
+                ino,
+                parent,
+                name: name.to_owned(),
+                key,
+                pid,
+                written: 0,
+                pending: Vec::new(),
+                upload: None,
+                status: WriteStatus::Open,
+                replaces: false,
+                memory: Default::default(),
+            }),
+            request,
+        );
         debug_assert_eq!(got, fh);
         Ok((
             entry,
