@@ -94,6 +94,32 @@ impl Env {
         }
     }
 
+    /// An Env whose node has a 64 MiB node cache (returned with its directory), and that allows
+    /// a [`FaultProxy`] in front of its S3 server as an endpoint.
+    async fn start_cached_behind_a_proxy() -> (
+        Env,
+        Arc<ferry_cache::BlockCache>,
+        FaultProxy,
+        tempfile::TempDir,
+    ) {
+        let dir = tempfile::tempdir().unwrap();
+        let cache =
+            ferry_cache::BlockCache::open(ferry_cache::CacheConfig::new(dir.path(), 64 << 20))
+                .unwrap();
+        let mut forwarder = None;
+        let env = Env::start_with(
+            |s3| {
+                let f = FaultProxy::start(([127, 0, 0, 1], s3.port()).into()).unwrap();
+                let allowed = AllowedEndpoints::parse(&format!("aws,{}", f.url())).unwrap();
+                forwarder = Some(f);
+                Some(allowed)
+            },
+            Some(cache.clone()),
+        )
+        .await;
+        (env, cache, forwarder.unwrap(), dir)
+    }
+
     fn target(&self, pod: &str, pv: &str) -> PathBuf {
         let parent = self
             .dir
@@ -711,22 +737,7 @@ async fn eventually(mut ready: impl FnMut() -> bool) -> bool {
 /// goes on with it or, with none, the next publish starts it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_warm_up_ends_with_the_mount_that_runs_it() {
-    let cache_dir = tempfile::tempdir().unwrap();
-    let cache =
-        ferry_cache::BlockCache::open(ferry_cache::CacheConfig::new(cache_dir.path(), 64 << 20))
-            .unwrap();
-    let mut forwarder = None;
-    let mut env = Env::start_with(
-        |s3| {
-            let f = FaultProxy::start(([127, 0, 0, 1], s3.port()).into()).unwrap();
-            let allowed = AllowedEndpoints::parse(&format!("aws,{}", f.url())).unwrap();
-            forwarder = Some(f);
-            Some(allowed)
-        },
-        Some(cache.clone()),
-    )
-    .await;
-    let forwarder = forwarder.unwrap();
+    let (mut env, cache, forwarder, _cache_dir) = Env::start_cached_behind_a_proxy().await;
     env.s3.create_bucket("warm").await;
     for dir in ["a/", "b/"] {
         for i in 0..3u8 {
@@ -809,22 +820,7 @@ async fn a_warm_up_ends_with_the_mount_that_runs_it() {
 /// warming it again until the node plugin restarts.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failed_warm_up_runs_again_at_the_next_publish() {
-    let cache_dir = tempfile::tempdir().unwrap();
-    let cache =
-        ferry_cache::BlockCache::open(ferry_cache::CacheConfig::new(cache_dir.path(), 64 << 20))
-            .unwrap();
-    let mut forwarder = None;
-    let mut env = Env::start_with(
-        |s3| {
-            let f = FaultProxy::start(([127, 0, 0, 1], s3.port()).into()).unwrap();
-            let allowed = AllowedEndpoints::parse(&format!("aws,{}", f.url())).unwrap();
-            forwarder = Some(f);
-            Some(allowed)
-        },
-        Some(cache.clone()),
-    )
-    .await;
-    let forwarder = forwarder.unwrap();
+    let (mut env, cache, forwarder, _cache_dir) = Env::start_cached_behind_a_proxy().await;
     env.s3.create_bucket("warmfail").await;
     for i in 0..3u8 {
         env.store

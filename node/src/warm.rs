@@ -158,6 +158,27 @@ pub fn hand_over(gone: &mut Mounted, live: &mut HashMap<PathBuf, Mounted>) {
     }
 }
 
+/// A warm-up of `prefixes` in bucket `b` of `store`, into `cache`, run on `runtime` (tests).
+#[cfg(test)]
+fn warm_up_on(
+    store: ferry_store::MemoryStore,
+    cache: &Arc<BlockCache>,
+    prefixes: &[&str],
+    runtime: Handle,
+) -> MountWarmUp {
+    MountWarmUp::new(
+        Arc::new(store),
+        Arc::new(Proofs::default()),
+        cache.clone(),
+        WarmUp {
+            endpoint: String::new(),
+            bucket: "b".into(),
+            prefixes: prefixes.iter().map(|p| p.to_string()).collect(),
+        },
+        runtime,
+    )
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -165,17 +186,7 @@ mod tests {
 
     /// A warm-up of `prefixes` in bucket `b` of `store`, into `cache`.
     fn warm_up(store: MemoryStore, cache: &Arc<BlockCache>, prefixes: &[&str]) -> MountWarmUp {
-        MountWarmUp::new(
-            Arc::new(store),
-            Arc::new(Proofs::default()),
-            cache.clone(),
-            WarmUp {
-                endpoint: String::new(),
-                bucket: "b".into(),
-                prefixes: prefixes.iter().map(|p| p.to_string()).collect(),
-            },
-            Handle::current(),
-        )
+        warm_up_on(store, cache, prefixes, Handle::current())
     }
 
     /// Waits up to ten seconds for `w`'s task to end.
@@ -307,17 +318,7 @@ mod race {
         };
         let store = MemoryStore::new();
         store.create_bucket("b");
-        let mut w = MountWarmUp::new(
-            Arc::new(store),
-            Arc::new(Proofs::default()),
-            cache.clone(),
-            WarmUp {
-                endpoint: String::new(),
-                bucket: "b".into(),
-                prefixes: vec!["x/".into()],
-            },
-            rt.handle().clone(),
-        );
+        let mut w = warm_up_on(store, &cache, &["x/"], rt.handle().clone());
         w.start();
         reached
             .recv_timeout(std::time::Duration::from_secs(10))

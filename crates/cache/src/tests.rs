@@ -1851,6 +1851,19 @@ async fn a_whole_file_gone_under_the_index_is_forgotten_by_the_hand_out_that_fin
     assert_eq!(cache.stats().bytes, 0);
 }
 
+/// The cache at `dir` as on a filesystem that has no room left above its floor (`min_free`),
+/// its index rebuilt.
+async fn open_with_no_room_on_disk(dir: &Path) -> Arc<BlockCache> {
+    let cache = BlockCache::open(CacheConfig {
+        block_size: BS,
+        min_free: u64::MAX / 4,
+        ..CacheConfig::new(dir, 1 << 30)
+    })
+    .unwrap();
+    cache.ready().await;
+    cache
+}
+
 /// A join short of free disk space (`min_free`) makes room as it does under the budget: never by
 /// evicting the object's own blocks, which it is about to copy (evicted, the copy fails, the
 /// join is lost and the blocks must be fetched again).
@@ -1866,14 +1879,7 @@ async fn a_join_short_of_disk_space_never_evicts_the_objects_own_blocks() {
         cache.settle().await;
         assert_eq!(cache.stats().blocks, 3);
     }
-    // The same directory on a filesystem that has no room left above the floor.
-    let cache = BlockCache::open(CacheConfig {
-        block_size: BS,
-        min_free: u64::MAX / 4,
-        ..CacheConfig::new(dir.path(), 1 << 30)
-    })
-    .unwrap();
-    cache.ready().await;
+    let cache = open_with_no_room_on_disk(dir.path()).await;
     assert_eq!(cache.stats().blocks, 3);
     cache.want_whole(obj.clone(), size);
     cache.settle().await;
@@ -1931,14 +1937,7 @@ async fn a_join_that_cannot_fit_on_the_disk_evicts_nothing() {
         cache.settle().await;
         assert_eq!(cache.stats().blocks, 5);
     }
-    // The same directory on a filesystem that has no room left above the floor.
-    let cache = BlockCache::open(CacheConfig {
-        block_size: BS,
-        min_free: u64::MAX / 4,
-        ..CacheConfig::new(dir.path(), 1 << 30)
-    })
-    .unwrap();
-    cache.ready().await;
+    let cache = open_with_no_room_on_disk(dir.path()).await;
     cache.want_whole(obj.clone(), size);
     cache.settle().await;
     assert!(!cache.has_whole(&obj));
