@@ -95,7 +95,7 @@ impl MountWarmUp {
             match res {
                 Ok(r) => {
                     ferry_cache::warmup_done(if r.truncated { "truncated" } else { "ok" });
-                    info!(%bucket, ?prefixes, objects = r.objects, fetched_blocks = r.fetched, cached_blocks = r.cached, bytes = r.bytes, truncated = r.truncated, "warm-up done");
+                    info!(%bucket, ?prefixes, objects = r.objects, fetched_blocks = r.fetched, cached_blocks = r.cached, bytes = r.bytes, truncated = r.truncated, denied_objects = r.denied, "warm-up done");
                 }
                 Err(e) => {
                     // It did not warm the volume: the next publish of it starts it again (maybe

@@ -54,6 +54,23 @@ pub struct WarmUpReport {
     pub bytes: u64,
     /// Stopped because the listed data would not fit in the cache.
     pub truncated: bool,
+    /// Objects passed over because the mount's credentials were refused them (403: a KMS key
+    /// the role may not use, an archived object, a bucket policy on some keys).
+    pub denied: u64,
+}
+
+/// Objects refused (403) before any block was fetched after which the warm-up ends: the
+/// credentials cannot read the prefix, and a GET per object would all be refused.
+const DENIED_BEFORE_ANY: u64 = 16;
+
+/// How one block of a warm-up went.
+enum Fetched {
+    /// Fetched (its length) and handed to the cache.
+    Bytes(u64),
+    /// Its object changed or went away since the listing.
+    Changed,
+    /// Its object is refused to the warm-up's credentials.
+    Denied(String),
 }
 
 /// Lists every object under the prefixes and puts each block into `cache` (at most the cache's
@@ -85,6 +102,8 @@ pub async fn warm_up_as(
     let mut planned = 0u64;
     let mut next_log = LOG_EVERY;
     let mut inflight = FuturesUnordered::new();
+    // Objects refused to these credentials: their other blocks are not asked for.
+    let mut denied = std::collections::HashSet::new();
     'prefixes: for prefix in &w.prefixes {
         let pages = list_pages(&*store, &w.bucket, ListRequest::keys_under(prefix));
         futures::pin_mut!(pages);
@@ -93,7 +112,7 @@ pub async fn warm_up_as(
                 let Some(etag) = obj.etag.clone() else {
                     continue;
                 };
-                if obj.size == 0 || obj.key.ends_with('/') {
+                if obj.size == 0 || obj.key.ends_with('/') || denied.contains(&obj.key) {
                     continue;
                 }
                 report.objects += 1;
@@ -130,9 +149,11 @@ pub async fn warm_up_as(
                         continue;
                     }
                     while inflight.len() >= IN_FLIGHT {
-                        if let Some(len) = inflight.next().await.expect("non-empty")? {
-                            record(&mut report, len, &w, &mut next_log);
-                        }
+                        let done = inflight.next().await.expect("non-empty")?;
+                        record(&mut report, done, &mut denied, &w, &mut next_log)?;
+                    }
+                    if denied.contains(&key.key) {
+                        continue;
                     }
                     let (store, cache, bucket) = (store.clone(), cache.clone(), w.bucket.clone());
                     inflight.push(async move {
@@ -174,12 +195,18 @@ pub async fn warm_up_as(
                             )
                             .await;
                         match data {
-                            Ok(data) => Ok(Some(data.len() as u64)),
+                            Ok(data) => Ok(Fetched::Bytes(data.len() as u64)),
                             // Overwritten or deleted since the LIST: passed over, not the end of
                             // the warm-up (a reader of the new version fetches it then).
                             Err(StoreError::PreconditionFailed(_) | StoreError::NotFound(_)) => {
                                 tracing::debug!(key = %key.key, "warm-up: object changed since its listing; skipped");
-                                Ok(None)
+                                Ok(Fetched::Changed)
+                            }
+                            // Refused to these credentials (some keys only, or all of them:
+                            // see `record`).
+                            Err(StoreError::AccessDenied(e)) => {
+                                tracing::debug!(key = %key.key, error = %e, "warm-up: object refused to the mount's credentials; skipped");
+                                Ok(Fetched::Denied(key.key.clone()))
                             }
                             Err(e) => Err(e),
                         }
@@ -188,22 +215,49 @@ pub async fn warm_up_as(
             }
         }
     }
-    while let Some(len) = inflight.next().await {
-        if let Some(len) = len? {
-            record(&mut report, len, &w, &mut next_log);
-        }
+    while let Some(done) = inflight.next().await {
+        record(&mut report, done?, &mut denied, &w, &mut next_log)?;
+    }
+    if report.denied > 0 {
+        tracing::warn!(bucket = %w.bucket, prefixes = ?w.prefixes, objects = report.denied, "warm-up: objects refused to the mount's credentials were passed over");
     }
     Ok(report)
 }
 
-fn record(report: &mut WarmUpReport, len: u64, w: &WarmUp, next_log: &mut u64) {
-    report.fetched += 1;
-    report.bytes += len;
-    ferry_cache::warmup_bytes(len);
-    if report.bytes >= *next_log {
-        *next_log += LOG_EVERY;
-        tracing::info!(bucket = %w.bucket, prefixes = ?w.prefixes, bytes = report.bytes, objects = report.objects, "warm-up progress");
+/// Counts a block's outcome. `Err` once [`DENIED_BEFORE_ANY`] objects were refused and nothing
+/// was fetched: the credentials cannot read the prefix.
+fn record(
+    report: &mut WarmUpReport,
+    done: Fetched,
+    denied: &mut std::collections::HashSet<String>,
+    w: &WarmUp,
+    next_log: &mut u64,
+) -> Result<(), StoreError> {
+    match done {
+        Fetched::Bytes(len) => {
+            report.fetched += 1;
+            report.bytes += len;
+            ferry_cache::warmup_bytes(len);
+            if report.bytes >= *next_log {
+                *next_log += LOG_EVERY;
+                tracing::info!(bucket = %w.bucket, prefixes = ?w.prefixes, bytes = report.bytes, objects = report.objects, "warm-up progress");
+            }
+        }
+        Fetched::Changed => {}
+        Fetched::Denied(key) => {
+            if denied.insert(key) {
+                report.denied += 1;
+            }
+            if report.fetched == 0 && report.denied >= DENIED_BEFORE_ANY {
+                return Err(StoreError::AccessDenied(format!(
+                    "the mount's credentials were refused the first {} objects of bucket {:?} \
+                     prefixes {:?} (s3:GetObject) and no block was fetched",
+                    report.denied, w.bucket, w.prefixes
+                )));
+            }
+        }
     }
+    Ok(())
 }
 
 #[cfg(test)]
@@ -335,5 +389,48 @@ mod tests {
         let r = r.expect("the warm-up goes on");
         assert_eq!((r.objects, r.fetched), (4, 3));
         assert_eq!(cache.stats().stored, 3, "{:?}", cache.stats());
+    }
+
+    /// An object refused to the mount's credentials (a 403 on its GET: a KMS key the role may not
+    /// use, an archived object) is passed over, counted, and the rest of the prefix is warmed;
+    /// when the first objects are all refused and nothing was fetched, the warm-up ends instead
+    /// of asking for every object of a prefix it cannot read.
+    #[tokio::test]
+    async fn a_warm_up_passes_over_objects_its_credentials_are_refused() {
+        use ferry_store::{FaultyStore, Op};
+        let dir = tempfile::tempdir().unwrap();
+        let cache = small_cache(dir.path()).await;
+        let store = MemoryStore::new();
+        store.create_bucket("b");
+        for i in 0..4 {
+            store.insert("b", &format!("ds/{i}"), vec![i as u8; 1000]);
+        }
+        for i in 0..40 {
+            store.insert("b", &format!("sealed/{i:02}"), vec![i as u8; 1000]);
+        }
+        let faulty = Arc::new(FaultyStore::new(store.clone(), 1));
+        let w = |prefix: &str| WarmUp {
+            endpoint: String::new(),
+            bucket: "b".into(),
+            prefixes: vec![prefix.into()],
+        };
+        faulty.fail_next(Op::Get, 1, StoreError::AccessDenied("403".into()));
+        let r = warm_up(faulty.clone(), cache.clone(), w("ds/"))
+            .await
+            .expect("the warm-up goes on past a refused object");
+        assert_eq!((r.objects, r.fetched, r.denied), (4, 3, 1));
+        // Nothing of the prefix may be read: it ends after the first few refusals.
+        faulty.fail_next(Op::Get, 1000, StoreError::AccessDenied("403".into()));
+        let gets = faulty.stats().calls_of(Op::Get);
+        let r = warm_up(faulty.clone(), cache.clone(), w("sealed/")).await;
+        let asked = faulty.stats().calls_of(Op::Get) - gets;
+        match r {
+            Err(StoreError::AccessDenied(m)) => assert!(m.contains("s3:GetObject"), "{m}"),
+            other => panic!("a warm-up refused every object ended with {other:?}"),
+        }
+        assert!(
+            asked < DENIED_BEFORE_ANY + IN_FLIGHT as u64,
+            "{asked} GETs for a prefix nothing of which may be read"
+        );
     }
 }
