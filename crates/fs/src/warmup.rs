@@ -277,6 +277,16 @@ mod tests {
         cache
     }
 
+    /// A store with bucket `b` holding `ds/0` … `ds/3`, 1,000 bytes each.
+    fn four_small_objects() -> MemoryStore {
+        let store = MemoryStore::new();
+        store.create_bucket("b");
+        for i in 0..4 {
+            store.insert("b", &format!("ds/{i}"), vec![i as u8; 1000]);
+        }
+        store
+    }
+
     #[tokio::test]
     async fn warms_the_prefix_once_within_the_cache_size() {
         let dir = tempfile::tempdir().unwrap();
@@ -368,11 +378,7 @@ mod tests {
         use ferry_store::{FaultyStore, Op};
         let dir = tempfile::tempdir().unwrap();
         let cache = small_cache(dir.path()).await;
-        let store = MemoryStore::new();
-        store.create_bucket("b");
-        for i in 0..4 {
-            store.insert("b", &format!("ds/{i}"), vec![i as u8; 1000]);
-        }
+        let store = four_small_objects();
         let faulty = FaultyStore::new(store.clone(), 1);
         faulty.fail_next(
             Op::Get,
@@ -400,11 +406,7 @@ mod tests {
         use ferry_store::{FaultyStore, Op};
         let dir = tempfile::tempdir().unwrap();
         let cache = small_cache(dir.path()).await;
-        let store = MemoryStore::new();
-        store.create_bucket("b");
-        for i in 0..4 {
-            store.insert("b", &format!("ds/{i}"), vec![i as u8; 1000]);
-        }
+        let store = four_small_objects();
         for i in 0..40 {
             store.insert("b", &format!("sealed/{i:02}"), vec![i as u8; 1000]);
         }
