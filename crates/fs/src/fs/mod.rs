@@ -282,13 +282,22 @@ impl FsState {
             .is_some_and(|m| m.passthrough > 0 || m.cached == 1)
     }
 
+    /// Whether handles of `ino` read through passthrough: the kernel admits no cached-mode open
+    /// (a writer, a reader through Ferry) beside them.
+    fn open_through_passthrough(&self, ino: Ino) -> bool {
+        self.io.get(&ino).is_some_and(|m| m.passthrough > 0)
+    }
+
     /// Whether an open of `ino` pinning version `etag` must be refused: the inode's passthrough
     /// handles read another version's whole file, and the kernel would serve this open from it
     /// too (it admits no cached-mode open beside them).
     fn passthrough_of_another_version(&self, ino: Ino, etag: Option<&str>) -> bool {
-        self.io
-            .get(&ino)
-            .is_some_and(|m| m.passthrough > 0 && m.passthrough_etag.as_deref() != etag)
+        self.open_through_passthrough(ino)
+            && self
+                .io
+                .get(&ino)
+                .and_then(|m| m.passthrough_etag.as_deref())
+                != etag
     }
 
     fn io_closed(&mut self, ino: Ino, passthrough: bool) {

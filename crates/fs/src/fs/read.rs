@@ -35,7 +35,7 @@ impl Fs {
             if matches!(inode.state, InodeState::Writing { .. }) {
                 return Err(FsError::Busy("the file is being written"));
             }
-            if write && st.io.get(&ino).is_some_and(|m| m.passthrough > 0) {
+            if write && st.open_through_passthrough(ino) {
                 // The kernel would refuse a cached-mode open next to passthrough ones anyway.
                 return Err(FsError::Busy(
                     "the file is open for reading straight from the node cache; close it first",

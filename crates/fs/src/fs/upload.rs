@@ -43,7 +43,7 @@ impl Fs {
         // Inode numbers are the path's: a file unlinked while open through passthrough is created
         // again as the same inode, which the kernel would not open in cached mode beside them.
         let ino = st.inodes.ino_for(parent, name, &path, Kind::File);
-        if st.io.get(&ino).is_some_and(|m| m.passthrough > 0) {
+        if st.open_through_passthrough(ino) {
             return Err(FsError::Busy(
                 "a file of that name is open for reading straight from the node cache; close it \
                  first",
