@@ -713,6 +713,10 @@ async fn a_read_only_volume_keeps_its_metadata_unless_a_mount_option_says_otherw
 }
 
 /// `ferry_cache_warmups_total{result}` as this process counts it.
+/// Held by the tests that count warm-ups stopped: the counters are the process's, and tests run
+/// side by side.
+static STOPPING_WARM_UPS: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn warm_ups(result: &str) -> u64 {
     let line = format!("ferry_cache_warmups_total{{result=\"{result}\"}} ");
     ferry_metrics::render()
@@ -737,6 +741,7 @@ async fn eventually(mut ready: impl FnMut() -> bool) -> bool {
 /// goes on with it or, with none, the next publish starts it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_warm_up_ends_with_the_mount_that_runs_it() {
+    let _counting = STOPPING_WARM_UPS.lock().await;
     let (mut env, cache, forwarder, _cache_dir) = Env::start_cached_behind_a_proxy().await;
     env.s3.create_bucket("warm").await;
     for dir in ["a/", "b/"] {
@@ -853,6 +858,65 @@ async fn a_failed_warm_up_runs_again_at_the_next_publish() {
     env.publish("vf", &t2, cap, ctx, true).await.unwrap();
     let warmed = eventually(|| cache.stats().blocks == 3).await;
     env.unpublish("vf", &t2).await.unwrap();
+    assert!(
+        warmed,
+        "the next publish did not warm the volume (cached blocks: {})",
+        cache.stats().blocks
+    );
+}
+
+/// A mount unmounted behind the driver's back whose directories were then removed (the pod's
+/// volume directory gone, as after kubelet's own clean-up): its unpublish cannot resolve the
+/// target any more, but still ends what the mount left running. Here that is its warm-up, whose
+/// GETs hang: it is stopped, and the next publish of the volume warms it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn an_unpublish_after_the_target_directories_are_gone_ends_the_mount() {
+    let _counting = STOPPING_WARM_UPS.lock().await;
+    let (mut env, cache, forwarder, _cache_dir) = Env::start_cached_behind_a_proxy().await;
+    env.s3.create_bucket("gone").await;
+    for i in 0..3u8 {
+        env.store
+            .put("gone", &format!("d/f{i}"), payload(i, 100_000))
+            .await
+            .unwrap();
+    }
+    let ctx = map(&[
+        ("bucketName", "gone"),
+        ("prefix", "d/"),
+        ("endpointUrl", &forwarder.url()),
+        ("forcePathStyle", "true"),
+        ("prefetchOnMount", "true"),
+    ]);
+    let cap = mount_capability(Mode::MultiNodeReaderOnly, &[]);
+    let stopped = warm_ups("stopped");
+    forwarder.set_plan(Some(FaultPlan::always(&["GET"], Fault::Hang).ranged()));
+    let (t1, t2) = (env.target("pod-g1", "pv"), env.target("pod-g2", "pv"));
+    env.publish("vg", &t1, cap.clone(), ctx.clone(), true)
+        .await
+        .unwrap();
+    assert!(
+        eventually(|| forwarder.injected().len() >= 3).await,
+        "the warm-up's three GETs never reached the server"
+    );
+    ferry_node::mountinfo::detach(&t1).unwrap();
+    std::fs::remove_dir_all(t1.parent().unwrap()).unwrap();
+
+    let e = env.unpublish("another", &t1).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    env.unpublish("vg", &t1).await.unwrap();
+    assert!(env.mounts.is_empty(), "the mount is still in the table");
+    assert_eq!(
+        warm_ups("stopped"),
+        stopped + 1,
+        "the warm-up was not stopped"
+    );
+    // Again: nothing is left to end.
+    env.unpublish("vg", &t1).await.unwrap();
+
+    forwarder.set_plan(None);
+    env.publish("vg", &t2, cap, ctx, true).await.unwrap();
+    let warmed = eventually(|| cache.stats().blocks == 3).await;
+    env.unpublish("vg", &t2).await.unwrap();
     assert!(
         warmed,
         "the next publish did not warm the volume (cached blocks: {})",

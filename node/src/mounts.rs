@@ -113,6 +113,17 @@ impl MountTable {
         m
     }
 
+    /// The table's key for the mount a publish asked for at `target_path` (the path as the
+    /// request spelled it, before symlinks in its parent were resolved): what an unpublish finds
+    /// its mount by once that parent is gone and the path no longer resolves.
+    pub fn published_at(&self, target_path: &str) -> Option<PathBuf> {
+        self.mounts.lock().unwrap().iter().find_map(|(key, m)| {
+            let req: ferry_csi::pb::NodePublishVolumeRequest =
+                prost::Message::decode(&m.request[..]).ok()?;
+            (req.target_path == target_path).then(|| key.clone())
+        })
+    }
+
     pub fn len(&self) -> usize {
         self.mounts.lock().unwrap().len()
     }

@@ -408,6 +408,35 @@ impl Inner {
         }
     }
 
+    /// NOT_FOUND when the table has another volume than `volume_id` at `target`.
+    fn check_published(&self, volume_id: &str, target: &Path) -> Result<()> {
+        match self.mounts.get(target) {
+            Some(existing) if existing.volume_id != volume_id => Err(CsiError::NotFound(format!(
+                "volume {} is not published at {} (volume {} is)",
+                quote(volume_id),
+                shown(target),
+                quote(&existing.volume_id)
+            ))),
+            _ => Ok(()),
+        }
+    }
+
+    /// Takes the mount at `target` out of the table and ends it (`false`: none is recorded there).
+    async fn take_down(&self, target: &Path) -> Result<bool> {
+        let Some(m) = self.mounts.remove(target) else {
+            return Ok(false);
+        };
+        // Detached in this namespace; copies elsewhere are cut off (ENOTCONN), so this never
+        // waits on another mount namespace.
+        let res = tokio::task::spawn_blocking(move || m.handle.detach())
+            .await
+            .map_err(|e| CsiError::Internal(format!("unmount task failed: {e}")))?;
+        res.map_err(|e| CsiError::Internal(format!("unmounting {}: {e}", shown(target))))?;
+        self.keeper.release(target);
+        ferry_fs::alloc::trim_soon();
+        Ok(true)
+    }
+
     fn begin(&self, target: &Path) -> Result<InFlight<PathBuf>> {
         self.in_flight.begin(target.to_path_buf())
     }
@@ -696,20 +725,21 @@ impl Inner {
         require("target_path", &req.target_path)?;
         let target = targetpath::check(&self.config.kubelet_root, &req.target_path)?;
         let Some(target) = targetpath::resolve(&self.canonical_root, &target)? else {
-            info!("target's parent is gone; nothing to unpublish");
+            // Nothing can be mounted below a parent that is gone, but the mount published there
+            // may still be in the table (unmounted behind our back, its directories then
+            // removed): its session, and any warm-up it runs, end here.
+            if let Some(key) = self.mounts.published_at(&req.target_path) {
+                let _guard = self.begin(&key)?;
+                self.check_published(volume_id, &key)?;
+                info!("target's parent is gone; ending the mount published there");
+                self.take_down(&key).await?;
+            } else {
+                info!("target's parent is gone; nothing to unpublish");
+            }
             return Ok(pb::NodeUnpublishVolumeResponse {});
         };
         let _guard = self.begin(&target)?;
-        if let Some(existing) = self.mounts.get(&target) {
-            if existing.volume_id != volume_id {
-                return Err(CsiError::NotFound(format!(
-                    "volume {} is not published at {} (volume {} is)",
-                    quote(volume_id),
-                    shown(&target),
-                    quote(&existing.volume_id)
-                )));
-            }
-        }
+        self.check_published(volume_id, &target)?;
         let found = targetpath::inspect(&target)?;
         // Only Ferry's own mount on top is unmounted: never a mount stacked on it, nor one of
         // another filesystem.
@@ -717,16 +747,7 @@ impl Inner {
             Some(m) if !m.is_ferry() => return Err(Self::foreign(&target, &m)),
             _ => {}
         }
-        if let Some(m) = self.mounts.remove(&target) {
-            // Detached in this namespace; copies elsewhere are cut off (ENOTCONN), so this never
-            // waits on another mount namespace.
-            let res = tokio::task::spawn_blocking(move || m.handle.detach())
-                .await
-                .map_err(|e| CsiError::Internal(format!("unmount task failed: {e}")))?;
-            res.map_err(|e| CsiError::Internal(format!("unmounting {}: {e}", shown(&target))))?;
-            self.keeper.release(&target);
-            ferry_fs::alloc::trim_soon();
-        } else if found != targetpath::Found::Symlink {
+        if !self.take_down(&target).await? && found != targetpath::Found::Symlink {
             Self::clear_stale(&target)?;
         }
         match found {
