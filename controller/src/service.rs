@@ -595,6 +595,54 @@ mod tests {
         assert_eq!(mem.keys("data"), ["ml/imagenet2/keep", "ml/keep"]);
     }
 
+    /// A volume name with a `/` (csi-provisioner's never has one; other COs, csi-sanity or a
+    /// hand-made request may send any string) made prefixes that nest or coincide: `team/` and
+    /// `team/x/`, or `team` and `team/` both `team/`. With `deletePolicy: delete`, deleting one
+    /// volume deleted the other's data.
+    #[tokio::test]
+    async fn delete_policy_volumes_never_nest_or_share_a_prefix() {
+        let (svc, mem) = service();
+        let params = [("bucketName", "data"), ("deletePolicy", "delete")];
+        let team = svc
+            .create(create_req("team", &params))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        mem.insert("data", "team/mine", "x");
+        let mut kept = Vec::new();
+        for name in ["team/", "team/x", "team/x/"] {
+            match svc.create(create_req(name, &params)).await {
+                Ok(v) => {
+                    let key = format!("{}theirs", v.volume.unwrap().volume_context["prefix"]);
+                    mem.insert("data", &key, "x");
+                    kept.push(key);
+                }
+                Err(e) => {
+                    let st = Status::from(e);
+                    assert_eq!(st.code(), tonic::Code::InvalidArgument, "{name}: {st:?}");
+                    assert!(
+                        st.message().contains(&quote(name).to_string()),
+                        "{name}: {st:?}"
+                    );
+                }
+            }
+        }
+        svc.delete(pb::DeleteVolumeRequest {
+            volume_id: team.volume_id,
+            secrets: Default::default(),
+        })
+        .await
+        .unwrap();
+        kept.sort();
+        kept.dedup();
+        assert_eq!(
+            mem.keys("data"),
+            kept,
+            "deleting volume \"team\" deleted another volume's data"
+        );
+    }
+
     #[tokio::test]
     async fn retain_keeps_and_unknown_ids_are_ok() {
         let (svc, mem) = service();

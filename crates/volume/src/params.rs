@@ -136,6 +136,9 @@ impl StorageClassParams {
         name: &str,
         params: &HashMap<String, String>,
     ) -> Result<String, VolumeError> {
+        if self.delete_policy == DeletePolicy::Delete {
+            self.prefix_template.refuse_slashes(name, params)?;
+        }
         let rel = self.prefix_template.expand(name, params)?;
         // Expanded to nothing (an empty volume name), the volume's prefix would be `basePrefix`
         // itself: every volume's data, which `deletePolicy: delete` would delete with this one.
@@ -270,6 +273,43 @@ impl Template {
         self.0
             .iter()
             .any(|p| matches!(p, Piece::VolumeName | Piece::PvName))
+    }
+
+    /// Refuses a value of the template's variables that holds a `/`. Kubernetes names never do;
+    /// another CO or a hand-made request may send any name, and with a `/` one volume's prefix can
+    /// be another's (`team` and `team/`) or lie inside it (`team/` and `team/x/`), so that
+    /// `deletePolicy: delete` deletes that volume's data with this one. Without a `/` in the
+    /// values, every prefix of one template has as many segments, so none lies inside another.
+    fn refuse_slashes(
+        &self,
+        name: &str,
+        params: &HashMap<String, String>,
+    ) -> Result<(), VolumeError> {
+        for p in &self.0 {
+            let (var, value) = match p {
+                Piece::Literal(_) => continue,
+                Piece::VolumeName => ("volume.name", Some(name)),
+                Piece::PvcNamespace => (
+                    "pvc.namespace",
+                    params.get(keys::PVC_NAMESPACE).map(String::as_str),
+                ),
+                Piece::PvcName => ("pvc.name", params.get(keys::PVC_NAME).map(String::as_str)),
+                Piece::PvName => ("pv.name", params.get(keys::PV_NAME).map(String::as_str)),
+            };
+            if let Some(value) = value.filter(|v| v.contains('/')) {
+                return Err(VolumeError::invalid(
+                    WHAT,
+                    keys::PREFIX_TEMPLATE,
+                    format!(
+                        "${{{var}}} is {}, which contains '/': with deletePolicy delete a volume's \
+                         prefix must not lie inside another's (deleting one would delete the \
+                         other's data)",
+                        crate::quote(value)
+                    ),
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// Expands the template with the volume name and csi-provisioner's extra metadata.
@@ -487,6 +527,38 @@ mod tests {
         );
         assert!(Template::parse("a$b").is_err());
         assert!(Template::parse("${pvc.name").is_err());
+    }
+
+    #[test]
+    fn delete_policy_refuses_a_slash_in_a_template_value() {
+        let sc = |policy: &str| {
+            StorageClassParams::parse(&map(&[
+                ("bucketName", "data"),
+                ("prefixTemplate", "${pvc.namespace}/${volume.name}"),
+                ("deletePolicy", policy),
+            ]))
+            .unwrap()
+        };
+        let ns = map(&[("csi.storage.k8s.io/pvc/namespace", "ml")]);
+        for name in ["team/", "team/x", "/team"] {
+            let e = sc("delete")
+                .volume_prefix(name, &ns)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("${volume.name}"), "{name}: {e}");
+            assert!(e.contains(&crate::quote(name).to_string()), "{name}: {e}");
+        }
+        let e = sc("delete")
+            .volume_prefix("v", &map(&[("csi.storage.k8s.io/pvc/namespace", "a/b")]))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("${pvc.namespace}"), "{e}");
+        assert_eq!(sc("delete").volume_prefix("v", &ns).unwrap(), "ml/v/");
+        // Retained volumes may nest or share prefixes on purpose: unchanged.
+        assert_eq!(
+            sc("retain").volume_prefix("team/x", &ns).unwrap(),
+            "ml/team/x/"
+        );
     }
 
     #[test]
