@@ -38,6 +38,9 @@ use tracing::{info, instrument};
 struct Created {
     volume_id: String,
     capacity: i64,
+    /// The volume context answered: what the node mounts besides the id (credentials source,
+    /// node cache, warm-up). Another context is another volume.
+    volume_context: HashMap<String, String>,
 }
 
 /// The controller service. CreateVolume and DeleteVolume run in tasks of their own, so a caller
@@ -218,10 +221,15 @@ impl Inner {
         let want = Created {
             volume_id: id.encode(),
             capacity,
+            volume_context: {
+                let mut ctx = volume_context(&id);
+                ctx.extend(params.node_context());
+                ctx
+            },
         };
         let _guard = self.begin(name.to_string())?;
         if let Some(prev) = self.created.lock().unwrap().get(name) {
-            if *prev != want {
+            if (&prev.volume_id, prev.capacity) != (&want.volume_id, want.capacity) {
                 return Err(CsiError::AlreadyExists(format!(
                     "volume {} already exists as {} with capacity {}, not {} with capacity {}",
                     quote(name),
@@ -229,6 +237,24 @@ impl Inner {
                     prev.capacity,
                     quote(&want.volume_id),
                     want.capacity
+                )));
+            }
+            if prev.volume_context != want.volume_context {
+                let differ = |a: &HashMap<String, String>, b: &HashMap<String, String>| {
+                    let mut keys: Vec<&str> = a
+                        .iter()
+                        .filter(|(k, v)| b.get(*k) != Some(*v))
+                        .map(|(k, _)| k.as_str())
+                        .collect();
+                    keys.extend(b.keys().filter(|k| !a.contains_key(*k)).map(String::as_str));
+                    keys.sort_unstable();
+                    keys.join(", ")
+                };
+                return Err(CsiError::AlreadyExists(format!(
+                    "volume {} already exists as {} with other parameters (they differ in {})",
+                    quote(name),
+                    quote(&prev.volume_id),
+                    differ(&prev.volume_context, &want.volume_context)
                 )));
             }
         }
@@ -242,11 +268,7 @@ impl Inner {
             volume: Some(pb::Volume {
                 capacity_bytes: capacity,
                 volume_id: want.volume_id,
-                volume_context: {
-                    let mut ctx = volume_context(&id);
-                    ctx.extend(params.node_context());
-                    ctx
-                },
+                volume_context: want.volume_context,
                 content_source: None,
                 accessible_topology: vec![],
             }),
@@ -641,6 +663,40 @@ mod tests {
             kept,
             "deleting volume \"team\" deleted another volume's data"
         );
+    }
+
+    /// The same name with parameters that change the volume the node mounts (its volume context:
+    /// `authenticationSource`, `stsRegion`, `cache`, `prefetchOnMount`) is another volume:
+    /// AlreadyExists, as for another prefix or capacity (README: "The same volume name asked
+    /// again with other parameters is `AlreadyExists`"). It was OK, answering the new context.
+    #[tokio::test]
+    async fn same_name_with_another_volume_context_is_already_exists() {
+        let (svc, _mem) = service();
+        let first = svc
+            .create(create_req("v5", &[("bucketName", "data")]))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        for other in [
+            [("bucketName", "data"), ("authenticationSource", "pod")],
+            [("bucketName", "data"), ("cache", "none")],
+            [("bucketName", "data"), ("prefetchOnMount", "true")],
+        ] {
+            let res = svc.create(create_req("v5", &other)).await;
+            let st = Status::from(res.map(|r| r.volume.unwrap().volume_context).unwrap_err());
+            assert_eq!(st.code(), tonic::Code::AlreadyExists, "{other:?}: {st:?}");
+            assert!(st.message().contains("\"v5\""), "{st:?}");
+            assert!(st.message().contains(other[1].0), "{st:?}");
+        }
+        // A retry of the first request is still served.
+        let again = svc
+            .create(create_req("v5", &[("bucketName", "data")]))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        assert_eq!(again, first);
     }
 
     #[tokio::test]
