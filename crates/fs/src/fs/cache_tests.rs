@@ -829,3 +829,52 @@ async fn a_successor_does_not_read_through_passthrough_beside_an_inherited_write
     );
     next.release(r.fh).await.unwrap();
 }
+
+/// A new open of an inode already open through passthrough is handed the same backing file by
+/// the kernel (the adapter joins it, `Passthrough::existing`): a read of the node cache's whole
+/// file like any other, so it needs a proof of access within the lifetime too. With metadata
+/// that never expires and the whole file gone from the cache's index (evicted; the kernel still
+/// holds the backing file), the open asked nothing of S3: credentials refused since (or whose
+/// proof ended long ago) were handed the cached bytes.
+#[tokio::test]
+async fn joining_an_inodes_passthrough_file_needs_a_live_proof() {
+    let (_dir, cache, store) = cache_and_store().await;
+    let body = data((3 * BS) as usize, 16);
+    let etag = store.insert(B, "f", body.clone());
+    let creds = Arc::new(FaultyStore::new(store.clone(), 1));
+    let fs = mount(creds.clone(), &cache, |_| {});
+    assert_eq!(read_all(&fs, "f", 1 << 20).await.unwrap(), body);
+    cache.settle().await;
+    let ino = ino_of(&fs, "f").await.unwrap();
+    let a = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    fs.passthrough_file(a.fh)
+        .expect("the whole file is handed out");
+    fs.set_backing_id(a.fh, 1);
+
+    // The whole file leaves the cache (evicted: gone from disk and index); the kernel keeps the
+    // backing file open for handle `a`.
+    let obj = ferry_cache::ObjectKey {
+        endpoint: "http://s3.test".into(),
+        bucket: B.into(),
+        key: "f".into(),
+        etag,
+    };
+    std::fs::remove_file(cache.object_path(&obj.file_id())).unwrap();
+    cache.prepare_whole(&obj, body.len() as u64);
+    assert!(!cache.has_whole(&obj), "{:?}", cache.stats());
+    // The proof's lifetime passes and the credentials lose read access.
+    tokio::time::pause();
+    tokio::time::advance(crate::proofs::PROOF_LIFETIME + Duration::from_secs(1)).await;
+    for op in [Op::Head, Op::Get] {
+        creds.fail_next(op, u64::MAX, StoreError::AccessDenied("403".into()));
+    }
+    match fs.open(ino, libc::O_RDONLY, PID).await {
+        Ok(b) => {
+            // What the adapter does for an inode with a backing file (`Passthrough::existing`).
+            let joined = fs.join_passthrough(b.fh, 1);
+            panic!("opened without a proof of access (joined to the backing file: {joined})");
+        }
+        Err(e) => assert_eq!(e.errno(), libc::EACCES, "{e}"),
+    }
+    fs.release(a.fh).await.unwrap();
+}

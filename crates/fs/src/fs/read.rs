@@ -95,10 +95,15 @@ impl Fs {
             // With the node cache, a version whose whole file could be handed to the kernel at
             // this open (passthrough: no read of ours checks anything) is served only once this
             // mount proved access to it (a version known only from a LIST, which needs no read
-            // permission, is HEADed with its own credentials). Any other open proves access on
-            // its first read (see `prefetch::fetch`): no round trip here.
+            // permission, is HEADed with its own credentials). So is an open of an inode already
+            // open through passthrough: the kernel hands it the same backing file, also once
+            // that file has left the cache's index. Any other open proves access on its first
+            // read (see `prefetch::fetch`): no round trip here.
+            let joins_passthrough = st.open_through_passthrough(ino);
             let usable = |m: &ObjectMeta| match (&self.cache, m.etag.as_deref()) {
-                (Some(cache), Some(etag)) if cache.has_whole(&self.object_key(&key, etag)) => {
+                (Some(cache), Some(etag))
+                    if joins_passthrough || cache.has_whole(&self.object_key(&key, etag)) =>
+                {
                     self.is_proven(&key, etag)
                 }
                 _ => true,
