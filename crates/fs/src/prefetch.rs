@@ -241,20 +241,18 @@ async fn fetch_shared(
     if !c.proven {
         let on_disk = (first..=last).all(|i| c.cache.contains(&block_key(src, c, etag, i)));
         if on_disk {
-            let info = match src.store.head(&src.bucket, &src.key).await {
-                Ok(info) => info,
-                Err(e) => {
-                    if matches!(e, StoreError::AccessDenied(_)) {
-                        c.cache.note_denied();
-                    }
-                    return Err(e);
+            // Only a read proves access to the bytes (a HEAD is answered where the GET is
+            // refused: an SSE-KMS object without `kms:Decrypt`, an archived one): the first
+            // byte of this version (a changed object: PreconditionFailed).
+            if let Err(e) = src
+                .store
+                .get_range(&src.bucket, &src.key, 0..1, Some(etag))
+                .await
+            {
+                if matches!(e, StoreError::AccessDenied(_)) {
+                    c.cache.note_denied();
                 }
-            };
-            if info.etag.as_deref() != Some(etag) {
-                return Err(StoreError::PreconditionFailed(format!(
-                    "{}: ETag is now {:?}, not {etag}",
-                    src.key, info.etag
-                )));
+                return Err(e);
             }
             c.proofs.prove(&src.bucket, &src.key, etag);
         } else {

@@ -169,11 +169,12 @@ fn a_read_only_datasets_shuffled_epochs_sweep_it_then_make_no_request() {
     t.read(&order, 8);
     t.rt.block_on(t.cache.settle());
     let epoch1 = t.store.stats();
-    // Looked up by name until the background listing was adopted; then swept into the cache:
-    // one GET per file (and now and then a second, when the server cut a body short: retried
-    // once), fewer HEADs than files.
-    assert!(epoch1.calls_of(Op::Get) <= 400 + 4, "{epoch1:?}");
-    assert!(epoch1.calls_of(Op::Head) < 400, "{epoch1:?}");
+    // Looked up by name until the background listing was adopted (a HEAD and the first byte
+    // each: the proof of access); then swept into the cache: one GET per file (and now and then
+    // a second, when the server cut a body short: retried once), fewer lookups than files.
+    let lookups = epoch1.calls_of(Op::Head);
+    assert!(lookups < 400, "{epoch1:?}");
+    assert!(epoch1.calls_of(Op::Get) <= 400 + 4 + lookups, "{epoch1:?}");
     let stats = t.cache.stats();
     assert!(stats.objects + stats.blocks >= 400, "{stats:?}");
     // Epoch 2: no request of any kind.
@@ -217,11 +218,14 @@ fn a_small_file_is_reread_from_the_page_cache_and_a_large_one_through_passthroug
         last.hits > filled.hits,
         "the small file came from the node cache: {last:?}"
     );
+    // The new mount's two lookups read the first byte of each (their proofs of access).
+    let after = t.store.stats();
     assert_eq!(
-        t.store.stats().calls_of(Op::Get),
-        before.calls_of(Op::Get),
-        "no new GET"
+        after.calls_of(Op::Get),
+        before.calls_of(Op::Get) + 2,
+        "no new GET but the lookups' proofs"
     );
+    assert_eq!(after.got_bytes, before.got_bytes + 2);
     m.unmount().unwrap();
 }
 

@@ -763,6 +763,53 @@ impl ObjectStore for S3Store {
         })
     }
 
+    /// One request: the GET of the first byte answers what a HEAD does (the ETag, Last-Modified,
+    /// the size in `Content-Range`) and shows the credentials may read the bytes.
+    async fn head_readable(&self, bucket: &str, key: &str) -> Result<ObjectInfo> {
+        let out = match self
+            .client
+            .get_object()
+            .bucket(bucket)
+            .key(key)
+            .range("bytes=0-0")
+            .send()
+            .await
+        {
+            Ok(out) => out,
+            Err(e) => match map_sdk_error(e, Target::Object(bucket, key)) {
+                // An empty object has no first byte (416): nothing to read, the HEAD says the rest.
+                StoreError::InvalidRequest(_) => return self.head(bucket, key).await,
+                e => return Err(e),
+            },
+        };
+        let etag = out.e_tag().map(str::to_owned);
+        let last_modified = to_system_time(out.last_modified());
+        let size = match out.content_range() {
+            Some(range) => range
+                .rsplit_once('/')
+                .and_then(|(_, total)| total.parse().ok())
+                .ok_or_else(|| {
+                    StoreError::Other(format!(
+                        "GET of the first byte of {key:?}: no total size in Content-Range {range:?}"
+                    ))
+                })?,
+            // A server that ignored the range sends the whole object: its length is the size,
+            // and the body is not read (dropping it closes the connection).
+            None => size_of(out.content_length()),
+        };
+        if out.content_range().is_some() {
+            out.body.collect().await.map_err(|e| {
+                StoreError::Transient(format!("reading the first byte of {key:?}: {e}"))
+            })?;
+        }
+        Ok(ObjectInfo {
+            key: key.to_owned(),
+            size,
+            etag,
+            last_modified,
+        })
+    }
+
     async fn get_range(
         &self,
         bucket: &str,

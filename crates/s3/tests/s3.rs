@@ -76,6 +76,7 @@ both!(
     list_delimiter_and_pagination,
     list_byte_order,
     head_and_etags,
+    head_readable,
     ranged_get,
     ranged_get_in_pieces,
     awkward_keys,
@@ -309,6 +310,20 @@ async fn head_and_etags(store: &dyn ObjectStore, bucket: &str) {
     let (files, dirs, _) = list_all(store, bucket, "", Some("/"), None).await;
     assert!(files.is_empty(), "{files:?}");
     assert_eq!(dirs, ["h/"]);
+}
+
+/// `head_readable` (on S3 a GET of the first byte) describes an object as `head` does, an empty
+/// one included, and fails as it does.
+async fn head_readable(store: &dyn ObjectStore, bucket: &str) {
+    put(store, bucket, "r/obj", "some content").await;
+    put(store, bucket, "r/empty", Bytes::new()).await;
+    for key in ["r/obj", "r/empty"] {
+        let head = store.head(bucket, key).await.unwrap();
+        let readable = store.head_readable(bucket, key).await.unwrap();
+        assert_eq!(readable, head, "{key}");
+    }
+    let e = store.head_readable(bucket, "r/missing").await.unwrap_err();
+    assert!(matches!(e, StoreError::NotFound(_)), "{e:?}");
 }
 
 /// `get_range_pieces`: one GET, its bytes in buffers of the piece size (the last shorter), each

@@ -188,6 +188,20 @@ pub trait ObjectStore: Send + Sync + Debug + 'static {
 
     async fn head(&self, bucket: &str, key: &str) -> Result<ObjectInfo>;
 
+    /// [`Self::head`], and a proof that these credentials may read the object's bytes: S3
+    /// answers a HEAD to credentials whose GET it refuses (an SSE-KMS object without
+    /// `kms:Decrypt` on its key, an archived object), so only a read shows that. This default
+    /// reads the first byte of the version the HEAD saw (pinned to its ETag); an empty object
+    /// has no bytes to show.
+    async fn head_readable(&self, bucket: &str, key: &str) -> Result<ObjectInfo> {
+        let info = self.head(bucket, key).await?;
+        if info.size > 0 {
+            self.get_range(bucket, key, 0..1, info.etag.as_deref())
+                .await?;
+        }
+        Ok(info)
+    }
+
     /// Bytes `range` of the object; the returned length is checked against the range (clipped to the
     /// object's end). With `if_match`, the server must refuse (PreconditionFailed) if the ETag changed.
     ///
@@ -385,6 +399,9 @@ impl<T: ObjectStore + ?Sized> ObjectStore for Arc<T> {
     }
     async fn head(&self, bucket: &str, key: &str) -> Result<ObjectInfo> {
         (**self).head(bucket, key).await
+    }
+    async fn head_readable(&self, bucket: &str, key: &str) -> Result<ObjectInfo> {
+        (**self).head_readable(bucket, key).await
     }
     async fn get_range(
         &self,

@@ -138,8 +138,14 @@ async fn a_second_mount_reads_from_the_cache_with_no_get() {
     assert_eq!(read_all(&a, "big.bin", 4096).await.unwrap(), big);
     cache.settle().await;
     let first = store.stats();
-    assert_eq!(first.get_bytes, big.len() as u64, "each block fetched once");
-    // Sequential and random reads on the other mount: only its own HEAD (lookup) reaches S3.
+    // And the first byte once more: the lookup's proof of access (`head_readable`).
+    assert_eq!(
+        first.get_bytes,
+        big.len() as u64 + 1,
+        "each block fetched once"
+    );
+    // Sequential and random reads on the other mount: only its own lookup (a HEAD and its
+    // proof, the first byte) reaches S3.
     assert_eq!(read_all(&b, "big.bin", 128 << 10).await.unwrap(), big);
     let ino = ino_of(&b, "big.bin").await.unwrap();
     let o = b.open(ino, libc::O_RDONLY, PID).await.unwrap();
@@ -149,7 +155,16 @@ async fn a_second_mount_reads_from_the_cache_with_no_get() {
         &big[(3 * BS - 10) as usize..(3 * BS + 90) as usize]
     );
     let s = store.stats();
-    assert_eq!(s.get, first.get, "no GET from the second mount");
+    assert_eq!(
+        s.get_bytes,
+        first.get_bytes + 1,
+        "no block from the second mount"
+    );
+    assert_eq!(
+        s.get,
+        first.get + 1,
+        "no GET from the second mount but its proof"
+    );
     assert_eq!(s.head, first.head + 1, "one HEAD: its own lookup");
     assert!(cache.stats().hits >= 6);
 }
@@ -163,13 +178,18 @@ async fn a_sequential_read_through_the_cache_fetches_neighbouring_blocks_in_one_
     assert_eq!(read_all(&a, "seq", 128 << 10).await.unwrap(), big);
     cache.settle().await;
     let s = store.stats();
-    assert_eq!(s.get_bytes, big.len() as u64, "every byte fetched once");
+    // (And the first byte once more: the lookup's proof of access.)
+    assert_eq!(s.get_bytes, big.len() as u64 + 1, "every byte fetched once");
     // 41 blocks, fetched ahead in runs that share a GET (one per block before).
     assert!(s.get <= 10, "{s:?}");
     // Each block was stored on its own: another mount reads every byte from disk.
     let b = mount(Arc::new(store.clone()), &cache, |_| {});
     assert_eq!(read_all(&b, "seq", 128 << 10).await.unwrap(), big);
-    assert_eq!(store.stats().get, s.get, "no GET from the second mount");
+    assert_eq!(
+        store.stats().get,
+        s.get + 1,
+        "no GET from the second mount but its lookup's proof"
+    );
 }
 
 #[tokio::test]
@@ -190,7 +210,8 @@ async fn concurrent_readers_on_four_mounts_fetch_each_block_once() {
     for t in tasks {
         assert_eq!(t.await.unwrap(), big);
     }
-    assert_eq!(store.stats().get_bytes, big.len() as u64);
+    // And the first byte of each mount's lookup: its proof of access.
+    assert_eq!(store.stats().get_bytes, big.len() as u64 + 4);
 }
 
 #[tokio::test]
@@ -256,8 +277,9 @@ async fn a_flipped_byte_on_disk_is_refetched_and_counted() {
         "correct data"
     );
     assert_eq!(cache.stats().corrupt, 1);
-    // The bad file is dropped whole: the blocks not yet read from it are fetched again, once.
-    let refetched = store.stats().get - gets;
+    // The bad file is dropped whole: the blocks not yet read from it are fetched again, once
+    // (beside the first byte that the other mount's lookup reads: its proof of access).
+    let refetched = store.stats().get - gets - 1;
     assert!((1..=3).contains(&refetched), "{refetched} GETs");
     // The next reader fetches what is still missing and the object is whole again.
     let third = mount(Arc::new(store.clone()), &cache, |_| {});
@@ -282,13 +304,18 @@ async fn mounts_of_one_store_share_proofs_of_access_and_other_stores_do_not() {
     let c = mount(other.clone(), &cache, |_| {}).with_proofs(registry.for_store(&other));
     assert!(list_root(&b).await.contains(&"f".to_owned()));
     assert!(list_root(&c).await.contains(&"f".to_owned()));
-    let heads = store.stats().head;
-    // Another pod of the same identity (the same store): a's proof holds, no HEAD.
+    let requests = || {
+        let s = store.stats();
+        (s.head, s.get, s.get_bytes)
+    };
+    let before = requests();
+    // Another pod of the same identity (the same store): a's proof holds, no request.
     assert_eq!(read_all(&b, "f", 4096).await.unwrap(), body);
-    assert_eq!(store.stats().head, heads);
-    // A store of its own (other credentials) proves access itself.
+    assert_eq!(requests(), before);
+    // A store of its own (other credentials) proves access itself, by reading the first byte
+    // (a HEAD proves no access to the bytes).
     assert_eq!(read_all(&c, "f", 4096).await.unwrap(), body);
-    assert_eq!(store.stats().head, heads + 1);
+    assert_eq!(requests(), (before.0, before.1 + 1, before.2 + 1));
 }
 
 #[tokio::test]
@@ -877,4 +904,34 @@ async fn joining_an_inodes_passthrough_file_needs_a_live_proof() {
         Err(e) => assert_eq!(e.errno(), libc::EACCES, "{e}"),
     }
     fs.release(a.fh).await.unwrap();
+}
+
+/// A HEAD is no proof of access to an object's bytes: S3 answers it to credentials whose GET it
+/// refuses (an SSE-KMS object without `kms:Decrypt` on its key, an archived object). A mount with
+/// such credentials is never served the bytes another mount's reads left in the node cache: not
+/// from blocks, nor from a whole file (passthrough).
+#[tokio::test]
+async fn a_head_alone_does_not_prove_access_to_cached_bytes() {
+    let (_dir, cache, store) = cache_and_store().await;
+    let (small, big) = (data(1000, 3), data((3 * BS) as usize, 5));
+    store.insert(B, "small", small.clone());
+    store.insert(B, "big", big.clone());
+    let reader = mount(Arc::new(store.clone()), &cache, |_| {});
+    assert_eq!(read_all(&reader, "small", 1 << 20).await.unwrap(), small);
+    assert_eq!(read_all(&reader, "big", 1 << 20).await.unwrap(), big);
+    cache.settle().await;
+    assert_eq!(cache.stats().objects, 1, "{:?}", cache.stats());
+
+    let head_only = FaultyStore::new(store.clone(), 2);
+    head_only.fail_next(Op::Get, u64::MAX, StoreError::AccessDenied("403".into()));
+    let other = mount(Arc::new(head_only), &cache, |_| {});
+    for name in ["small", "big"] {
+        match read_all(&other, name, 1 << 20).await {
+            Ok(got) => panic!(
+                "{name}: {} cached bytes served to credentials whose GET is refused",
+                got.len()
+            ),
+            Err(e) => assert_eq!(e.errno(), libc::EACCES, "{name}: {e}"),
+        }
+    }
 }

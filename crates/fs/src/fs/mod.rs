@@ -18,7 +18,9 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, SystemTime};
 
 use bytes::{Bytes, BytesMut};
-use ferry_store::{list_all, CompletedPart, ListAll, ListRequest, ObjectStore, StoreError};
+use ferry_store::{
+    list_all, CompletedPart, ListAll, ListRequest, ObjectInfo, ObjectStore, StoreError,
+};
 use serde::{Deserialize, Serialize};
 use tokio::time::Instant;
 
@@ -488,7 +490,19 @@ impl Fs {
         self.cache.is_some()
     }
 
-    /// Remembers that this mount's credentials just saw `etag` for `key` (for the metadata TTL).
+    /// The HEAD of an object (a lookup, `getattr`, an open): with the node cache, one that also
+    /// proves access to its bytes (`head_readable`: on S3, one GET of the first byte instead of
+    /// the HEAD), so that the mount's reads may be served bytes other mounts left in the cache,
+    /// and join their GETs, from the first.
+    async fn head_object(&self, key: &str) -> Result<ObjectInfo, StoreError> {
+        if self.cache.is_some() {
+            self.store.head_readable(self.bucket(), key).await
+        } else {
+            self.store.head(self.bucket(), key).await
+        }
+    }
+
+    /// Remembers that this mount's credentials just read `etag` of `key` (for the metadata TTL).
     fn prove(&self, key: &str, etag: Option<&str>) {
         if let (Some(_), Some(etag)) = (&self.cache, etag) {
             self.proofs.prove(&self.cfg.bucket, key, etag);

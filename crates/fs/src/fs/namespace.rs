@@ -34,7 +34,7 @@ impl Fs {
         // 3.5 ms: its code was faulted back in).
         let (list, head) = futures::join!(
             self.store.list(self.bucket(), list_req),
-            self.store.head(self.bucket(), &key)
+            self.head_object(&key)
         );
         let page = list?;
         if !page.objects.is_empty() || !page.common_prefixes.is_empty() {
@@ -245,7 +245,7 @@ impl Fs {
             }
             file_key(&self.cfg.prefix, &inode.path)
         };
-        let head = self.store.head(self.bucket(), &key).await;
+        let head = self.head_object(&key).await;
         let valid = self.ttl();
         let mut st = self.lock();
         if let Ok(info) = &head {

@@ -119,7 +119,7 @@ impl Fs {
         }
         let meta = match cached {
             Some(meta) => meta,
-            None => match self.store.head(self.bucket(), &key).await {
+            None => match self.head_object(&key).await {
                 Ok(info) => {
                     self.prove(&key, info.etag.as_deref());
                     ObjectMeta::from(&info)
