@@ -508,8 +508,8 @@ pub struct BlockCache {
     /// When a block was last stored: milliseconds since `opened`.
     last_fill: AtomicU64,
     opened: std::time::Instant,
-    /// Warm-ups started in this process (by id), so each runs once.
-    claimed: Mutex<std::collections::HashSet<String>>,
+    /// Warm-ups started in this process (by id), so each runs once; `true` once it finished.
+    claimed: Mutex<std::collections::HashMap<String, bool>>,
 }
 
 impl Drop for BlockCache {
@@ -840,16 +840,46 @@ impl BlockCache {
 
     /// `true` the first time `id` is claimed in this process (a warm-up runs once per node).
     pub fn claim(&self, id: &str) -> bool {
-        self.claimed
-            .lock()
-            .expect("claims lock")
-            .insert(id.to_owned())
+        let mut claimed = self.claimed.lock().expect("claims lock");
+        if claimed.contains_key(id) {
+            return false;
+        }
+        claimed.insert(id.to_owned(), false);
+        true
     }
 
     /// Lets go of `id` (a warm-up stopped before its end): the next [`claim`](Self::claim) of it
     /// succeeds.
     pub fn unclaim(&self, id: &str) {
         self.claimed.lock().expect("claims lock").remove(id);
+    }
+
+    /// The warm-up `id` (claimed) finished: its claim is held for good.
+    pub fn finish(&self, id: &str) {
+        if let Some(done) = self.claimed.lock().expect("claims lock").get_mut(id) {
+            *done = true;
+        }
+    }
+
+    /// Whether the warm-up `id` finished in this process (or in the one it took over from).
+    pub fn finished(&self, id: &str) -> bool {
+        self.claimed
+            .lock()
+            .expect("claims lock")
+            .get(id)
+            .copied()
+            .unwrap_or(false)
+    }
+
+    /// Claims `id` as finished (by the process this one took over from), unless it is claimed
+    /// already; `true` if it was not.
+    pub fn claim_finished(&self, id: &str) -> bool {
+        let mut claimed = self.claimed.lock().expect("claims lock");
+        if claimed.contains_key(id) {
+            return false;
+        }
+        claimed.insert(id.to_owned(), true);
+        true
     }
 
     /// Counts an open refused because the mount's own credentials were denied the object (its
