@@ -11,6 +11,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use ferry_csi::stores::S3Stores;
 use ferry_e2e::{mount_capability, ControllerClient, NodeClient};
+use ferry_node::keeper::Keeper;
 use ferry_node::mounts::MountTable;
 use ferry_node::{NodeConfig, NodeService};
 use ferry_proto::csi::v1 as pb;
@@ -30,6 +31,9 @@ struct Env {
     ctrl: ControllerClient<Channel>,
     node: NodeClient<Channel>,
     mounts: Arc<MountTable>,
+    /// The node service `node` reaches (for a handover), and its stores.
+    service: NodeService,
+    stores: Arc<S3Stores>,
 }
 
 impl Env {
@@ -40,13 +44,15 @@ impl Env {
     /// An Env whose driver allows what `allowed` returns for its S3 server besides its default
     /// endpoint (that server); `None`: the default list (the AWS S3 endpoints).
     async fn start_allowing(allowed: impl FnOnce(&S3Server) -> Option<AllowedEndpoints>) -> Env {
-        Env::start_with(allowed, None).await
+        Env::start_with(allowed, None, Keeper::default()).await
     }
 
-    /// [`Env::start_allowing`] with the node cache `cache` shared by its mounts.
+    /// [`Env::start_allowing`] with the node cache `cache` shared by its mounts, and its mounts
+    /// deposited with the descriptor holder `keeper` reaches.
     async fn start_with(
         allowed: impl FnOnce(&S3Server) -> Option<AllowedEndpoints>,
         cache: Option<Arc<ferry_cache::BlockCache>>,
+        keeper: Keeper,
     ) -> Env {
         ferry_testkit::init_tracing();
         let s3 = S3Server::start();
@@ -81,8 +87,10 @@ impl Env {
             stores.clone(),
             mounts.clone(),
             ctx,
-        );
-        let (ctrl, node) = common::serve(dir.path(), stores, node).await;
+        )
+        .with_keeper(keeper);
+        let service = node.clone();
+        let (ctrl, node) = common::serve(dir.path(), stores.clone(), node).await;
         let store = S3Store::new(s3.s3_config()).await.unwrap();
         Env {
             ctrl,
@@ -91,12 +99,51 @@ impl Env {
             store,
             dir,
             mounts,
+            service,
+            stores,
         }
+    }
+
+    /// A node service as a node plugin process that takes over this one's mounts would make it:
+    /// the same stores and kubelet root, a table of its own (returned), and its own node cache
+    /// (its directory returned: a new process holds none of this one's warm-up claims).
+    fn successor(&self, keeper: Keeper) -> (NodeService, Arc<MountTable>, tempfile::TempDir) {
+        let dir = tempfile::tempdir().unwrap();
+        let cache =
+            ferry_cache::BlockCache::open(ferry_cache::CacheConfig::new(dir.path(), 64 << 20))
+                .unwrap();
+        let mut ctx = ferry_fs::MountContext::new(tokio::runtime::Handle::current());
+        ctx.cache = Some(cache);
+        let table = Arc::new(MountTable::default());
+        let node = NodeService::with_context(
+            NodeConfig {
+                node_id: "test-node".into(),
+                kubelet_root: self.dir.path().join("kubelet"),
+                default_metadata_ttl: MetadataTtl::Seconds(1),
+            },
+            self.stores.clone(),
+            table.clone(),
+            ctx,
+        )
+        .with_keeper(keeper);
+        (node, table, dir)
     }
 
     /// An Env whose node has a 64 MiB node cache (returned with its directory), and that allows
     /// a [`FaultProxy`] in front of its S3 server as an endpoint.
     async fn start_cached_behind_a_proxy() -> (
+        Env,
+        Arc<ferry_cache::BlockCache>,
+        FaultProxy,
+        tempfile::TempDir,
+    ) {
+        Env::start_cached_behind_a_proxy_keeping(Keeper::default()).await
+    }
+
+    /// [`Env::start_cached_behind_a_proxy`] with its mounts deposited where `keeper` says.
+    async fn start_cached_behind_a_proxy_keeping(
+        keeper: Keeper,
+    ) -> (
         Env,
         Arc<ferry_cache::BlockCache>,
         FaultProxy,
@@ -115,6 +162,7 @@ impl Env {
                 Some(allowed)
             },
             Some(cache.clone()),
+            keeper,
         )
         .await;
         (env, cache, forwarder.unwrap(), dir)
@@ -922,6 +970,200 @@ async fn an_unpublish_after_the_target_directories_are_gone_ends_the_mount() {
         "the next publish did not warm the volume (cached blocks: {})",
         cache.stats().blocks
     );
+}
+
+/// Publishes (at `env`'s node, behind `forwarder`) two volumes that warm up: `vd`, whose warm-up
+/// finishes, then `vh`, whose warm-up's GETs hang (it is still running after). Returns the
+/// publish context of a volume by prefix, and the targets of `vd` and `vh`.
+async fn a_finished_and_a_running_warm_up(
+    env: &mut Env,
+    forwarder: &FaultProxy,
+) -> (
+    impl Fn(&str) -> HashMap<String, String>,
+    std::path::PathBuf,
+    std::path::PathBuf,
+) {
+    env.s3.create_bucket("handed").await;
+    for dir in ["d/", "h/"] {
+        for i in 0..3u8 {
+            env.store
+                .put("handed", &format!("{dir}f{i}"), payload(i, 100_000))
+                .await
+                .unwrap();
+        }
+    }
+    let url = forwarder.url();
+    let ctx = move |prefix: &str| {
+        map(&[
+            ("bucketName", "handed"),
+            ("prefix", prefix),
+            ("endpointUrl", &url),
+            ("forcePathStyle", "true"),
+            ("prefetchOnMount", "true"),
+        ])
+    };
+    let cap = mount_capability(Mode::MultiNodeReaderOnly, &[]);
+    let (d1, h1) = (env.target("pod-d1", "pv"), env.target("pod-h1", "pv"));
+    env.publish("vd", &d1, cap.clone(), ctx("d/"), true)
+        .await
+        .unwrap();
+    assert!(
+        eventually(|| env.mounts.warmed(&d1)).await,
+        "the warm-up of vd never finished"
+    );
+    forwarder.set_plan(Some(FaultPlan::always(&["GET"], Fault::Hang).ranged()));
+    env.publish("vh", &h1, cap, ctx("h/"), true).await.unwrap();
+    assert!(
+        eventually(|| forwarder.injected().len() >= 3).await,
+        "the GETs of vh's warm-up never reached the server"
+    );
+    assert!(!env.mounts.warmed(&h1));
+    (ctx, d1, h1)
+}
+
+/// What a successor `next` (its table `table`) that took over the mounts of
+/// [`a_finished_and_a_running_warm_up`] does with their warm-ups, as decided when it took them
+/// over: `vd`'s, finished, is not run again, neither for its mount nor for a later publish of it;
+/// `vh`'s, unfinished, runs again. Then the mounts taken over are cut off (their predecessor's
+/// session threads, parked in this process, may hold a request of theirs that nobody answers).
+async fn check_the_successor_warm_ups(
+    env: &Env,
+    next: &NodeService,
+    table: &MountTable,
+    ctx: impl Fn(&str) -> HashMap<String, String>,
+    d1: &std::path::Path,
+    h1: &std::path::Path,
+) {
+    use ferry_csi::pb::node_server::Node;
+    assert_eq!(
+        table.len(),
+        2,
+        "the successor did not take both mounts over"
+    );
+    assert!(
+        !table.started_warm_up(d1),
+        "the successor ran again the warm-up its predecessor had finished"
+    );
+    assert!(
+        table.warmed(d1),
+        "the successor does not hold vd's warm-up as finished"
+    );
+    assert!(
+        table.started_warm_up(h1),
+        "the successor did not start again the warm-up its predecessor had not finished"
+    );
+    let d2 = env.target("pod-d2", "pv");
+    next.node_publish_volume(tonic::Request::new(pb::NodePublishVolumeRequest {
+        volume_id: "vd".into(),
+        target_path: d2.display().to_string(),
+        volume_capability: Some(mount_capability(Mode::MultiNodeReaderOnly, &[])),
+        volume_context: ctx("d/"),
+        readonly: true,
+        ..Default::default()
+    }))
+    .await
+    .unwrap();
+    let started = table.started_warm_up(&d2);
+    next.node_unpublish_volume(tonic::Request::new(pb::NodeUnpublishVolumeRequest {
+        volume_id: "vd".into(),
+        target_path: d2.display().to_string(),
+    }))
+    .await
+    .unwrap();
+    assert!(
+        !started,
+        "a publish at the successor ran again the warm-up its predecessor had finished"
+    );
+    for t in [d1, h1] {
+        if let Ok(Some(m)) = ferry_node::mountinfo::mounted_at(t) {
+            ferry_node::service::abandon(t, m.dev);
+        }
+    }
+}
+
+/// A warm-up that finished is not run again by the node plugin that takes the mounts over in a
+/// graceful handover (an upgrade): it would fetch the whole prefix again, evicting what the
+/// volume's readers use when the dataset is larger than the cache. One still running when the
+/// mounts were handed over runs again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_handover_does_not_run_again_a_warm_up_that_finished() {
+    let (mut env, _cache, forwarder, _cache_dir) = Env::start_cached_behind_a_proxy().await;
+    let (ctx, d1, h1) = a_finished_and_a_running_warm_up(&mut env, &forwarder).await;
+
+    let export = env
+        .service
+        .export(std::time::Duration::from_secs(30))
+        .await
+        .unwrap();
+    // As they travel to the successor.
+    let records: Vec<ferry_node::handover::MountRecord> =
+        serde_json::from_slice(&serde_json::to_vec(&export.records).unwrap()).unwrap();
+    let devices: Vec<std::os::fd::OwnedFd> = export
+        .devices()
+        .into_iter()
+        .map(|d| d.try_clone_to_owned().unwrap())
+        .collect();
+    export.commit();
+    let (next, table, _next_dir) = env.successor(Keeper::default());
+    for (record, device) in records.into_iter().zip(devices) {
+        next.adopt(record, device, true).await.unwrap();
+    }
+    check_the_successor_warm_ups(&env, &next, &table, ctx, &d1, &h1).await;
+}
+
+/// The same across a crash: the node plugin that recovers the mounts from the descriptor holder
+/// does not run again a warm-up that had finished (the mounts that asked for it were deposited
+/// again when it did), and runs again one that had not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_recovery_does_not_run_again_a_warm_up_that_finished() {
+    let holder_dir = tempfile::tempdir().unwrap();
+    let socket = holder_dir.path().join("holder.sock");
+    /// Ends the holder with the test.
+    struct Holder(std::process::Child);
+    impl Drop for Holder {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _holder = Holder(
+        std::process::Command::new(ferry_e2e::bin_dir().unwrap().join("ferry-fd-holder"))
+            .args(["--socket", &socket.display().to_string()])
+            .spawn()
+            .expect("ferry-fd-holder (built beside the tests)"),
+    );
+    assert!(
+        eventually(|| socket.exists()).await,
+        "ferry-fd-holder did not listen"
+    );
+    let keeper = Keeper::new(Some(socket.clone()));
+    let (mut env, _cache, forwarder, _cache_dir) =
+        Env::start_cached_behind_a_proxy_keeping(keeper.clone()).await;
+    let (ctx, d1, h1) = a_finished_and_a_running_warm_up(&mut env, &forwarder).await;
+    // The holder learns that vd's warm-up finished once it has.
+    let kept_warmed = |target: &std::path::Path| {
+        let mut client = ferry_node::holder::Client::connect(&socket).unwrap();
+        client.list().unwrap().into_iter().any(|e| {
+            let kept: serde_json::Value = serde_json::from_slice(&e.blob).unwrap();
+            kept["target"].as_str() == target.to_str() && kept["warmed"] == true
+        })
+    };
+    assert!(
+        eventually(|| kept_warmed(&d1)).await,
+        "the holder was never told that vd's warm-up finished"
+    );
+    assert!(!kept_warmed(&h1));
+
+    // The process stops serving without a word to anyone (as if killed): what it deposited is
+    // what is left.
+    env.service
+        .export(std::time::Duration::from_secs(30))
+        .await
+        .unwrap()
+        .commit();
+    let (next, table, _next_dir) = env.successor(keeper);
+    assert_eq!(next.recover().await, (2, 0));
+    check_the_successor_warm_ups(&env, &next, &table, ctx, &d1, &h1).await;
 }
 
 /// CreateVolume refuses prefixes that would be the whole bucket or escape it, and a delete-policy

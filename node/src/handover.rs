@@ -52,6 +52,10 @@ pub struct MountRecord {
     pub request: Vec<u8>,
     /// The filesystem's state.
     pub snapshot: FsSnapshot,
+    /// Whether the warm-up the mount asked for (`prefetchOnMount`) had finished: the successor
+    /// does not run it again. Absent (an older owner): not known finished, run again.
+    #[serde(default)]
+    pub warmed: bool,
 }
 
 /// The successor's opening message.

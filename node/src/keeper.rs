@@ -12,11 +12,12 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-use ferry_fs::{KernelInit, MountHandle};
+use ferry_fs::KernelInit;
 use serde::{Deserialize, Serialize};
 
 use crate::handover::MountRecord;
 use crate::holder;
+use crate::mounts::Mounted;
 
 /// The blob format this build writes and reads.
 pub const KEPT_VERSION: u32 = 1;
@@ -30,6 +31,10 @@ pub struct Kept {
     pub kernel: KernelInit,
     /// The publish request (protobuf), base64.
     pub request: String,
+    /// Whether the warm-up the mount asked for had finished (deposited again when it does).
+    /// Absent (an older process): not known finished, run again.
+    #[serde(default)]
+    pub warmed: bool,
 }
 
 /// The link to the holder (none without `--holder-socket`: mounts then end with this process).
@@ -90,11 +95,15 @@ impl Keeper {
         Some(res)
     }
 
-    /// Deposits `handle`'s descriptors and journal file under its target (replacing what was
-    /// there). A mount the holder does not have is not recoverable after a crash: logged.
-    pub fn keep(&self, handle: &MountHandle, journal: &std::fs::File, request: &[u8]) {
+    /// Deposits the mount's descriptors and journal file under its target (replacing what was
+    /// there), with its request and whether its warm-up finished. A mount the holder does not
+    /// have is not recoverable after a crash: logged. Nothing without a journal (no holder).
+    pub fn keep(&self, m: &Mounted) {
         use base64::Engine;
-        let (Some(device), Some(kernel)) = (handle.device(), handle.kernel_init()) else {
+        let (handle, request) = (&m.handle, &m.request);
+        let (Some(journal), Some(device), Some(kernel)) =
+            (&m.journal, handle.device(), handle.kernel_init())
+        else {
             return;
         };
         let kept = Kept {
@@ -103,6 +112,7 @@ impl Keeper {
             dev: handle.device_numbers(),
             kernel,
             request: base64::engine::general_purpose::STANDARD.encode(request),
+            warmed: m.warmed(),
         };
         let blob = serde_json::to_vec(&kept).expect("serializable");
         let res =
@@ -132,6 +142,7 @@ impl Keeper {
             dev: record.dev,
             kernel: record.kernel,
             request: base64::engine::general_purpose::STANDARD.encode(&record.request),
+            warmed: record.warmed,
         };
         let blob = serde_json::to_vec(&kept).map_err(std::io::Error::other)?;
         match self.with(|c| {
@@ -211,6 +222,7 @@ fn read_entry(e: holder::HeldEntry) -> Result<(MountRecord, OwnedFd), Unreadable
             kernel: kept.kernel,
             request,
             snapshot,
+            warmed: kept.warmed,
         },
         device,
     ))

@@ -62,6 +62,13 @@ pub struct Mounted {
     pub warm_up: Option<MountWarmUp>,
 }
 
+impl Mounted {
+    /// Whether the warm-up this mount asked for finished (in this process or its predecessor).
+    pub fn warmed(&self) -> bool {
+        self.warm_up.as_ref().is_some_and(|w| w.finished())
+    }
+}
+
 fn mounts_gauge() -> &'static ferry_metrics::Gauge {
     &ferry_metrics::metrics().node.mounts
 }
@@ -81,6 +88,24 @@ impl MountTable {
             .map(|m| m.published.clone())
     }
 
+    /// Whether the warm-up the mount at `target` asked for finished (`false` without one).
+    pub fn warmed(&self, target: &Path) -> bool {
+        self.mounts
+            .lock()
+            .unwrap()
+            .get(target)
+            .is_some_and(Mounted::warmed)
+    }
+
+    /// Whether the mount at `target` started the warm-up it asked for (it may have ended since).
+    pub fn started_warm_up(&self, target: &Path) -> bool {
+        self.mounts
+            .lock()
+            .unwrap()
+            .get(target)
+            .is_some_and(|m| m.warm_up.as_ref().is_some_and(MountWarmUp::started))
+    }
+
     /// Whether the recorded mount at `target` is still the one on top there (`false` when none is
     /// recorded, or it was unmounted behind our back).
     pub fn is_live(&self, target: &Path) -> std::io::Result<bool> {
@@ -91,12 +116,14 @@ impl MountTable {
     }
 
     /// Adds a live mount and starts the warm-up it asks for unless another mount runs it or it
-    /// was run.
-    pub fn insert(&self, target: PathBuf, mut m: Mounted) {
+    /// was run; `f` runs on the mount then (under the table's lock, so it sees whether the
+    /// warm-up finished as [`MountTable::each_warming`] does).
+    pub fn insert(&self, target: PathBuf, mut m: Mounted, f: impl FnOnce(&Mounted)) {
         let mut mounts = self.mounts.lock().unwrap();
         if let Some(w) = m.warm_up.as_mut() {
             w.start();
         }
+        f(&m);
         mounts.insert(target, m);
         mounts_gauge().set(mounts.len() as i64);
     }
@@ -148,6 +175,15 @@ impl MountTable {
         if let Some(m) = self.mounts.lock().unwrap().get_mut(target) {
             m.request = request;
             f(m);
+        }
+    }
+
+    /// Runs `f` on every live mount that asked for the warm-up `id` (under the table's lock).
+    pub fn each_warming(&self, id: &str, mut f: impl FnMut(&Mounted)) {
+        for m in self.mounts.lock().unwrap().values() {
+            if m.warm_up.as_ref().is_some_and(|w| w.id() == id) {
+                f(m);
+            }
         }
     }
 

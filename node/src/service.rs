@@ -226,9 +226,9 @@ impl NodeService {
                 });
                 match res {
                     Ok(file) => {
-                        self.inner.keeper.keep(&m.handle, &file, &m.request);
                         // What a later republish deposits again.
                         m.journal = Some(file);
+                        self.inner.keeper.keep(m);
                     }
                     Err(e) => {
                         warn!(target = %m.handle.target().display(), error = %e, "compacting the mount's journal failed")
@@ -575,11 +575,8 @@ impl Inner {
                 }
             } else if existing == published {
                 let request = prost::Message::encode_to_vec(&req);
-                self.mounts.set_request(&target, request.clone(), |m| {
-                    if let Some(journal) = &m.journal {
-                        self.keeper.keep(&m.handle, journal, &request);
-                    }
-                });
+                self.mounts
+                    .set_request(&target, request, |m| self.keeper.keep(m));
                 match &published.credentials {
                     // The pod's provider already has the new token (Inner::credentials).
                     MountCredentials::Pod(id) => {
@@ -680,7 +677,8 @@ impl Inner {
             e => CsiError::Internal(format!("mounting at {}: {e}", shown(&target))),
         })?;
         created.keep();
-        let warm_up = warm_up_of(&self.mount_context, &published, &config, warm_store);
+        let warm_up = warm_up_of(&self.mount_context, &published, &config, warm_store)
+            .map(|w| w.on_finish(self.on_warm_up_finished()));
         info!(
             bucket = %published.spec.bucket,
             prefix = %published.spec.prefix,
@@ -698,9 +696,6 @@ impl Inner {
             warn!(volume_id = %quote(volume_id), attribute = %n.attribute, "Mountpoint v2 attribute not applied as v2 would: {}", n.message);
         }
         let request = prost::Message::encode_to_vec(&req);
-        if let Some(journal) = &journal {
-            self.keeper.keep(&handle, journal, &request);
-        }
         self.mounts.insert(
             target,
             Mounted {
@@ -711,6 +706,7 @@ impl Inner {
                 journal,
                 warm_up,
             },
+            |m| self.keeper.keep(m),
         );
         Ok(pb::NodePublishVolumeResponse {})
     }
@@ -847,11 +843,8 @@ impl Export {
 
     fn put_back(&mut self) {
         for (target, m) in std::mem::take(&mut self.mounts) {
-            if let Some(journal) = &m.journal {
-                self.keeper.keep(&m.handle, journal, &m.request);
-            }
             m.handle.thaw();
-            self.table.insert(target, m);
+            self.table.insert(target, m, |m| self.keeper.keep(m));
         }
     }
 }
@@ -920,6 +913,7 @@ impl NodeService {
                     kernel: f.kernel,
                     request: m.request.clone(),
                     snapshot: f.snapshot,
+                    warmed: m.warmed(),
                 }),
                 Err(e) => {
                     let target = target.clone();
@@ -991,6 +985,18 @@ impl Inner {
         Ok(Some(file))
     }
 
+    /// What runs once a warm-up finished: the live mounts that asked for it are deposited with
+    /// the descriptor holder again, now saying so (a process that recovers them after a crash
+    /// does not run it again).
+    fn on_warm_up_finished(&self) -> crate::warm::OnFinish {
+        let (mounts, keeper) = (self.mounts.clone(), self.keeper.clone());
+        Arc::new(move |id: &str| {
+            if keeper.enabled() {
+                mounts.each_warming(id, |m| keeper.keep(m));
+            }
+        })
+    }
+
     async fn adopt(
         &self,
         record: MountRecord,
@@ -1031,7 +1037,11 @@ impl Inner {
         let journal = self
             .journal_for(&record.target, &mut ctx)
             .map_err(|e| anyhow::anyhow!("{e}"))?;
-        let warm_up = warm_up_of(&self.mount_context, &published, &config, store.clone());
+        let warm_up =
+            warm_up_of(&self.mount_context, &published, &config, store.clone()).map(|w| {
+                w.taken_over(record.warmed)
+                    .on_finish(self.on_warm_up_finished())
+            });
         let target = record.target.clone();
         let (snapshot, dev, kernel) = (record.snapshot, record.dev, record.kernel);
         let handle = tokio::task::spawn_blocking(move || {
@@ -1039,9 +1049,6 @@ impl Inner {
         })
         .await??;
         info!(target = %record.target.display(), volume_id = %quote(&published.volume_id), "mount taken over");
-        if let Some(journal) = &journal {
-            self.keeper.keep(&handle, journal, &record.request);
-        }
         self.mounts.insert(
             record.target,
             Mounted {
@@ -1050,10 +1057,12 @@ impl Inner {
                 handle,
                 request: record.request,
                 journal,
-                // Started again: the predecessor's claims ended with it, and whether it had
-                // finished is not handed over. Blocks still cached are found, not fetched.
+                // Not started again if the predecessor had finished it (its record says so):
+                // this process holds its claim as that one did. Otherwise started again (blocks
+                // still cached are found, not fetched).
                 warm_up,
             },
+            |m| self.keeper.keep(m),
         );
         Ok(())
     }

@@ -8,6 +8,12 @@
 //! there is none, its claim is let go so that the next publish of the volume starts it again. A
 //! warm-up that fails lets its claim go too.
 //! Blocks it already stored stay in the cache and are not fetched again.
+//!
+//! A warm-up that finished keeps its claim for the process's life, and is not run again by a
+//! successor that takes the mounts over (an upgrade, or crash recovery through the descriptor
+//! holder): each mount's record says whether its warm-up finished ([`MountWarmUp::finished`]),
+//! and when one finishes the mounts that asked for it are deposited with the holder again
+//! ([`MountWarmUp::on_finish`]).
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -33,7 +39,14 @@ pub struct MountWarmUp {
     /// mounts back on the handover thread, and a claim a failed warm-up let go is taken there).
     runtime: Handle,
     task: Option<Running>,
+    /// The process this one took the mount over from had finished this warm-up.
+    finished_before: bool,
+    /// Runs (off the runtime's workers) with the warm-up's id once it finished.
+    on_finish: Option<OnFinish>,
 }
+
+/// What runs once a warm-up finished, with its id.
+pub type OnFinish = Arc<dyn Fn(&str) + Send + Sync>;
 
 /// A warm-up task this mount runs.
 struct Running {
@@ -59,12 +72,41 @@ impl MountWarmUp {
             warm,
             runtime,
             task: None,
+            finished_before: false,
+            on_finish: None,
         }
+    }
+
+    /// `f` runs (off the runtime's workers) with the warm-up's id once this mount finished it.
+    pub fn on_finish(mut self, f: OnFinish) -> Self {
+        self.on_finish = Some(f);
+        self
+    }
+
+    /// A mount taken over from a process that had (`true`) or had not finished this warm-up: one
+    /// finished is not started again, its claim is held as that process held it.
+    pub fn taken_over(mut self, finished: bool) -> Self {
+        self.finished_before = finished;
+        self
+    }
+
+    /// Whether this warm-up finished in this process (or the one it took the mounts over from).
+    pub fn finished(&self) -> bool {
+        self.cache.finished(&self.warm.id())
+    }
+
+    /// The warm-up's id ([`WarmUp::id`]).
+    pub fn id(&self) -> String {
+        self.warm.id()
     }
 
     /// Starts the warm-up unless this process already ran it or runs it for another mount.
     pub fn start(&mut self) {
         if self.task.is_some() {
+            return;
+        }
+        if self.finished_before && self.cache.claim_finished(&self.warm.id()) {
+            info!(bucket = %self.warm.bucket, prefixes = ?self.warm.prefixes, "warm-up finished by the previous node plugin process; not repeated");
             return;
         }
         if !self.cache.claim(&self.warm.id()) {
@@ -77,11 +119,12 @@ impl MountWarmUp {
 
     /// Runs the warm-up this process has claimed.
     fn run(&mut self) {
-        let (store, proofs, cache, w) = (
+        let (store, proofs, cache, w, on_finish) = (
             self.store.clone(),
             self.proofs.clone(),
             self.cache.clone(),
             self.warm.clone(),
+            self.on_finish.clone(),
         );
         let settled = Arc::new(AtomicBool::new(false));
         let ended = settled.clone();
@@ -94,8 +137,13 @@ impl MountWarmUp {
             }
             match res {
                 Ok(r) => {
+                    cache.finish(&id);
                     ferry_cache::warmup_done(if r.truncated { "truncated" } else { "ok" });
                     info!(%bucket, ?prefixes, objects = r.objects, fetched_blocks = r.fetched, cached_blocks = r.cached, bytes = r.bytes, truncated = r.truncated, denied_objects = r.denied, "warm-up done");
+                    if let Some(f) = on_finish {
+                        // It deposits with the descriptor holder (blocking I/O).
+                        let _ = tokio::task::spawn_blocking(move || f(&id)).await;
+                    }
                 }
                 Err(e) => {
                     // It did not warm the volume: the next publish of it starts it again (maybe
@@ -123,6 +171,11 @@ impl MountWarmUp {
             }
             _ => false,
         }
+    }
+
+    /// `true` if this mount started the warm-up (it may have ended since).
+    pub fn started(&self) -> bool {
+        self.task.is_some()
     }
 
     /// `true` while this mount runs the warm-up.
