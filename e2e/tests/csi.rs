@@ -1035,6 +1035,18 @@ async fn check_the_successor_warm_ups(
     h1: &std::path::Path,
 ) {
     use ferry_csi::pb::node_server::Node;
+    /// Cuts the mounts taken over off when the check ends, passed or not.
+    struct CutOff<'a>([&'a std::path::Path; 2]);
+    impl Drop for CutOff<'_> {
+        fn drop(&mut self) {
+            for t in self.0 {
+                if let Ok(Some(m)) = ferry_node::mountinfo::mounted_at(t) {
+                    ferry_node::service::abandon(t, m.dev);
+                }
+            }
+        }
+    }
+    let _cut_off = CutOff([d1, h1]);
     assert_eq!(
         table.len(),
         2,
@@ -1074,11 +1086,6 @@ async fn check_the_successor_warm_ups(
         !started,
         "a publish at the successor ran again the warm-up its predecessor had finished"
     );
-    for t in [d1, h1] {
-        if let Ok(Some(m)) = ferry_node::mountinfo::mounted_at(t) {
-            ferry_node::service::abandon(t, m.dev);
-        }
-    }
 }
 
 /// A warm-up that finished is not run again by the node plugin that takes the mounts over in a
