@@ -91,6 +91,18 @@ fn lister_only(store: &MemoryStore) -> FaultyStore<MemoryStore> {
     denied
 }
 
+/// Opens `ino` for reading, expecting `errno`. An open that succeeds is joined to the inode's
+/// backing file as the adapter would (`Passthrough::existing`), and fails the test with `what`.
+async fn refused_open(fs: &Fs, ino: Ino, errno: i32, what: &str) {
+    match fs.open(ino, libc::O_RDONLY, PID).await {
+        Ok(b) => {
+            let joined = fs.join_passthrough(b.fh, 1);
+            panic!("{what} (joined to the inode's backing file: {joined})");
+        }
+        Err(e) => assert_eq!(e.errno(), errno, "{e}"),
+    }
+}
+
 async fn ino_of(fs: &Fs, name: &str) -> Result<Ino, FsError> {
     Ok(fs.lookup(ROOT_INO, OsStr::new(name)).await?.attr.ino)
 }
@@ -371,14 +383,13 @@ async fn an_open_of_a_newer_version_is_not_joined_to_the_older_versions_passthro
     let new = data((3 * BS) as usize, 12);
     store.insert(B, "f", new.clone());
     fs.lock().inodes.get_mut(ino).unwrap().valid = Validity::Expired;
-    match fs.open(ino, libc::O_RDONLY, PID).await {
-        Ok(b) => {
-            // What the adapter does for an inode with a backing file (`Passthrough::existing`).
-            let joined = fs.join_passthrough(b.fh, 1);
-            panic!("the new version's open was not refused (joined to the old version's whole file: {joined})");
-        }
-        Err(e) => assert_eq!(e.errno(), libc::EBUSY, "{e}"),
-    }
+    refused_open(
+        &fs,
+        ino,
+        libc::EBUSY,
+        "the new version's open was not refused",
+    )
+    .await;
     // Once the old version's handle is closed, the new version opens and reads as itself.
     fs.release(a.fh).await.unwrap();
     fs.lock().inodes.get_mut(ino).unwrap().valid = Validity::Expired;
@@ -895,14 +906,7 @@ async fn joining_an_inodes_passthrough_file_needs_a_live_proof() {
     for op in [Op::Head, Op::Get] {
         creds.fail_next(op, u64::MAX, StoreError::AccessDenied("403".into()));
     }
-    match fs.open(ino, libc::O_RDONLY, PID).await {
-        Ok(b) => {
-            // What the adapter does for an inode with a backing file (`Passthrough::existing`).
-            let joined = fs.join_passthrough(b.fh, 1);
-            panic!("opened without a proof of access (joined to the backing file: {joined})");
-        }
-        Err(e) => assert_eq!(e.errno(), libc::EACCES, "{e}"),
-    }
+    refused_open(&fs, ino, libc::EACCES, "opened without a proof of access").await;
     fs.release(a.fh).await.unwrap();
 }
 
