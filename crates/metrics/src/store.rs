@@ -77,7 +77,7 @@ impl ObjectStore for InstrumentedStore {
     }
 
     /// Counted as a GET: on S3 it is one (of the first byte).
-    async fn head_readable(&self, bucket: &str, key: &str) -> Result<ObjectInfo> {
+    async fn head_readable(&self, bucket: &str, key: &str) -> Result<ferry_store::Probed> {
         timed("get", self.inner.head_readable(bucket, key)).await
     }
 

@@ -63,8 +63,8 @@ use crate::retry::RetryPolicy;
 use crate::skew::{ClockSkew, CorrectedClock};
 
 use ferry_store::{
-    CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, PutResult, Result, StoreError,
-    Version, MAX_DELETE_BATCH, MAX_LIST_KEYS,
+    CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, Probed, PutResult, Result,
+    StoreError, Version, MAX_DELETE_BATCH, MAX_LIST_KEYS,
 };
 
 /// Where an [`S3Store`] connects and as whom.
@@ -765,7 +765,7 @@ impl ObjectStore for S3Store {
 
     /// One request: the GET of the first byte answers what a HEAD does (the ETag, Last-Modified,
     /// the size in `Content-Range`) and shows the credentials may read the bytes.
-    async fn head_readable(&self, bucket: &str, key: &str) -> Result<ObjectInfo> {
+    async fn head_readable(&self, bucket: &str, key: &str) -> Result<Probed> {
         let out = match self
             .client
             .get_object()
@@ -778,7 +778,14 @@ impl ObjectStore for S3Store {
             Ok(out) => out,
             Err(e) => match map_sdk_error(e, Target::Object(bucket, key)) {
                 // An empty object has no first byte (416): nothing to read, the HEAD says the rest.
-                StoreError::InvalidRequest(_) => return self.head(bucket, key).await,
+                StoreError::InvalidRequest(_) => {
+                    return self.head(bucket, key).await.map(Probed::read)
+                }
+                // Refused: the HEAD may still be answered (SSE-KMS without `kms:Decrypt`, an
+                // archived object): the object is there, its bytes are not these credentials'.
+                StoreError::AccessDenied(_) => {
+                    return self.head(bucket, key).await.map(Probed::not_read)
+                }
                 e => return Err(e),
             },
         };
@@ -802,12 +809,12 @@ impl ObjectStore for S3Store {
                 StoreError::Transient(format!("reading the first byte of {key:?}: {e}"))
             })?;
         }
-        Ok(ObjectInfo {
+        Ok(Probed::read(ObjectInfo {
             key: key.to_owned(),
             size,
             etag,
             last_modified,
-        })
+        }))
     }
 
     async fn get_range(

@@ -319,8 +319,9 @@ async fn head_readable(store: &dyn ObjectStore, bucket: &str) {
     put(store, bucket, "r/empty", Bytes::new()).await;
     for key in ["r/obj", "r/empty"] {
         let head = store.head(bucket, key).await.unwrap();
-        let readable = store.head_readable(bucket, key).await.unwrap();
-        assert_eq!(readable, head, "{key}");
+        let probed = store.head_readable(bucket, key).await.unwrap();
+        assert_eq!(probed.info, head, "{key}");
+        assert!(probed.readable, "{key}");
     }
     let e = store.head_readable(bucket, "r/missing").await.unwrap_err();
     assert!(matches!(e, StoreError::NotFound(_)), "{e:?}");

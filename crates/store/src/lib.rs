@@ -37,6 +37,30 @@ pub struct ObjectInfo {
     pub last_modified: Option<SystemTime>,
 }
 
+/// What [`ObjectStore::head_readable`] found: the object, and whether its bytes were read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Probed {
+    pub info: ObjectInfo,
+    /// `false`: the HEAD was answered, the GET refused (403).
+    pub readable: bool,
+}
+
+impl Probed {
+    pub fn read(info: ObjectInfo) -> Self {
+        Probed {
+            info,
+            readable: true,
+        }
+    }
+
+    pub fn not_read(info: ObjectInfo) -> Self {
+        Probed {
+            info,
+            readable: false,
+        }
+    }
+}
+
 /// One page of a ListObjectsV2 response.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ListPage {
@@ -188,18 +212,23 @@ pub trait ObjectStore: Send + Sync + Debug + 'static {
 
     async fn head(&self, bucket: &str, key: &str) -> Result<ObjectInfo>;
 
-    /// [`Self::head`], and a proof that these credentials may read the object's bytes: S3
-    /// answers a HEAD to credentials whose GET it refuses (an SSE-KMS object without
-    /// `kms:Decrypt` on its key, an archived object), so only a read shows that. This default
-    /// reads the first byte of the version the HEAD saw (pinned to its ETag); an empty object
-    /// has no bytes to show.
-    async fn head_readable(&self, bucket: &str, key: &str) -> Result<ObjectInfo> {
+    /// [`Self::head`], and whether these credentials may read the object's bytes: S3 answers a
+    /// HEAD to credentials whose GET it refuses (an SSE-KMS object without `kms:Decrypt` on its
+    /// key, an archived object), so only a read shows that. This default reads the first byte of
+    /// the version the HEAD saw (pinned to its ETag); an empty object has no bytes to show.
+    async fn head_readable(&self, bucket: &str, key: &str) -> Result<Probed> {
         let info = self.head(bucket, key).await?;
-        if info.size > 0 {
-            self.get_range(bucket, key, 0..1, info.etag.as_deref())
-                .await?;
+        if info.size == 0 {
+            return Ok(Probed::read(info));
         }
-        Ok(info)
+        match self
+            .get_range(bucket, key, 0..1, info.etag.as_deref())
+            .await
+        {
+            Ok(_) => Ok(Probed::read(info)),
+            Err(StoreError::AccessDenied(_)) => Ok(Probed::not_read(info)),
+            Err(e) => Err(e),
+        }
     }
 
     /// Bytes `range` of the object; the returned length is checked against the range (clipped to the
@@ -400,7 +429,7 @@ impl<T: ObjectStore + ?Sized> ObjectStore for Arc<T> {
     async fn head(&self, bucket: &str, key: &str) -> Result<ObjectInfo> {
         (**self).head(bucket, key).await
     }
-    async fn head_readable(&self, bucket: &str, key: &str) -> Result<ObjectInfo> {
+    async fn head_readable(&self, bucket: &str, key: &str) -> Result<Probed> {
         (**self).head_readable(bucket, key).await
     }
     async fn get_range(

@@ -929,6 +929,19 @@ async fn a_head_alone_does_not_prove_access_to_cached_bytes() {
     let head_only = FaultyStore::new(store.clone(), 2);
     head_only.fail_next(Op::Get, u64::MAX, StoreError::AccessDenied("403".into()));
     let other = mount(Arc::new(head_only), &cache, |_| {});
+    // Its HEAD is answered: the file is there, as without the cache; its bytes are not its own.
+    let attr = other
+        .lookup(ROOT_INO, OsStr::new("big"))
+        .await
+        .unwrap()
+        .attr;
+    assert_eq!(attr.size, big.len() as u64);
+    let o = other.open(attr.ino, libc::O_RDONLY, PID).await.unwrap();
+    assert!(
+        other.passthrough_file(o.fh).is_none(),
+        "the whole file handed to the kernel for credentials whose GET is refused"
+    );
+    other.release(o.fh).await.unwrap();
     for name in ["small", "big"] {
         match read_all(&other, name, 1 << 20).await {
             Ok(got) => panic!(

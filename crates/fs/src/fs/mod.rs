@@ -490,16 +490,20 @@ impl Fs {
         self.cache.is_some()
     }
 
-    /// The HEAD of an object (a lookup, `getattr`, an open): with the node cache, one that also
-    /// proves access to its bytes (`head_readable`: on S3, one GET of the first byte instead of
-    /// the HEAD), so that the mount's reads may be served bytes other mounts left in the cache,
-    /// and join their GETs, from the first.
+    /// The HEAD of an object (a lookup, `getattr`, an open). With the node cache, one that also
+    /// proves access to its bytes when they can be read (`head_readable`: on S3, one GET of the
+    /// first byte instead of the HEAD), so that the mount's reads may be served bytes other mounts
+    /// left in the cache, and join their GETs, from the first. Bytes refused (403) with the HEAD
+    /// answered: the object's metadata, and no proof (its reads are refused as without the cache).
     async fn head_object(&self, key: &str) -> Result<ObjectInfo, StoreError> {
-        if self.cache.is_some() {
-            self.store.head_readable(self.bucket(), key).await
-        } else {
-            self.store.head(self.bucket(), key).await
+        if self.cache.is_none() {
+            return self.store.head(self.bucket(), key).await;
         }
+        let probed = self.store.head_readable(self.bucket(), key).await?;
+        if probed.readable {
+            self.prove(key, probed.info.etag.as_deref());
+        }
+        Ok(probed.info)
     }
 
     /// Remembers that this mount's credentials just read `etag` of `key` (for the metadata TTL).

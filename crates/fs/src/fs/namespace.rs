@@ -41,10 +41,7 @@ impl Fs {
             return Ok(Some((Kind::Dir, None, Some(page))));
         }
         match head {
-            Ok(info) => {
-                self.prove(&key, info.etag.as_deref());
-                Ok(Some((Kind::File, Some(ObjectMeta::from(&info)), None)))
-            }
+            Ok(info) => Ok(Some((Kind::File, Some(ObjectMeta::from(&info)), None))),
             Err(StoreError::NotFound(_)) => Ok(None),
             Err(e) => Err(e.into()),
         }
@@ -248,9 +245,6 @@ impl Fs {
         let head = self.head_object(&key).await;
         let valid = self.ttl();
         let mut st = self.lock();
-        if let Ok(info) = &head {
-            self.prove(&key, info.etag.as_deref());
-        }
         let inode = st.inodes.get_mut(ino).ok_or_else(|| stale(ino))?;
         match head {
             Ok(info) => {

@@ -120,10 +120,7 @@ impl Fs {
         let meta = match cached {
             Some(meta) => meta,
             None => match self.head_object(&key).await {
-                Ok(info) => {
-                    self.prove(&key, info.etag.as_deref());
-                    ObjectMeta::from(&info)
-                }
+                Ok(info) => ObjectMeta::from(&info),
                 Err(e) => {
                     if let (Some(cache), StoreError::AccessDenied(_)) = (&self.cache, &e) {
                         cache.note_denied();
