@@ -103,6 +103,25 @@ async fn refused_open(fs: &Fs, ino: Ino, errno: i32, what: &str) {
     }
 }
 
+/// Reads `f` (whose bytes are `body`) to its end, so that it is one whole file in the node cache,
+/// then opens it through passthrough as the adapter would (backing file 1): its inode, the
+/// handle, and the whole file handed out.
+async fn open_f_through_passthrough(
+    fs: &Fs,
+    cache: &BlockCache,
+    body: &[u8],
+) -> (Ino, u64, std::fs::File) {
+    assert_eq!(read_all(fs, "f", 1 << 20).await.unwrap(), body);
+    cache.settle().await;
+    let ino = ino_of(fs, "f").await.unwrap();
+    let a = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    let file = fs
+        .passthrough_file(a.fh)
+        .expect("the whole file is handed out");
+    fs.set_backing_id(a.fh, 1);
+    (ino, a.fh, file)
+}
+
 async fn ino_of(fs: &Fs, name: &str) -> Result<Ino, FsError> {
     Ok(fs.lookup(ROOT_INO, OsStr::new(name)).await?.attr.ino)
 }
@@ -366,18 +385,10 @@ async fn an_open_of_a_newer_version_is_not_joined_to_the_older_versions_passthro
     let old = data((3 * BS) as usize, 11);
     store.insert(B, "f", old.clone());
     let fs = mount(Arc::new(store.clone()), &cache, |_| {});
-    assert_eq!(read_all(&fs, "f", 1 << 20).await.unwrap(), old);
-    cache.settle().await;
-    let ino = ino_of(&fs, "f").await.unwrap();
-    let a = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
-    let mut file = fs
-        .passthrough_file(a.fh)
-        .expect("the whole file is handed out");
+    let (ino, a, mut file) = open_f_through_passthrough(&fs, &cache, &old).await;
     let mut bytes = Vec::new();
     std::io::Read::read_to_end(&mut file, &mut bytes).unwrap();
     assert_eq!(bytes, old);
-    // The adapter registered it as the inode's backing file 1.
-    fs.set_backing_id(a.fh, 1);
 
     // The object is replaced; the inode's metadata expires: the next open HEADs the new version.
     let new = data((3 * BS) as usize, 12);
@@ -391,7 +402,7 @@ async fn an_open_of_a_newer_version_is_not_joined_to_the_older_versions_passthro
     )
     .await;
     // Once the old version's handle is closed, the new version opens and reads as itself.
-    fs.release(a.fh).await.unwrap();
+    fs.release(a).await.unwrap();
     fs.lock().inodes.get_mut(ino).unwrap().valid = Validity::Expired;
     let b = fs
         .open(ino, libc::O_RDONLY, PID)
@@ -813,13 +824,7 @@ async fn a_file_is_not_created_again_at_the_path_of_one_open_through_passthrough
         c.read_only = false;
         c.allow_delete = true;
     });
-    assert_eq!(read_all(&fs, "f", 1 << 20).await.unwrap(), old);
-    cache.settle().await;
-    let ino = ino_of(&fs, "f").await.unwrap();
-    let a = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
-    fs.passthrough_file(a.fh)
-        .expect("the whole file is handed out");
-    fs.set_backing_id(a.fh, 1);
+    let (ino, a, _file) = open_f_through_passthrough(&fs, &cache, &old).await;
     fs.unlink(ROOT_INO, OsStr::new("f")).await.unwrap();
     match fs.create(ROOT_INO, OsStr::new("f"), PID).await {
         Ok((e, w)) => panic!(
@@ -829,7 +834,7 @@ async fn a_file_is_not_created_again_at_the_path_of_one_open_through_passthrough
         Err(e) => assert_eq!(e.errno(), libc::EBUSY, "{e}"),
     }
     // Once the passthrough handle is closed, the file is created.
-    fs.release(a.fh).await.unwrap();
+    fs.release(a).await.unwrap();
     let (_, w) = fs.create(ROOT_INO, OsStr::new("f"), PID).await.unwrap();
     fs.release(w.fh).await.unwrap();
 }
@@ -881,13 +886,7 @@ async fn joining_an_inodes_passthrough_file_needs_a_live_proof() {
     let etag = store.insert(B, "f", body.clone());
     let creds = Arc::new(FaultyStore::new(store.clone(), 1));
     let fs = mount(creds.clone(), &cache, |_| {});
-    assert_eq!(read_all(&fs, "f", 1 << 20).await.unwrap(), body);
-    cache.settle().await;
-    let ino = ino_of(&fs, "f").await.unwrap();
-    let a = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
-    fs.passthrough_file(a.fh)
-        .expect("the whole file is handed out");
-    fs.set_backing_id(a.fh, 1);
+    let (ino, a, _file) = open_f_through_passthrough(&fs, &cache, &body).await;
 
     // The whole file leaves the cache (evicted: gone from disk and index); the kernel keeps the
     // backing file open for handle `a`.
@@ -907,7 +906,7 @@ async fn joining_an_inodes_passthrough_file_needs_a_live_proof() {
         creds.fail_next(op, u64::MAX, StoreError::AccessDenied("403".into()));
     }
     refused_open(&fs, ino, libc::EACCES, "opened without a proof of access").await;
-    fs.release(a.fh).await.unwrap();
+    fs.release(a).await.unwrap();
 }
 
 /// A HEAD is no proof of access to an object's bytes: S3 answers it to credentials whose GET it
