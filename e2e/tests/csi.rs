@@ -784,6 +784,36 @@ async fn eventually(mut ready: impl FnMut() -> bool) -> bool {
     false
 }
 
+/// Bucket `bucket` with three objects of one block each (`f0`..`f2`) under each of `dirs`, and
+/// the publish context of a volume of one of those prefixes that warms up when it is mounted,
+/// through `forwarder`.
+async fn warming_volumes(
+    env: &Env,
+    forwarder: &FaultProxy,
+    bucket: &'static str,
+    dirs: &[&str],
+) -> impl Fn(&str) -> HashMap<String, String> {
+    env.s3.create_bucket(bucket).await;
+    for dir in dirs {
+        for i in 0..3u8 {
+            env.store
+                .put(bucket, &format!("{dir}f{i}"), payload(i, 100_000))
+                .await
+                .unwrap();
+        }
+    }
+    let url = forwarder.url();
+    move |prefix: &str| {
+        map(&[
+            ("bucketName", bucket),
+            ("prefix", prefix),
+            ("endpointUrl", &url),
+            ("forcePathStyle", "true"),
+            ("prefetchOnMount", "true"),
+        ])
+    }
+}
+
 /// A warm-up fetches with the credentials of the mount that runs it, so it ends with that
 /// mount: unpublished before the warm-up is done, it stops it, and another mount of the volume
 /// goes on with it or, with none, the next publish starts it again.
@@ -791,27 +821,8 @@ async fn eventually(mut ready: impl FnMut() -> bool) -> bool {
 async fn a_warm_up_ends_with_the_mount_that_runs_it() {
     let _counting = STOPPING_WARM_UPS.lock().await;
     let (mut env, cache, forwarder, _cache_dir) = Env::start_cached_behind_a_proxy().await;
-    env.s3.create_bucket("warm").await;
-    for dir in ["a/", "b/"] {
-        for i in 0..3u8 {
-            let key = format!("{dir}f{i}");
-            env.store
-                .put("warm", &key, payload(i, 100_000))
-                .await
-                .unwrap();
-        }
-    }
-    // Each object is one block.
+    let ctx = warming_volumes(&env, &forwarder, "warm", &["a/", "b/"]).await;
     let blocks = || cache.stats().blocks;
-    let ctx = |prefix: &str| {
-        map(&[
-            ("bucketName", "warm"),
-            ("prefix", prefix),
-            ("endpointUrl", &forwarder.url()),
-            ("forcePathStyle", "true"),
-            ("prefetchOnMount", "true"),
-        ])
-    };
     let cap = mount_capability(Mode::MultiNodeReaderOnly, &[]);
     let hang = || FaultPlan::always(&["GET"], Fault::Hang).ranged();
     let stopped = warm_ups("stopped");
@@ -874,27 +885,14 @@ async fn a_warm_up_ends_with_the_mount_that_runs_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_failed_warm_up_runs_again_at_the_next_publish() {
     let (mut env, cache, forwarder, _cache_dir) = Env::start_cached_behind_a_proxy().await;
-    env.s3.create_bucket("warmfail").await;
-    for i in 0..3u8 {
-        env.store
-            .put("warmfail", &format!("d/f{i}"), payload(i, 100_000))
-            .await
-            .unwrap();
-    }
-    let ctx = map(&[
-        ("bucketName", "warmfail"),
-        ("prefix", "d/"),
-        ("endpointUrl", &forwarder.url()),
-        ("forcePathStyle", "true"),
-        ("prefetchOnMount", "true"),
-    ]);
+    let ctx = warming_volumes(&env, &forwarder, "warmfail", &["d/"]).await;
     let cap = mount_capability(Mode::MultiNodeReaderOnly, &[]);
     let errors = warm_ups("error");
     forwarder.set_plan(Some(
         FaultPlan::always(&["GET"], Fault::InternalError).ranged(),
     ));
     let (t1, t2) = (env.target("pod-f1", "pv"), env.target("pod-f2", "pv"));
-    env.publish("vf", &t1, cap.clone(), ctx.clone(), true)
+    env.publish("vf", &t1, cap.clone(), ctx("d/"), true)
         .await
         .unwrap();
     assert!(
@@ -903,7 +901,7 @@ async fn a_failed_warm_up_runs_again_at_the_next_publish() {
     );
     env.unpublish("vf", &t1).await.unwrap();
     forwarder.set_plan(None);
-    env.publish("vf", &t2, cap, ctx, true).await.unwrap();
+    env.publish("vf", &t2, cap, ctx("d/"), true).await.unwrap();
     let warmed = eventually(|| cache.stats().blocks == 3).await;
     env.unpublish("vf", &t2).await.unwrap();
     assert!(
@@ -921,25 +919,12 @@ async fn a_failed_warm_up_runs_again_at_the_next_publish() {
 async fn an_unpublish_after_the_target_directories_are_gone_ends_the_mount() {
     let _counting = STOPPING_WARM_UPS.lock().await;
     let (mut env, cache, forwarder, _cache_dir) = Env::start_cached_behind_a_proxy().await;
-    env.s3.create_bucket("gone").await;
-    for i in 0..3u8 {
-        env.store
-            .put("gone", &format!("d/f{i}"), payload(i, 100_000))
-            .await
-            .unwrap();
-    }
-    let ctx = map(&[
-        ("bucketName", "gone"),
-        ("prefix", "d/"),
-        ("endpointUrl", &forwarder.url()),
-        ("forcePathStyle", "true"),
-        ("prefetchOnMount", "true"),
-    ]);
+    let ctx = warming_volumes(&env, &forwarder, "gone", &["d/"]).await;
     let cap = mount_capability(Mode::MultiNodeReaderOnly, &[]);
     let stopped = warm_ups("stopped");
     forwarder.set_plan(Some(FaultPlan::always(&["GET"], Fault::Hang).ranged()));
     let (t1, t2) = (env.target("pod-g1", "pv"), env.target("pod-g2", "pv"));
-    env.publish("vg", &t1, cap.clone(), ctx.clone(), true)
+    env.publish("vg", &t1, cap.clone(), ctx("d/"), true)
         .await
         .unwrap();
     assert!(
@@ -962,7 +947,7 @@ async fn an_unpublish_after_the_target_directories_are_gone_ends_the_mount() {
     env.unpublish("vg", &t1).await.unwrap();
 
     forwarder.set_plan(None);
-    env.publish("vg", &t2, cap, ctx, true).await.unwrap();
+    env.publish("vg", &t2, cap, ctx("d/"), true).await.unwrap();
     let warmed = eventually(|| cache.stats().blocks == 3).await;
     env.unpublish("vg", &t2).await.unwrap();
     assert!(
@@ -983,25 +968,7 @@ async fn a_finished_and_a_running_warm_up(
     std::path::PathBuf,
     std::path::PathBuf,
 ) {
-    env.s3.create_bucket("handed").await;
-    for dir in ["d/", "h/"] {
-        for i in 0..3u8 {
-            env.store
-                .put("handed", &format!("{dir}f{i}"), payload(i, 100_000))
-                .await
-                .unwrap();
-        }
-    }
-    let url = forwarder.url();
-    let ctx = move |prefix: &str| {
-        map(&[
-            ("bucketName", "handed"),
-            ("prefix", prefix),
-            ("endpointUrl", &url),
-            ("forcePathStyle", "true"),
-            ("prefetchOnMount", "true"),
-        ])
-    };
+    let ctx = warming_volumes(env, forwarder, "handed", &["d/", "h/"]).await;
     let cap = mount_capability(Mode::MultiNodeReaderOnly, &[]);
     let (d1, h1) = (env.target("pod-d1", "pv"), env.target("pod-h1", "pv"));
     env.publish("vd", &d1, cap.clone(), ctx("d/"), true)
