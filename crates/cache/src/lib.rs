@@ -840,11 +840,16 @@ impl BlockCache {
 
     /// `true` the first time `id` is claimed in this process (a warm-up runs once per node).
     pub fn claim(&self, id: &str) -> bool {
+        self.claim_as(id, false)
+    }
+
+    /// Claims `id` unless it is claimed, recorded as finished (`done`) or not.
+    fn claim_as(&self, id: &str, done: bool) -> bool {
         let mut claimed = self.claimed.lock().expect("claims lock");
         if claimed.contains_key(id) {
             return false;
         }
-        claimed.insert(id.to_owned(), false);
+        claimed.insert(id.to_owned(), done);
         true
     }
 
@@ -874,12 +879,7 @@ impl BlockCache {
     /// Claims `id` as finished (by the process this one took over from), unless it is claimed
     /// already; `true` if it was not.
     pub fn claim_finished(&self, id: &str) -> bool {
-        let mut claimed = self.claimed.lock().expect("claims lock");
-        if claimed.contains_key(id) {
-            return false;
-        }
-        claimed.insert(id.to_owned(), true);
-        true
+        self.claim_as(id, true)
     }
 
     /// Counts an open refused because the mount's own credentials were denied the object (its
