@@ -36,8 +36,8 @@ fail() { echo "chart-check: $*" >&2; exit 1; }
 for h in helm helm3; do
   command -v "$h" >/dev/null || fail "$h not found on PATH or in $FERRY_TOOLS (scripts/kube-tools.sh builds it)"
 done
-helm version --short | grep -q '^v4\.' || fail "helm is not helm v4: $(helm version --short)"
-helm3 version --short | grep -q '^v3\.' || fail "helm3 is not helm v3: $(helm3 version --short)"
+helm version --short | grep '^v4\.' >/dev/null || fail "helm is not helm v4: $(helm version --short)"
+helm3 version --short | grep '^v3\.' >/dev/null || fail "helm3 is not helm v3: $(helm3 version --short)"
 
 if [ -n "${CHART_OUT:-}" ]; then
   OUT=$CHART_OUT
@@ -179,7 +179,9 @@ grep -qF 'value: "6443"' "$A" || fail "kubernetesApi.port does not reach the API
 # On the host network no pod declares a port: it would be a hostPort that keeps the new pod of an
 # update from being scheduled beside the old one. The controller's old pod stops first.
 ! grep -q 'containerPort' "$A" || fail "a pod on the host network must not declare containerPorts"
-awk '/^kind: Deployment/{d=1} /^---/{d=0} d' "$A" | grep -q 'maxSurge: 0' ||
+# Not `grep -q` after a pipe: under pipefail, a grep that quits at its first match leaves awk
+# writing to a closed pipe (SIGPIPE, status 141), and the check fails when it holds.
+awk '/^kind: Deployment/{d=1} /^---/{d=0} d' "$A" | grep 'maxSurge: 0' >/dev/null ||
   fail "a controller on the host network must stop an old pod before its replacement starts"
 grep -qF -- '- --health-port=9807' "$A" || fail "the controller's livenessprobe sidecar must serve controller.healthPort"
 
