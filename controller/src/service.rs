@@ -11,7 +11,8 @@
 //!
 //! With a Kubernetes API ([`ControllerService::with_pvcs`]) and csi-provisioner's PVC metadata in
 //! the parameters, the PVC's `s3.csi.ferry.dev/existing-prefix` annotation binds the volume to an
-//! existing dataset prefix instead of a fresh one (see [`StorageClassParams::existing_prefix`]).
+//! existing dataset prefix instead of a fresh one, on a StorageClass that opts in with
+//! `existingPrefix: allow` (see [`StorageClassParams::existing_prefix`]).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -539,6 +540,7 @@ mod tests {
                     ("basePrefix", "datasets"),
                     ("prefixTemplate", "${pvc.namespace}/${volume.name}"),
                     ("deletePolicy", policy),
+                    ("existingPrefix", "allow"),
                     ("csi.storage.k8s.io/pvc/namespace", "ml"),
                     ("csi.storage.k8s.io/pvc/name", pvc),
                 ],
@@ -582,6 +584,67 @@ mod tests {
         let st = Status::from(svc.create(req("gone", "retain")).await.unwrap_err());
         assert_eq!(st.code(), tonic::Code::NotFound, "{st:?}");
         assert!(st.message().contains("ml/gone"), "{st:?}");
+    }
+
+    /// A PVC in namespace `b` annotated with namespace `a`'s dynamic volume prefix (below the
+    /// class's basePrefix, as the template puts it) was bound to it on any retain class: a
+    /// tenant read and wrote another's data with the driver's credentials. Now the class must opt
+    /// in with `existingPrefix: allow`; without it CreateVolume is InvalidArgument naming the
+    /// PVC, the annotation and the parameter.
+    #[tokio::test]
+    async fn existing_prefix_annotation_needs_the_class_to_opt_in() {
+        let mem = Arc::new(MemoryStore::new());
+        mem.create_bucket("data");
+        let mut thief = BTreeMap::new();
+        thief.insert(
+            keys::EXISTING_PREFIX_ANNOTATION.to_string(),
+            "k8s/a/pvc-1/".to_string(),
+        );
+        let pvcs: BTreeMap<(String, String), BTreeMap<String, String>> =
+            [(("b".to_string(), "thief".to_string()), thief)]
+                .into_iter()
+                .collect();
+        let svc = ControllerService::new(Arc::new(FixedStore(mem.clone())))
+            .with_pvcs(Arc::new(pvcs))
+            .inner;
+        let req = |name: &str, opt_in: Option<&str>| {
+            let mut params = vec![
+                ("bucketName", "data"),
+                ("basePrefix", "k8s"),
+                ("prefixTemplate", "${pvc.namespace}/${volume.name}"),
+                ("csi.storage.k8s.io/pvc/namespace", "b"),
+                ("csi.storage.k8s.io/pvc/name", "thief"),
+            ];
+            if let Some(v) = opt_in {
+                params.push(("existingPrefix", v));
+            }
+            create_req(name, &params)
+        };
+        for (name, opt_in) in [("pvc-2", None), ("pvc-3", Some("deny"))] {
+            let st = Status::from(svc.create(req(name, opt_in)).await.unwrap_err());
+            assert_eq!(st.code(), tonic::Code::InvalidArgument, "{st:?}");
+            let msg = st.message();
+            assert!(msg.contains("PVC b/thief"), "{msg}");
+            assert!(msg.contains(keys::EXISTING_PREFIX_ANNOTATION), "{msg}");
+            assert!(msg.contains("existingPrefix: allow"), "{msg}");
+        }
+        let st = Status::from(svc.create(req("pvc-4", Some("on"))).await.unwrap_err());
+        assert_eq!(st.code(), tonic::Code::InvalidArgument, "{st:?}");
+        assert!(st.message().contains("\"existingPrefix\""), "{st:?}");
+        assert!(st.message().contains("\"on\""), "{st:?}");
+        // Opted in, the class binds it; the parameter stays the controller's.
+        let vol = svc
+            .create(req("pvc-5", Some("allow")))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        assert_eq!(vol.volume_context["prefix"], "k8s/a/pvc-1/");
+        assert!(
+            !vol.volume_context.contains_key("existingPrefix"),
+            "{:?}",
+            vol.volume_context
+        );
     }
 
     #[tokio::test]

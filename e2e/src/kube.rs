@@ -15,8 +15,9 @@
 //!    sends them; reads and writes through the FUSE mount checked in S3; NodeUnpublishVolume;
 //!    PVC deletion and DeleteVolume for both delete policies.
 //! 5. Existing datasets: a PVC annotated `s3.csi.ferry.dev/existing-prefix` binds to the preloaded
-//!    prefix; one outside `basePrefix` and one on a `deletePolicy: delete` class are refused, and
-//!    the refusal reaches the PVC's events.
+//!    prefix on the class that opts in (`existingPrefix: allow`); one outside `basePrefix`, one on
+//!    a `deletePolicy: delete` class (opted in all the same), and one naming another PVC's prefix
+//!    on a class without the opt-in are refused, and the refusal reaches the PVC's events.
 //!
 //! Every wait has an explicit deadline; nothing asserts on timing.
 
@@ -269,18 +270,32 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
         "metadata": {"name": "trainer", "namespace": ns}});
     apply(kube, &sa, ns, FIELD_MANAGER, DryRun::No).await?;
 
-    say("StorageClasses: delete (k8s/${pvc.namespace}/${pvc.name}/${pv.name}), retain (k8s/${pvc.namespace}/${pvc.name}), datasets (basePrefix datasets)");
-    for (suffix, base, template, policy) in [
+    say("StorageClasses: delete (k8s/${pvc.namespace}/${pvc.name}/${pv.name}, existingPrefix allow), retain (k8s/${pvc.namespace}/${pvc.name}), datasets (basePrefix datasets, existingPrefix allow)");
+    for (suffix, base, template, policy, existing) in [
         (
             "delete",
             "k8s",
             "${pvc.namespace}/${pvc.name}/${pv.name}",
             "delete",
+            // Opted in, and still refused: deleting the PVC would delete the existing data.
+            Some("allow"),
         ),
-        ("retain", "k8s", "${pvc.namespace}/${pvc.name}", "retain"),
-        ("datasets", "datasets", "${volume.name}", "retain"),
+        (
+            "retain",
+            "k8s",
+            "${pvc.namespace}/${pvc.name}",
+            "retain",
+            None,
+        ),
+        (
+            "datasets",
+            "datasets",
+            "${volume.name}",
+            "retain",
+            Some("allow"),
+        ),
     ] {
-        let sc = json!({
+        let mut sc = json!({
             "apiVersion": "storage.k8s.io/v1", "kind": "StorageClass",
             "metadata": {"name": format!("{ns}-{suffix}")},
             "provisioner": ferry_volume::DRIVER_NAME,
@@ -294,6 +309,9 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
                 keys::DELETE_POLICY: policy,
             },
         });
+        if let Some(v) = existing {
+            sc["parameters"][keys::EXISTING_PREFIX] = json!(v);
+        }
         apply(kube, &sc, ns, FIELD_MANAGER, DryRun::No).await?;
     }
 
@@ -480,7 +498,7 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
     );
     println!("    PVC deleted, dataset kept");
 
-    say("refused: existing-prefix outside basePrefix, and on a deletePolicy delete class");
+    say("refused: existing-prefix outside basePrefix, on a deletePolicy delete class, and another PVC's prefix on a class without existingPrefix allow");
     create_pvc(
         kube,
         ns,
@@ -499,6 +517,18 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
         Some("k8s/shared/"),
     )
     .await?;
+    // The prefix PVC notes had on the retain class (its data is still there): the class never
+    // opted in, so no other PVC may bind it.
+    let notes_prefix = format!("k8s/{ns}/notes/");
+    create_pvc(
+        kube,
+        ns,
+        "sneak",
+        &format!("{ns}-retain"),
+        "ReadWriteMany",
+        Some(&notes_prefix),
+    )
+    .await?;
     let events: Api<Event> = Api::namespaced(kube.clone(), ns);
     let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(kube.clone(), ns);
     for (pvc, value, why) in [
@@ -508,6 +538,7 @@ async fn scenario(kube: &Client, kc: &str, ns: &str, plugin: &Plugin) -> Result<
             "is not below the StorageClass's basePrefix",
         ),
         ("wipe", "k8s/shared/", "deletePolicy: delete"),
+        ("sneak", notes_prefix.as_str(), "existingPrefix: allow"),
     ] {
         let msg = wait_for(
             &format!("a ProvisioningFailed event on PVC {pvc}"),

@@ -696,7 +696,8 @@ async fn static_rox(env: &Env, files: &[String]) -> Result<()> {
     Ok(())
 }
 
-/// c. An existing dataset through a dynamic PVC (the existing-prefix annotation).
+/// c. An existing dataset through a dynamic PVC (the existing-prefix annotation, on the datasets
+/// class that opts in with `existingPrefix: allow`).
 async fn existing_dataset(env: &Env, files: &[String]) -> Result<()> {
     say("c. an existing dataset through a dynamic PVC (s3.csi.ferry.dev/existing-prefix)");
     crate::kube::create_pvc(
@@ -1352,7 +1353,8 @@ fn chart_values(target: &S3Target, image: &str) -> Value {
             {"name": "scratch", "bucketName": target.bucket, "basePrefix": "k8s",
              "prefixTemplate": "${pvc.namespace}/${pvc.name}/${pv.name}", "deletePolicy": "delete",
              "mountOptions": ["allow-delete"]},
-            {"name": "datasets", "bucketName": target.bucket, "basePrefix": "datasets"},
+            {"name": "datasets", "bucketName": target.bucket, "basePrefix": "datasets",
+             "existingPrefix": "allow"},
         ],
     });
     if let Some(keys) = &target.keys {

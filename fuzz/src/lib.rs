@@ -81,8 +81,8 @@ pub mod volume_id {
 /// `csi.storage.k8s.io/pvc/name` etc. the template reads); a line `!name` sets the volume name
 /// (default `pvc-1`), a line `@prefix` an existing-prefix annotation to check.
 pub mod storage_class {
-    use ferry_volume::params::Template;
-    use ferry_volume::{validate, StorageClassParams};
+    use ferry_volume::params::{ExistingPrefixPolicy, Template};
+    use ferry_volume::{keys, validate, DeletePolicy, StorageClassParams};
 
     pub fn run(data: &[u8]) {
         let Some(s) = super::text(data) else { return };
@@ -111,6 +111,8 @@ pub mod storage_class {
         assert!(ctx
             .keys()
             .all(|k| params.contains_key(k) || k == "authenticationSource"));
+        // The existing-prefix opt-in is the controller's: the node never sees it.
+        assert!(!ctx.contains_key(keys::EXISTING_PREFIX));
         if let Ok(prefix) = sc.volume_prefix(name, &params) {
             // The prefix a volume gets is a valid, normalised prefix below the base prefix.
             assert!(prefix.ends_with('/') && prefix.starts_with(&sc.base_prefix));
@@ -123,6 +125,13 @@ pub mod storage_class {
         for e in existing {
             if let Ok(p) = sc.existing_prefix(e) {
                 assert!(p.ends_with('/') && p.starts_with(&sc.base_prefix) && p != sc.base_prefix);
+                // Only a class that opted in, and never one that deletes the data with the PVC.
+                assert_eq!(sc.existing_prefix_policy, ExistingPrefixPolicy::Allow);
+                assert_eq!(
+                    params.get(keys::EXISTING_PREFIX).map(String::as_str),
+                    Some("allow")
+                );
+                assert_eq!(sc.delete_policy, DeletePolicy::Retain);
             }
         }
     }

@@ -14,6 +14,10 @@ pub const ENDPOINT_URL: &str = "endpointUrl";
 pub const FORCE_PATH_STYLE: &str = "forcePathStyle";
 /// StorageClass: `retain` (default) or `delete`.
 pub const DELETE_POLICY: &str = "deletePolicy";
+/// StorageClass: `deny` (default) or `allow`: whether a PVC of the class may bind its volume to an
+/// existing prefix below `basePrefix` with [`EXISTING_PREFIX_ANNOTATION`]. Read by the controller
+/// only; never in the volume context.
+pub const EXISTING_PREFIX: &str = "existingPrefix";
 /// Volume attribute: the volume's prefix inside the bucket.
 pub const PREFIX: &str = "prefix";
 /// Volume attribute (PV `volumeAttributes` or StorageClass parameter): `none` keeps the volume's
@@ -53,8 +57,9 @@ pub const PVC_NAMESPACE: &str = "csi.storage.k8s.io/pvc/namespace";
 pub const PV_NAME: &str = "csi.storage.k8s.io/pv/name";
 
 /// PVC annotation: bind the new volume to this existing prefix in the bucket (a dataset) instead
-/// of a fresh one from `prefixTemplate`. Only below the StorageClass's `basePrefix`, never with
-/// `deletePolicy: delete`. Read by the controller from the PVC csi-provisioner names.
+/// of a fresh one from `prefixTemplate`. Only on a StorageClass with `existingPrefix: allow`, only
+/// below its `basePrefix`, never with `deletePolicy: delete`. Read by the controller from the PVC
+/// csi-provisioner names.
 pub const EXISTING_PREFIX_ANNOTATION: &str = "s3.csi.ferry.dev/existing-prefix";
 
 /// Everything under this prefix is set by Kubernetes components (provisioner metadata, secret

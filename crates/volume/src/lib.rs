@@ -21,7 +21,7 @@ pub use allowed::{AllowedEndpoints, EndpointRefused};
 pub use id::VolumeId;
 pub use mountpoint_v2::{MountpointV2, NodeCache, Notice};
 pub use options::{MetadataTtl, MountOptions};
-pub use params::{DeletePolicy, StorageClassParams};
+pub use params::{DeletePolicy, ExistingPrefixPolicy, StorageClassParams};
 pub use quote::quote;
 pub use spec::{AuthenticationSource, VolumeSpec};
 

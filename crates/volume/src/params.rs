@@ -14,6 +14,19 @@ pub enum DeletePolicy {
     Delete,
 }
 
+/// Whether a PVC may bind its volume to an existing prefix with
+/// [`keys::EXISTING_PREFIX_ANNOTATION`] (StorageClass parameter [`keys::EXISTING_PREFIX`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ExistingPrefixPolicy {
+    /// The annotation is refused: every volume gets a fresh prefix from the template (the default).
+    /// Without it, anyone who may create a PVC of the class could bind another tenant's volume.
+    #[default]
+    Deny,
+    /// Any PVC of the class may name any prefix strictly below `basePrefix` (with
+    /// `deletePolicy: retain` only), other volumes' prefixes of the class included.
+    Allow,
+}
+
 /// Validated StorageClass parameters.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StorageClassParams {
@@ -23,6 +36,9 @@ pub struct StorageClassParams {
     pub prefix_template: Template,
     pub endpoint: Endpoint,
     pub delete_policy: DeletePolicy,
+    /// `existingPrefix`: whether the PVC annotation may bind an existing prefix. Controller-side
+    /// only: not in the volume context.
+    pub existing_prefix_policy: ExistingPrefixPolicy,
     /// `authenticationSource`, passed on to the node in the volume context.
     pub authentication: AuthenticationSource,
     /// `stsRegion`, passed on to the node in the volume context.
@@ -43,6 +59,7 @@ impl StorageClassParams {
         let mut template = Template::default();
         let mut endpoint = Endpoint::default();
         let mut delete_policy = DeletePolicy::Retain;
+        let mut existing_prefix_policy = ExistingPrefixPolicy::Deny;
         let mut authentication = AuthenticationSource::Driver;
         let mut sts_region = None;
         let mut node_attributes = Vec::new();
@@ -83,6 +100,19 @@ impl StorageClassParams {
                         }
                     }
                 }
+                keys::EXISTING_PREFIX => {
+                    existing_prefix_policy = match v.as_str() {
+                        "deny" => ExistingPrefixPolicy::Deny,
+                        "allow" => ExistingPrefixPolicy::Allow,
+                        _ => {
+                            return Err(VolumeError::invalid(
+                                WHAT,
+                                k,
+                                format!("{} must be \"deny\" or \"allow\"", crate::quote(v)),
+                            ))
+                        }
+                    }
+                }
                 other => {
                     if !keys::is_kubernetes_key(other) {
                         return Err(VolumeError::Unknown {
@@ -111,6 +141,7 @@ impl StorageClassParams {
             prefix_template: template,
             endpoint,
             delete_policy,
+            existing_prefix_policy,
             authentication,
             sts_region,
             node_attributes,
@@ -162,7 +193,9 @@ impl StorageClassParams {
     /// The prefix of a volume bound to an existing dataset by the PVC annotation
     /// [`keys::EXISTING_PREFIX_ANNOTATION`]: `value` is a prefix in the bucket (as one sees it in
     /// S3, `basePrefix` included) that must lie strictly below `basePrefix`. Refused with
-    /// `deletePolicy: delete`, which would delete the dataset with the PVC.
+    /// `deletePolicy: delete`, which would delete the dataset with the PVC, and unless the class
+    /// opts in with `existingPrefix: allow`: otherwise anyone who may create a PVC of the class
+    /// could bind another namespace's volume (its prefix is below `basePrefix` too).
     pub fn existing_prefix(&self, value: &str) -> Result<String, VolumeError> {
         let key = keys::EXISTING_PREFIX_ANNOTATION;
         let refuse = |reason: String| {
@@ -175,9 +208,18 @@ impl StorageClassParams {
         if self.delete_policy == DeletePolicy::Delete {
             return refuse(
                 "cannot be used with the StorageClass's deletePolicy: delete (deleting the PVC \
-                 would delete the existing data); use a StorageClass with deletePolicy: retain"
+                 would delete the existing data); use a StorageClass with deletePolicy: retain \
+                 and existingPrefix: allow"
                     .to_string(),
             );
+        }
+        if self.existing_prefix_policy == ExistingPrefixPolicy::Deny {
+            return refuse(format!(
+                "is refused: the StorageClass does not allow existing prefixes (its parameter {} \
+                 is not \"allow\"; an administrator opts a class in with {}: allow)",
+                keys::EXISTING_PREFIX,
+                keys::EXISTING_PREFIX
+            ));
         }
         let prefix = match validate::prefix(key, value, false) {
             Ok(p) => p,
@@ -428,6 +470,7 @@ mod tests {
                 ("bucketName", "data"),
                 ("basePrefix", "datasets"),
                 ("deletePolicy", policy),
+                ("existingPrefix", "allow"),
             ]))
             .unwrap()
         };
@@ -462,11 +505,76 @@ mod tests {
         assert!(e.contains("\"datasets/imagenet/\""), "{e}");
         assert!(e.contains("deletePolicy: delete"), "{e}");
         // Without a basePrefix, any prefix of the bucket.
-        let p = StorageClassParams::parse(&map(&[("bucketName", "data")])).unwrap();
+        let p =
+            StorageClassParams::parse(&map(&[("bucketName", "data"), ("existingPrefix", "allow")]))
+                .unwrap();
         assert_eq!(
             p.existing_prefix("imagenet/train/").unwrap(),
             "imagenet/train/"
         );
+    }
+
+    /// Any PVC of a retain class could bind any prefix below its `basePrefix` with the annotation,
+    /// another namespace's dynamic volume included (the template puts those below `basePrefix`
+    /// too): the class's administrator never opted in. Now only `existingPrefix: allow` lets it.
+    #[test]
+    fn existing_prefix_needs_the_class_to_opt_in() {
+        let class = |extra: &[(&str, &str)]| {
+            let mut kv = vec![
+                ("bucketName", "data"),
+                ("basePrefix", "k8s"),
+                ("prefixTemplate", "${pvc.namespace}/${pvc.name}"),
+            ];
+            kv.extend_from_slice(extra);
+            StorageClassParams::parse(&map(&kv))
+        };
+        // Another namespace's dynamic volume, below basePrefix like every volume of the class.
+        let victim = "k8s/ns-a/pvc-x/";
+        for opt in [&[][..], &[("existingPrefix", "deny")][..]] {
+            let e = class(opt)
+                .unwrap()
+                .existing_prefix(victim)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("s3.csi.ferry.dev/existing-prefix"),
+                "{opt:?}: {e}"
+            );
+            assert!(e.contains("existingPrefix: allow"), "{opt:?}: {e}");
+            assert!(e.contains("\"k8s/ns-a/pvc-x/\""), "{opt:?}: {e}");
+        }
+        let allowed = class(&[("existingPrefix", "allow")]).unwrap();
+        assert_eq!(allowed.existing_prefix(victim).unwrap(), victim);
+        // A controller-side parameter: the node never sees it.
+        assert!(
+            allowed.node_context().is_empty(),
+            "{:?}",
+            allowed.node_context()
+        );
+        // Every other check still holds with the opt-in.
+        let e = allowed.existing_prefix("k8s/").unwrap_err().to_string();
+        assert!(e.contains("not below"), "{e}");
+        let e = class(&[("existingPrefix", "allow"), ("deletePolicy", "delete")])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("prefixTemplate"), "{e}");
+        let e = class(&[
+            ("existingPrefix", "allow"),
+            ("deletePolicy", "delete"),
+            ("prefixTemplate", "${pvc.namespace}/${volume.name}"),
+        ])
+        .unwrap()
+        .existing_prefix(victim)
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("deletePolicy: delete"), "{e}");
+        // A bad value names the parameter and the value.
+        for bad in ["yes", "true", "Allow", "", "allow "] {
+            let e = class(&[("existingPrefix", bad)]).unwrap_err().to_string();
+            assert!(e.contains("\"existingPrefix\""), "{bad:?}: {e}");
+            assert!(e.contains(&crate::quote(bad).to_string()), "{bad:?}: {e}");
+            assert!(e.contains("\"deny\" or \"allow\""), "{bad:?}: {e}");
+        }
     }
 
     #[test]
