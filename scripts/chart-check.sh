@@ -6,9 +6,10 @@
 #      with the optional parts off (metrics, cache, tokens), under both; the rendered manifests go to
 #      $CHART_OUT (default: a temporary directory) for a later apply against a real API server;
 #   3. the values schema refuses an unknown key, a node without a memory limit and a malformed
-#      allowed endpoint, and the chart a deletePolicy: delete StorageClass whose prefix template
-#      volumes could share; the allowed endpoints (s3.allowedEndpoints and the StorageClasses' own)
-#      reach both binaries;
+#      allowed endpoint, an existingPrefix other than deny/allow, and the chart a deletePolicy:
+#      delete StorageClass whose prefix template volumes could share; existingPrefix reaches only
+#      the StorageClass that sets it (the opt-in is per class); the allowed endpoints
+#      (s3.allowedEndpoints and the StorageClasses' own) reach both binaries;
 #   4. helm v4 and v3 render the same objects, and the default manifests hold what the driver
 #      relies on (CSIDriver fields, provisioner flags, privileged node with Bidirectional kubelet
 #      dir and /dev/fuse, the memory limit wired to the budget, the handover and fd holder wiring,
@@ -76,6 +77,10 @@ for h in helm helm3; do
     'storageClasses=[{"name":"x","bucketName":"bkt","prefixTemplate":"${pvc.name}","deletePolicy":"delete"}]' \
     >/dev/null 2>&1; then
     fail "$h accepted deletePolicy delete with a prefix template that volumes can share"
+  fi
+  if "$h" template "$RELEASE" "$CHART" --set-json \
+    'storageClasses=[{"name":"x","bucketName":"bkt","existingPrefix":"yes"}]' >/dev/null 2>&1; then
+    fail "$h accepted existingPrefix yes (the driver takes deny or allow)"
   fi
   if "$h" template "$RELEASE" "$CHART" --set-json 's3.allowedEndpoints=["ftp://x"]' >/dev/null 2>&1; then
     fail "$h accepted an allowed endpoint pattern the driver refuses (ftp://x)"
@@ -184,6 +189,9 @@ grep -qF 'value: "6443"' "$A" || fail "kubernetesApi.port does not reach the API
 awk '/^kind: Deployment/{d=1} /^---/{d=0} d' "$A" | grep 'maxSurge: 0' >/dev/null ||
   fail "a controller on the host network must stop an old pod before its replacement starts"
 grep -qF -- '- --health-port=9807' "$A" || fail "the controller's livenessprobe sidecar must serve controller.healthPort"
+# The existing-prefix opt-in is per class: only ferry-shared-datasets sets it.
+[ "$(grep -c 'existingPrefix: "allow"' "$A")" = 1 ] && [ "$(grep -c existingPrefix "$A")" = 1 ] ||
+  fail "storageClasses[].existingPrefix must reach the StorageClass that sets it, and no other"
 
 step "the rendered objects"
 for v in defaults all-features minimal; do
