@@ -6,7 +6,7 @@ use std::time::Duration;
 use crate::global::{metrics, Labels};
 
 /// The `op` label of every S3 metric (the last one for an operation not listed).
-pub const OPS: [&str; 12] = [
+pub const OPS: [&str; 13] = [
     "head_bucket",
     "list",
     "head",
@@ -16,6 +16,7 @@ pub const OPS: [&str; 12] = [
     "upload_part",
     "complete_multipart",
     "abort_multipart",
+    "list_uploads",
     "delete",
     "delete_many",
     "other",
@@ -52,9 +53,10 @@ pub(crate) fn op_index(op: &str) -> usize {
         "upload_part" | "UploadPart" => 6,
         "complete_multipart" | "CompleteMultipartUpload" => 7,
         "abort_multipart" | "AbortMultipartUpload" => 8,
-        "delete" | "DeleteObject" => 9,
-        "delete_many" | "DeleteObjects" => 10,
-        _ => 11,
+        "list_uploads" | "ListMultipartUploads" => 9,
+        "delete" | "DeleteObject" => 10,
+        "delete_many" | "DeleteObjects" => 11,
+        _ => 12,
     }
 }
 
@@ -123,12 +125,14 @@ mod tests {
         record_s3_attempt("get", Some(200), Duration::from_millis(2));
         record_s3_attempt("put", None, Duration::from_secs(1));
         record_s3_attempt("SelectObjectContent", Some(1000), Duration::ZERO);
+        record_s3_attempt("ListMultipartUploads", Some(200), Duration::ZERO);
         let text = crate::registry().encode_text();
         for want in [
             "ferry_s3_attempts_total{op=\"get\",status=\"503\"} 2\n",
             "ferry_s3_attempts_total{op=\"get\",status=\"200\"} 1\n",
             "ferry_s3_attempts_total{op=\"put\",status=\"no_response\"} 1\n",
             "ferry_s3_attempts_total{op=\"other\",status=\"other\"} 1\n",
+            "ferry_s3_attempts_total{op=\"list_uploads\",status=\"200\"} 1\n",
             "ferry_s3_attempt_duration_seconds_bucket{op=\"put\",le=\"1\"} 1\n",
         ] {
             assert!(text.contains(want), "{want} missing from\n{text}");

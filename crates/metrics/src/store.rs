@@ -9,6 +9,7 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use ferry_store::{
     CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, PutResult, Result, StoreError,
+    UploadsPage, UploadsRequest,
 };
 
 use crate::global::metrics;
@@ -191,6 +192,10 @@ impl ObjectStore for InstrumentedStore {
         .await
     }
 
+    async fn list_uploads(&self, bucket: &str, req: UploadsRequest<'_>) -> Result<UploadsPage> {
+        timed("list_uploads", self.inner.list_uploads(bucket, req)).await
+    }
+
     async fn delete(&self, bucket: &str, key: &str) -> Result<()> {
         timed("delete", self.inner.delete(bucket, key)).await
     }
@@ -223,11 +228,18 @@ mod tests {
         s.put("m", "k", Bytes::from_static(b"hello")).await.unwrap();
         s.get_range("m", "k", 0..5, None).await.unwrap();
         assert!(s.head("m", "missing").await.is_err());
+        let id = s.create_multipart("m", "big").await.unwrap();
+        let page = s
+            .list_uploads("m", ferry_store::UploadsRequest::default())
+            .await
+            .unwrap();
+        assert_eq!(page.uploads[0].upload_id, id);
         assert!(metrics().s3.received_bytes.get() >= before_in + 5);
         let text = crate::registry().encode_text();
         for want in [
             "ferry_s3_requests_total{op=\"put\",result=\"ok\"}",
             "ferry_s3_requests_total{op=\"head\",result=\"not_found\"}",
+            "ferry_s3_requests_total{op=\"list_uploads\",result=\"ok\"}",
             "ferry_s3_request_duration_seconds_bucket{op=\"get\"",
         ] {
             assert!(text.contains(want), "{want} missing from\n{text}");

@@ -37,7 +37,7 @@ pub type OnAttempt = Arc<dyn Fn(Attempt) + Send + Sync>;
 /// The S3 operations Ferry sends, by their SDK names, as `'static` labels (no allocation per
 /// attempt); anything else is `"other"`.
 fn op_label(name: &str) -> &'static str {
-    const OPS: [&str; 13] = [
+    const OPS: [&str; 14] = [
         "GetObject",
         "HeadObject",
         "HeadBucket",
@@ -47,6 +47,7 @@ fn op_label(name: &str) -> &'static str {
         "UploadPart",
         "CompleteMultipartUpload",
         "AbortMultipartUpload",
+        "ListMultipartUploads",
         "DeleteObject",
         "DeleteObjects",
         "CreateBucket",
@@ -202,6 +203,7 @@ mod tests {
     fn operation_labels_are_static() {
         assert_eq!(op_label("GetObject"), "GetObject");
         assert_eq!(op_label("ListObjectsV2"), "ListObjectsV2");
+        assert_eq!(op_label("ListMultipartUploads"), "ListMultipartUploads");
         assert_eq!(op_label("SelectObjectContent"), "other");
     }
 }

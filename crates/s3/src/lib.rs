@@ -64,7 +64,8 @@ use crate::skew::{ClockSkew, CorrectedClock};
 
 use ferry_store::{
     CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, Probed, PutResult, Result,
-    StoreError, Version, MAX_DELETE_BATCH, MAX_LIST_KEYS,
+    StoreError, Upload, UploadsMarker, UploadsPage, UploadsRequest, Version, MAX_DELETE_BATCH,
+    MAX_LIST_KEYS,
 };
 
 /// Where an [`S3Store`] connects and as whom.
@@ -690,6 +691,64 @@ fn list_page(
     })
 }
 
+/// The page a ListMultipartUploads answer `out` gives: keys and markers decoded (when the server
+/// says it URL-encoded them; an upload whose key does not decode is skipped, as a LIST skips such a
+/// key); a truncated page must say where the next one starts.
+fn uploads_page(
+    bucket: &str,
+    prefix: &str,
+    out: &aws_sdk_s3::operation::list_multipart_uploads::ListMultipartUploadsOutput,
+) -> Result<UploadsPage> {
+    let encoded = out.encoding_type() == Some(&EncodingType::Url);
+    let text = |raw: &str| -> Option<String> {
+        match encoded {
+            true => url_decode(raw),
+            false => Some(raw.to_owned()),
+        }
+    };
+    let uploads = out
+        .uploads()
+        .iter()
+        .filter_map(|u| {
+            let (raw, upload_id) = (u.key()?, u.upload_id()?);
+            let key = text(raw);
+            if key.is_none() {
+                tracing::warn!(
+                    bucket,
+                    raw,
+                    "ListMultipartUploads returned a key that does not URL-decode to UTF-8; skipped"
+                );
+            }
+            Some(Upload {
+                key: key?,
+                upload_id: upload_id.to_owned(),
+            })
+        })
+        .collect();
+    let corrupt = |what: &str| {
+        StoreError::Corrupt(format!(
+            "ListMultipartUploads {bucket}/{prefix}: truncated page {what}"
+        ))
+    };
+    let next = match out.is_truncated() {
+        Some(true) => {
+            let key = out
+                .next_key_marker()
+                .filter(|k| !k.is_empty())
+                .ok_or_else(|| corrupt("without a NextKeyMarker"))?;
+            Some(UploadsMarker {
+                key: text(key).ok_or_else(|| corrupt("whose NextKeyMarker does not decode"))?,
+                upload_id: out
+                    .next_upload_id_marker()
+                    .filter(|id| !id.is_empty())
+                    .map(str::to_owned),
+            })
+        }
+        _ => None,
+    };
+    Ok(UploadsPage { uploads, next })
+}
+
 /// Whether a ListObjectsV2 body is whole: it ends (past trailing whitespace) with the closing
 /// tag of its root. A body cut short can parse as a shorter page, which no check of the parsed
 /// page can always tell (a cut between two entries of a page without `KeyCount`).
@@ -973,6 +1032,27 @@ impl ObjectStore for S3Store {
             .await
             .map_err(|e| map_sdk_error(e, Target::Upload(bucket, key, upload_id)))?;
         Ok(())
+    }
+
+    async fn list_uploads(&self, bucket: &str, req: UploadsRequest<'_>) -> Result<UploadsPage> {
+        let (key_marker, upload_id_marker) = match req.after {
+            Some(m) => (Some(m.key), m.upload_id),
+            None => (None, None),
+        };
+        let out = self
+            .client
+            .list_multipart_uploads()
+            .bucket(bucket)
+            .set_prefix((!req.prefix.is_empty()).then(|| req.prefix.to_owned()))
+            .set_key_marker(key_marker)
+            .set_upload_id_marker(upload_id_marker)
+            .set_max_uploads(req.max_uploads.map(|m| m.min(MAX_LIST_KEYS) as i32))
+            // As for LIST: a key XML 1.0 cannot carry does not make the page unreadable.
+            .encoding_type(EncodingType::Url)
+            .send()
+            .await
+            .map_err(|e| map_sdk_error(e, Target::Bucket(bucket)))?;
+        uploads_page(bucket, req.prefix, &out)
     }
 
     async fn delete(&self, bucket: &str, key: &str) -> Result<()> {

@@ -24,8 +24,8 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use ferry_store::{
-    delete_prefix, ListPage, ListRequest, MemoryStore, ObjectStore, StoreError, MAX_DELETE_BATCH,
-    MIN_PART_SIZE,
+    delete_prefix, ListPage, ListRequest, MemoryStore, ObjectStore, StoreError, Upload,
+    UploadsMarker, UploadsRequest, MAX_DELETE_BATCH, MIN_PART_SIZE,
 };
 use ferry_testkit::S3Server;
 use futures::{StreamExt, TryStreamExt};
@@ -83,6 +83,7 @@ both!(
     if_match,
     multipart_upload,
     multipart_abort_and_errors,
+    list_uploads,
     delete_many_and_delete_prefix,
     missing_bucket_and_keys,
 );
@@ -654,6 +655,133 @@ async fn multipart_abort_and_errors(store: &dyn ObjectStore, bucket: &str) {
         .await
         .unwrap();
     assert_eq!(store.head(bucket, key).await.unwrap().size, 1024);
+}
+
+/// Every page of `list_uploads` under `prefix` (here always one: versitygw refuses the markers
+/// of its pages, see `list_uploads`); returns (uploads, pages).
+async fn all_uploads(store: &dyn ObjectStore, bucket: &str, prefix: &str) -> (Vec<Upload>, usize) {
+    let (mut got, mut pages) = (Vec::new(), 0);
+    let mut after: Option<UploadsMarker> = None;
+    loop {
+        let req = UploadsRequest {
+            prefix,
+            after: after.clone(),
+            max_uploads: None,
+        };
+        let page = store.list_uploads(bucket, req).await.unwrap();
+        pages += 1;
+        assert!(pages < 100, "{prefix}: the listing does not end");
+        got.extend(page.uploads);
+        match page.next {
+            Some(next) => {
+                assert_ne!(after.as_ref(), Some(&next), "the marker did not advance");
+                after = Some(next);
+            }
+            None => return (got, pages),
+        }
+    }
+}
+
+/// `list_uploads` (ListMultipartUploads): the uploads in progress under a prefix, and no other,
+/// by key, in pages that say where the next starts; completed and aborted ones are gone.
+async fn list_uploads(store: &dyn ObjectStore, bucket: &str) {
+    // VERSITYGW: keys are paths, so `up/vol1` (a file) and `up/vol1/...` cannot both be objects;
+    // uploads in progress are no objects, but the checks keep to keys S3 and it both take.
+    let mut started = Vec::new();
+    for key in [
+        "up/vol1/b",
+        "up/vol1/a",
+        "up/vol10/x",
+        "up/vol1/b",
+        "up/vol1/c/d",
+        "up/vol0/y",
+    ] {
+        let upload_id = store.create_multipart(bucket, key).await.unwrap();
+        started.push(Upload {
+            key: key.to_owned(),
+            upload_id,
+        });
+    }
+    let under = |prefix: &str| -> Vec<Upload> {
+        started
+            .iter()
+            .filter(|u| u.key.starts_with(prefix))
+            .cloned()
+            .collect()
+    };
+    let (all, pages) = all_uploads(store, bucket, "up/vol1/").await;
+    assert_eq!(pages, 1);
+    let keys: Vec<&str> = all.iter().map(|u| u.key.as_str()).collect();
+    assert_eq!(keys, ["up/vol1/a", "up/vol1/b", "up/vol1/b", "up/vol1/c/d"]);
+    assert_eq!(
+        all.iter().cloned().collect::<BTreeSet<_>>(),
+        under("up/vol1/").into_iter().collect()
+    );
+    // A page of one names its upload as where the next starts: key and upload id.
+    let one = |after: Option<UploadsMarker>| UploadsRequest {
+        prefix: "up/vol1/",
+        after,
+        max_uploads: Some(1),
+    };
+    let first = store.list_uploads(bucket, one(None)).await.unwrap();
+    assert_eq!(first.uploads, all[..1]);
+    let marker = |u: &Upload, id: bool| UploadsMarker {
+        key: u.key.clone(),
+        upload_id: id.then(|| u.upload_id.clone()),
+    };
+    assert_eq!(first.next, Some(marker(&all[0], true)));
+    // VERSITYGW: refuses its own upload-id marker (400 InvalidArgument "Invalid uploadId marker":
+    // it looks the id up among the uploads of the first key *after* the key marker), so here pages
+    // go on from a key marker alone, which starts after every upload of that key.
+    let second = store
+        .list_uploads(bucket, one(Some(marker(&all[0], false))))
+        .await
+        .unwrap();
+    assert_eq!(second.uploads, all[1..2]);
+    assert_eq!(second.next, Some(marker(&all[1], true)));
+    let after_b = UploadsRequest {
+        prefix: "up/vol1/",
+        after: Some(marker(&all[2], false)),
+        max_uploads: None,
+    };
+    let last = store.list_uploads(bucket, after_b).await.unwrap();
+    assert_eq!(last.uploads, all[3..]);
+    assert_eq!(last.next, None);
+    // A prefix without its slash takes in the sibling `up/vol10/`, as a LIST does.
+    let (wide, _) = all_uploads(store, bucket, "up/vol1").await;
+    assert_eq!(
+        wide.into_iter().collect::<BTreeSet<_>>(),
+        under("up/vol1").into_iter().collect()
+    );
+    // Aborted and completed uploads are no longer in progress.
+    let gone = &started[1];
+    store
+        .abort_multipart(bucket, &gone.key, &gone.upload_id)
+        .await
+        .unwrap();
+    let done = &started[4];
+    let part = store
+        .upload_part(bucket, &done.key, &done.upload_id, 1, part_data(1, 10))
+        .await
+        .unwrap();
+    store
+        .complete_multipart(bucket, &done.key, &done.upload_id, vec![part])
+        .await
+        .unwrap();
+    let (left, _) = all_uploads(store, bucket, "up/").await;
+    let want: BTreeSet<Upload> = started
+        .iter()
+        .filter(|u| u.upload_id != gone.upload_id && u.upload_id != done.upload_id)
+        .cloned()
+        .collect();
+    assert_eq!(left.iter().cloned().collect::<BTreeSet<_>>(), want);
+    let (none, _) = all_uploads(store, bucket, "up/nothing/").await;
+    assert!(none.is_empty(), "{none:?}");
+    let e = store
+        .list_uploads("ferry-no-such-bucket", UploadsRequest::default())
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StoreError::NoSuchBucket(_)), "{e:?}");
 }
 
 async fn delete_many_and_delete_prefix(store: &dyn ObjectStore, bucket: &str) {

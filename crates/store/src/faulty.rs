@@ -26,7 +26,7 @@ use bytes::Bytes;
 
 use crate::{
     CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, Op, PutResult, Result,
-    StoreError,
+    StoreError, UploadsPage, UploadsRequest,
 };
 
 /// Counts of what a [`FaultyStore`] injected.
@@ -477,6 +477,11 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
             self.inner.abort_multipart(bucket, key, upload_id),
         )
         .await
+    }
+
+    async fn list_uploads(&self, bucket: &str, req: UploadsRequest<'_>) -> Result<UploadsPage> {
+        self.run(Op::ListUploads, self.inner.list_uploads(bucket, req))
+            .await
     }
 
     async fn delete(&self, bucket: &str, key: &str) -> Result<()> {

@@ -97,6 +97,42 @@ impl<'a> ListRequest<'a> {
     }
 }
 
+/// A multipart upload in progress (started, neither completed nor aborted), as
+/// ListMultipartUploads names it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Upload {
+    pub key: String,
+    pub upload_id: String,
+}
+
+/// Where a ListMultipartUploads page starts: after this key (`key-marker`) and, with an upload id
+/// (`upload-id-marker`), after that upload of the key; without one, after every upload of the key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct UploadsMarker {
+    pub key: String,
+    pub upload_id: Option<String>,
+}
+
+/// What a ListMultipartUploads asks for: the uploads whose keys start with `prefix`, in key order
+/// (and, for one key, in the order they were started), after `after`.
+#[derive(Debug, Clone, Default)]
+pub struct UploadsRequest<'a> {
+    pub prefix: &'a str,
+    /// `None`: from the first upload; else the previous page's [`UploadsPage::next`].
+    pub after: Option<UploadsMarker>,
+    /// Upper bound on the uploads in the page (the server may return fewer); clipped to
+    /// [`MAX_LIST_KEYS`]; `None` = the server's default (1000 on S3).
+    pub max_uploads: Option<u32>,
+}
+
+/// One page of a ListMultipartUploads response.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct UploadsPage {
+    pub uploads: Vec<Upload>,
+    /// Where the next page starts (`NextKeyMarker`, `NextUploadIdMarker`); `None` on the last page.
+    pub next: Option<UploadsMarker>,
+}
+
 /// The version of an object that reads are pinned to, so that one handle never mixes two.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Version<'a> {
@@ -298,6 +334,10 @@ pub trait ObjectStore: Send + Sync + Debug + 'static {
     ) -> Result<PutResult>;
     async fn abort_multipart(&self, bucket: &str, key: &str, upload_id: &str) -> Result<()>;
 
+    /// One page of the multipart uploads in progress under `req.prefix` (ListMultipartUploads, no
+    /// delimiter). No default: a wrapper that did not forward it would hide uploads.
+    async fn list_uploads(&self, bucket: &str, req: UploadsRequest<'_>) -> Result<UploadsPage>;
+
     /// Deletes one key; deleting a missing key succeeds (S3 semantics).
     async fn delete(&self, bucket: &str, key: &str) -> Result<()>;
 
@@ -342,13 +382,14 @@ pub enum Op {
     UploadPart,
     CompleteMultipart,
     AbortMultipart,
+    ListUploads,
     Delete,
     DeleteMany,
 }
 
 impl Op {
     /// Every operation, in declaration order.
-    pub const ALL: [Op; 11] = [
+    pub const ALL: [Op; 12] = [
         Op::HeadBucket,
         Op::List,
         Op::Head,
@@ -358,6 +399,7 @@ impl Op {
         Op::UploadPart,
         Op::CompleteMultipart,
         Op::AbortMultipart,
+        Op::ListUploads,
         Op::Delete,
         Op::DeleteMany,
     ];
@@ -496,6 +538,9 @@ impl<T: ObjectStore + ?Sized> ObjectStore for Arc<T> {
     }
     async fn abort_multipart(&self, bucket: &str, key: &str, upload_id: &str) -> Result<()> {
         (**self).abort_multipart(bucket, key, upload_id).await
+    }
+    async fn list_uploads(&self, bucket: &str, req: UploadsRequest<'_>) -> Result<UploadsPage> {
+        (**self).list_uploads(bucket, req).await
     }
     async fn delete(&self, bucket: &str, key: &str) -> Result<()> {
         (**self).delete(bucket, key).await

@@ -738,6 +738,13 @@ mod tests {
         async fn abort_multipart(&self, b: &str, k: &str, u: &str) -> Result<()> {
             self.inner.abort_multipart(b, k, u).await
         }
+        async fn list_uploads(
+            &self,
+            b: &str,
+            req: crate::UploadsRequest<'_>,
+        ) -> Result<crate::UploadsPage> {
+            self.inner.list_uploads(b, req).await
+        }
         async fn delete(&self, b: &str, k: &str) -> Result<()> {
             self.inner.delete(b, k).await
         }

@@ -13,6 +13,9 @@
 //! - Multipart: part numbers 1..=10000, re-uploading a part replaces it, complete needs ascending
 //!   part numbers with matching ETags and every part but the last ≥ [`MIN_PART_SIZE`] (adjustable
 //!   with [`MemoryStore::set_min_part_size`]), unknown upload ids are [`StoreError::NotFound`].
+//! - ListMultipartUploads: uploads in progress by key, then (for one key) in the order they were
+//!   started; `max_uploads` clipped to 1000; the next page starts after the last upload's key and
+//!   upload id (`key-marker`, `upload-id-marker`), or after every upload of the key without an id.
 //! - Deleting a missing key succeeds; an unknown bucket is [`StoreError::NoSuchBucket`].
 //!
 //! Every call is counted in [`StoreStats`] (also the failed ones), readable with
@@ -29,7 +32,8 @@ use bytes::{Bytes, BytesMut};
 
 use crate::{
     CompletedPart, ListPage, ListRequest, ObjectInfo, ObjectStore, Op, PutResult, Result,
-    StoreError, MAX_DELETE_BATCH, MAX_LIST_KEYS, MAX_PART_NUMBER, MIN_PART_SIZE,
+    StoreError, UploadsMarker, UploadsPage, UploadsRequest, MAX_DELETE_BATCH, MAX_LIST_KEYS,
+    MAX_PART_NUMBER, MIN_PART_SIZE,
 };
 
 /// Request counters of a [`MemoryStore`]: one per operation, plus payload bytes.
@@ -49,6 +53,7 @@ pub struct StoreStats {
     pub upload_part: u64,
     pub complete_multipart: u64,
     pub abort_multipart: u64,
+    pub list_uploads: u64,
     pub delete: u64,
     pub delete_many: u64,
 }
@@ -66,6 +71,7 @@ impl StoreStats {
             Op::UploadPart => self.upload_part,
             Op::CompleteMultipart => self.complete_multipart,
             Op::AbortMultipart => self.abort_multipart,
+            Op::ListUploads => self.list_uploads,
             Op::Delete => self.delete,
             Op::DeleteMany => self.delete_many,
         }
@@ -87,6 +93,7 @@ impl StoreStats {
             Op::UploadPart => &mut self.upload_part,
             Op::CompleteMultipart => &mut self.complete_multipart,
             Op::AbortMultipart => &mut self.abort_multipart,
+            Op::ListUploads => &mut self.list_uploads,
             Op::Delete => &mut self.delete,
             Op::DeleteMany => &mut self.delete_many,
         };
@@ -236,6 +243,24 @@ impl MemoryStore {
             .buckets
             .get(bucket)
             .map_or(0, |b| b.uploads.len())
+    }
+
+    /// The (key, upload id) of every multipart upload in progress in `bucket`, in
+    /// ListMultipartUploads' order, without counting a request.
+    pub fn uploads(&self, bucket: &str) -> Vec<(String, String)> {
+        let mut all: Vec<(String, String)> = self
+            .lock()
+            .buckets
+            .get(bucket)
+            .map(|b| {
+                b.uploads
+                    .iter()
+                    .map(|(id, u)| (u.key.clone(), id.clone()))
+                    .collect()
+            })
+            .unwrap_or_default();
+        all.sort();
+        all
     }
 
     /// Changes the minimum size of every part but the last (default [`MIN_PART_SIZE`], as S3), so
@@ -614,6 +639,12 @@ impl ObjectStore for MemoryStore {
         })
     }
 
+    async fn list_uploads(&self, bucket: &str, req: UploadsRequest<'_>) -> Result<UploadsPage> {
+        self.with_bucket(Op::ListUploads, bucket, |b, _, _| {
+            Ok(list_uploads(&b.uploads, &req))
+        })
+    }
+
     async fn delete(&self, bucket: &str, key: &str) -> Result<()> {
         self.with_bucket(Op::Delete, bucket, |b, _, _| {
             b.objects.remove(key);
@@ -637,6 +668,44 @@ impl ObjectStore for MemoryStore {
             }
             Ok(())
         })
+    }
+}
+
+/// A page of the uploads in progress under `req.prefix`, after `req.after`. Upload ids are
+/// numbered in the order the uploads were started, so (key, id) order is S3's.
+fn list_uploads(uploads: &HashMap<String, Upload>, req: &UploadsRequest<'_>) -> UploadsPage {
+    let max = req.max_uploads.unwrap_or(MAX_LIST_KEYS).min(MAX_LIST_KEYS) as usize;
+    let after = |key: &str, id: &str| match &req.after {
+        None => true,
+        Some(UploadsMarker {
+            key: mk,
+            upload_id: Some(mid),
+        }) => (key, id) > (mk.as_str(), mid.as_str()),
+        Some(UploadsMarker {
+            key: mk,
+            upload_id: None,
+        }) => key > mk.as_str(),
+    };
+    let mut found: Vec<crate::Upload> = uploads
+        .iter()
+        .filter(|(id, u)| u.key.starts_with(req.prefix) && after(&u.key, id))
+        .map(|(id, u)| crate::Upload {
+            key: u.key.clone(),
+            upload_id: id.clone(),
+        })
+        .collect();
+    found.sort();
+    let next = (found.len() > max && max > 0).then(|| {
+        let last = &found[max - 1];
+        UploadsMarker {
+            key: last.key.clone(),
+            upload_id: Some(last.upload_id.clone()),
+        }
+    });
+    found.truncate(max);
+    UploadsPage {
+        uploads: found,
+        next,
     }
 }
 
@@ -1358,6 +1427,97 @@ mod tests {
         assert_eq!((s.stats().list, s.stats().head), (2, 0));
         assert!(matches!(
             crate::check_prefix_access(&s, "no-such-bucket", "vol1/").await,
+            Err(StoreError::NoSuchBucket(_))
+        ));
+    }
+
+    #[tokio::test]
+    async fn list_uploads_by_key_then_start_in_pages() {
+        let s = store();
+        let mut started = Vec::new();
+        for key in ["vol1/b", "vol1/a", "vol10/x", "vol1/b", "vol1", "vol0/y"] {
+            started.push((key, s.create_multipart(B, key).await.unwrap()));
+        }
+        let under = |prefix: &str| -> Vec<(String, String)> {
+            let mut want: Vec<_> = started
+                .iter()
+                .filter(|(k, _)| k.starts_with(prefix))
+                .map(|(k, id)| (k.to_string(), id.clone()))
+                .collect();
+            want.sort();
+            want
+        };
+        let pairs = |page: &crate::UploadsPage| -> Vec<(String, String)> {
+            page.uploads
+                .iter()
+                .map(|u| (u.key.clone(), u.upload_id.clone()))
+                .collect()
+        };
+        // One page: by key, and the two uploads of vol1/b in the order they were started.
+        let all = s
+            .list_uploads(B, crate::UploadsRequest::default())
+            .await
+            .unwrap();
+        assert_eq!(pairs(&all), under(""));
+        assert_eq!(all.next, None);
+        assert_eq!(s.uploads(B), under(""));
+        let b_ids: Vec<_> = started.iter().filter(|(k, _)| *k == "vol1/b").collect();
+        assert!(b_ids[0].1 < b_ids[1].1, "{b_ids:?}");
+        // Pages of two under `vol1/`: the markers carry the key and the upload id, so the two
+        // uploads of one key may fall on two pages.
+        let mut got = Vec::new();
+        let mut after = None;
+        let mut pages = 0;
+        loop {
+            let req = crate::UploadsRequest {
+                prefix: "vol1/",
+                after: after.take(),
+                max_uploads: Some(2),
+            };
+            let page = s.list_uploads(B, req).await.unwrap();
+            pages += 1;
+            assert!(page.uploads.len() <= 2);
+            got.extend(pairs(&page));
+            match page.next {
+                Some(next) => after = Some(next),
+                None => break,
+            }
+        }
+        assert_eq!(got, under("vol1/"));
+        assert_eq!(pages, 2);
+        // A marker without an upload id starts after every upload of its key.
+        let req = crate::UploadsRequest {
+            prefix: "vol1",
+            after: Some(crate::UploadsMarker {
+                key: "vol1/a".into(),
+                upload_id: None,
+            }),
+            max_uploads: None,
+        };
+        let page = s.list_uploads(B, req).await.unwrap();
+        let keys: Vec<_> = page.uploads.iter().map(|u| u.key.as_str()).collect();
+        assert_eq!(keys, ["vol1/b", "vol1/b", "vol10/x"]);
+        // Completed and aborted uploads are no longer listed.
+        s.abort_multipart(B, "vol0/y", &started[5].1).await.unwrap();
+        let p = s.upload_part(B, "vol1", &started[4].1, 1, "x".into()).await;
+        s.complete_multipart(B, "vol1", &started[4].1, vec![p.unwrap()])
+            .await
+            .unwrap();
+        let left = s
+            .list_uploads(B, crate::UploadsRequest::default())
+            .await
+            .unwrap();
+        assert_eq!(
+            pairs(&left),
+            under("vol1/")
+                .into_iter()
+                .chain(under("vol10"))
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(s.stats().list_uploads, 5);
+        assert!(matches!(
+            s.list_uploads("nope", crate::UploadsRequest::default())
+                .await,
             Err(StoreError::NoSuchBucket(_))
         ));
     }

@@ -1022,6 +1022,13 @@ impl ObjectStore for Hooked {
     ) -> ferry_store::Result<()> {
         self.inner.abort_multipart(bucket, key, upload_id).await
     }
+    async fn list_uploads(
+        &self,
+        bucket: &str,
+        req: ferry_store::UploadsRequest<'_>,
+    ) -> ferry_store::Result<ferry_store::UploadsPage> {
+        self.inner.list_uploads(bucket, req).await
+    }
     async fn delete(&self, bucket: &str, key: &str) -> ferry_store::Result<()> {
         self.inner.delete(bucket, key).await
     }
