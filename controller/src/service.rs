@@ -300,7 +300,13 @@ impl Inner {
         let (store, _) = self.store(&id, &req.secrets).await?;
         match ferry_store::delete_prefix(store.as_ref(), &id.bucket, &id.prefix).await {
             Ok(n) => {
-                info!(bucket = %id.bucket, prefix = %id.prefix, objects = n, "deletePolicy delete: prefix emptied");
+                info!(
+                    bucket = %id.bucket,
+                    prefix = %id.prefix,
+                    objects = n.objects,
+                    uploads_aborted = n.uploads,
+                    "deletePolicy delete: prefix emptied"
+                );
                 Ok(pb::DeleteVolumeResponse {})
             }
             Err(StoreError::NoSuchBucket(_)) => Ok(pb::DeleteVolumeResponse {}),
@@ -671,6 +677,18 @@ mod tests {
         }
         mem.insert("data", "ml/imagenet2/keep", "x");
         mem.insert("data", "ml/keep", "x");
+        // Multipart uploads a node left in progress (a crash, a pod killed mid-write): those
+        // under the prefix go with the volume, the sibling volume's stays.
+        for key in ["ml/imagenet/big", "ml/imagenet/big", "ml/imagenet/sub/big"] {
+            let id = mem.create_multipart("data", key).await.unwrap();
+            mem.upload_part("data", key, &id, 1, "part".into())
+                .await
+                .unwrap();
+        }
+        let kept = mem
+            .create_multipart("data", "ml/imagenet2/big")
+            .await
+            .unwrap();
         svc.delete(pb::DeleteVolumeRequest {
             volume_id: vol.volume_id.clone(),
             secrets: Default::default(),
@@ -678,6 +696,11 @@ mod tests {
         .await
         .unwrap();
         assert_eq!(mem.keys("data"), ["ml/imagenet2/keep", "ml/keep"]);
+        assert_eq!(
+            mem.uploads("data"),
+            [("ml/imagenet2/big".to_string(), kept)],
+            "no upload left under the prefix, none outside it aborted"
+        );
     }
 
     /// A volume name with a `/` (csi-provisioner's never has one; other COs, csi-sanity or a

@@ -126,7 +126,8 @@ fn hostile_keys_never_take_a_directory_down() {
     let deleted = rt
         .block_on(delete_prefix(store.as_ref(), BUCKET, "ds/"))
         .unwrap();
-    assert_eq!(deleted, objects.len() as u64 - 1);
+    assert_eq!(deleted.objects, objects.len() as u64 - 1);
+    assert_eq!(deleted.uploads, 0);
     let left = rt
         .block_on(store.list(
             BUCKET,

@@ -24,8 +24,8 @@ use std::time::{Duration, SystemTime};
 
 use bytes::Bytes;
 use ferry_store::{
-    delete_prefix, ListPage, ListRequest, MemoryStore, ObjectStore, StoreError, Upload,
-    UploadsMarker, UploadsRequest, MAX_DELETE_BATCH, MIN_PART_SIZE,
+    delete_prefix, ListPage, ListRequest, MemoryStore, ObjectStore, PrefixDeleted, StoreError,
+    Upload, UploadsMarker, UploadsRequest, MAX_DELETE_BATCH, MIN_PART_SIZE,
 };
 use ferry_testkit::S3Server;
 use futures::{StreamExt, TryStreamExt};
@@ -815,17 +815,51 @@ async fn delete_many_and_delete_prefix(store: &dyn ObjectStore, bucket: &str) {
     store.delete(bucket, &keys[10]).await.unwrap();
     store.delete(bucket, &keys[10]).await.unwrap(); // deleting a missing key succeeds
 
+    // Uploads in progress under the prefix (two of one key) are aborted, a sibling's is not.
+    for key in ["del/d0/big", "del/d0/big", "del/d9/big"] {
+        let id = store.create_multipart(bucket, key).await.unwrap();
+        store
+            .upload_part(bucket, key, &id, 1, part_data(1, 100))
+            .await
+            .unwrap();
+    }
+    let sibling = store
+        .create_multipart(bucket, "del-sibling/big")
+        .await
+        .unwrap();
+
     let n = delete_prefix(store, bucket, "del/").await.unwrap();
-    assert_eq!(n, 1100 - 11);
+    assert_eq!(
+        n,
+        PrefixDeleted {
+            objects: 1100 - 11,
+            uploads: 3
+        }
+    );
     let (left, _, _) = list_all(store, bucket, "del/", None, None).await;
     assert!(left.is_empty(), "{left:?}");
+    let (uploads, _) = all_uploads(store, bucket, "del").await;
+    assert_eq!(
+        uploads,
+        [Upload {
+            key: "del-sibling/big".into(),
+            upload_id: sibling.clone()
+        }]
+    );
     let (all, _, _) = list_all(store, bucket, "", None, None).await;
     assert_eq!(
         all.iter().cloned().collect::<BTreeSet<_>>(),
         siblings.iter().cloned().collect()
     );
     // Nothing left: a second pass deletes nothing.
-    assert_eq!(delete_prefix(store, bucket, "del/").await.unwrap(), 0);
+    assert_eq!(
+        delete_prefix(store, bucket, "del/").await.unwrap(),
+        PrefixDeleted::default()
+    );
+    store
+        .abort_multipart(bucket, "del-sibling/big", &sibling)
+        .await
+        .unwrap();
     assert!(matches!(
         delete_prefix(store, bucket, "").await,
         Err(StoreError::InvalidRequest(_))

@@ -422,20 +422,33 @@ pub async fn check_prefix_access(
     store.list(bucket, probe).await.map(|_| ())
 }
 
-/// Deletes every key that starts with `prefix` and returns how many were deleted.
+/// What [`delete_prefix`] removed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct PrefixDeleted {
+    /// Objects deleted.
+    pub objects: u64,
+    /// Multipart uploads in progress aborted (their parts deleted).
+    pub uploads: u64,
+}
+
+/// Deletes every key that starts with `prefix`, then aborts every multipart upload in progress
+/// whose key starts with it ([`abort_uploads`]), and says how many of each.
 ///
 /// Lists page by page (no delimiter) and deletes each page with one [`ObjectStore::delete_many`]
 /// (at most [`MAX_DELETE_BATCH`] keys). Only keys that really start with `prefix` are deleted, even
 /// if a server returned others. An empty `prefix` would empty the whole bucket and is refused with
 /// [`StoreError::InvalidRequest`]. Note that `"vol1"` also matches `"vol10/x"`: pass `"vol1/"` to
 /// mean a directory.
-pub async fn delete_prefix(store: &dyn ObjectStore, bucket: &str, prefix: &str) -> Result<u64> {
-    if prefix.is_empty() {
-        return Err(StoreError::InvalidRequest(
-            "delete_prefix refuses an empty prefix (it would empty the bucket)".into(),
-        ));
-    }
-    let mut deleted = 0u64;
+///
+/// The deletes are plain (no version ids): in a versioned bucket each adds a delete marker and the
+/// older versions stay until a lifecycle rule expires them.
+pub async fn delete_prefix(
+    store: &dyn ObjectStore,
+    bucket: &str,
+    prefix: &str,
+) -> Result<PrefixDeleted> {
+    refuse_empty_prefix("delete_prefix", prefix, "empty the bucket")?;
+    let mut objects = 0u64;
     let pages = list_pages(store, bucket, ListRequest::keys_under(prefix));
     futures::pin_mut!(pages);
     while let Some(page) = pages.try_next().await? {
@@ -447,10 +460,80 @@ pub async fn delete_prefix(store: &dyn ObjectStore, bucket: &str, prefix: &str) 
             .collect();
         for batch in keys.chunks(MAX_DELETE_BATCH) {
             store.delete_many(bucket, batch).await?;
-            deleted += batch.len() as u64;
+            objects += batch.len() as u64;
         }
     }
-    Ok(deleted)
+    let uploads = abort_uploads(store, bucket, prefix).await?;
+    Ok(PrefixDeleted { objects, uploads })
+}
+
+/// Aborts every multipart upload in progress whose key starts with `prefix` (S3 then deletes its
+/// parts, which it otherwise keeps, billed, for ever unless a lifecycle rule aborts them) and
+/// returns how many were aborted.
+///
+/// Each page of [`ObjectStore::list_uploads`] is aborted, then the listing starts again from the
+/// first page (what was aborted is gone from it), until a page is the last: no request names an
+/// aborted upload as its marker (S3 may refuse an upload-id marker that names no upload), and no
+/// request depends on a server's upload-id markers (versitygw refuses its own). A page holding only
+/// uploads already tried (a server that lists an upload it acknowledged aborting) is gone past with
+/// its markers, which must advance. Only uploads whose keys really start with `prefix` are aborted,
+/// even if a server returned others; an upload gone by the time it is aborted (completed or
+/// aborted meanwhile: [`StoreError::NotFound`], S3's NoSuchUpload) is not counted and is no error.
+/// An empty `prefix` is refused as by [`delete_prefix`].
+pub async fn abort_uploads(store: &dyn ObjectStore, bucket: &str, prefix: &str) -> Result<u64> {
+    refuse_empty_prefix("abort_uploads", prefix, "abort every upload of the bucket")?;
+    let mut aborted = 0u64;
+    let mut tried = std::collections::HashSet::new();
+    let mut markers = std::collections::HashSet::new();
+    let mut after: Option<UploadsMarker> = None;
+    loop {
+        let req = UploadsRequest {
+            prefix,
+            after: after.clone(),
+            max_uploads: None,
+        };
+        let page = store.list_uploads(bucket, req).await?;
+        let mut fresh = 0usize;
+        for upload in page.uploads {
+            if !upload.key.starts_with(prefix) || !tried.insert(upload.clone()) {
+                continue;
+            }
+            fresh += 1;
+            match store
+                .abort_multipart(bucket, &upload.key, &upload.upload_id)
+                .await
+            {
+                Ok(()) => aborted += 1,
+                Err(StoreError::NotFound(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
+        match page.next {
+            None => return Ok(aborted),
+            Some(_) if fresh > 0 => after = None,
+            // Markers name uploads in list order: one that goes back, or comes again, would
+            // list for ever.
+            Some(next)
+                if !markers.insert(next.clone())
+                    || after.as_ref().is_some_and(|a| next.key < a.key) =>
+            {
+                return Err(StoreError::Other(format!(
+                    "ListMultipartUploads {bucket}/{prefix}: the next page would start at {next:?}, where a page already did or before (after {after:?})"
+                )));
+            }
+            Some(next) => after = Some(next),
+        }
+    }
+}
+
+/// An empty prefix is every key of the bucket: refused, with why (`it would ...`).
+fn refuse_empty_prefix(what: &str, prefix: &str, it_would: &str) -> Result<()> {
+    if prefix.is_empty() {
+        return Err(StoreError::InvalidRequest(format!(
+            "{what} refuses an empty prefix (it would {it_would})"
+        )));
+    }
+    Ok(())
 }
 
 /// `data` in copies of `piece` bytes each (the last may be shorter; `piece` 0 counts as 1).
@@ -564,4 +647,124 @@ pub fn error_chain(err: &(dyn std::error::Error + 'static)) -> String {
         cur = e.source();
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::memory::MemoryStore;
+
+    const B: &str = "b";
+
+    /// A server that answers ListMultipartUploads for the whole bucket whatever the prefix (or,
+    /// `stuck`, hands out the same marker on every page).
+    #[derive(Debug)]
+    struct Sloppy {
+        inner: MemoryStore,
+        stuck: bool,
+    }
+
+    #[async_trait]
+    impl ObjectStore for Sloppy {
+        async fn head_bucket(&self, b: &str) -> Result<()> {
+            self.inner.head_bucket(b).await
+        }
+        async fn list(&self, b: &str, req: ListRequest<'_>) -> Result<ListPage> {
+            self.inner.list(b, req).await
+        }
+        async fn head(&self, b: &str, k: &str) -> Result<ObjectInfo> {
+            self.inner.head(b, k).await
+        }
+        async fn get_range(
+            &self,
+            b: &str,
+            k: &str,
+            r: Range<u64>,
+            m: Option<&str>,
+        ) -> Result<Bytes> {
+            self.inner.get_range(b, k, r, m).await
+        }
+        async fn get_range_unmodified(
+            &self,
+            b: &str,
+            k: &str,
+            r: Range<u64>,
+            t: Option<SystemTime>,
+            n: u64,
+        ) -> Result<Bytes> {
+            self.inner.get_range_unmodified(b, k, r, t, n).await
+        }
+        async fn put(&self, b: &str, k: &str, body: Bytes) -> Result<PutResult> {
+            self.inner.put(b, k, body).await
+        }
+        async fn create_multipart(&self, b: &str, k: &str) -> Result<String> {
+            self.inner.create_multipart(b, k).await
+        }
+        async fn upload_part(
+            &self,
+            b: &str,
+            k: &str,
+            u: &str,
+            n: i32,
+            body: Bytes,
+        ) -> Result<CompletedPart> {
+            self.inner.upload_part(b, k, u, n, body).await
+        }
+        async fn complete_multipart(
+            &self,
+            b: &str,
+            k: &str,
+            u: &str,
+            parts: Vec<CompletedPart>,
+        ) -> Result<PutResult> {
+            self.inner.complete_multipart(b, k, u, parts).await
+        }
+        async fn abort_multipart(&self, b: &str, k: &str, u: &str) -> Result<()> {
+            self.inner.abort_multipart(b, k, u).await
+        }
+        async fn list_uploads(&self, b: &str, req: UploadsRequest<'_>) -> Result<UploadsPage> {
+            let wide = UploadsRequest { prefix: "", ..req };
+            let mut page = self.inner.list_uploads(b, wide).await?;
+            if self.stuck {
+                page.next = Some(UploadsMarker {
+                    key: "vol1/a".into(),
+                    upload_id: None,
+                });
+            }
+            Ok(page)
+        }
+        async fn delete(&self, b: &str, k: &str) -> Result<()> {
+            self.inner.delete(b, k).await
+        }
+        async fn delete_many(&self, b: &str, keys: &[String]) -> Result<()> {
+            self.inner.delete_many(b, keys).await
+        }
+    }
+
+    /// Only uploads whose keys really start with the prefix are aborted, whatever the server
+    /// listed; a server whose pages do not advance ends the deletion with an error, not a loop.
+    #[tokio::test]
+    async fn uploads_outside_the_prefix_are_never_aborted_whatever_the_server_lists() {
+        let inner = MemoryStore::new();
+        inner.create_bucket(B);
+        for key in ["vol0/x", "vol1/a", "vol1/b", "vol10/x", "vol1"] {
+            inner.create_multipart(B, key).await.unwrap();
+        }
+        let s = Sloppy {
+            inner: inner.clone(),
+            stuck: false,
+        };
+        assert_eq!(abort_uploads(&s, B, "vol1/").await.unwrap(), 2);
+        let left: Vec<String> = inner.uploads(B).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(left, ["vol0/x", "vol1", "vol10/x"]);
+
+        let stuck = Sloppy { inner, stuck: true };
+        let e = abort_uploads(&stuck, B, "vol10/").await.unwrap_err();
+        assert!(
+            matches!(e, StoreError::Other(ref m) if m.contains("already")),
+            "{e:?}"
+        );
+        let left: Vec<String> = stuck.inner.uploads(B).into_iter().map(|(k, _)| k).collect();
+        assert_eq!(left, ["vol0/x", "vol1"], "vol10/x aborted, nothing else");
+    }
 }

@@ -1532,12 +1532,91 @@ mod tests {
         s.insert(B, "vol1", "x"); // equal to the prefix without the slash
         s.insert(B, "vol0/keep", "x");
         let n = crate::delete_prefix(&s, B, "vol1/").await.unwrap();
-        assert_eq!(n, 2500);
+        assert_eq!(n.objects, 2500);
+        assert_eq!(n.uploads, 0);
         assert_eq!(s.keys(B), ["vol0/keep", "vol1", "vol10/keep"]);
         assert_eq!(s.stats().delete_many, 3, "batches of at most 1000");
         assert!(matches!(
             crate::delete_prefix(&s, B, "").await,
             Err(StoreError::InvalidRequest(_))
         ));
+    }
+
+    /// DeleteVolume of a `deletePolicy: delete` volume left its multipart uploads in progress:
+    /// S3 keeps (and bills) their parts until they are aborted, and nothing would ever complete
+    /// them once the volume is gone. Now every upload under the prefix is aborted, over more than
+    /// one page of ListMultipartUploads, and none outside it.
+    #[tokio::test]
+    async fn delete_prefix_aborts_the_prefix_uploads_and_no_other() {
+        let s = store();
+        s.insert(B, "vol1/done", "x");
+        for i in 0..1001 {
+            let key = format!("vol1/big{:02}", i % 7);
+            let id = s.create_multipart(B, &key).await.unwrap();
+            s.upload_part(B, &key, &id, 1, "part".into()).await.unwrap();
+        }
+        let mut kept = Vec::new();
+        for key in ["vol10/x", "vol1", "vol0/y"] {
+            kept.push((key.to_owned(), s.create_multipart(B, key).await.unwrap()));
+        }
+        kept.sort();
+        let n = crate::delete_prefix(&s, B, "vol1/").await.unwrap();
+        assert_eq!(
+            n,
+            crate::PrefixDeleted {
+                objects: 1,
+                uploads: 1001
+            }
+        );
+        assert_eq!(s.uploads(B), kept);
+        assert_eq!(
+            s.stats().list_uploads,
+            2,
+            "a full page of 1000, then the one left"
+        );
+        assert_eq!(s.stats().abort_multipart, 1001);
+        // Nothing left: a second pass aborts nothing.
+        let again = crate::delete_prefix(&s, B, "vol1/").await.unwrap();
+        assert_eq!(again, crate::PrefixDeleted::default());
+        assert!(matches!(
+            crate::abort_uploads(&s, B, "").await,
+            Err(StoreError::InvalidRequest(_))
+        ));
+        assert_eq!(s.uploads(B), kept);
+    }
+
+    /// An upload that is gone when its abort arrives (completed or aborted meanwhile: S3's 404
+    /// NoSuchUpload) is no error and not counted; any other failure of an abort is.
+    #[tokio::test]
+    async fn delete_prefix_passes_over_an_upload_gone_meanwhile() {
+        let mem = store();
+        for key in ["vol1/a", "vol1/b", "vol1/c"] {
+            mem.create_multipart(B, key).await.unwrap();
+        }
+        let s = crate::FaultyStore::new(mem.clone(), 1);
+        s.fail_next(
+            Op::AbortMultipart,
+            1,
+            StoreError::NotFound("NoSuchUpload".into()),
+        );
+        let n = crate::delete_prefix(&s, B, "vol1/").await.unwrap();
+        assert_eq!(
+            n,
+            crate::PrefixDeleted {
+                objects: 0,
+                uploads: 2
+            }
+        );
+        assert_eq!(mem.uploads(B).len(), 1, "the one whose abort was lost");
+        s.fail_next(Op::AbortMultipart, 1, StoreError::AccessDenied("no".into()));
+        assert!(matches!(
+            crate::delete_prefix(&s, B, "vol1/").await,
+            Err(StoreError::AccessDenied(_))
+        ));
+        assert_eq!(
+            crate::delete_prefix(&s, B, "vol1/").await.unwrap().uploads,
+            1
+        );
+        assert!(mem.uploads(B).is_empty());
     }
 }
