@@ -463,8 +463,36 @@ pub async fn delete_prefix(
             objects += batch.len() as u64;
         }
     }
-    let uploads = abort_uploads(store, bucket, prefix).await?;
+    let uploads = abort_uploads(store, bucket, prefix)
+        .await
+        .map_err(|e| after_objects_deleted(e, objects))?;
     Ok(PrefixDeleted { objects, uploads })
+}
+
+/// An error of [`abort_uploads`] once the objects are gone, saying so (a retry deletes no data
+/// then) and, for a refusal, which permissions the uploads need: an IAM policy written before
+/// Ferry aborted uploads grants neither.
+fn after_objects_deleted(e: StoreError, objects: u64) -> StoreError {
+    let done =
+        format!("the prefix's {objects} objects are deleted, its unfinished multipart uploads not");
+    match e {
+        StoreError::AccessDenied(m) => StoreError::AccessDenied(format!(
+            "{done}: {m} (listing and aborting them needs s3:ListBucketMultipartUploads on the \
+             bucket and s3:AbortMultipartUpload)"
+        )),
+        StoreError::NotFound(m) => StoreError::NotFound(format!("{done}: {m}")),
+        StoreError::NoSuchBucket(m) => StoreError::NoSuchBucket(m),
+        StoreError::PreconditionFailed(m) => StoreError::PreconditionFailed(format!("{done}: {m}")),
+        StoreError::InvalidRequest(m) => StoreError::InvalidRequest(format!("{done}: {m}")),
+        StoreError::Throttled(m) => StoreError::Throttled(format!("{done}: {m}")),
+        StoreError::Transient(m) => StoreError::Transient(format!("{done}: {m}")),
+        StoreError::Corrupt(m) => StoreError::Corrupt(format!("{done}: {m}")),
+        StoreError::Credentials(m) => StoreError::Credentials(format!("{done}: {m}")),
+        StoreError::CredentialsUnavailable(m) => {
+            StoreError::CredentialsUnavailable(format!("{done}: {m}"))
+        }
+        StoreError::Other(m) => StoreError::Other(format!("{done}: {m}")),
+    }
 }
 
 /// Aborts every multipart upload in progress whose key starts with `prefix` (S3 then deletes its

@@ -1608,11 +1608,22 @@ mod tests {
             }
         );
         assert_eq!(mem.uploads(B).len(), 1, "the one whose abort was lost");
+        // A policy without the uploads' permissions: the objects go, and the refusal says so
+        // and names what is missing.
+        mem.insert(B, "vol1/obj", "x");
         s.fail_next(Op::AbortMultipart, 1, StoreError::AccessDenied("no".into()));
-        assert!(matches!(
-            crate::delete_prefix(&s, B, "vol1/").await,
-            Err(StoreError::AccessDenied(_))
-        ));
+        match crate::delete_prefix(&s, B, "vol1/").await {
+            Err(StoreError::AccessDenied(m)) => {
+                assert!(m.contains("1 objects are deleted"), "{m}");
+                assert!(m.contains("s3:ListBucketMultipartUploads"), "{m}");
+                assert!(m.contains("s3:AbortMultipartUpload"), "{m}");
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            mem.get_object(B, "vol1/obj").is_none(),
+            "the objects go first"
+        );
         assert_eq!(
             crate::delete_prefix(&s, B, "vol1/").await.unwrap().uploads,
             1
