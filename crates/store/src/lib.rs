@@ -233,6 +233,23 @@ impl StoreError {
             StoreError::Throttled(_) | StoreError::Transient(_) | StoreError::Corrupt(_)
         )
     }
+
+    /// The message every variant carries, to add context to it.
+    pub fn message_mut(&mut self) -> &mut String {
+        match self {
+            StoreError::NotFound(m)
+            | StoreError::NoSuchBucket(m)
+            | StoreError::AccessDenied(m)
+            | StoreError::PreconditionFailed(m)
+            | StoreError::InvalidRequest(m)
+            | StoreError::Throttled(m)
+            | StoreError::Transient(m)
+            | StoreError::Corrupt(m)
+            | StoreError::Credentials(m)
+            | StoreError::CredentialsUnavailable(m)
+            | StoreError::Other(m) => m,
+        }
+    }
 }
 
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
@@ -472,27 +489,23 @@ pub async fn delete_prefix(
 /// An error of [`abort_uploads`] once the objects are gone, saying so (a retry deletes no data
 /// then) and, for a refusal, which permissions the uploads need: an IAM policy written before
 /// Ferry aborted uploads grants neither.
-fn after_objects_deleted(e: StoreError, objects: u64) -> StoreError {
-    let done =
-        format!("the prefix's {objects} objects are deleted, its unfinished multipart uploads not");
-    match e {
-        StoreError::AccessDenied(m) => StoreError::AccessDenied(format!(
-            "{done}: {m} (listing and aborting them needs s3:ListBucketMultipartUploads on the \
-             bucket and s3:AbortMultipartUpload)"
-        )),
-        StoreError::NotFound(m) => StoreError::NotFound(format!("{done}: {m}")),
-        StoreError::NoSuchBucket(m) => StoreError::NoSuchBucket(m),
-        StoreError::PreconditionFailed(m) => StoreError::PreconditionFailed(format!("{done}: {m}")),
-        StoreError::InvalidRequest(m) => StoreError::InvalidRequest(format!("{done}: {m}")),
-        StoreError::Throttled(m) => StoreError::Throttled(format!("{done}: {m}")),
-        StoreError::Transient(m) => StoreError::Transient(format!("{done}: {m}")),
-        StoreError::Corrupt(m) => StoreError::Corrupt(format!("{done}: {m}")),
-        StoreError::Credentials(m) => StoreError::Credentials(format!("{done}: {m}")),
-        StoreError::CredentialsUnavailable(m) => {
-            StoreError::CredentialsUnavailable(format!("{done}: {m}"))
-        }
-        StoreError::Other(m) => StoreError::Other(format!("{done}: {m}")),
+fn after_objects_deleted(mut e: StoreError, objects: u64) -> StoreError {
+    // A bucket gone meanwhile is kept as it is (the controller answers it with OK).
+    if matches!(e, StoreError::NoSuchBucket(_)) {
+        return e;
     }
+    let hint = match e {
+        StoreError::AccessDenied(_) => {
+            " (listing and aborting them needs s3:ListBucketMultipartUploads on the bucket and \
+             s3:AbortMultipartUpload)"
+        }
+        _ => "",
+    };
+    let m = e.message_mut();
+    *m = format!(
+        "the prefix's {objects} objects are deleted, its unfinished multipart uploads not: {m}{hint}"
+    );
+    e
 }
 
 /// Aborts every multipart upload in progress whose key starts with `prefix` (S3 then deletes its
