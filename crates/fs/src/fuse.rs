@@ -765,7 +765,16 @@ impl Filesystem for FuseAdapter {
         let _pass = self.gate.enter();
         let _timer = OpTimer::start("opendir");
         match self.fs.opendir(ino.0) {
-            Ok(fh) => reply.opened(FileHandle(fh), FopenFlags::empty()),
+            Ok(o) => {
+                let mut flags = FopenFlags::empty();
+                if o.cache_dir {
+                    flags |= FopenFlags::FOPEN_CACHE_DIR;
+                }
+                if o.keep_cache {
+                    flags |= FopenFlags::FOPEN_KEEP_CACHE;
+                }
+                reply.opened(FileHandle(o.fh), flags)
+            }
             Err(e) => reply.error(errno("opendir", &e)),
         }
     }

@@ -176,6 +176,28 @@ pub struct DirHandle {
     /// the rest of the listing joins it.
     #[serde(default)]
     pub partial: bool,
+    /// The snapshot's tag in the offsets this handle gives (0: untagged; see `fs::kdir`).
+    #[serde(default)]
+    pub tag: u32,
+    /// Counted among its directory's handles that started a listing in this process
+    /// (`KernelDir::active`); a successor counts every handle it takes over.
+    #[serde(skip)]
+    pub counted: bool,
+}
+
+impl DirHandle {
+    /// A handle of directory `ino` whose listing is taken at its first `readdir`.
+    pub fn new(ino: Ino) -> Self {
+        DirHandle {
+            ino,
+            snapshot: None,
+            listed_at: None,
+            served: false,
+            partial: false,
+            tag: 0,
+            counted: false,
+        }
+    }
 }
 
 /// Open handles by number.

@@ -166,13 +166,7 @@ impl JournaledHandle {
                 r.backing_id = backing_id;
                 Handle::Read(r)
             }
-            JournaledHandle::Dir { ino } => Handle::Dir(DirHandle {
-                ino,
-                snapshot: None,
-                listed_at: None,
-                served: false,
-                partial: false,
-            }),
+            JournaledHandle::Dir { ino } => Handle::Dir(DirHandle::new(ino)),
             JournaledHandle::Write {
                 ino,
                 parent,

@@ -92,7 +92,7 @@ async fn a_crashed_mount_comes_back_from_its_journal() {
     let closed = fs.open(b, libc::O_RDONLY, PID).await.unwrap().fh;
     fs.release(closed).await.unwrap();
     fs.forget(b, 1);
-    let dir_fh = fs.opendir(a).unwrap();
+    let dir_fh = fs.opendir(a).unwrap().fh;
     let d = fs.mkdir(ROOT_INO, n("d")).await.unwrap().attr.ino;
     let (e, w) = fs.create(d, n("new.bin"), PID).await.unwrap();
     fs.write(w.fh, 0, b"lost with the process").await.unwrap();
@@ -181,7 +181,7 @@ async fn a_torn_last_record_is_ignored() {
     let (_store, fs, mut file) = small_journal().await;
     let whole = replay(&mut file).unwrap();
     // One record.
-    let fh = fs.opendir(ROOT_INO).unwrap();
+    let fh = fs.opendir(ROOT_INO).unwrap().fh;
     let bytes = bytes_of(&mut file);
     let last = replay(&mut file.try_clone().unwrap()).unwrap();
     assert_eq!(last.handles.len(), whole.handles.len() + 1);
@@ -415,13 +415,7 @@ proptest! {
                 }
                 Op::Open(i) => {
                     let ino = live[i % live.len()];
-                    handles.insert(Handle::Dir(DirHandle {
-                        ino,
-                        snapshot: None,
-                        listed_at: None,
-                        served: false,
-                        partial: false,
-                    }));
+                    handles.insert(Handle::Dir(DirHandle::new(ino)));
                 }
                 Op::Close(i) => {
                     let open: Vec<u64> = handles.journaled().iter().map(|(fh, _, _)| *fh).collect();

@@ -54,7 +54,7 @@ impl DirSink for Count {
 /// Lists `dir` once, to its end, through `readdir` or (`plus`) `readdirplus`, which hands the
 /// kernel an inode per entry; returns how many entries it gave.
 async fn list(fs: &Fs, dir: u64, plus: bool) -> usize {
-    let fh = fs.opendir(dir).unwrap();
+    let fh = fs.opendir(dir).unwrap().fh;
     let mut total = 0;
     loop {
         let mut batch = Count(0);
@@ -136,7 +136,7 @@ async fn a_kept_listing_is_charged_what_it_keeps() {
     let open_before = IN_USE.load(Ordering::Relaxed);
     let mut handles = Vec::new();
     for _ in 0..8 {
-        let fh = fs.opendir(images).unwrap();
+        let fh = fs.opendir(images).unwrap().fh;
         let mut batch = Count(0);
         fs.readdir(images, fh, 0, false, &mut batch).await.unwrap();
         assert!(batch.0 > 0);

@@ -324,7 +324,7 @@ impl Kernel {
             }
             Op::List { dir } => {
                 let ino = self.dir(dir).await?;
-                let fh = self.fs.opendir(ino)?;
+                let fh = self.fs.opendir(ino)?.fh;
                 let mut names = Names(Vec::new());
                 let r = self.fs.readdir(ino, fh, 0, false, &mut names).await;
                 self.fs.releasedir(fh);

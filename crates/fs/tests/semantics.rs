@@ -58,6 +58,7 @@ const CLAIMS: &[(&str, &str, How)] = &[
     ("Names and the tree", "Mount options", Here(mount_options)),
     ("Metadata and caching", "TTL", Here(ttl)),
     ("Metadata and caching", "Listing", Here(listing)),
+    ("Metadata and caching", "Kernel directory cache", Here(kernel_dir_cache)),
     ("Metadata and caching", "Lookup", Here(lookup)),
     ("Metadata and caching", "getattr", Here(getattr)),
     ("Metadata and caching", "Changes by others", Here(changes_by_others)),
@@ -705,6 +706,55 @@ fn listing(c: &Ctx) {
     want.sort();
     want.dedup();
     assert_eq!(names(&m.path("")), want, "a listing of 3 pages");
+}
+
+fn kernel_dir_cache(c: &Ctx) {
+    let files: Vec<String> = (0..300).map(|i| format!("d/f{i:03}")).collect();
+    let objs: Vec<(&str, &[u8])> = files.iter().map(|k| (k.as_str(), &b"x"[..])).collect();
+    let p = c.prefix(&objs);
+    // READDIR and READDIRPLUS requests Ferry answered, once every directory handle opened so
+    // far is released (the kernel releases a handle after its last `readdir` was answered).
+    let op = |name: &str| common::metric("ferry_fuse_operations_total", &format!("op=\"{name}\""));
+    let dir_reads = || {
+        common::wait_until("every directory handle released", || {
+            op("opendir") == op("releasedir")
+        });
+        op("readdir") + op("readdirplus")
+    };
+    // A dataset mount (read-only, metadata for the mount's life): the first listing fills the
+    // kernel's cache, and every later one is the kernel's alone.
+    let ro = c.mount(&p, |cfg| {
+        cfg.read_only = true;
+        cfg.metadata_ttl = MetadataTtl::Indefinite;
+    });
+    let first = names(&ro.path("d"));
+    assert_eq!(first.len(), 300);
+    let before = dir_reads();
+    for _ in 0..3 {
+        assert_eq!(names(&ro.path("d")), first);
+    }
+    assert_eq!(dir_reads(), before, "no READDIR reached Ferry");
+    // A writable one with the same TTL: a change through it shows at once, and the listing
+    // after it is cached again.
+    let rw = c.mount(&p, |cfg| cfg.metadata_ttl = MetadataTtl::Indefinite);
+    assert_eq!(names(&rw.path("d")), first);
+    fs::write(rw.path("d/new"), b"n").unwrap();
+    let changed = names(&rw.path("d"));
+    assert_eq!(changed.len(), 301);
+    assert!(changed.contains(&("new".into(), false)));
+    let _ = names(&rw.path("d"));
+    let before = dir_reads();
+    assert_eq!(names(&rw.path("d")), changed);
+    assert_eq!(dir_reads(), before, "kept again");
+    // A mount with a TTL: every listing is Ferry's (the kernel would serve a kept cache past
+    // the TTL to a stream held open and rewound).
+    let ttl = c.mount(&p, |cfg| {
+        cfg.metadata_ttl = MetadataTtl::Duration(Duration::from_secs(60))
+    });
+    let _ = names(&ttl.path("d"));
+    let before = dir_reads();
+    assert_eq!(names(&ttl.path("d")).len(), 301);
+    assert!(dir_reads() > before, "listed by Ferry");
 }
 
 fn lookup(c: &Ctx) {

@@ -128,7 +128,7 @@ async fn ino_of(fs: &Fs, name: &str) -> Result<Ino, FsError> {
 
 /// The names in the root directory, from a LIST (readdirplus: no HEAD per entry).
 async fn list_root(fs: &Fs) -> Vec<String> {
-    let fh = fs.opendir(ROOT_INO).unwrap();
+    let fh = fs.opendir(ROOT_INO).unwrap().fh;
     struct Sink(Vec<String>);
     impl crate::fs::DirSink for Sink {
         fn add(&mut self, e: &crate::fs::DirEntry<'_>) -> bool {

@@ -46,6 +46,7 @@ use crate::names::{
 };
 use crate::prefetch::{fetch, CacheUse, Part, SmallObjects, Source};
 
+mod kdir;
 mod namespace;
 mod read;
 mod sweep;
@@ -176,6 +177,11 @@ struct FsState {
     /// directory asks for a whole page): the next listing goes on from it (bounded: the oldest
     /// goes past [`FIRST_PAGES_MAX`]).
     first_pages: HashMap<Ino, FirstPage>,
+    /// What each directory's cache in the kernel may hold ([`kdir`]); bounded: past
+    /// [`KERNEL_DIRS_MAX`] the entries no open handle needs are forgotten (unknown again).
+    kernel_dirs: HashMap<Ino, kdir::KernelDir>,
+    /// Tags of directory snapshots ([`kdir`]).
+    tags: kdir::Tags,
     /// Listings going on in the background from a first page a `readdir` already served
     /// (bounded like the first pages: the oldest is dropped).
     rest_listings: HashMap<Ino, RestListing>,
@@ -195,6 +201,17 @@ pub(super) fn spawn_owned<T: Send + 'static>(
     task: impl std::future::Future<Output = T> + Send + 'static,
 ) -> Owned<T> {
     Owned::new(tokio::spawn(task))
+}
+
+/// An open directory handle and how the kernel is to treat its directory's cache ([`kdir`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DirOpened {
+    pub fh: u64,
+    /// `FOPEN_CACHE_DIR`: the kernel may cache the entries this handle is answered.
+    pub cache_dir: bool,
+    /// `FOPEN_KEEP_CACHE`: the kernel's cache of the directory, if complete, is this handle's
+    /// listing.
+    pub keep_cache: bool,
 }
 
 /// A directory's first listing page, taken by a lookup's LIST.
@@ -227,6 +244,9 @@ struct RestListing {
 /// Most first pages kept (each up to 1,000 entries).
 const FIRST_PAGES_MAX: usize = 32;
 
+/// Most directories whose kernel cache is remembered ([`FsState::kernel_dirs`]).
+const KERNEL_DIRS_MAX: usize = 65_536;
+
 /// A first page older than this is not gone on from (a server may refuse an old continuation
 /// token, even where the metadata TTL would still believe the page).
 const FIRST_PAGE_MAX_AGE: Duration = Duration::from_secs(60);
@@ -245,6 +265,8 @@ impl FsState {
             probed: HashSet::new(),
             changes: 0,
             first_pages: HashMap::new(),
+            kernel_dirs: HashMap::new(),
+            tags: kdir::Tags::new(),
             rest_listings: HashMap::new(),
             sweeps: HashMap::new(),
             sweep_slots: Arc::new(tokio::sync::Semaphore::new(sweep::SWEEPS_AT_ONCE)),
@@ -403,11 +425,22 @@ impl Fs {
     /// Rebuilds a filesystem from [`Fs::snapshot`] (caches start expired, nothing prefetched).
     pub fn from_snapshot(
         store: Arc<dyn ObjectStore>,
-        snap: FsSnapshot,
+        mut snap: FsSnapshot,
         budget: MemoryBudget,
         prefetch: PrefetchConfig,
     ) -> Self {
         let mut io: HashMap<Ino, IoModes> = HashMap::new();
+        // Every directory handle taken over may still fill its directory's cache in the kernel
+        // (the predecessor's listing, or the one this process gives it).
+        let mut kernel_dirs: HashMap<Ino, kdir::KernelDir> = HashMap::new();
+        let mut last_tag = 0;
+        for (_, h) in &mut snap.handles {
+            if let Handle::Dir(d) = h {
+                d.counted = true;
+                kernel_dirs.entry(d.ino).or_default().active += 1;
+                last_tag = last_tag.max(d.tag);
+            }
+        }
         for (_, h) in &snap.handles {
             match h {
                 Handle::Read(r) => {
@@ -425,22 +458,20 @@ impl Fs {
                 Handle::Dir(_) => {}
             }
         }
-        Fs::assemble(
-            store,
-            snap.config,
-            snap.mount_time,
-            FsState::new(
-                {
-                    let mut inodes = snap.inodes;
-                    inodes.report_size();
-                    inodes
-                },
-                HandleTable::restore(snap.next_fh, snap.handles).with_requests(&snap.requests),
-                io,
-            ),
-            budget,
-            prefetch,
-        )
+        let mut state = FsState::new(
+            {
+                let mut inodes = snap.inodes;
+                inodes.report_size();
+                inodes
+            },
+            HandleTable::restore(snap.next_fh, snap.handles).with_requests(&snap.requests),
+            io,
+        );
+        state.kernel_dirs = kernel_dirs;
+        if last_tag != 0 {
+            state.tags = kdir::Tags::after(last_tag);
+        }
+        Fs::assemble(store, snap.config, snap.mount_time, state, budget, prefetch)
     }
 
     /// The filesystem around `state`: no node cache, no access proofs yet.

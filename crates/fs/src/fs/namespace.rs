@@ -3,6 +3,7 @@
 //! how long what was listed is believed.
 
 use super::*;
+use crate::config::MetadataTtl;
 
 /// Kept listings hold at most this share of the memory budget (1/4).
 const LISTING_SHARE: u64 = 4;
@@ -331,32 +332,73 @@ impl Fs {
 
     // ----- directories ------------------------------------------------------------------------
 
-    /// `opendir`: a handle whose listing is taken at the first `readdir`.
-    pub fn opendir(&self, ino: Ino) -> Result<u64, FsError> {
-        let mut st = self.lock();
+    /// Whether directories are cached in the kernel ([`kdir`]): on mounts whose metadata is
+    /// trusted for the mount's life.
+    fn kernel_dir_cache(&self) -> bool {
+        self.cfg.metadata_ttl == MetadataTtl::Indefinite
+    }
+
+    /// `opendir`: a handle whose listing is taken at the first `readdir`, or, when the kernel's
+    /// cache of the directory can hold only the directory's kept listing, pinned to that
+    /// listing and told to keep the cache.
+    pub fn opendir(&self, ino: Ino) -> Result<DirOpened, FsError> {
+        let mut guard = self.lock();
+        let st = &mut *guard;
         let inode = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
         if inode.kind != Kind::Dir {
             return Err(FsError::NotDir);
         }
-        Ok(st.handles.insert(Handle::Dir(DirHandle {
-            ino,
-            snapshot: None,
-            listed_at: None,
-            served: false,
-            partial: false,
-        })))
+        let mut handle = DirHandle::new(ino);
+        let cache_dir = self.kernel_dir_cache();
+        let mut keep_cache = false;
+        if cache_dir {
+            if st.kernel_dirs.len() >= KERNEL_DIRS_MAX {
+                st.kernel_dirs.retain(|_, k| k.active > 0);
+            }
+            let k = st.kernel_dirs.entry(ino).or_default();
+            let kept = inode
+                .cache
+                .cached_listing(Instant::now())
+                .filter(|_| !has_local_children(&st.inodes, inode));
+            if let Some((listing, at)) = kept {
+                let tag = k.tag_for(listing, &mut st.tags);
+                if k.holds_only(tag) {
+                    keep_cache = true;
+                    handle.snapshot = Some(listing.clone());
+                    handle.listed_at = Some(*at);
+                    handle.tag = tag;
+                }
+            }
+            if !keep_cache {
+                k.dropped();
+            }
+        }
+        let fh = st.handles.insert(Handle::Dir(handle));
+        Ok(DirOpened {
+            fh,
+            cache_dir,
+            keep_cache,
+        })
     }
 
     /// `releasedir`.
     /// Drops directory handle `fh` (only a directory handle: a stale number never takes a file's).
     pub fn releasedir(&self, fh: u64) {
-        let mut st = self.lock();
-        let is_dir = st
-            .handles
-            .get(fh)
-            .is_some_and(|h| h.try_lock().is_ok_and(|g| matches!(&*g, Handle::Dir(_))));
-        if is_dir {
+        let mut guard = self.lock();
+        let st = &mut *guard;
+        let dir = st.handles.get(fh).and_then(|h| {
+            h.try_lock().ok().and_then(|g| match &*g {
+                Handle::Dir(d) => Some((d.ino, d.counted)),
+                _ => None,
+            })
+        });
+        if let Some((ino, counted)) = dir {
             st.handles.remove(fh);
+            if counted {
+                if let Some(k) = st.kernel_dirs.get_mut(&ino) {
+                    k.active = k.active.saturating_sub(1);
+                }
+            }
         }
     }
 
@@ -598,16 +640,20 @@ impl Fs {
         if d.ino != ino {
             return Err(bad_fh());
         }
+        let cache_dir = self.kernel_dir_cache();
+        let mut retagged = false;
         if d.snapshot.is_none() || (offset == 0 && d.served) {
             let (entries, listed_at, partial) = self.list_dir_start(ino, true).await?;
             d.snapshot = Some(entries);
             d.listed_at = Some(listed_at);
             d.partial = partial;
+            retagged = true;
         }
+        let start = kdir::index(offset);
         // Past the end of a first page served while the rest was listed: the rest joins it
         // (names the page showed are not repeated; offsets already handed out keep their entry).
         let served_len = d.snapshot.as_ref().map_or(0, |s| s.len()) as u64;
-        if d.partial && offset >= served_len + 2 {
+        if d.partial && start >= served_len + 2 {
             let (entries, listed_at) = self.list_dir(ino).await?;
             let snapshot = Arc::make_mut(d.snapshot.get_or_insert_with(Default::default));
             let seen: HashSet<&str> = snapshot.iter().map(|e| e.name.as_str()).collect();
@@ -617,6 +663,13 @@ impl Fs {
                 .cloned()
                 .collect();
             snapshot.extend(rest);
+            // The page and the rest are the listing itself, in its order: serve the listing
+            // (shared, not a copy), under its tag, so that the cache this stream fills in the
+            // kernel is known to hold that listing.
+            if cache_dir && same_names(snapshot, &entries) {
+                d.snapshot = Some(entries);
+                retagged = true;
+            }
             d.listed_at = Some(listed_at);
             d.partial = false;
         }
@@ -629,6 +682,16 @@ impl Fs {
 
         let mut guard = self.lock();
         let st = &mut *guard;
+        if cache_dir {
+            let k = st.kernel_dirs.entry(ino).or_default();
+            if retagged {
+                d.tag = k.tag_for(d.snapshot.as_ref().expect("taken above"), &mut st.tags);
+            }
+            if offset == 0 && !d.counted {
+                d.counted = true;
+                k.active += 1;
+            }
+        }
         let now = Instant::now();
         let dir = st.inodes.get(ino).ok_or_else(|| stale(ino))?;
         let dir_path = dir.path.clone();
@@ -638,13 +701,15 @@ impl Fs {
             .inodes
             .get(parent_ino)
             .map_or_else(|| dir_entry.clone(), |p| self.entry_of(p));
-        let mut idx = offset;
+        let mut idx = start;
+        let mut ended = false;
         loop {
             let (name, kind, entry) = match idx {
                 0 => (".", Kind::Dir, dir_entry.clone()),
                 1 => ("..", Kind::Dir, parent_entry.clone()),
                 n => {
                     let Some(e) = usize::try_from(n - 2).ok().and_then(|i| entries.get(i)) else {
+                        ended = true;
                         break;
                     };
                     let entry = match st.inodes.child(ino, &e.name).filter(|c| c.kind == e.kind) {
@@ -663,7 +728,7 @@ impl Fs {
             };
             let full = sink.add(&DirEntry {
                 ino: entry.attr.ino,
-                offset: idx + 1,
+                offset: kdir::offset(d.tag, idx),
                 name,
                 kind,
                 attr: &entry.attr,
@@ -686,6 +751,13 @@ impl Fs {
                 c.lookups += 1;
             }
             idx += 1;
+        }
+        // The end of the directory (not of a first page the rest will join): the kernel marks its
+        // cache complete at the empty answer there.
+        if cache_dir && ended && !d.partial {
+            if let Some(k) = st.kernel_dirs.get_mut(&ino) {
+                k.ended(d.tag);
+            }
         }
         Ok(())
     }
@@ -961,6 +1033,22 @@ fn first_page_entries(
     let mut entries = builder.finish().entries;
     entries.retain(|e| !last.starts_with(e.name.as_str()) && !negative(&e.name));
     entries
+}
+
+/// Whether directory `dir` has a child that exists only in this mount (its listing is then
+/// merged with them: not the kept listing itself).
+fn has_local_children(inodes: &InodeTable, dir: &Inode) -> bool {
+    dir.children
+        .values()
+        .any(|c| inodes.get(*c).is_some_and(Inode::is_local))
+}
+
+/// Whether two listings name the same entries in the same order.
+fn same_names(a: &[ListedEntry], b: &[ListedEntry]) -> bool {
+    a.len() == b.len()
+        && a.iter()
+            .zip(b)
+            .all(|(x, y)| x.name == y.name && x.kind == y.kind)
 }
 
 /// A directory's snapshot: `listing` with this mount's `local` entries (sorted by name) replacing

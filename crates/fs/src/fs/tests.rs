@@ -62,7 +62,7 @@ impl DirSink for VecSink {
 
 /// Every entry (without `.` and `..`) of the directory, read in batches of `batch`.
 async fn list_batched(fs: &Fs, ino: Ino, batch: usize, plus: bool) -> Vec<(String, Kind, Attr)> {
-    let fh = fs.opendir(ino).unwrap();
+    let fh = fs.opendir(ino).unwrap().fh;
     let mut offset = 0;
     let mut out = Vec::new();
     loop {
@@ -295,7 +295,7 @@ async fn pagination_lists_every_entry_once_with_stable_offsets() {
     // Offsets index the snapshot taken at the first readdir: a key added meanwhile neither shifts
     // nor duplicates entries; a rewind (offset 0 again) within the TTL is served from the cached
     // listing (see listing_cache_serves_new_opendirs_within_the_ttl for after it).
-    let fh = fs.opendir(big).unwrap();
+    let fh = fs.opendir(big).unwrap().fh;
     let mut sink = VecSink {
         cap: 100,
         got: Vec::new(),
@@ -1064,7 +1064,7 @@ async fn snapshot_round_trips_and_resumes_an_upload() {
     let ro = fs.open(r, libc::O_RDONLY, PID).await.unwrap();
     fs.read(ro.fh, 0, 100).await.unwrap();
     let d = walk(&fs, "").await.unwrap().attr.ino;
-    let dh = fs.opendir(d).unwrap();
+    let dh = fs.opendir(d).unwrap().fh;
     let body = data(9 << 20, 3);
     let (_, wo) = fs.create(ROOT_INO, n("w"), PID).await.unwrap();
     fs.write(wo.fh, 0, &body[..5 << 20]).await.unwrap();
@@ -1967,7 +1967,7 @@ async fn a_cold_readdir_serves_the_lookups_first_page_while_the_rest_is_listed()
     }
     let d = walk(&fs, "d").await.unwrap().attr.ino;
     store.reset_stats();
-    let fh = fs.opendir(d).unwrap();
+    let fh = fs.opendir(d).unwrap().fh;
     let mut offset = 0;
     let mut seen: Vec<(String, Kind)> = Vec::new();
     loop {
@@ -2034,7 +2034,7 @@ async fn the_mounts_background_listings_end_with_it() {
         Duration::from_secs(3600),
         Duration::ZERO,
     );
-    let fh = fs.opendir(d).unwrap();
+    let fh = fs.opendir(d).unwrap().fh;
     let mut sink = VecSink {
         cap: 64,
         got: Vec::new(),
@@ -2068,7 +2068,7 @@ async fn a_change_while_the_rest_is_listed_lists_it_anew() {
         store.insert(B, &format!("d/zz{i:04}"), &b"x"[..]);
     }
     let d = walk(&fs, "d").await.unwrap().attr.ino;
-    let fh = fs.opendir(d).unwrap();
+    let fh = fs.opendir(d).unwrap().fh;
     let mut sink = VecSink {
         cap: 64,
         got: Vec::new(),
@@ -2139,4 +2139,198 @@ async fn a_lookups_first_page_starts_the_listing_unless_stale() {
     store.reset_stats();
     assert_eq!(names(&fs, g).await.len(), 2, "the new key is seen");
     assert_eq!(store.stats().list, 1);
+}
+
+/// Every entry (`.` and `..` included) of directory handle `fh` from its start, as (name, the
+/// offset it gives), read in batches of `batch`.
+async fn stream(fs: &Fs, ino: Ino, fh: u64, batch: usize) -> Vec<(String, u64)> {
+    let mut offset = 0;
+    let mut out = Vec::new();
+    loop {
+        let mut sink = VecSink {
+            cap: batch,
+            got: Vec::new(),
+        };
+        fs.readdir(ino, fh, offset, true, &mut sink).await.unwrap();
+        let Some(last) = sink.got.last() else {
+            return out;
+        };
+        offset = last.2;
+        out.extend(sink.got.into_iter().map(|(name, _, off, ..)| (name, off)));
+    }
+}
+
+fn tag_of(stream: &[(String, u64)]) -> u64 {
+    let tag = stream[0].1 >> 32;
+    assert!(
+        stream.iter().all(|(_, off)| off >> 32 == tag),
+        "one tag per stream"
+    );
+    tag
+}
+
+#[tokio::test]
+async fn the_kernel_keeps_a_directory_only_while_its_cache_can_hold_nothing_but_the_kept_listing() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Indefinite);
+    for i in 0..1500 {
+        store.insert(B, &format!("d/f{i:04}"), &b"x"[..]);
+    }
+    // The lookup lists d's first page: the first stream serves it while the rest is listed.
+    let d = walk(&fs, "d").await.unwrap().attr.ino;
+    let first = fs.opendir(d).unwrap();
+    assert!(
+        first.cache_dir,
+        "an indefinite mount lets the kernel cache directories"
+    );
+    assert!(
+        !first.keep_cache,
+        "nothing known of the kernel's cache yet: it is dropped"
+    );
+    let s1 = stream(&fs, d, first.fh, 300).await;
+    assert_eq!(s1.len(), 1502);
+    let indices: Vec<u64> = s1.iter().map(|(_, off)| off & 0xffff_ffff).collect();
+    assert_eq!(indices, (1..=1502).collect::<Vec<_>>());
+    // The page's entries carry the page's tag; once the rest joined it and the two are the
+    // listing itself, the stream goes on under the kept listing's tag.
+    let (page_tag, tag) = (s1[0].1 >> 32, s1[1501].1 >> 32);
+    assert!(page_tag != 0 && tag != 0 && page_tag != tag);
+    fs.releasedir(first.fh);
+
+    // The cache that stream filled holds the kept listing: the next opendir keeps it, is pinned
+    // to the listing (no LIST) and, if the kernel asks after all (a page of its cache was
+    // reclaimed), gives the very same entries at the very same offsets.
+    store.reset_stats();
+    let second = fs.opendir(d).unwrap();
+    assert!(second.keep_cache);
+    // A third handle at once keeps it too.
+    let third = fs.opendir(d).unwrap();
+    assert!(third.keep_cache);
+    let s2 = stream(&fs, d, second.fh, 1000).await;
+    assert_eq!(tag_of(&s2), tag);
+    let same = |a: &[(String, u64)], b: &[(String, u64)]| {
+        a.len() == b.len()
+            && a.iter()
+                .zip(b)
+                .all(|(x, y)| x.0 == y.0 && x.1 & 0xffff_ffff == y.1 & 0xffff_ffff)
+    };
+    assert!(same(&s2, &s1), "the same entries at the same positions");
+    assert_eq!(stream(&fs, d, third.fh, 7).await, s2);
+    assert_eq!(store.stats().list, 0, "served from the kept listing");
+    fs.releasedir(second.fh);
+
+    // A change through this mount: the listing is no longer what a cache holds. While a handle
+    // of the old listing (`third`) is still open, a new handle neither keeps the cache nor
+    // shares a tag with the old listing's entries.
+    write_new(&fs, d, "new", b"n", 1).await;
+    let changed = fs.opendir(d).unwrap();
+    assert!(!changed.keep_cache);
+    let s_new = stream(&fs, d, changed.fh, 500).await;
+    assert_eq!(s_new.len(), 1503);
+    assert!(s_new.iter().any(|(name, _)| name == "new"));
+    assert_ne!(tag_of(&s_new), tag, "a different content, a different tag");
+    fs.releasedir(changed.fh);
+    // The new listing is kept once listed again; `third` (open, and able to fill the kernel's
+    // cache with the old entries) still forbids keeping.
+    let _ = names(&fs, d).await;
+    let o = fs.opendir(d).unwrap();
+    assert!(!o.keep_cache, "an old handle is still open");
+    fs.releasedir(o.fh);
+    fs.releasedir(third.fh);
+    // Nothing open: the next opendir drops the cache and its stream fills it; then it is kept.
+    let o = fs.opendir(d).unwrap();
+    assert!(!o.keep_cache);
+    let s3 = stream(&fs, d, o.fh, 1000).await;
+    fs.releasedir(o.fh);
+    let o = fs.opendir(d).unwrap();
+    assert!(o.keep_cache, "the cache holds the listing again");
+    assert_eq!(stream(&fs, d, o.fh, 1000).await, s3);
+    fs.releasedir(o.fh);
+}
+
+#[tokio::test]
+async fn a_rewound_or_unfinished_stream_keeps_its_tag_rules() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Indefinite);
+    for i in 0..10 {
+        store.insert(B, &format!("d/f{i}"), &b"x"[..]);
+    }
+    let d = walk(&fs, "d").await.unwrap().attr.ino;
+    let o = fs.opendir(d).unwrap();
+    // Half a stream, then released: nothing is known to be complete, and an unfinished fill
+    // is no reason not to keep (a cache is only read once complete).
+    let mut sink = VecSink {
+        cap: 4,
+        got: Vec::new(),
+    };
+    fs.readdir(d, o.fh, 0, true, &mut sink).await.unwrap();
+    fs.releasedir(o.fh);
+    let o = fs.opendir(d).unwrap();
+    assert!(o.keep_cache, "the stream's listing is the kept one");
+    // A rewind (offset 0 again) serves the same listing under the same tag.
+    let a = stream(&fs, d, o.fh, 5).await;
+    let b = stream(&fs, d, o.fh, 5).await;
+    assert_eq!(a, b);
+    fs.releasedir(o.fh);
+}
+
+#[tokio::test]
+async fn a_mount_with_a_ttl_leaves_directories_uncached_in_the_kernel() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Duration(Duration::from_secs(60)));
+    store.insert(B, "d/a", &b"x"[..]);
+    let d = walk(&fs, "d").await.unwrap().attr.ino;
+    for _ in 0..2 {
+        let o = fs.opendir(d).unwrap();
+        assert!(!o.cache_dir && !o.keep_cache);
+        let s = stream(&fs, d, o.fh, 10).await;
+        let offsets: Vec<u64> = s.iter().map(|(_, off)| *off).collect();
+        assert_eq!(offsets, [1, 2, 3], "plain offsets");
+        fs.releasedir(o.fh);
+    }
+}
+
+#[tokio::test]
+async fn a_successor_keeps_no_directory_its_predecessors_handles_may_have_filled() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Indefinite);
+    for i in 0..10 {
+        store.insert(B, &format!("d/f{i}"), &b"x"[..]);
+    }
+    let d = walk(&fs, "d").await.unwrap().attr.ino;
+    let old = fs.opendir(d).unwrap();
+    let before = stream(&fs, d, old.fh, 3).await;
+    let snap = fs.snapshot().await;
+    let json = serde_json::to_string(&snap).unwrap();
+    let fs2 = Fs::from_snapshot(
+        Arc::new(store.clone()),
+        serde_json::from_str(&json).unwrap(),
+        MemoryBudget::default(),
+        PrefetchConfig::default(),
+    );
+    // The carried handle goes on where it was (offsets index the entries whatever their tag).
+    let mut sink = VecSink {
+        cap: 100,
+        got: Vec::new(),
+    };
+    fs2.readdir(d, old.fh, before[4].1, true, &mut sink)
+        .await
+        .unwrap();
+    let rest: Vec<&str> = sink.got.iter().map(|g| g.0.as_str()).collect();
+    assert_eq!(rest, ["f3", "f4", "f5", "f6", "f7", "f8", "f9"]);
+    // The successor lists and streams the directory to its end: its cache could still hold
+    // the predecessor's handle's entries, so nothing is kept while that handle is open.
+    let o = fs2.opendir(d).unwrap();
+    assert!(!o.keep_cache);
+    let s = stream(&fs2, d, o.fh, 100).await;
+    assert!(
+        tag_of(&s) > tag_of(&before),
+        "the successor's tags start above its predecessor's open handles'"
+    );
+    fs2.releasedir(o.fh);
+    let o = fs2.opendir(d).unwrap();
+    assert!(!o.keep_cache, "the carried handle is open");
+    fs2.releasedir(o.fh);
+    fs2.releasedir(old.fh);
+    let o = fs2.opendir(d).unwrap();
+    assert!(!o.keep_cache, "dropped now, with nothing open");
+    stream(&fs2, d, o.fh, 100).await;
+    fs2.releasedir(o.fh);
+    assert!(fs2.opendir(d).unwrap().keep_cache);
 }
