@@ -167,6 +167,7 @@ fn small_reader(
 
 fn lister(mnt: PathBuf, n: usize, stats: Arc<Stats>, stop: Arc<AtomicBool>) {
     let dir = mnt.join("small");
+    let want: Vec<PathBuf> = (0..n).map(|i| dir.join(small_name(i))).collect();
     while !stop.load(Ordering::Relaxed) {
         // `ls -la`: the listing, then every entry's attributes.
         let listed = stats.timed("readdir small", || {
@@ -174,9 +175,15 @@ fn lister(mnt: PathBuf, n: usize, stats: Arc<Stats>, stop: Arc<AtomicBool>) {
                 .map(|e| e.map(|e| e.path()))
                 .collect::<std::io::Result<Vec<_>>>()
         });
-        let Some(entries) = listed else { continue };
-        if entries.len() != n {
-            stats.wrong(format!("small/ listed {} entries, not {n}", entries.len()));
+        let Some(mut entries) = listed else { continue };
+        entries.sort();
+        if entries != want {
+            let missing = want.iter().filter(|p| !entries.contains(p)).count();
+            stats.wrong(format!(
+                "{} listed {} entries, not the {n} names ({missing} missing)",
+                dir.display(),
+                entries.len()
+            ));
             continue;
         }
         let mut all = true;
@@ -403,11 +410,27 @@ async fn run_on(plugin: &mut Plugin, o: Options) -> Result<()> {
             volume_id: "takeover-vol".into(),
             target_path: target.display().to_string(),
             volume_capability: Some(mount_capability(Mode::SingleNodeWriter, &[])),
-            volume_context: ctx,
+            volume_context: ctx.clone(),
             ..Default::default()
         })
         .await
         .context("publishing the volume")?;
+    // The same prefix as a dataset (read-only: metadata kept for the mount's life, directories
+    // cached in the kernel), listed by two listers at once through every takeover.
+    let ro_target = plugin.target_path("pod-b", "pv-ro")?;
+    plugin
+        .node()
+        .await?
+        .node_publish_volume(pb::NodePublishVolumeRequest {
+            volume_id: "takeover-ro".into(),
+            target_path: ro_target.display().to_string(),
+            volume_capability: Some(mount_capability(Mode::MultiNodeReaderOnly, &[])),
+            volume_context: ctx,
+            readonly: true,
+            ..Default::default()
+        })
+        .await
+        .context("publishing the read-only volume")?;
 
     // The load runs in a process of its own: one that holds files open on the mount must not
     // start the node plugin, whose `exec` would close them (a FLUSH the dead plugin's successor,
@@ -420,6 +443,8 @@ async fn run_on(plugin: &mut Plugin, o: Options) -> Result<()> {
             &o.big_mib.to_string(),
             "--small",
             &o.small.to_string(),
+            "--ro-target",
+            &ro_target.display().to_string(),
         ])
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
@@ -539,6 +564,11 @@ async fn run_on(plugin: &mut Plugin, o: Options) -> Result<()> {
         target_path: target.display().to_string(),
     })
     .await?;
+    node.node_unpublish_volume(pb::NodeUnpublishVolumeRequest {
+        volume_id: "takeover-ro".into(),
+        target_path: ro_target.display().to_string(),
+    })
+    .await?;
     plugin.check_logs_for_secrets(&[])?;
     println!(
         "takeover: {} upgrades and {} kill -9 restarts under load, 0 failed",
@@ -560,8 +590,9 @@ struct Report {
 }
 
 /// `ferry-harness takeover-load`: runs the readers, the lister and the writer on the mount at
-/// `target` until stdin closes, then prints a JSON [`Report`].
-pub fn load(target: PathBuf, big_mib: usize, small: usize) -> Result<()> {
+/// `target`, and two listers on the read-only mount at `ro_target`, until stdin closes, then
+/// prints a JSON [`Report`].
+pub fn load(target: PathBuf, ro_target: PathBuf, big_mib: usize, small: usize) -> Result<()> {
     let big = payload(7, big_mib << 20);
     let stats = Arc::new(Stats::default());
     let stop = Arc::new(AtomicBool::new(false));
@@ -576,8 +607,8 @@ pub fn load(target: PathBuf, big_mib: usize, small: usize) -> Result<()> {
             small_reader(m, k, 8, small, s, st)
         }));
     }
-    {
-        let (m, s, st) = (target.clone(), stats.clone(), stop.clone());
+    for m in [target.clone(), ro_target.clone(), ro_target] {
+        let (s, st) = (stats.clone(), stop.clone());
         readers.push(std::thread::spawn(move || lister(m, small, s, st)));
     }
     let w = {

@@ -60,6 +60,8 @@ enum Cmd {
     TakeoverLoad {
         target: PathBuf,
         #[arg(long)]
+        ro_target: PathBuf,
+        #[arg(long)]
         big_mib: usize,
         #[arg(long)]
         small: usize,
@@ -176,9 +178,10 @@ fn main() -> Result<()> {
             Cmd::Restart => restart().await,
             Cmd::TakeoverLoad {
                 target,
+                ro_target,
                 big_mib,
                 small,
-            } => ferry_e2e::takeover::load(target, big_mib, small),
+            } => ferry_e2e::takeover::load(target, ro_target, big_mib, small),
             Cmd::Takeover {
                 upgrades,
                 kills,
