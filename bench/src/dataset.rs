@@ -28,7 +28,7 @@ pub struct Dataset {
     pub small_dir: String,
     pub small_count: usize,
     pub small_size: u64,
-    /// P5: a directory of `listing_count` entries.
+    /// P5 and P14: a directory of `listing_count` entries.
     pub listing_dir: String,
     pub listing_count: usize,
     /// P7: shards read concurrently.

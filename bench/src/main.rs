@@ -44,7 +44,7 @@ struct Cli {
     /// Multiplies object sizes and counts (1.0 = the sizes).
     #[arg(long, default_value_t = 1.0)]
     scale: f64,
-    /// Workloads to run, comma-separated (P1,P2,P3,P4,P5,P6,P7,P10,P11,P12,P13); default all.
+    /// Workloads to run, comma-separated (P1,P2,P3,P4,P5,P6,P7,P10,P11,P12,P13,P14); default all.
     #[arg(long, value_delimiter = ',')]
     only: Vec<String>,
     /// Mounters to compare, comma-separated.
@@ -150,7 +150,7 @@ fn main() -> anyhow::Result<()> {
         small: groups
             .iter()
             .any(|g| matches!(g, Group::SmallOne | Group::SmallEight | Group::MlLoader)),
-        listing: groups.contains(&Group::Listing),
+        listing: groups.contains(&Group::Listing) || groups.contains(&Group::ListingReadOnly),
         shards: groups.contains(&Group::Concurrent),
         many: groups.contains(&Group::Huge),
     };
@@ -291,7 +291,10 @@ fn run(
             flags(Mode::ReadWrite)
         ));
         if groups.iter().any(|g| g.mode() == Mode::ReadOnly) {
-            flags_used.push(format!("  - read-only (P12): `{}`", flags(Mode::ReadOnly)));
+            flags_used.push(format!(
+                "  - read-only (P12, P14): `{}`",
+                flags(Mode::ReadOnly)
+            ));
         }
         if *kind == Kind::FerryCache {
             let fs = fs_type_of(work);
@@ -331,6 +334,13 @@ fn run(
             let r = workloads::page_cache_reference(work, &ds.big_key, ds.big_size);
             cells.insert((Row::P2, Column::Ceiling), ceiling(r, &mut notes, "P2"));
         }
+        if rows.contains(&Row::P14Warm) {
+            let r = workloads::local_listing_reference(work, ds.listing_count);
+            cells.insert(
+                (Row::P14Warm, Column::Ceiling),
+                ceiling(r, &mut notes, "P14"),
+            );
+        }
         // P12's first epoch has the same reference as P4 with 8 readers: one GET per file, 8 at once.
         for (row, n) in [
             (Row::P4One, 1),
@@ -343,7 +353,11 @@ fn run(
                 cells.insert((row, Column::Ceiling), ceiling(r, &mut notes, "P4"));
             }
         }
-        for (row, dir) in [(Row::P5Cold, &ds.listing_dir), (Row::P11, &ds.many_dir)] {
+        for (row, dir) in [
+            (Row::P5Cold, &ds.listing_dir),
+            (Row::P14Cold, &ds.listing_dir),
+            (Row::P11, &ds.many_dir),
+        ] {
             if rows.contains(&row) {
                 let r = rt.block_on(list_all(&proxied, &format!("{dir}/")));
                 cells.insert((row, Column::Ceiling), ceiling(r, &mut notes, "LIST"));

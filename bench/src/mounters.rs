@@ -5,7 +5,7 @@
 //! metadata (names and attributes) trusted for [`METADATA_TTL_SECS`], path-style requests to the
 //! delay proxy, static keys from the environment, owner = the mounting user (root). Two exceptions:
 //! `ferry-cache` is Ferry with the node cache as the Helm chart enables it (a fresh, empty cache
-//! directory per mount), and a [`Mode::ReadOnly`] mount (P12) gets what each mounter's users run
+//! directory per mount), and a [`Mode::ReadOnly`] mount (P12, P14) gets what each mounter's users run
 //! for a dataset. [`Kind::flags`] is the single place those flags are spelled, and the report
 //! prints them.
 

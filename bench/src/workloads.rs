@@ -1,4 +1,4 @@
-//! The workloads of the data-path issue (P1–P13), run against one mount at a time, and the
+//! The workloads of the data-path issue (P1–P14), run against one mount at a time, and the
 //! references they are compared with (the SDK ceiling, the page cache).
 //!
 //! Each group of workloads gets a fresh mount; each workload runs on a worker thread under a
@@ -41,10 +41,12 @@ pub enum Row {
     P12Epoch1,
     P12Epoch2,
     P13,
+    P14Cold,
+    P14Warm,
 }
 
 impl Row {
-    pub const ALL: [Row; 14] = [
+    pub const ALL: [Row; 16] = [
         Row::P1,
         Row::P2,
         Row::P3,
@@ -59,6 +61,8 @@ impl Row {
         Row::P12Epoch1,
         Row::P12Epoch2,
         Row::P13,
+        Row::P14Cold,
+        Row::P14Warm,
     ];
 
     /// The workload name as the issue spells it (`--only` takes these).
@@ -75,6 +79,7 @@ impl Row {
             Row::P11 => "P11",
             Row::P12Epoch1 | Row::P12Epoch2 => "P12",
             Row::P13 => "P13",
+            Row::P14Cold | Row::P14Warm => "P14",
         }
     }
 
@@ -101,6 +106,14 @@ impl Row {
             ),
             Row::P12Epoch2 => "P12 ML loader epoch 2 (same mount, no cache drop)".to_string(),
             Row::P13 => "P13 mounter peak RSS (VmHWM) after P7".to_string(),
+            Row::P14Cold => format!(
+                "P14 ls -la of {} entries, read-only mount, cold",
+                ds.listing_count
+            ),
+            Row::P14Warm => format!(
+                "P14 ls -la of {} entries, read-only mount, warm",
+                ds.listing_count
+            ),
         }
     }
 
@@ -108,7 +121,7 @@ impl Row {
         match self {
             Row::P1 | Row::P2 | Row::P7 => "MiB/s ↑",
             Row::P3 | Row::P4One | Row::P4Eight | Row::P12Epoch1 | Row::P12Epoch2 => "files/s ↑",
-            Row::P5Cold | Row::P5Warm | Row::P11 => "s ↓",
+            Row::P5Cold | Row::P5Warm | Row::P11 | Row::P14Cold | Row::P14Warm => "s ↓",
             Row::P6 => "IOPS ↑",
             Row::P10 | Row::P13 => "MiB ↓",
         }
@@ -140,10 +153,12 @@ pub enum Group {
     Huge,
     /// P12: both epochs on one fresh read-only mount.
     MlLoader,
+    /// P14: P5's listings on a fresh read-only mount.
+    ListingReadOnly,
 }
 
 impl Group {
-    pub const ALL: [Group; 9] = [
+    pub const ALL: [Group; 10] = [
         Group::Sequential,
         Group::Writes,
         Group::SmallOne,
@@ -153,6 +168,7 @@ impl Group {
         Group::Concurrent,
         Group::Huge,
         Group::MlLoader,
+        Group::ListingReadOnly,
     ];
 
     pub fn rows(self) -> &'static [Row] {
@@ -166,13 +182,14 @@ impl Group {
             Group::Concurrent => &[Row::P7, Row::P13],
             Group::Huge => &[Row::P11],
             Group::MlLoader => &[Row::P12Epoch1, Row::P12Epoch2],
+            Group::ListingReadOnly => &[Row::P14Cold, Row::P14Warm],
         }
     }
 
     /// How the group's fresh mount is made.
     pub fn mode(self) -> Mode {
         match self {
-            Group::MlLoader => Mode::ReadOnly,
+            Group::MlLoader | Group::ListingReadOnly => Mode::ReadOnly,
             _ => Mode::ReadWrite,
         }
     }
@@ -260,22 +277,26 @@ impl Bench {
                 };
                 out.push((row, cell));
             }
-            Group::Listing => {
+            Group::Listing | Group::ListingReadOnly => {
+                let (cold_row, warm_row, w) = match group {
+                    Group::Listing => (Row::P5Cold, Row::P5Warm, "P5"),
+                    _ => (Row::P14Cold, Row::P14Warm, "P14"),
+                };
                 drop_caches();
                 let dir = root.join(&ds.listing_dir);
                 let expect = ds.listing_count;
                 let d = dir.clone();
                 let cold = self.guarded(mount, move || ls_la(&d, expect));
                 let cold_ok = cold.is_ok();
-                let cell = self.seconds(mount, "P5 cold", cold);
-                out.push((Row::P5Cold, cell));
+                let cell = self.seconds(mount, &format!("{w} cold"), cold);
+                out.push((cold_row, cell));
                 let warm = if cold_ok {
                     self.guarded(mount, move || ls_la(&dir, expect))
                 } else {
                     Err("skipped (cold failed)".into())
                 };
-                let cell = self.seconds(mount, "P5 warm", warm);
-                out.push((Row::P5Warm, cell));
+                let cell = self.seconds(mount, &format!("{w} warm"), warm);
+                out.push((warm_row, cell));
             }
             Group::Random => {
                 drop_caches();
@@ -877,6 +898,22 @@ pub async fn sdk_small(
         .try_collect::<Vec<()>>()
         .await?;
     Ok(keys.len() as f64 / t.elapsed().as_secs_f64())
+}
+
+/// P14 warm's reference: `ls -la` of a local directory of `count` empty files on this machine's
+/// disk, listed once to warm the kernel's caches and then timed. Returns seconds.
+pub fn local_listing_reference(dir: &Path, count: usize) -> anyhow::Result<f64> {
+    let d = dir.join("p14-local-listing");
+    std::fs::create_dir_all(&d)?;
+    for i in 0..count {
+        std::fs::File::create(d.join(format!("f{i:05}")))?;
+    }
+    ls_la(&d, count)?;
+    let t = Instant::now();
+    ls_la(&d, count)?;
+    let secs = t.elapsed().as_secs_f64();
+    let _ = std::fs::remove_dir_all(&d);
+    Ok(secs)
 }
 
 /// P2's reference: a local copy of the big object on this machine's disk, read once to warm the
