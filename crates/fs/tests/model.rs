@@ -2,6 +2,13 @@
 //! mkdir, rmdir and "the kernel forgets everything", run against `Fs` on a `MemoryStore` (driven
 //! the way the kernel drives it: a lookup per path segment, then the operation) and against a
 //! `BTreeMap` model; every result and every errno must agree.
+//!
+//! Listings go through a model of the kernel's directory cache (`fs/fuse/readdir.c`: filled by
+//! handles opened with `FOPEN_CACHE_DIR` as they are answered, read whole once complete, dropped
+//! by an `opendir` without `FOPEN_KEEP_CACHE`, reset when a change through the mount bumps the
+//! directory's i_version), with directory handles held open across other operations, read part
+//! of the way and finished later: whatever those fill the cache with, every listing must be the
+//! model's, and no stream may name an entry twice.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::ffi::OsStr;
@@ -52,6 +59,14 @@ enum Op {
         dir: usize,
     },
     ForgetAll,
+    /// Opens a directory handle, reads `batches` answers of it and keeps it open.
+    Hold {
+        dir: Option<usize>,
+        batches: usize,
+    },
+    /// Reads the oldest held handle to its end (filling the kernel's cache, if it may) and
+    /// releases it.
+    Finish,
 }
 
 fn op() -> impl Strategy<Value = Op> {
@@ -63,6 +78,8 @@ fn op() -> impl Strategy<Value = Op> {
             .prop_map(|(dir, file, len, seed, chunk)| Op::Write { dir, file, len, seed, chunk }),
         3 => (dir.clone(), file.clone()).prop_map(|(dir, file)| Op::Read { dir, file }),
         2 => dir.clone().prop_map(|dir| Op::List { dir }),
+        2 => (dir.clone(), 0..4usize).prop_map(|(dir, batches)| Op::Hold { dir, batches }),
+        2 => Just(Op::Finish),
         2 => (dir.clone(), file.clone()).prop_map(|(dir, file)| Op::Stat { dir, file }),
         2 => (dir, file).prop_map(|(dir, file)| Op::Unlink { dir, file }),
         2 => (0..DIRS.len()).prop_map(|dir| Op::Mkdir { dir }),
@@ -184,7 +201,11 @@ impl Model {
                     Outcome::Ok
                 }
             }
-            Op::ForgetAll => Outcome::Ok,
+            Op::ForgetAll | Op::Finish => Outcome::Ok,
+            Op::Hold { dir, .. } => match self.dir_ok(dir) {
+                true => Outcome::Ok,
+                false => Outcome::Err(libc::ENOENT),
+            },
         }
     }
 
@@ -202,15 +223,64 @@ struct Kernel {
     fs: Fs,
     refs: HashMap<Ino, u64>,
     inos: HashMap<(String, Kind), Ino>,
+    /// The kernel's cache of each directory it holds.
+    dirs: HashMap<Ino, KDir>,
+    /// Directory handles held open (oldest first).
+    held: Vec<DirStream>,
 }
 
-struct Names(Vec<(String, Kind)>);
+/// The kernel's cache of one directory's entries, as far as what it serves goes.
+#[derive(Default)]
+struct KDir {
+    /// The directory's i_version: bumped by every change made in it through the mount.
+    iversion: u64,
+    cached: bool,
+    /// Cached entries (`.` and `..` too) with their `d_off`, in order.
+    entries: Vec<(String, Kind, u64)>,
+    /// The `d_off` of the last cached entry: where the cache goes on (0: empty).
+    end: u64,
+    /// Pages were dropped since the fill started: reading it finds one missing and resets.
+    holes: bool,
+    /// The i_version when the fill started.
+    started: u64,
+    version: u64,
+}
 
-impl DirSink for Names {
+impl KDir {
+    fn reset(&mut self) {
+        self.cached = false;
+        self.entries.clear();
+        self.end = 0;
+        self.holes = false;
+        self.version += 1;
+    }
+}
+
+/// An open directory as the kernel keeps it (`struct fuse_file`'s readdir state).
+struct DirStream {
+    ino: Ino,
+    fh: u64,
+    cache_dir: bool,
+    /// `ctx->pos`: where the next `getdents` goes on.
+    pos: u64,
+    /// The position reached while walking the cache, and the entry index there.
+    cache_pos: u64,
+    cache_idx: usize,
+    version: u64,
+}
+
+/// One answer's entries, at most `cap`.
+struct Batch {
+    cap: usize,
+    got: Vec<(String, Kind, u64)>,
+}
+
+impl DirSink for Batch {
     fn add(&mut self, e: &DirEntry<'_>) -> bool {
-        if e.name != "." && e.name != ".." {
-            self.0.push((e.name.to_owned(), e.kind));
+        if self.got.len() >= self.cap {
+            return true;
         }
+        self.got.push((e.name.to_owned(), e.kind, e.offset));
         false
     }
 }
@@ -251,9 +321,131 @@ impl Kernel {
         }
     }
 
+    /// The kernel forgets every inode no open directory handle holds (and with a directory's
+    /// inode, its cache).
     fn forget_all(&mut self) {
-        for (ino, n) in self.refs.drain() {
-            self.fs.forget(ino, n);
+        let open: BTreeSet<Ino> = self.held.iter().map(|s| s.ino).collect();
+        let refs: Vec<(Ino, u64)> = self.refs.iter().map(|(i, n)| (*i, *n)).collect();
+        for (ino, n) in refs {
+            if !open.contains(&ino) {
+                self.refs.remove(&ino);
+                self.dirs.remove(&ino);
+                self.fs.forget(ino, n);
+            }
+        }
+    }
+
+    /// A change through the mount in directory `ino` (`fuse_dir_changed`).
+    fn changed(&mut self, ino: Ino) {
+        self.dirs.entry(ino).or_default().iversion += 1;
+    }
+
+    fn opendir(&mut self, ino: Ino) -> Result<DirStream, FsError> {
+        let o = self.fs.opendir(ino)?;
+        if !o.keep_cache {
+            let d = self.dirs.entry(ino).or_default();
+            if !d.entries.is_empty() {
+                d.holes = true;
+            }
+        }
+        Ok(DirStream {
+            ino,
+            fh: o.fh,
+            cache_dir: o.cache_dir,
+            pos: 0,
+            cache_pos: 0,
+            cache_idx: 0,
+            version: 0,
+        })
+    }
+
+    /// One `getdents` of at most `cap` entries (none: the end), as `fuse_readdir` answers it.
+    async fn getdents(
+        &mut self,
+        s: &mut DirStream,
+        cap: usize,
+    ) -> Result<Vec<(String, Kind)>, FsError> {
+        if s.cache_dir {
+            if s.cache_pos != s.pos {
+                s.cache_pos = 0;
+                s.cache_idx = 0;
+            }
+            let d = self.dirs.entry(s.ino).or_default();
+            loop {
+                if !d.cached {
+                    if s.pos == 0 && d.entries.is_empty() {
+                        d.started = d.iversion;
+                    }
+                    break;
+                }
+                if d.holes || (s.pos == 0 && d.started != d.iversion) {
+                    d.reset();
+                    continue;
+                }
+                if s.version != d.version {
+                    s.cache_pos = 0;
+                    s.cache_idx = 0;
+                }
+                if s.cache_pos == 0 {
+                    s.version = d.version;
+                }
+                let mut out = Vec::new();
+                while let Some((name, kind, off)) = d.entries.get(s.cache_idx).cloned() {
+                    if s.cache_pos == s.pos {
+                        if out.len() == cap {
+                            return Ok(out);
+                        }
+                        out.push((name, kind));
+                        s.pos = off;
+                    }
+                    s.cache_pos = off;
+                    s.cache_idx += 1;
+                }
+                if !out.is_empty() || s.cache_pos == s.pos {
+                    return Ok(out);
+                }
+                break;
+            }
+        }
+        let mut batch = Batch {
+            cap,
+            got: Vec::new(),
+        };
+        self.fs
+            .readdir(s.ino, s.fh, s.pos, false, &mut batch)
+            .await?;
+        let d = self.dirs.entry(s.ino).or_default();
+        if batch.got.is_empty() {
+            if s.cache_dir && !d.cached && d.end == s.pos {
+                d.cached = true;
+            }
+            return Ok(Vec::new());
+        }
+        let mut out = Vec::new();
+        for (name, kind, off) in batch.got {
+            if s.cache_dir && !d.cached && d.end == s.pos {
+                d.entries.push((name.clone(), kind, off));
+                d.end = off;
+            }
+            s.pos = off;
+            out.push((name, kind));
+        }
+        Ok(out)
+    }
+
+    /// The rest of stream `s`, in answers of at most `cap` entries.
+    async fn read_to_end(
+        &mut self,
+        s: &mut DirStream,
+        cap: usize,
+    ) -> Result<Vec<(String, Kind)>, FsError> {
+        let mut all = Vec::new();
+        loop {
+            let got = self.getdents(s, cap).await?;
+            if got.is_empty() {
+                return Ok(all);
+            }
+            all.extend(got);
         }
     }
 
@@ -284,6 +476,7 @@ impl Kernel {
                     Err(FsError::NotFound) => {
                         let (e, o) = self.fs.create(parent, OsStr::new(name), PID).await?;
                         *self.refs.entry(e.attr.ino).or_default() += 1;
+                        self.changed(parent);
                         o.fh
                     }
                     Err(e) => return Err(e),
@@ -324,19 +517,49 @@ impl Kernel {
             }
             Op::List { dir } => {
                 let ino = self.dir(dir).await?;
-                let fh = self.fs.opendir(ino)?.fh;
-                let mut names = Names(Vec::new());
-                let r = self.fs.readdir(ino, fh, 0, false, &mut names).await;
-                self.fs.releasedir(fh);
-                r?;
-                names.0.sort();
-                Ok(Outcome::Names(names.0))
+                let mut s = self.opendir(ino)?;
+                let r = self.read_to_end(&mut s, 3).await;
+                self.fs.releasedir(s.fh);
+                let mut names: Vec<(String, Kind)> = r?
+                    .into_iter()
+                    .filter(|(n, _)| n != "." && n != "..")
+                    .collect();
+                names.sort();
+                Ok(Outcome::Names(names))
+            }
+            Op::Hold { dir, batches } => {
+                let ino = self.dir(dir).await?;
+                let mut s = self.opendir(ino)?;
+                for _ in 0..batches {
+                    self.getdents(&mut s, 2).await?;
+                }
+                self.held.push(s);
+                Ok(Outcome::Ok)
+            }
+            Op::Finish => {
+                if self.held.is_empty() {
+                    return Ok(Outcome::Ok);
+                }
+                let mut s = self.held.remove(0);
+                // From where it stopped (its directory may be gone: then an error, as a
+                // process reading a removed directory gets one).
+                let mut seen = BTreeSet::new();
+                let got = self.read_to_end(&mut s, 2).await;
+                self.fs.releasedir(s.fh);
+                for (name, _) in got.unwrap_or_default() {
+                    assert!(
+                        seen.insert(name.clone()),
+                        "{name} listed twice by one stream"
+                    );
+                }
+                Ok(Outcome::Ok)
             }
             Op::Unlink { dir, file } => {
                 let parent = self.dir(dir).await?;
                 self.lookup(parent, dir.map_or("", |d| DIRS[d]), FILES[file])
                     .await?;
                 self.fs.unlink(parent, OsStr::new(FILES[file])).await?;
+                self.changed(parent);
                 Ok(Outcome::Ok)
             }
             Op::Mkdir { dir } => match self.lookup(ROOT_INO, "", DIRS[dir]).await {
@@ -344,6 +567,7 @@ impl Kernel {
                 Err(FsError::NotFound) => {
                     let e = self.fs.mkdir(ROOT_INO, OsStr::new(DIRS[dir])).await?;
                     *self.refs.entry(e.attr.ino).or_default() += 1;
+                    self.changed(ROOT_INO);
                     Ok(Outcome::Ok)
                 }
                 Err(e) => Err(e),
@@ -351,6 +575,7 @@ impl Kernel {
             Op::Rmdir { dir } => {
                 self.lookup(ROOT_INO, "", DIRS[dir]).await?;
                 self.fs.rmdir(ROOT_INO, OsStr::new(DIRS[dir])).await?;
+                self.changed(ROOT_INO);
                 Ok(Outcome::Ok)
             }
             Op::ForgetAll => {
@@ -378,6 +603,8 @@ fn check(ops: &[Op], ttl: MetadataTtl) -> Result<(), TestCaseError> {
             fs: Fs::new(Arc::new(store.clone()), cfg),
             refs: HashMap::new(),
             inos: HashMap::new(),
+            dirs: HashMap::new(),
+            held: Vec::new(),
         };
         let mut model = Model::default();
         for (i, op) in ops.iter().enumerate() {
@@ -388,6 +615,9 @@ fn check(ops: &[Op], ttl: MetadataTtl) -> Result<(), TestCaseError> {
             let keys: Vec<String> = model.files.keys().cloned().collect();
             prop_assert_eq!(store.keys(B), keys, "step {}: {:?}", i, op);
             prop_assert_eq!(store.pending_uploads(B), 0);
+        }
+        while let Some(s) = kernel.held.pop() {
+            kernel.fs.releasedir(s.fh);
         }
         kernel.forget_all();
         prop_assert_eq!(
@@ -411,4 +641,42 @@ proptest! {
     fn matches_the_model_with_zero_ttl(ops in prop::collection::vec(op(), 1..40)) {
         check(&ops, MetadataTtl::Duration(Duration::ZERO))?;
     }
+}
+
+/// A handle pinned to the old listing at its `opendir`, read only after a change through the
+/// mount while a new handle has begun filling the kernel's cache with the new listing: the two
+/// never mix in the cache, and the listing after them is the new one.
+#[test]
+fn a_pinned_handle_and_a_new_listing_never_mix_in_the_kernels_cache() {
+    let ops = [
+        Op::Write {
+            dir: None,
+            file: 0,
+            len: 1,
+            seed: 1,
+            chunk: 1,
+        },
+        Op::List { dir: None },
+        Op::List { dir: None },
+        Op::Hold {
+            dir: None,
+            batches: 0,
+        },
+        Op::Write {
+            dir: None,
+            file: 1,
+            len: 1,
+            seed: 2,
+            chunk: 1,
+        },
+        Op::Hold {
+            dir: None,
+            batches: 1,
+        },
+        Op::Finish,
+        Op::Finish,
+        Op::List { dir: None },
+        Op::List { dir: None },
+    ];
+    check(&ops, MetadataTtl::Indefinite).unwrap();
 }
