@@ -12,7 +12,7 @@ use std::time::SystemTime;
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use futures::TryStreamExt;
+use futures::{StreamExt, TryStreamExt};
 
 #[cfg(any(test, feature = "test-util"))]
 pub mod faulty;
@@ -520,7 +520,9 @@ fn after_objects_deleted(mut e: StoreError, objects: u64) -> StoreError {
 /// its markers, which must advance. Only uploads whose keys really start with `prefix` are aborted,
 /// even if a server returned others; an upload gone by the time it is aborted (completed or
 /// aborted meanwhile: [`StoreError::NotFound`], S3's NoSuchUpload) is not counted and is no error.
-/// An empty `prefix` is refused as by [`delete_prefix`].
+/// An empty `prefix` is refused as by [`delete_prefix`]. A page's uploads are aborted
+/// [`ABORTS_AT_ONCE`] at a time (a prefix a crashed writer left thousands of uploads in is not
+/// one round trip each); the first error other than `NotFound` ends it.
 pub async fn abort_uploads(store: &dyn ObjectStore, bucket: &str, prefix: &str) -> Result<u64> {
     refuse_empty_prefix("abort_uploads", prefix, "abort every upload of the bucket")?;
     let mut aborted = 0u64;
@@ -534,21 +536,24 @@ pub async fn abort_uploads(store: &dyn ObjectStore, bucket: &str, prefix: &str) 
             max_uploads: None,
         };
         let page = store.list_uploads(bucket, req).await?;
-        let mut fresh = 0usize;
-        for upload in page.uploads {
-            if !upload.key.starts_with(prefix) || !tried.insert(upload.clone()) {
-                continue;
-            }
-            fresh += 1;
-            match store
-                .abort_multipart(bucket, &upload.key, &upload.upload_id)
-                .await
-            {
-                Ok(()) => aborted += 1,
-                Err(StoreError::NotFound(_)) => {}
-                Err(e) => return Err(e),
-            }
-        }
+        let fresh_uploads: Vec<Upload> = page
+            .uploads
+            .into_iter()
+            .filter(|u| u.key.starts_with(prefix) && tried.insert(u.clone()))
+            .collect();
+        let fresh = fresh_uploads.len();
+        let done: Vec<bool> = futures::stream::iter(fresh_uploads)
+            .map(|u| async move {
+                match store.abort_multipart(bucket, &u.key, &u.upload_id).await {
+                    Ok(()) => Ok(true),
+                    Err(StoreError::NotFound(_)) => Ok(false),
+                    Err(e) => Err(e),
+                }
+            })
+            .buffer_unordered(ABORTS_AT_ONCE)
+            .try_collect()
+            .await?;
+        aborted += done.iter().filter(|a| **a).count() as u64;
         match page.next {
             None => return Ok(aborted),
             Some(_) if fresh > 0 => after = None,
@@ -566,6 +571,9 @@ pub async fn abort_uploads(store: &dyn ObjectStore, bucket: &str, prefix: &str) 
         }
     }
 }
+
+/// Aborts in flight at once in [`abort_uploads`].
+pub const ABORTS_AT_ONCE: usize = 16;
 
 /// An empty prefix is every key of the bucket: refused, with why (`it would ...`).
 fn refuse_empty_prefix(what: &str, prefix: &str, it_would: &str) -> Result<()> {
@@ -703,6 +711,20 @@ mod tests {
     struct Sloppy {
         inner: MemoryStore,
         stuck: bool,
+        /// Aborts in flight now, and the most at once.
+        aborting: std::sync::atomic::AtomicUsize,
+        most: std::sync::atomic::AtomicUsize,
+    }
+
+    impl Sloppy {
+        fn new(inner: MemoryStore, stuck: bool) -> Self {
+            Sloppy {
+                inner,
+                stuck,
+                aborting: Default::default(),
+                most: Default::default(),
+            }
+        }
     }
 
     #[async_trait]
@@ -761,7 +783,14 @@ mod tests {
             self.inner.complete_multipart(b, k, u, parts).await
         }
         async fn abort_multipart(&self, b: &str, k: &str, u: &str) -> Result<()> {
-            self.inner.abort_multipart(b, k, u).await
+            use std::sync::atomic::Ordering::SeqCst;
+            let now = self.aborting.fetch_add(1, SeqCst) + 1;
+            self.most.fetch_max(now, SeqCst);
+            // Every other abort sent meanwhile is polled before this one answers.
+            tokio::task::yield_now().await;
+            let r = self.inner.abort_multipart(b, k, u).await;
+            self.aborting.fetch_sub(1, SeqCst);
+            r
         }
         async fn list_uploads(&self, b: &str, req: UploadsRequest<'_>) -> Result<UploadsPage> {
             let wide = UploadsRequest { prefix: "", ..req };
@@ -791,15 +820,12 @@ mod tests {
         for key in ["vol0/x", "vol1/a", "vol1/b", "vol10/x", "vol1"] {
             inner.create_multipart(B, key).await.unwrap();
         }
-        let s = Sloppy {
-            inner: inner.clone(),
-            stuck: false,
-        };
+        let s = Sloppy::new(inner.clone(), false);
         assert_eq!(abort_uploads(&s, B, "vol1/").await.unwrap(), 2);
         let left: Vec<String> = inner.uploads(B).into_iter().map(|(k, _)| k).collect();
         assert_eq!(left, ["vol0/x", "vol1", "vol10/x"]);
 
-        let stuck = Sloppy { inner, stuck: true };
+        let stuck = Sloppy::new(inner, true);
         let e = abort_uploads(&stuck, B, "vol10/").await.unwrap_err();
         assert!(
             matches!(e, StoreError::Other(ref m) if m.contains("already")),
@@ -807,5 +833,23 @@ mod tests {
         );
         let left: Vec<String> = stuck.inner.uploads(B).into_iter().map(|(k, _)| k).collect();
         assert_eq!(left, ["vol0/x", "vol1"], "vol10/x aborted, nothing else");
+    }
+
+    /// A page's uploads are aborted several at once, never more than [`ABORTS_AT_ONCE`].
+    #[tokio::test]
+    async fn a_pages_uploads_are_aborted_at_once() {
+        let inner = MemoryStore::new();
+        inner.create_bucket(B);
+        for i in 0..40 {
+            inner
+                .create_multipart(B, &format!("vol/{i:02}"))
+                .await
+                .unwrap();
+        }
+        let s = Sloppy::new(inner.clone(), false);
+        assert_eq!(abort_uploads(&s, B, "vol/").await.unwrap(), 40);
+        assert!(inner.uploads(B).is_empty());
+        let most = s.most.load(std::sync::atomic::Ordering::SeqCst);
+        assert_eq!(most, ABORTS_AT_ONCE, "aborts in flight at once");
     }
 }
