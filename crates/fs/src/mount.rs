@@ -368,6 +368,17 @@ fn mount_on(dir: &OwnedFd, cfg: &MountConfig) -> io::Result<OwnedFd> {
 
 /// The filesystem `fs` of one mount with the node's cache, its store's proofs and its journal, and
 /// its adapter.
+/// Drops a directory's entries from the kernel's cache through `session`'s notifier. The kernel
+/// answers `ENOENT` for an inode it no longer holds (nothing cached then).
+fn dir_invalidator(session: &BackgroundSession) -> crate::fs::DirInvalidator {
+    let notifier = session.notifier();
+    crate::fs::DirInvalidator::new(move |ino| {
+        if let Err(e) = notifier.inval_inode(fuser::INodeNo(ino), 0, 0) {
+            tracing::debug!(ino, error = %e, "a directory's cache in the kernel was not dropped");
+        }
+    })
+}
+
 fn adapter_for(
     fs: Fs,
     proofs: Arc<crate::proofs::Proofs>,
@@ -428,6 +439,8 @@ pub fn mount(
     } else {
         Session::Fuser(fuser::spawn_mount(adapter, &target, &options).map_err(fuse_err)?)
     };
+    let (Session::Own(bg) | Session::Fuser(bg)) = &session;
+    fs.set_dir_invalidator(dir_invalidator(bg));
     drop(dir);
     let entry = mountinfo::mounted_at(&target)
         .ok()
@@ -526,6 +539,7 @@ pub fn resume(
         }
     }
     let bg = session.spawn().map_err(fuse_err)?;
+    fs.set_dir_invalidator(dir_invalidator(&bg));
     let abort = mountinfo::ConnectionAbort::open(entry.dev.1).ok();
     let handle = MountHandle {
         _session: session_charge,

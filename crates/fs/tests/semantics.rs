@@ -746,15 +746,70 @@ fn kernel_dir_cache(c: &Ctx) {
     let before = dir_reads();
     assert_eq!(names(&rw.path("d")), changed);
     assert_eq!(dir_reads(), before, "kept again");
-    // A mount with a TTL: every listing is Ferry's (the kernel would serve a kept cache past
-    // the TTL to a stream held open and rewound).
+    // A mount with a TTL: kept within it too.
     let ttl = c.mount(&p, |cfg| {
         cfg.metadata_ttl = MetadataTtl::Duration(Duration::from_secs(60))
     });
-    let _ = names(&ttl.path("d"));
+    let listed = names(&ttl.path("d"));
+    assert_eq!(listed.len(), 301);
     let before = dir_reads();
-    assert_eq!(names(&ttl.path("d")).len(), 301);
-    assert!(dir_reads() > before, "listed by Ferry");
+    assert_eq!(names(&ttl.path("d")), listed);
+    assert_eq!(dir_reads(), before, "kept within the TTL");
+    // At the TTL's end the kernel is told to drop it: a stream held open and rewound then
+    // lists afresh, and sees what was put meanwhile.
+    let short = c.mount(&p, |cfg| {
+        cfg.metadata_ttl = MetadataTtl::Duration(Duration::from_secs(2))
+    });
+    let held = HeldDir::open(&short.path("d"));
+    assert_eq!(held.rewound().len(), 301);
+    assert_eq!(held.rewound().len(), 301);
+    c.put(&p, "d/late", b"l");
+    common::wait_until(
+        "a held stream, rewound, sees an object put after its TTL",
+        || held.rewound().contains(&"late".to_string()),
+    );
+    assert_eq!(names(&short.path("d")).len(), 302);
+}
+
+/// A directory stream held open (`opendir(3)`), read again from its start (`rewinddir(3)`).
+struct HeldDir(*mut libc::DIR);
+
+impl HeldDir {
+    fn open(dir: &Path) -> Self {
+        let path = CString::new(dir.as_os_str().as_bytes()).unwrap();
+        // SAFETY: a valid C string; the stream is closed on drop.
+        let d = unsafe { libc::opendir(path.as_ptr()) };
+        assert!(!d.is_null(), "opendir {}", dir.display());
+        HeldDir(d)
+    }
+
+    /// Every name but `.` and `..`, from the start.
+    fn rewound(&self) -> Vec<String> {
+        let mut out = Vec::new();
+        // SAFETY: the stream is open; each entry is read before the next readdir.
+        unsafe {
+            libc::rewinddir(self.0);
+            loop {
+                let e = libc::readdir(self.0);
+                if e.is_null() {
+                    break;
+                }
+                let name = std::ffi::CStr::from_ptr((*e).d_name.as_ptr());
+                let name = name.to_string_lossy().into_owned();
+                if name != "." && name != ".." {
+                    out.push(name);
+                }
+            }
+        }
+        out
+    }
+}
+
+impl Drop for HeldDir {
+    fn drop(&mut self) {
+        // SAFETY: opened in `open`, closed once.
+        unsafe { libc::closedir(self.0) };
+    }
 }
 
 fn lookup(c: &Ctx) {

@@ -23,9 +23,11 @@
 //!   handle is pinned to, and before anything is known (a new process after a handover, whose
 //!   predecessor's cache may still be there) never.
 //!
-//! Only on mounts whose metadata is trusted for the mount's life (`--metadata-ttl indefinite`, a
-//! read-only volume's default): the kernel answers a kept cache without asking, so on a mount with
-//! a TTL a directory stream held open and rewound would not see the TTL end.
+//! The kernel answers a complete cache without asking, also to a stream held open and rewound.
+//! So on a mount with a TTL, the end of the TTL of what a cache was filled with has the kernel
+//! drop it (`FUSE_NOTIFY_INVAL_INODE`, see `Fs::drop_kernel_dir_at`), and a handle pinned to a
+//! listing whose TTL ended before it was read lists afresh. With a TTL of 0, or with no way to
+//! notify the kernel, directories are not cached there.
 
 use std::sync::{Arc, Weak};
 

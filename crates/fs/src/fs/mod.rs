@@ -177,6 +177,9 @@ struct FsState {
     /// directory asks for a whole page): the next listing goes on from it (bounded: the oldest
     /// goes past [`FIRST_PAGES_MAX`]).
     first_pages: HashMap<Ino, FirstPage>,
+    /// Pending drops of directories' caches in the kernel, at the end of the TTL of what they
+    /// were filled with (deadline, timer).
+    dir_invals: HashMap<Ino, Vec<(Instant, Owned<()>)>>,
     /// What each directory's cache in the kernel may hold ([`kdir`]); bounded: past
     /// [`KERNEL_DIRS_MAX`] the entries no open handle needs are forgotten (unknown again).
     kernel_dirs: HashMap<Ino, kdir::KernelDir>,
@@ -266,6 +269,7 @@ impl FsState {
             changes: 0,
             first_pages: HashMap::new(),
             kernel_dirs: HashMap::new(),
+            dir_invals: HashMap::new(),
             tags: kdir::Tags::new(),
             rest_listings: HashMap::new(),
             sweeps: HashMap::new(),
@@ -383,6 +387,30 @@ pub struct Fs {
     /// it. Shared with the mounts of the same store (the same credentials); not carried over a
     /// handover (proofs start afresh).
     proofs: Arc<Proofs>,
+    /// Tells the kernel to drop a directory's cached entries (`FUSE_NOTIFY_INVAL_INODE`), once
+    /// the mount's session is live: a mount with a TTL caches directories in the kernel only
+    /// with it ([`kdir`]).
+    dir_inval: std::sync::OnceLock<DirInvalidator>,
+}
+
+/// Drops directory `ino`'s entries from the kernel's cache.
+#[derive(Clone)]
+pub struct DirInvalidator(Arc<dyn Fn(Ino) + Send + Sync>);
+
+impl DirInvalidator {
+    pub fn new(f: impl Fn(Ino) + Send + Sync + 'static) -> Self {
+        DirInvalidator(Arc::new(f))
+    }
+
+    fn drop_dir(&self, ino: Ino) {
+        (self.0)(ino)
+    }
+}
+
+impl std::fmt::Debug for DirInvalidator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("DirInvalidator")
+    }
 }
 
 fn stale(ino: Ino) -> FsError {
@@ -492,6 +520,7 @@ impl Fs {
             prefetch,
             cache: None,
             proofs: Arc::new(Proofs::default()),
+            dir_inval: std::sync::OnceLock::new(),
         }
     }
 

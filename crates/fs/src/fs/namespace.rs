@@ -333,9 +333,63 @@ impl Fs {
     // ----- directories ------------------------------------------------------------------------
 
     /// Whether directories are cached in the kernel ([`kdir`]): on mounts whose metadata is
-    /// trusted for the mount's life.
+    /// trusted for the mount's life, and on mounts with a TTL once Ferry can tell the kernel to
+    /// drop a directory's cache when the TTL of what it was filled with ends (a stream held
+    /// open and rewound would otherwise be answered from it past the TTL). Not with a TTL of 0.
     fn kernel_dir_cache(&self) -> bool {
-        self.cfg.metadata_ttl == MetadataTtl::Indefinite
+        match self.cfg.metadata_ttl {
+            MetadataTtl::Indefinite => true,
+            MetadataTtl::Duration(d) => !d.is_zero() && self.dir_inval.get().is_some(),
+        }
+    }
+
+    /// Lets the mount tell the kernel to drop a directory's cached entries (the live session's
+    /// notifier). A successor's directory handles taken over may be answered by the kernel from
+    /// a cache its predecessor let it fill, whose TTL this process does not know: on a mount
+    /// with a TTL their directories' caches are dropped now.
+    pub fn set_dir_invalidator(&self, inval: DirInvalidator) {
+        if self.dir_inval.set(inval.clone()).is_err() {
+            return;
+        }
+        if self.cfg.metadata_ttl == MetadataTtl::Indefinite {
+            return;
+        }
+        let carried: Vec<Ino> = {
+            let st = self.lock();
+            st.kernel_dirs
+                .iter()
+                .filter(|(_, k)| k.active > 0)
+                .map(|(ino, _)| *ino)
+                .collect()
+        };
+        for ino in carried {
+            inval.drop_dir(ino);
+        }
+    }
+
+    /// Has the kernel drop directory `ino`'s cache when `valid` ends, unless a drop is due by
+    /// then anyway (on a mount with a TTL, after a stream filled it with a listing valid until
+    /// then).
+    fn drop_kernel_dir_at(&self, st: &mut FsState, ino: Ino, valid: Validity) {
+        let Some(inval) = self.dir_inval.get() else {
+            return;
+        };
+        let at = match valid {
+            Validity::Until(at) => at,
+            Validity::Expired => Instant::now(),
+            Validity::Forever => return,
+        };
+        let pending = st.dir_invals.entry(ino).or_default();
+        pending.retain(|(_, timer)| !timer.is_finished());
+        if pending.iter().any(|(due, _)| *due <= at) {
+            return;
+        }
+        let inval = inval.clone();
+        let timer = spawn_owned(async move {
+            tokio::time::sleep_until(at).await;
+            inval.drop_dir(ino);
+        });
+        pending.push((at, timer));
     }
 
     /// `opendir`: a handle whose listing is taken at the first `readdir`, or, when the kernel's
@@ -642,7 +696,14 @@ impl Fs {
         }
         let cache_dir = self.kernel_dir_cache();
         let mut retagged = false;
-        if d.snapshot.is_none() || (offset == 0 && d.served) {
+        // A handle pinned at `opendir` to a listing whose TTL ended before it was read lists
+        // afresh, as one opened then would.
+        let pinned_expired = !d.served
+            && !d.partial
+            && d.listed_at.is_some_and(|at| {
+                !Validity::new(self.cfg.metadata_ttl, at).is_valid(Instant::now())
+            });
+        if d.snapshot.is_none() || (offset == 0 && d.served) || pinned_expired {
             let (entries, listed_at, partial) = self.list_dir_start(ino, true).await?;
             d.snapshot = Some(entries);
             d.listed_at = Some(listed_at);
@@ -758,6 +819,7 @@ impl Fs {
             if let Some(k) = st.kernel_dirs.get_mut(&ino) {
                 k.ended(d.tag);
             }
+            self.drop_kernel_dir_at(st, ino, snapshot_valid);
         }
         Ok(())
     }

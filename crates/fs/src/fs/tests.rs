@@ -2273,18 +2273,72 @@ async fn a_rewound_or_unfinished_stream_keeps_its_tag_rules() {
 }
 
 #[tokio::test]
-async fn a_mount_with_a_ttl_leaves_directories_uncached_in_the_kernel() {
-    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Duration(Duration::from_secs(60)));
-    store.insert(B, "d/a", &b"x"[..]);
-    let d = walk(&fs, "d").await.unwrap().attr.ino;
-    for _ in 0..2 {
-        let o = fs.opendir(d).unwrap();
-        assert!(!o.cache_dir && !o.keep_cache);
-        let s = stream(&fs, d, o.fh, 10).await;
-        let offsets: Vec<u64> = s.iter().map(|(_, off)| *off).collect();
-        assert_eq!(offsets, [1, 2, 3], "plain offsets");
-        fs.releasedir(o.fh);
+async fn a_mount_with_a_ttl_of_zero_or_no_way_to_drop_a_cache_leaves_directories_uncached() {
+    for ttl in [Duration::ZERO, Duration::from_secs(60)] {
+        let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Duration(ttl));
+        if ttl.is_zero() {
+            fs.set_dir_invalidator(DirInvalidator::new(|_| {}));
+        }
+        store.insert(B, "d/a", &b"x"[..]);
+        let d = walk(&fs, "d").await.unwrap().attr.ino;
+        for _ in 0..2 {
+            let o = fs.opendir(d).unwrap();
+            assert!(!o.cache_dir && !o.keep_cache, "{ttl:?}");
+            let s = stream(&fs, d, o.fh, 10).await;
+            let offsets: Vec<u64> = s.iter().map(|(_, off)| *off).collect();
+            assert_eq!(offsets, [1, 2, 3], "plain offsets");
+            fs.releasedir(o.fh);
+        }
     }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_mount_with_a_ttl_has_the_kernel_drop_a_directory_when_its_listing_expires() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Duration(Duration::from_secs(10)));
+    store.insert(B, "d/a", &b"x"[..]);
+    let dropped: Arc<std::sync::Mutex<Vec<Ino>>> = Default::default();
+    let seen = dropped.clone();
+    fs.set_dir_invalidator(DirInvalidator::new(move |ino| {
+        seen.lock().unwrap().push(ino)
+    }));
+    let d = walk(&fs, "d").await.unwrap().attr.ino;
+    let o = fs.opendir(d).unwrap();
+    assert!(o.cache_dir && !o.keep_cache);
+    assert_eq!(stream(&fs, d, o.fh, 10).await.len(), 3);
+    fs.releasedir(o.fh);
+    let pinned = fs.opendir(d).unwrap();
+    assert!(pinned.keep_cache, "within the TTL the cache is kept");
+    let settle = || async {
+        for _ in 0..10 {
+            tokio::task::yield_now().await;
+        }
+    };
+    tokio::time::advance(Duration::from_secs(9)).await;
+    settle().await;
+    assert!(
+        dropped.lock().unwrap().is_empty(),
+        "not before the TTL ends"
+    );
+    tokio::time::advance(Duration::from_secs(2)).await;
+    settle().await;
+    assert_eq!(
+        *dropped.lock().unwrap(),
+        [d],
+        "dropped once, at the TTL's end"
+    );
+    // Past it: a new opendir does not keep, and the handle pinned before it but read only
+    // now lists afresh (what changed in S3 shows).
+    store.insert(B, "d/b", &b"x"[..]);
+    let o = fs.opendir(d).unwrap();
+    assert!(!o.keep_cache);
+    fs.releasedir(o.fh);
+    let names: Vec<String> = stream(&fs, d, pinned.fh, 10)
+        .await
+        .into_iter()
+        .map(|(n, _)| n)
+        .collect();
+    assert_eq!(names, [".", "..", "a", "b"]);
+    fs.releasedir(pinned.fh);
 }
 
 #[tokio::test]
