@@ -178,7 +178,8 @@ struct FsState {
     /// goes past [`FIRST_PAGES_MAX`]).
     first_pages: HashMap<Ino, FirstPage>,
     /// Pending drops of directories' caches in the kernel, at the end of the TTL of what they
-    /// were filled with (deadline, timer).
+    /// were filled with (deadline, timer); past [`KERNEL_DIRS_MAX`] directories, those whose
+    /// timers all fired are forgotten.
     dir_invals: HashMap<Ino, Vec<(Instant, Owned<()>)>>,
     /// What each directory's cache in the kernel may hold ([`kdir`]); bounded: past
     /// [`KERNEL_DIRS_MAX`] the entries no open handle needs are forgotten (unknown again).

@@ -379,6 +379,12 @@ impl Fs {
             Validity::Expired => Instant::now(),
             Validity::Forever => return,
         };
+        if st.dir_invals.len() >= KERNEL_DIRS_MAX {
+            st.dir_invals.retain(|_, timers| {
+                timers.retain(|(_, timer)| !timer.is_finished());
+                !timers.is_empty()
+            });
+        }
         let pending = st.dir_invals.entry(ino).or_default();
         pending.retain(|(_, timer)| !timer.is_finished());
         if pending.iter().any(|(due, _)| *due <= at) {
