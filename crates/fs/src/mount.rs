@@ -366,8 +366,6 @@ fn mount_on(dir: &OwnedFd, cfg: &MountConfig) -> io::Result<OwnedFd> {
     Ok(dev.into())
 }
 
-/// The filesystem `fs` of one mount with the node's cache, its store's proofs and its journal, and
-/// its adapter.
 /// Drops a directory's entries from the kernel's cache through `session`'s notifier. The kernel
 /// answers `ENOENT` for an inode it no longer holds (nothing cached then).
 fn dir_invalidator(session: &BackgroundSession) -> crate::fs::DirInvalidator {
@@ -379,6 +377,8 @@ fn dir_invalidator(session: &BackgroundSession) -> crate::fs::DirInvalidator {
     })
 }
 
+/// The filesystem `fs` of one mount with the node's cache, its store's proofs and its journal, and
+/// its adapter.
 fn adapter_for(
     fs: Fs,
     proofs: Arc<crate::proofs::Proofs>,
