@@ -2247,13 +2247,19 @@ async fn the_kernel_keeps_a_directory_only_while_its_cache_can_hold_nothing_but_
     fs.releasedir(o.fh);
 }
 
-#[tokio::test]
-async fn a_rewound_or_unfinished_stream_keeps_its_tag_rules() {
+/// A mount whose metadata never expires, of a directory `d` of ten files `f0`…`f9`, looked up.
+async fn indefinite_dir_of_ten() -> (MemoryStore, Fs, Ino) {
     let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Indefinite);
     for i in 0..10 {
         store.insert(B, &format!("d/f{i}"), &b"x"[..]);
     }
     let d = walk(&fs, "d").await.unwrap().attr.ino;
+    (store, fs, d)
+}
+
+#[tokio::test]
+async fn a_rewound_or_unfinished_stream_keeps_its_tag_rules() {
+    let (_, fs, d) = indefinite_dir_of_ten().await;
     let o = fs.opendir(d).unwrap();
     // Half a stream, then released: nothing is known to be complete, and an unfinished fill
     // is no reason not to keep (a cache is only read once complete).
@@ -2343,11 +2349,7 @@ async fn a_mount_with_a_ttl_has_the_kernel_drop_a_directory_when_its_listing_exp
 
 #[tokio::test]
 async fn a_successor_keeps_no_directory_its_predecessors_handles_may_have_filled() {
-    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Indefinite);
-    for i in 0..10 {
-        store.insert(B, &format!("d/f{i}"), &b"x"[..]);
-    }
-    let d = walk(&fs, "d").await.unwrap().attr.ino;
+    let (store, fs, d) = indefinite_dir_of_ten().await;
     let old = fs.opendir(d).unwrap();
     let before = stream(&fs, d, old.fh, 3).await;
     let snap = fs.snapshot().await;
