@@ -15,7 +15,7 @@ use std::ffi::OsStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_fs::fs::{DirEntry, DirSink, Entry, Fs};
+use ferry_fs::fs::{DirEntry, DirInvalidator, DirSink, Entry, Fs};
 use ferry_fs::handles::PART_SIZE;
 use ferry_fs::inode::{Ino, ROOT_INO};
 use ferry_fs::names::Kind;
@@ -227,6 +227,9 @@ struct Kernel {
     dirs: HashMap<Ino, KDir>,
     /// Directory handles held open (oldest first).
     held: Vec<DirStream>,
+    /// Directories whose caches Ferry told the kernel to drop (`FUSE_NOTIFY_INVAL_INODE`), not
+    /// yet applied.
+    dropped: Arc<std::sync::Mutex<Vec<Ino>>>,
 }
 
 /// The kernel's cache of one directory's entries, as far as what it serves goes.
@@ -340,7 +343,21 @@ impl Kernel {
         self.dirs.entry(ino).or_default().iversion += 1;
     }
 
+    /// Applies the drops Ferry asked for: the pages go (a complete cache then resets when
+    /// read).
+    fn apply_drops(&mut self) {
+        let dropped: Vec<Ino> = std::mem::take(&mut *self.dropped.lock().unwrap());
+        for ino in dropped {
+            if let Some(d) = self.dirs.get_mut(&ino) {
+                if !d.entries.is_empty() {
+                    d.holes = true;
+                }
+            }
+        }
+    }
+
     fn opendir(&mut self, ino: Ino) -> Result<DirStream, FsError> {
+        self.apply_drops();
         let o = self.fs.opendir(ino)?;
         if !o.keep_cache {
             let d = self.dirs.entry(ino).or_default();
@@ -365,6 +382,7 @@ impl Kernel {
         s: &mut DirStream,
         cap: usize,
     ) -> Result<Vec<(String, Kind)>, FsError> {
+        self.apply_drops();
         if s.cache_dir {
             if s.cache_pos != s.pos {
                 s.cache_pos = 0;
@@ -605,7 +623,14 @@ fn check(ops: &[Op], ttl: MetadataTtl) -> Result<(), TestCaseError> {
             inos: HashMap::new(),
             dirs: HashMap::new(),
             held: Vec::new(),
+            dropped: Default::default(),
         };
+        let dropped = kernel.dropped.clone();
+        kernel
+            .fs
+            .set_dir_invalidator(DirInvalidator::new(move |ino| {
+                dropped.lock().unwrap().push(ino)
+            }));
         let mut model = Model::default();
         for (i, op) in ops.iter().enumerate() {
             let want = model.apply(op);
@@ -640,6 +665,13 @@ proptest! {
     #[test]
     fn matches_the_model_with_zero_ttl(ops in prop::collection::vec(op(), 1..40)) {
         check(&ops, MetadataTtl::Duration(Duration::ZERO))?;
+    }
+
+    /// A TTL no run outlives: directories cached in the kernel as on an indefinite mount, on
+    /// the TTL's rules (a listing not kept after a change is listed again).
+    #[test]
+    fn matches_the_model_with_an_hour_ttl(ops in prop::collection::vec(op(), 1..40)) {
+        check(&ops, MetadataTtl::Duration(Duration::from_secs(3600)))?;
     }
 }
 
@@ -678,5 +710,10 @@ fn a_pinned_handle_and_a_new_listing_never_mix_in_the_kernels_cache() {
         Op::List { dir: None },
         Op::List { dir: None },
     ];
-    check(&ops, MetadataTtl::Indefinite).unwrap();
+    for ttl in [
+        MetadataTtl::Indefinite,
+        MetadataTtl::Duration(Duration::from_secs(3600)),
+    ] {
+        check(&ops, ttl).unwrap();
+    }
 }
