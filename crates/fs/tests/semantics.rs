@@ -713,7 +713,11 @@ fn kernel_dir_cache(c: &Ctx) {
     let objs: Vec<(&str, &[u8])> = files.iter().map(|k| (k.as_str(), &b"x"[..])).collect();
     let p = c.prefix(&objs);
     // READDIR and READDIRPLUS requests Ferry answered, once every directory handle opened so
-    // far is released (the kernel releases a handle after its last `readdir` was answered).
+    // far is released (the kernel releases a handle after its last `readdir` was answered). An
+    // answer is counted just after it is sent, on the runtime thread that sent it: each of the
+    // mount's 2 worker threads may not have counted its last one yet (`LATE`). A listing Ferry
+    // answers costs at least 2 (entries, then the end), so 3 of them cost more than `LATE`.
+    const LATE: f64 = 2.0;
     let op = |name: &str| common::metric("ferry_fuse_operations_total", &format!("op=\"{name}\""));
     let dir_reads = || {
         common::wait_until("every directory handle released", || {
@@ -733,7 +737,11 @@ fn kernel_dir_cache(c: &Ctx) {
     for _ in 0..3 {
         assert_eq!(names(&ro.path("d")), first);
     }
-    assert_eq!(dir_reads(), before, "no READDIR reached Ferry");
+    let after = dir_reads();
+    assert!(
+        after <= before + LATE,
+        "READDIRs reached Ferry: {before} → {after}"
+    );
     // A writable one with the same TTL: a change through it shows at once, and the listing
     // after it is cached again.
     let rw = c.mount(&p, |cfg| cfg.metadata_ttl = MetadataTtl::Indefinite);
@@ -744,8 +752,11 @@ fn kernel_dir_cache(c: &Ctx) {
     assert!(changed.contains(&("new".into(), false)));
     let _ = names(&rw.path("d"));
     let before = dir_reads();
-    assert_eq!(names(&rw.path("d")), changed);
-    assert_eq!(dir_reads(), before, "kept again");
+    for _ in 0..3 {
+        assert_eq!(names(&rw.path("d")), changed);
+    }
+    let after = dir_reads();
+    assert!(after <= before + LATE, "kept again: {before} → {after}");
     // A mount with a TTL: kept within it too.
     let ttl = c.mount(&p, |cfg| {
         cfg.metadata_ttl = MetadataTtl::Duration(Duration::from_secs(60))
@@ -753,8 +764,14 @@ fn kernel_dir_cache(c: &Ctx) {
     let listed = names(&ttl.path("d"));
     assert_eq!(listed.len(), 301);
     let before = dir_reads();
-    assert_eq!(names(&ttl.path("d")), listed);
-    assert_eq!(dir_reads(), before, "kept within the TTL");
+    for _ in 0..3 {
+        assert_eq!(names(&ttl.path("d")), listed);
+    }
+    let after = dir_reads();
+    assert!(
+        after <= before + LATE,
+        "kept within the TTL: {before} → {after}"
+    );
     // At the TTL's end the kernel is told to drop it: a stream held open and rewound then
     // lists afresh, and sees what was put meanwhile.
     let short = c.mount(&p, |cfg| {
