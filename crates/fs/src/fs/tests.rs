@@ -60,9 +60,15 @@ impl DirSink for VecSink {
     }
 }
 
-/// Every entry (without `.` and `..`) of the directory, read in batches of `batch`.
-async fn list_batched(fs: &Fs, ino: Ino, batch: usize, plus: bool) -> Vec<(String, Kind, Attr)> {
-    let fh = fs.opendir(ino).unwrap().fh;
+/// Every entry (`.` and `..` included) of directory handle `fh` from its start, as the sink got
+/// them, read in batches of `batch`.
+async fn read_handle(
+    fs: &Fs,
+    ino: Ino,
+    fh: u64,
+    batch: usize,
+    plus: bool,
+) -> Vec<(String, Ino, u64, Kind, Attr)> {
     let mut offset = 0;
     let mut out = Vec::new();
     loop {
@@ -71,19 +77,23 @@ async fn list_batched(fs: &Fs, ino: Ino, batch: usize, plus: bool) -> Vec<(Strin
             got: Vec::new(),
         };
         fs.readdir(ino, fh, offset, plus, &mut sink).await.unwrap();
-        if sink.got.is_empty() {
-            break;
-        }
-        offset = sink.got.last().unwrap().2;
-        out.extend(
-            sink.got
-                .into_iter()
-                .filter(|(name, ..)| name != "." && name != "..")
-                .map(|(name, _, _, kind, attr)| (name, kind, attr)),
-        );
+        let Some(last) = sink.got.last() else {
+            return out;
+        };
+        offset = last.2;
+        out.extend(sink.got);
     }
+}
+
+/// Every entry (without `.` and `..`) of the directory, read in batches of `batch`.
+async fn list_batched(fs: &Fs, ino: Ino, batch: usize, plus: bool) -> Vec<(String, Kind, Attr)> {
+    let fh = fs.opendir(ino).unwrap().fh;
+    let out = read_handle(fs, ino, fh, batch, plus).await;
     fs.releasedir(fh);
-    out
+    out.into_iter()
+        .filter(|(name, ..)| name != "." && name != "..")
+        .map(|(name, _, _, kind, attr)| (name, kind, attr))
+        .collect()
 }
 
 async fn names(fs: &Fs, ino: Ino) -> Vec<(String, Kind)> {
@@ -2144,20 +2154,11 @@ async fn a_lookups_first_page_starts_the_listing_unless_stale() {
 /// Every entry (`.` and `..` included) of directory handle `fh` from its start, as (name, the
 /// offset it gives), read in batches of `batch`.
 async fn stream(fs: &Fs, ino: Ino, fh: u64, batch: usize) -> Vec<(String, u64)> {
-    let mut offset = 0;
-    let mut out = Vec::new();
-    loop {
-        let mut sink = VecSink {
-            cap: batch,
-            got: Vec::new(),
-        };
-        fs.readdir(ino, fh, offset, true, &mut sink).await.unwrap();
-        let Some(last) = sink.got.last() else {
-            return out;
-        };
-        offset = last.2;
-        out.extend(sink.got.into_iter().map(|(name, _, off, ..)| (name, off)));
-    }
+    read_handle(fs, ino, fh, batch, true)
+        .await
+        .into_iter()
+        .map(|(name, _, off, ..)| (name, off))
+        .collect()
 }
 
 fn tag_of(stream: &[(String, u64)]) -> u64 {
