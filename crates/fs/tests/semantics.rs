@@ -731,17 +731,21 @@ fn kernel_dir_cache(c: &Ctx) {
         cfg.read_only = true;
         cfg.metadata_ttl = MetadataTtl::Indefinite;
     });
+    // Three more listings of `dir`, each `want`, answered by the kernel alone.
+    let kept = |dir: &Path, want: &[(String, bool)], what: &str| {
+        let before = dir_reads();
+        for _ in 0..3 {
+            assert_eq!(names(dir), want, "{what}");
+        }
+        let after = dir_reads();
+        assert!(
+            after <= before + LATE,
+            "{what}: READDIRs reached Ferry ({before} → {after})"
+        );
+    };
     let first = names(&ro.path("d"));
     assert_eq!(first.len(), 300);
-    let before = dir_reads();
-    for _ in 0..3 {
-        assert_eq!(names(&ro.path("d")), first);
-    }
-    let after = dir_reads();
-    assert!(
-        after <= before + LATE,
-        "READDIRs reached Ferry: {before} → {after}"
-    );
+    kept(&ro.path("d"), &first, "read-only");
     // A writable one with the same TTL: a change through it shows at once, and the listing
     // after it is cached again.
     let rw = c.mount(&p, |cfg| cfg.metadata_ttl = MetadataTtl::Indefinite);
@@ -751,27 +755,14 @@ fn kernel_dir_cache(c: &Ctx) {
     assert_eq!(changed.len(), 301);
     assert!(changed.contains(&("new".into(), false)));
     let _ = names(&rw.path("d"));
-    let before = dir_reads();
-    for _ in 0..3 {
-        assert_eq!(names(&rw.path("d")), changed);
-    }
-    let after = dir_reads();
-    assert!(after <= before + LATE, "kept again: {before} → {after}");
+    kept(&rw.path("d"), &changed, "writable, after a change");
     // A mount with a TTL: kept within it too.
     let ttl = c.mount(&p, |cfg| {
         cfg.metadata_ttl = MetadataTtl::Duration(Duration::from_secs(60))
     });
     let listed = names(&ttl.path("d"));
     assert_eq!(listed.len(), 301);
-    let before = dir_reads();
-    for _ in 0..3 {
-        assert_eq!(names(&ttl.path("d")), listed);
-    }
-    let after = dir_reads();
-    assert!(
-        after <= before + LATE,
-        "kept within the TTL: {before} → {after}"
-    );
+    kept(&ttl.path("d"), &listed, "within the TTL");
     // At the TTL's end the kernel is told to drop it: a stream held open and rewound then
     // lists afresh, and sees what was put meanwhile.
     let short = c.mount(&p, |cfg| {
