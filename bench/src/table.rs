@@ -15,7 +15,8 @@ pub enum Column {
     Mounter(Kind),
     /// The reference a mounter is measured against, through the same proxy: the SDK's parallel
     /// ranged GETs (P1, P7), one GET per small file (P4, P12 epoch 1), LIST of the directory (P5
-    /// cold, P11); or the page cache of a local copy (P2).
+    /// cold, P11, P14 cold); or the page cache of a local copy (P2), a local directory's listing
+    /// (P14 warm).
     Ceiling,
 }
 
