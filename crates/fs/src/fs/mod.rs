@@ -464,13 +464,6 @@ impl Fs {
         let mut kernel_dirs: HashMap<Ino, kdir::KernelDir> = HashMap::new();
         let mut last_tag = 0;
         for (_, h) in &mut snap.handles {
-            if let Handle::Dir(d) = h {
-                d.counted = true;
-                kernel_dirs.entry(d.ino).or_default().active += 1;
-                last_tag = last_tag.max(d.tag);
-            }
-        }
-        for (_, h) in &snap.handles {
             match h {
                 Handle::Read(r) => {
                     let m = io.entry(r.ino).or_default();
@@ -484,7 +477,11 @@ impl Fs {
                 }
                 // Open in the kernel's cached mode, like a cached-mode read handle.
                 Handle::Write(w) => io.entry(w.ino).or_default().cached += 1,
-                Handle::Dir(_) => {}
+                Handle::Dir(d) => {
+                    d.counted = true;
+                    kernel_dirs.entry(d.ino).or_default().active += 1;
+                    last_tag = last_tag.max(d.tag);
+                }
             }
         }
         let mut state = FsState::new(
