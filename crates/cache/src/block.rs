@@ -122,9 +122,16 @@ pub fn encode(key: &BlockKey, data: &[u8]) -> Vec<u8> {
     file
 }
 
+/// The CRC-32C (Castagnoli, iSCSI) of `data`, the checksum of every block and object file.
+/// `crc-fast` (already in the tree through the AWS SDK) folds with carry-less multiplication where
+/// the CPU has it: 3–4 × the `crc32` instruction's speed on cache-hot data.
+pub fn crc32c(data: &[u8]) -> u32 {
+    crc_fast::crc32_iscsi(data)
+}
+
 /// The crc32c of each `chunk`-sized piece of `data` (the last may be shorter).
 pub fn chunk_crcs(data: &[u8], chunk: u64) -> Vec<u32> {
-    data.chunks(chunk as usize).map(crc32c::crc32c).collect()
+    data.chunks(chunk as usize).map(crc32c).collect()
 }
 
 /// What [`encode`] puts after the data (the trailer, padded): the file is `data` and then this,
@@ -146,7 +153,7 @@ fn encode_tail_as(key: &BlockKey, data: &[u8], padded: bool) -> Vec<u8> {
     tail.put_bytes(0, len - END - tail.len());
     tail.put_u64_le(data.len() as u64);
     tail.put_u32_le(CHUNK as u32);
-    let crc = crc32c::crc32c(&tail);
+    let crc = crc32c(&tail);
     tail.put_u32_le(crc);
     tail.put_slice(if padded { MAGIC } else { MAGIC_3 });
     tail.to_vec()
@@ -203,7 +210,7 @@ fn check_tail(key: &BlockKey, tail: &[u8], data_len: u64) -> Result<Tail, Invali
     let n = tail.len();
     let (len, chunk, padded) = tail_end(tail).ok_or(Invalid::Malformed)?;
     let stored = u32::from_le_bytes(tail[n - 12..n - 8].try_into().expect("4 bytes"));
-    let computed = crc32c::crc32c(&tail[..n - 12]);
+    let computed = crc32c(&tail[..n - 12]);
     if stored != computed {
         return Err(Invalid::Checksum { stored, computed });
     }
@@ -243,7 +250,7 @@ pub(crate) fn check_chunks(
 ) -> Result<(), Invalid> {
     for (i, piece) in data.chunks(chunk as usize).enumerate() {
         let stored = *crcs.get(first + i).ok_or(Invalid::Malformed)?;
-        let computed = crc32c::crc32c(piece);
+        let computed = crc32c(piece);
         if stored != computed {
             return Err(Invalid::Checksum { stored, computed });
         }
@@ -283,7 +290,7 @@ fn decode_2(key: &BlockKey, file: Bytes) -> Result<Bytes, Invalid> {
         return Err(Invalid::Malformed);
     }
     let stored = u32::from_le_bytes(file[n - 12..n - 8].try_into().expect("4 bytes"));
-    let computed = crc32c::crc32c(&file[..n - 12]);
+    let computed = crc32c(&file[..n - 12]);
     if stored != computed {
         return Err(Invalid::Checksum { stored, computed });
     }
@@ -373,7 +380,7 @@ pub(crate) fn exactly(data: Bytes, range: std::ops::Range<usize>) -> Bytes {
 pub(crate) fn seal(magic: &[u8; 8], body: &[u8]) -> Vec<u8> {
     let mut out = Vec::with_capacity(12 + body.len());
     out.extend_from_slice(magic);
-    out.extend_from_slice(&crc32c::crc32c(body).to_le_bytes());
+    out.extend_from_slice(&crc32c(body).to_le_bytes());
     out.extend_from_slice(body);
     out
 }
@@ -404,7 +411,7 @@ impl<'a> Reader<'a> {
             return Err(Invalid::Malformed);
         }
         let stored = u32::from_le_bytes(file[8..12].try_into().expect("4 bytes"));
-        let computed = crc32c::crc32c(&file[12..]);
+        let computed = crc32c(&file[12..]);
         if stored != computed {
             return Err(Invalid::Checksum { stored, computed });
         }
@@ -454,6 +461,35 @@ impl<'a> Reader<'a> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+
+    /// CRC-32C bit by bit, from its definition (reflected polynomial 0x82F63B78).
+    fn crc32c_bitwise(data: &[u8]) -> u32 {
+        let mut crc = !0u32;
+        for &b in data {
+            crc ^= u32::from(b);
+            for _ in 0..8 {
+                crc = (crc >> 1) ^ (0x82F6_3B78 & (crc & 1).wrapping_neg());
+            }
+        }
+        !crc
+    }
+
+    /// Files written by earlier Ferry versions (whose checksums came from the `crc32c` crate)
+    /// still check: the same CRC-32C at every length and alignment the folding code splits on.
+    #[test]
+    fn crc32c_is_the_castagnoli_crc_at_every_length() {
+        assert_eq!(crc32c(b"123456789"), 0xe306_9283);
+        assert_eq!(crc32c(b""), 0);
+        let data = data_of(200_003);
+        for len in [
+            1, 7, 15, 16, 31, 63, 64, 65, 255, 256, 257, 4095, 4096, 65_536, 200_000,
+        ] {
+            for start in [0, 1, 3] {
+                let piece = &data[start..start + len];
+                assert_eq!(crc32c(piece), crc32c_bitwise(piece), "{len} from {start}");
+            }
+        }
+    }
 
     fn key() -> BlockKey {
         BlockKey {
@@ -522,7 +558,7 @@ pub(crate) mod tests {
             tail.extend(std::iter::repeat_n(0u8, pad));
             tail.extend_from_slice(&(data.len() as u64).to_le_bytes());
             tail.extend_from_slice(&(CHUNK as u32).to_le_bytes());
-            let crc = crc32c::crc32c(&tail);
+            let crc = crc32c(&tail);
             tail.extend_from_slice(&crc.to_le_bytes());
             tail.extend_from_slice(MAGIC);
             let mut file = data.clone();
@@ -588,7 +624,10 @@ pub(crate) mod tests {
         tail.put_u64_le(key.index);
         put_names(&mut tail, [&key.endpoint, &key.bucket, &key.key, &key.etag]);
         tail.put_u64_le(data.len() as u64);
-        let crc = crc32c::crc32c_append(crc32c::crc32c(data), &tail);
+        let mut digest = crc_fast::Digest::new(crc_fast::CrcAlgorithm::Crc32Iscsi);
+        digest.update(data);
+        digest.update(&tail);
+        let crc = digest.finalize() as u32;
         tail.put_u32_le(crc);
         tail.put_slice(MAGIC_2);
         let mut file = data.to_vec();

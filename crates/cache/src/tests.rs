@@ -1081,8 +1081,8 @@ async fn files_an_older_ferry_wrote_are_still_served() {
         std::fs::create_dir_all(data_path.parent().unwrap()).unwrap();
         std::fs::write(&data_path, &content).unwrap();
         let crcs = [
-            crc32c::crc32c(&content[..(4 * c) as usize]),
-            crc32c::crc32c(&content[(4 * c) as usize..]),
+            crate::block::crc32c(&content[..(4 * c) as usize]),
+            crate::block::crc32c(&content[(4 * c) as usize..]),
         ];
         let meta = object::tests::encode_meta_1(&obj, size, 4 * c, &crcs);
         std::fs::write(cache.meta_path(&id), meta).unwrap();

@@ -332,7 +332,7 @@ pub fn replay_bytes(bytes: &[u8]) -> Result<Recovered, JournalError> {
         }
         let payload = &rest[8..8 + len];
         let last = rest.len() == 8 + len;
-        if crc32c::crc32c(payload) != crc {
+        if crc_fast::crc32_iscsi(payload) != crc {
             if last {
                 tracing::warn!(
                     offset,
@@ -703,7 +703,7 @@ fn write_record(mut file: &File, record: &Record) -> std::io::Result<u64> {
     }
     let mut buf = Vec::with_capacity(8 + payload.len());
     buf.extend_from_slice(&(payload.len() as u32).to_le_bytes());
-    buf.extend_from_slice(&crc32c::crc32c(&payload).to_le_bytes());
+    buf.extend_from_slice(&crc_fast::crc32_iscsi(&payload).to_le_bytes());
     buf.extend_from_slice(&payload);
     file.write_all(&buf)?;
     Ok(buf.len() as u64)
