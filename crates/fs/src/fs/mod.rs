@@ -229,6 +229,9 @@ struct FirstPage {
     /// [`FsState::changes`] when the LIST was sent: a change through this mount since then
     /// discards the page.
     changes: u64,
+    /// Listed by the listing itself (not a lookup's): as fresh as a listing started now, so it
+    /// serves even where the TTL is 0, and names learned missing before it do not stay so.
+    own: bool,
 }
 
 /// The rest of a directory's listing, going on in the background from a lookup's first page
@@ -242,6 +245,8 @@ struct RestListing {
     /// [`FsState::changes`] when the first page's LIST was sent: a change through this mount
     /// since then makes the next listing start anew.
     changes: u64,
+    /// The first page was the listing's own ([`FirstPage::own`]).
+    own: bool,
     task: Owned<ferry_store::Result<ferry_store::Listed>>,
 }
 

@@ -105,6 +105,7 @@ impl Fs {
                         prefix: dir_prefix(&self.cfg.prefix, &path),
                         at,
                         changes,
+                        own: false,
                     })
                 }),
             }),
@@ -199,13 +200,7 @@ impl Fs {
                     .install_child(parent, name, kind)
                     .ok_or_else(|| stale(parent))?;
                 if let Some(page) = first_page.filter(|_| kind == Kind::Dir) {
-                    if st.first_pages.len() >= FIRST_PAGES_MAX {
-                        let oldest = st.first_pages.iter().min_by_key(|(_, p)| p.at);
-                        if let Some(&oldest) = oldest.map(|(ino, _)| ino) {
-                            st.first_pages.remove(&oldest);
-                        }
-                    }
-                    st.first_pages.insert(ino, *page);
+                    Self::keep_first_page(st, ino, *page);
                 }
                 let inode = st.inodes.get_mut(ino).expect("just installed");
                 if !inode.is_local() {
@@ -480,6 +475,61 @@ impl Fs {
         ino: Ino,
         stream: bool,
     ) -> Result<(Snapshot, Instant, bool), FsError> {
+        // A cold directory that no lookup brought a first page for (its name was known from its
+        // parent's listing, say) is streamed all the same: its first page is listed here, then
+        // answered as a lookup's would be. Only once: a page gone stale meanwhile is not fetched
+        // again.
+        let mut fetched_first = false;
+        loop {
+            match self.list_dir_from(ino, stream, fetched_first).await? {
+                Started::Done(done) => return Ok(done),
+                Started::NeedsFirstPage(dprefix) => {
+                    let changes = self.lock().changes;
+                    let at = Instant::now();
+                    let req = ListRequest {
+                        prefix: &dprefix,
+                        delimiter: Some("/"),
+                        ..Default::default()
+                    };
+                    let page = self.store.list(self.bucket(), req).await?;
+                    let mut st = self.lock();
+                    Self::keep_first_page(
+                        &mut st,
+                        ino,
+                        FirstPage {
+                            page,
+                            prefix: dprefix,
+                            at,
+                            changes,
+                            own: true,
+                        },
+                    );
+                    fetched_first = true;
+                }
+            }
+        }
+    }
+
+    /// Keeps a directory's first page for its listing (at most [`FIRST_PAGES_MAX`], the oldest
+    /// dropped).
+    pub(super) fn keep_first_page(st: &mut FsState, ino: Ino, page: FirstPage) {
+        if st.first_pages.len() >= FIRST_PAGES_MAX {
+            let oldest = st.first_pages.iter().min_by_key(|(_, p)| p.at);
+            if let Some(&oldest) = oldest.map(|(ino, _)| ino) {
+                st.first_pages.remove(&oldest);
+            }
+        }
+        st.first_pages.insert(ino, page);
+    }
+
+    /// [`Fs::list_dir_start`] once; [`Started::NeedsFirstPage`] when streaming wants a first page
+    /// that is not there (unless `fetched_first`).
+    async fn list_dir_from(
+        &self,
+        ino: Ino,
+        stream: bool,
+        fetched_first: bool,
+    ) -> Result<Started, FsError> {
         let (dprefix, first, rest) = {
             let mut guard = self.lock();
             let st = &mut *guard;
@@ -504,17 +554,23 @@ impl Fs {
             if let Some((listing, at)) = inode.cache.cached_listing(Instant::now()) {
                 // A rest listing no longer wanted is aborted as it is dropped.
                 drop(rest);
-                return Ok((with_local(listing.clone(), local), *at, false));
+                return Ok(Started::Done((
+                    with_local(listing.clone(), local),
+                    *at,
+                    false,
+                )));
             }
             let dprefix = dir_prefix(&self.cfg.prefix, &inode.path);
             // A lookup's first page, if it is still believed and no change was made through
             // this mount since it was listed.
-            // (Not older than a minute either: its continuation token goes on from it.)
+            // (Not older than a minute either: its continuation token goes on from it.) The
+            // listing's own page, just listed, serves if nothing changed.
             let first = first.filter(|p| {
                 p.prefix == dprefix
                     && p.changes == st.changes
-                    && p.at.elapsed() < FIRST_PAGE_MAX_AGE
-                    && Validity::new(self.cfg.metadata_ttl, p.at).is_valid(Instant::now())
+                    && (p.own
+                        || p.at.elapsed() < FIRST_PAGE_MAX_AGE
+                            && Validity::new(self.cfg.metadata_ttl, p.at).is_valid(Instant::now()))
             });
             // The listing going on from a first page served earlier, unless a change was made
             // through this mount since that page was listed (it may not show the change).
@@ -529,8 +585,9 @@ impl Fs {
                 Some(p)
                     if stream && rest.is_none() && !has_local && p.page.next_token.is_some() =>
                 {
-                    let partial =
-                        first_page_entries(&p, &dprefix, |name| inode.cache.is_negative(name, now));
+                    let partial = first_page_entries(&p, &dprefix, |name| {
+                        !p.own && inode.cache.is_negative(name, now)
+                    });
                     if !partial.is_empty() {
                         let (store, bucket) = (self.store.clone(), self.cfg.bucket.clone());
                         let (prefix, page) = (dprefix.clone(), p.page);
@@ -553,12 +610,16 @@ impl Fs {
                                 prefix: dprefix,
                                 at: p.at,
                                 changes: p.changes,
+                                own: p.own,
                                 task,
                             },
                         );
-                        return Ok((Arc::new(partial), p.at, true));
+                        return Ok(Started::Done((Arc::new(partial), p.at, true)));
                     }
                     (dprefix, Some(p), rest)
+                }
+                None if stream && !fetched_first && rest.is_none() && !has_local => {
+                    return Ok(Started::NeedsFirstPage(dprefix));
                 }
                 first => (dprefix, first, rest),
             }
@@ -569,8 +630,9 @@ impl Fs {
             if let Ok(listed) = rest.task.await {
                 let listed = listed?;
                 builder.add_page(&listed.objects, &listed.common_prefixes);
-                let (entries, at) = self.install_listing(ino, builder.finish(), rest.at, true)?;
-                return Ok((entries, at, false));
+                let (entries, at) =
+                    self.install_listing(ino, builder.finish(), rest.at, !rest.own)?;
+                return Ok(Started::Done((entries, at, false)));
             }
             // Aborted (dropped for a newer one): listed anew.
         }
@@ -586,11 +648,12 @@ impl Fs {
         .await?;
         builder.add_page(&listed.objects, &listed.common_prefixes);
         let (entries, at) = match first {
-            // As old as its first page; names learned missing since then stay missing.
-            Some(p) => self.install_listing(ino, builder.finish(), p.at, true)?,
+            // As old as its first page; names learned missing since a lookup's page stay
+            // missing.
+            Some(p) => self.install_listing(ino, builder.finish(), p.at, !p.own)?,
             None => self.install_listing(ino, builder.finish(), started, false)?,
         };
-        Ok((entries, at, false))
+        Ok(Started::Done((entries, at, false)))
     }
 
     /// Makes `listing` (taken at `now`) directory `ino`'s listing: live children learn its
@@ -1133,4 +1196,12 @@ fn with_local(listing: Snapshot, local: Vec<ListedEntry>) -> Snapshot {
         }
     }
     Arc::new(entries)
+}
+
+/// What one pass of [`Fs::list_dir_start`] came to.
+enum Started {
+    /// The entries, when S3's part was listed, and whether they are a first page only.
+    Done((Snapshot, Instant, bool)),
+    /// Streaming wants the directory's first page (its prefix), which no lookup brought.
+    NeedsFirstPage(String),
 }
