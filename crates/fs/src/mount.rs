@@ -419,6 +419,7 @@ pub fn mount(
         .budget
         .charge(crate::budget::Use::Session, crate::budget::SESSION_BYTES);
     let fs = Fs::with_budget(store, cfg.clone(), ctx.budget.clone(), ctx.prefetch);
+    let runtime = ctx.runtime.clone();
     let (fs, adapter) = adapter_for(fs, proofs, ctx);
     let (gate, kernel) = (adapter.gate(), adapter.kernel_init());
     let options = mount_options(&cfg);
@@ -441,6 +442,10 @@ pub fn mount(
     };
     let (Session::Own(bg) | Session::Fuser(bg)) = &session;
     fs.set_dir_invalidator(dir_invalidator(bg));
+    {
+        let _runtime = runtime.enter();
+        fs.probe_root();
+    }
     drop(dir);
     let entry = mountinfo::mounted_at(&target)
         .ok()

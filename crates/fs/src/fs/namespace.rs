@@ -156,6 +156,23 @@ impl Fs {
         st.probes.insert(dir, (st.changes, Instant::now(), task));
     }
 
+    /// Starts the probe of the mount's root ([`Fs::probe_dir`]) as the mount goes live, so that
+    /// the first lookups and listings there, once it is done, need no request (a data loader's
+    /// first `open`s by name, a pod's first `ls`). It is the probe the root's first lookup would
+    /// have started. Not with a metadata TTL of 0 (nothing listed is kept). Call within a tokio
+    /// runtime.
+    pub fn probe_root(&self) {
+        if !self.ttl().is_valid(Instant::now()) {
+            return;
+        }
+        let mut st = self.lock();
+        let Some(root) = st.inodes.get(ROOT_INO) else {
+            return;
+        };
+        let dprefix = dir_prefix(&self.cfg.prefix, &root.path);
+        self.probe_dir(&mut st, ROOT_INO, dprefix);
+    }
+
     /// Installs `dir`'s probe listing if it finished, was complete and no change was made
     /// through this mount since it started.
     pub(super) fn adopt_probe(&self, dir: Ino) {
@@ -475,6 +492,8 @@ impl Fs {
         ino: Ino,
         stream: bool,
     ) -> Result<(Snapshot, Instant, bool), FsError> {
+        // A probe of the directory that finished is its listing.
+        self.adopt_probe(ino);
         // A cold directory that no lookup brought a first page for (its name was known from its
         // parent's listing, say) is streamed all the same: its first page is listed here, then
         // answered as a lookup's would be. Only once: a page gone stale meanwhile is not fetched

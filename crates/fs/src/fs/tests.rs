@@ -2134,6 +2134,32 @@ async fn a_cold_readdir_lists_its_own_first_page_and_serves_it_while_the_rest_is
     assert_eq!(mem.stats().list, lists);
 }
 
+/// The root's probe, started as the mount goes live: once it is done, the first lookups and the
+/// first listing of the root cost no request. Not with a TTL of 0.
+#[tokio::test(start_paused = true)]
+async fn the_roots_probe_at_mount_answers_its_first_lookups_and_listing() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Duration(Duration::from_secs(60)));
+    for k in ["a", "b/x", "c"] {
+        store.insert(B, k, &b"x"[..]);
+    }
+    fs.probe_root();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(store.stats().list, 1, "the probe's one page");
+    store.reset_stats();
+    assert_eq!(walk(&fs, "a").await.unwrap().attr.size, 1);
+    assert_eq!(walk(&fs, "b").await.unwrap().attr.kind, Kind::Dir);
+    assert_eq!(names(&fs, ROOT_INO).await.len(), 3);
+    let stats = store.stats();
+    assert_eq!((stats.list, stats.head, stats.get), (0, 0, 0), "{stats:?}");
+
+    // With a TTL of 0 nothing listed is kept: no probe.
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Duration(Duration::ZERO));
+    store.insert(B, "a", &b"x"[..]);
+    fs.probe_root();
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert_eq!(store.stats().list, 0);
+}
+
 /// A change through this mount while a first page is served and the rest listed: the rest is
 /// listed anew, so what the listing joins shows the change.
 #[tokio::test]
