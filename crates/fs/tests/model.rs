@@ -605,6 +605,12 @@ impl Kernel {
 }
 
 fn check(ops: &[Op], ttl: MetadataTtl) -> Result<(), TestCaseError> {
+    check_paged(ops, ttl, 1000)
+}
+
+/// [`check`] with LIST pages of at most `page` entries: a directory of a few names is then listed
+/// in many pages (first pages served while the rest is listed, the rest joined, ranges guessed).
+fn check_paged(ops: &[Op], ttl: MetadataTtl, page: u32) -> Result<(), TestCaseError> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -612,6 +618,7 @@ fn check(ops: &[Op], ttl: MetadataTtl) -> Result<(), TestCaseError> {
     rt.block_on(async {
         let store = MemoryStore::new();
         store.create_bucket(B);
+        store.set_list_page_max(page);
         let mut cfg = MountConfig::new(B);
         cfg.read_only = false;
         cfg.allow_delete = true;
@@ -672,6 +679,25 @@ proptest! {
     #[test]
     fn matches_the_model_with_an_hour_ttl(ops in prop::collection::vec(op(), 1..40)) {
         check(&ops, MetadataTtl::Duration(Duration::from_secs(3600)))?;
+    }
+}
+
+proptest! {
+    // Few runs have a directory longer than a page, so more runs than above.
+    #![proptest_config(ProptestConfig { cases: 400, ..ProptestConfig::default() })]
+
+    /// Every TTL again with LIST pages of one to three entries.
+    #[test]
+    fn matches_the_model_with_small_list_pages(
+        ops in prop::collection::vec(op(), 1..40),
+        page in 1u32..=3,
+        ttl in prop_oneof![
+            Just(MetadataTtl::Indefinite),
+            Just(MetadataTtl::Duration(Duration::ZERO)),
+            Just(MetadataTtl::Duration(Duration::from_secs(3600))),
+        ],
+    ) {
+        check_paged(&ops, ttl, page)?;
     }
 }
 

@@ -112,6 +112,8 @@ struct State {
     stats: StoreStats,
     next_upload: u64,
     min_part_size: u64,
+    /// Most keys and prefixes one LIST page returns, whatever `max_keys` asks.
+    list_page_max: u32,
 }
 
 #[derive(Default)]
@@ -188,6 +190,7 @@ impl MemoryStore {
                 stats: StoreStats::default(),
                 next_upload: 1,
                 min_part_size: MIN_PART_SIZE,
+                list_page_max: MAX_LIST_KEYS,
             })),
         }
     }
@@ -267,6 +270,12 @@ impl MemoryStore {
     /// unit tests can exercise multipart code paths with small parts.
     pub fn set_min_part_size(&self, bytes: u64) {
         self.lock().min_part_size = bytes;
+    }
+
+    /// Caps every LIST page at `n` entries (default 1,000, as S3; S3 may also return fewer than
+    /// asked), so tests can exercise many-page listings with a few keys.
+    pub fn set_list_page_max(&self, n: u32) {
+        self.lock().list_page_max = n.clamp(1, MAX_LIST_KEYS);
     }
 
     /// A snapshot of the request counters.
@@ -465,6 +474,9 @@ impl ObjectStore for MemoryStore {
     }
 
     async fn list(&self, bucket: &str, req: ListRequest<'_>) -> Result<ListPage> {
+        let page_max = self.lock().list_page_max;
+        let max_keys = Some(req.max_keys.unwrap_or(MAX_LIST_KEYS).min(page_max));
+        let req = ListRequest { max_keys, ..req };
         self.with_bucket(Op::List, bucket, |b, _, _| list_objects(&b.objects, &req))
     }
 
