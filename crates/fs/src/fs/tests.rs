@@ -69,7 +69,18 @@ async fn read_handle(
     batch: usize,
     plus: bool,
 ) -> Vec<(String, Ino, u64, Kind, Attr)> {
-    let mut offset = 0;
+    read_handle_from(fs, ino, fh, 0, batch, plus).await
+}
+
+/// [`read_handle`] from `offset` on.
+async fn read_handle_from(
+    fs: &Fs,
+    ino: Ino,
+    fh: u64,
+    mut offset: u64,
+    batch: usize,
+    plus: bool,
+) -> Vec<(String, Ino, u64, Kind, Attr)> {
     let mut out = Vec::new();
     loop {
         let mut sink = VecSink {
@@ -2107,20 +2118,10 @@ async fn a_cold_readdir_lists_its_own_first_page_and_serves_it_while_the_rest_is
         waited >= Duration::from_secs(3600) && waited < Duration::from_secs(7200),
         "one LIST waited for, not the rest after it: {waited:?}"
     );
-    let mut offset = sink.got.last().unwrap().2;
+    let offset = sink.got.last().unwrap().2;
     let mut seen: Vec<String> = sink.got.into_iter().map(|e| e.0).collect();
-    loop {
-        let mut sink = VecSink {
-            cap: 64,
-            got: Vec::new(),
-        };
-        fs.readdir(d, fh, offset, true, &mut sink).await.unwrap();
-        let Some(last) = sink.got.last() else {
-            break;
-        };
-        offset = last.2;
-        seen.extend(sink.got.into_iter().map(|e| e.0));
-    }
+    let rest = read_handle_from(&fs, d, fh, offset, 64, true).await;
+    seen.extend(rest.into_iter().map(|e| e.0));
     fs.releasedir(fh);
     assert_eq!(seen.len(), 2 + 1000 + 300);
     let mut unique = seen.clone();
@@ -2178,25 +2179,15 @@ async fn a_change_while_the_rest_is_listed_lists_it_anew() {
         got: Vec::new(),
     };
     fs.readdir(d, fh, 0, true, &mut sink).await.unwrap();
-    let mut offset = sink.got.last().unwrap().2;
+    let offset = sink.got.last().unwrap().2;
     let mut seen: Vec<String> = sink.got.into_iter().map(|e| e.0).collect();
     // The rest's LIST has answered (before the change).
     tokio::time::sleep(Duration::from_millis(50)).await;
     fs.unlink(d, n("zz0000")).await.unwrap();
     write_new(&fs, d, "zz0000-new", b"n", 1).await;
     store.reset_stats();
-    loop {
-        let mut sink = VecSink {
-            cap: 64,
-            got: Vec::new(),
-        };
-        fs.readdir(d, fh, offset, true, &mut sink).await.unwrap();
-        let Some(last) = sink.got.last() else {
-            break;
-        };
-        offset = last.2;
-        seen.extend(sink.got.into_iter().map(|e| e.0));
-    }
+    let rest = read_handle_from(&fs, d, fh, offset, 64, true).await;
+    seen.extend(rest.into_iter().map(|e| e.0));
     fs.releasedir(fh);
     assert!(store.stats().list >= 1, "listed anew");
     assert!(
