@@ -542,7 +542,7 @@ pub mod journal {
             let Some(end) = (at + 8).checked_add(len).filter(|e| *e <= out.len()) else {
                 break;
             };
-            let crc = crc32c::crc32c(&out[at + 8..end]);
+            let crc = crc_fast::crc32_iscsi(&out[at + 8..end]);
             out[at + 4..at + 8].copy_from_slice(&crc.to_le_bytes());
             at = end;
         }
