@@ -177,12 +177,6 @@ impl DirCache {
         self.charge = Some(Arc::new(charge));
     }
 
-    /// New `opendir`s are no longer served from the kept listing (this mount changed the
-    /// directory); lookups still are.
-    pub fn stop_serving_readdir(&mut self) {
-        self.serves_readdir = false;
-    }
-
     /// The last listing, while it is valid and may serve `readdir`.
     pub fn cached_listing(&self, now: Instant) -> Option<&(Arc<Vec<ListedEntry>>, Instant)> {
         self.listing
@@ -209,6 +203,19 @@ impl DirCache {
         }
         let e = self.listed(name)?;
         Some((e.kind, e.meta.as_ref()))
+    }
+
+    /// Whether a kept listing, still believed, and what this mount learned since, say that
+    /// `name` is not in the directory.
+    pub fn lists_without(&self, name: &str, now: Instant) -> bool {
+        if self.listing.is_none() || !self.entries_valid.is_valid(now) {
+            return false;
+        }
+        match &self.overlay {
+            Some(o) if o.added.contains_key(name) => false,
+            Some(o) if o.removed.contains(name) => true,
+            _ => self.listed(name).is_none(),
+        }
     }
 
     /// `name`'s entry in the kept listing (whatever the overlay says).

@@ -210,6 +210,7 @@ fn persistent_faults_give_eio_after_bounded_retries() {
     }
     f.env.put(&format!("{prefix}after"), &data);
     f.env.put(&format!("{prefix}sub/x"), b"x");
+    f.env.put(&format!("{prefix}other/y"), b"y");
     let m = f.env.mount(f.store.clone(), &prefix, |c| {
         c.read_only = true;
         c.metadata_ttl = MetadataTtl::Indefinite;
@@ -233,12 +234,14 @@ fn persistent_faults_give_eio_after_bounded_retries() {
         );
     }
 
-    // A persistent HEAD failure fails the open of an unknown name with EIO, not a hang.
+    // A persistent HEAD failure fails the open of an unknown name with EIO, not a hang. (In a
+    // directory not listed yet: the root's listing, kept on this `indefinite` mount, answers
+    // names it does not hold with ENOENT and no request.)
     f.proxy.set_plan(Some(FaultPlan::always(
         &["GET", "HEAD"],
         Fault::InternalError,
     )));
-    let p = m.path("never-seen");
+    let p = m.path("other/never-seen");
     let r = within(WATCHDOG, "stat", move || fs::metadata(p));
     assert_eq!(errno(r), libc::EIO);
 

@@ -77,6 +77,14 @@ impl Fs {
                     first_page: None,
                 });
             }
+            // On a mount whose objects change only through it (`indefinite`), a kept listing
+            // is the directory's whole content: a name it does not hold is missing, with no
+            // request (an import's or a loader's probes of names that are not there). With a
+            // finite TTL a name another client created since the listing is still looked up.
+            if self.cfg.metadata_ttl == MetadataTtl::Indefinite && p.cache.lists_without(name, now)
+            {
+                return Err(FsError::NotFound);
+            }
             let path = child_path(&p.path, name);
             // With a zero TTL no listing is ever cached: nothing to probe for.
             let caches = self.ttl().is_valid(now);

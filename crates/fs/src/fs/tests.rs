@@ -2161,6 +2161,45 @@ async fn the_roots_probe_at_mount_answers_its_first_lookups_and_listing() {
     assert_eq!(store.stats().list, 0);
 }
 
+/// On an `indefinite` mount a kept listing is the directory's whole content: a name it does not
+/// hold is missing with no request, and names this mount creates or removes since are taken into
+/// account. With a finite TTL, a name another client put since the listing is still found.
+#[tokio::test(start_paused = true)]
+async fn an_indefinite_mounts_kept_listing_answers_missing_names_without_a_request() {
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Indefinite);
+    for k in ["d/a", "d/b"] {
+        store.insert(B, k, &b"x"[..]);
+    }
+    let d = walk(&fs, "d").await.unwrap().attr.ino;
+    assert_eq!(names(&fs, d).await.len(), 2);
+    store.insert(B, "d/late", &b"x"[..]);
+    store.reset_stats();
+    for name in ["missing", "late", "__init__.py"] {
+        assert!(
+            matches!(fs.lookup(d, n(name)).await, Err(FsError::NotFound)),
+            "{name}"
+        );
+    }
+    assert_eq!(walk(&fs, "d/a").await.unwrap().attr.size, 1);
+    let stats = store.stats();
+    assert_eq!((stats.list, stats.head, stats.get), (0, 0, 0), "{stats:?}");
+    // Created and removed through this mount: seen.
+    write_new(&fs, d, "new", b"nn", 1).await;
+    assert_eq!(walk(&fs, "d/new").await.unwrap().attr.size, 2);
+    fs.unlink(d, n("a")).await.unwrap();
+    assert!(matches!(walk(&fs, "d/a").await, Err(FsError::NotFound)));
+
+    // A finite TTL: the listing lists `a` and `b`, and a name put since is looked up in S3.
+    let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Duration(Duration::from_secs(60)));
+    for k in ["d/a", "d/b"] {
+        store.insert(B, k, &b"x"[..]);
+    }
+    let d = walk(&fs, "d").await.unwrap().attr.ino;
+    assert_eq!(names(&fs, d).await.len(), 2);
+    store.insert(B, "d/late", &b"x"[..]);
+    assert_eq!(walk(&fs, "d/late").await.unwrap().attr.size, 1);
+}
+
 /// A change through this mount while a first page is served and the rest listed: the rest is
 /// listed anew, so what the listing joins shows the change.
 #[tokio::test]

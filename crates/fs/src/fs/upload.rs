@@ -317,17 +317,25 @@ impl Fs {
                 },
             );
         }
-        // Local ancestors now exist in S3 (implicitly); their parents' cached listings lack them.
+        // Local ancestors now exist in S3 (implicitly); their parents' cached listings lack them:
+        // the parents learn them (lookups find them; new `opendir`s list again).
         let mut up = w.parent;
         while let Some(dir) = st.inodes.get_mut(up) {
             if dir.state != InodeState::LocalDir {
                 break;
             }
             dir.valid = valid;
+            let name = dir.name.clone();
             let this = std::mem::replace(&mut up, dir.parent);
             st.inodes.set_state(this, InodeState::Remote);
             if let Some(parent) = st.inodes.get_mut(up) {
-                parent.cache.stop_serving_readdir();
+                parent.cache.add_positive(
+                    &name,
+                    CachedEntry {
+                        kind: Kind::Dir,
+                        meta: None,
+                    },
+                );
             }
         }
         st.inodes.maybe_remove(w.ino);
