@@ -890,9 +890,13 @@ fn changes_by_others(c: &Ctx) {
     let p = c.prefix(&[("f", b"old")]);
     let zero = c.mount(&p, |_| {});
     let forever = c.mount(&p, |cfg| cfg.metadata_ttl = MetadataTtl::Indefinite);
+    let minute = c.mount(&p, |cfg| {
+        cfg.metadata_ttl = MetadataTtl::Duration(Duration::from_secs(60))
+    });
     assert_eq!(fs::read(zero.path("f")).unwrap(), b"old");
     assert_eq!(fs::read(forever.path("f")).unwrap(), b"old");
     assert_eq!(sorted_names(&forever.root), [("f".into(), false)]);
+    assert_eq!(sorted_names(&minute.root), [("f".into(), false)]);
     c.put(&p, "f", b"newer");
     c.put(&p, "g", b"g");
     assert_eq!(
@@ -907,6 +911,16 @@ fn changes_by_others(c: &Ctx) {
         "indefinite: never"
     );
     assert_eq!(sorted_names(&forever.root), [("f".into(), false)]);
+    // A name the kept listing lacks: ENOENT with no request on the indefinite mount; the mount
+    // with a TTL looks it up in S3 and finds it.
+    let before = c.proxy.requests();
+    assert_eq!(errno(fs::metadata(forever.path("g"))), libc::ENOENT);
+    assert_eq!(
+        errno(fs::metadata(forever.path("__init__.py"))),
+        libc::ENOENT
+    );
+    assert_eq!(c.proxy.requests(), before, "indefinite: no request");
+    assert_eq!(fs::metadata(minute.path("g")).unwrap().len(), 1);
 }
 
 // ---------------------------------------------------------------------------------------------
