@@ -205,17 +205,10 @@ impl DirCache {
         Some((e.kind, e.meta.as_ref()))
     }
 
-    /// Whether a kept listing, still believed, and what this mount learned since, say that
-    /// `name` is not in the directory.
-    pub fn lists_without(&self, name: &str, now: Instant) -> bool {
-        if self.listing.is_none() || !self.entries_valid.is_valid(now) {
-            return false;
-        }
-        match &self.overlay {
-            Some(o) if o.added.contains_key(name) => false,
-            Some(o) if o.removed.contains(name) => true,
-            _ => self.listed(name).is_none(),
-        }
+    /// Whether a listing is kept and still believed: a name [`Self::cached`] knows nothing of is
+    /// then in neither it nor what this mount learned since.
+    pub fn has_listing(&self, now: Instant) -> bool {
+        self.listing.is_some() && self.entries_valid.is_valid(now)
     }
 
     /// `name`'s entry in the kept listing (whatever the overlay says).

@@ -81,8 +81,7 @@ impl Fs {
             // is the directory's whole content: a name it does not hold is missing, with no
             // request (an import's or a loader's probes of names that are not there). With a
             // finite TTL a name another client created since the listing is still looked up.
-            if self.cfg.metadata_ttl == MetadataTtl::Indefinite && p.cache.lists_without(name, now)
-            {
+            if self.cfg.metadata_ttl == MetadataTtl::Indefinite && p.cache.has_listing(now) {
                 return Err(FsError::NotFound);
             }
             let path = child_path(&p.path, name);
