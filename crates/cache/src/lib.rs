@@ -132,8 +132,9 @@ pub enum CacheError {
     BlockSize(u64),
     #[error("cache max size {max} is smaller than one block ({block} bytes)")]
     MaxSize { max: u64, block: u64 },
-    #[error("cache directory {path}: {source}")]
-    Dir { path: PathBuf, source: io::Error },
+    /// (`err` is in the message, not the error's source: a chain would say it twice.)
+    #[error("cache directory {path}: {err}")]
+    Dir { path: PathBuf, err: io::Error },
     #[error(
         "cache directory {path} is in use by another process{}: each process needs a cache \
          directory of its own (the mounts of one node plugin share its cache)",
@@ -558,12 +559,19 @@ impl BlockCache {
         cfg.validate()?;
         let dir_err = |path: &Path| {
             let path = path.to_owned();
-            move |source| CacheError::Dir { path, source }
+            move |err| CacheError::Dir { path, err }
         };
         let blocks_dir = cfg.dir.join("blocks");
         let objects_dir = cfg.dir.join("objects");
         let tmp_dir = cfg.dir.join("tmp");
         let trash_dir = cfg.dir.join("trash");
+        if cfg.dir.exists() && !cfg.dir.is_dir() {
+            // (`create_dir_all` would say "File exists".)
+            return Err(dir_err(&cfg.dir)(io::Error::new(
+                io::ErrorKind::NotADirectory,
+                "not a directory",
+            )));
+        }
         std::fs::create_dir_all(&cfg.dir).map_err(dir_err(&cfg.dir))?;
         let lock = lock_dir(&cfg.dir, wait)?;
         // A directory written with another block size or format is emptied, not misread: its
@@ -2223,9 +2231,9 @@ pub const LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
 /// holder's pid), waiting up to `wait` for another process to let go.
 fn lock_dir(dir: &Path, wait: std::time::Duration) -> Result<File, CacheError> {
     let path = dir.join("lock");
-    let dir_err = |source| CacheError::Dir {
+    let dir_err = |err| CacheError::Dir {
         path: path.clone(),
-        source,
+        err,
     };
     let file = std::fs::OpenOptions::new()
         .create(true)

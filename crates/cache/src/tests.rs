@@ -2042,6 +2042,31 @@ async fn a_cache_directory_in_use_is_refused_naming_it_and_its_holder() {
     assert!(cache.contains(&k));
 }
 
+/// A cache path that is a file is refused naming the path and what is wrong with it, once (not
+/// "File exists", and no source chain repeating the message), and the file is left alone.
+#[test]
+fn a_cache_path_that_is_a_file_is_refused_as_not_a_directory() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("not-a-dir");
+    std::fs::write(&file, b"mine").unwrap();
+    let Err(err) = BlockCache::open(CacheConfig {
+        block_size: BS,
+        ..CacheConfig::new(&file, 1 << 30)
+    }) else {
+        panic!("a file is no cache directory");
+    };
+    assert!(
+        matches!(&err, CacheError::Dir { path, .. } if path == &file),
+        "{err}"
+    );
+    assert_eq!(
+        err.to_string(),
+        format!("cache directory {}: not a directory", file.display())
+    );
+    assert!(std::error::Error::source(&err).is_none());
+    assert_eq!(std::fs::read(&file).unwrap(), b"mine");
+}
+
 /// Dropping the last handle of a cache ends its writer and joiner threads (they hold the cache
 /// only while they work on a job) and lets go of its directory: the next open of it succeeds
 /// and finds what was stored.
