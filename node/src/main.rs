@@ -195,6 +195,15 @@ struct MountArgs {
     /// Stay in the foreground until unmounted or interrupted.
     #[arg(short, long)]
     foreground: bool,
+    /// Once the mount is live, write the log to a new file in this directory
+    /// (`ferry-mount-<UTC time>-<pid>.log`) instead of standard error. Without it, a mount in the
+    /// background logs nothing once it is live (mount-s3's flag name).
+    #[arg(short = 'l', long)]
+    log_directory: Option<PathBuf>,
+    /// Set by the background parent: the mount's standard error is the parent's pipe, let go of
+    /// once the mount is live.
+    #[arg(long, hide = true)]
+    detached: bool,
     /// Serve Prometheus metrics at this address (e.g. 127.0.0.1:9810).
     #[arg(long)]
     metrics_addr: Option<String>,
@@ -283,7 +292,10 @@ fn main() -> anyhow::Result<()> {
     match cli.command {
         Command::Mount(args) if !args.foreground => daemonize(),
         command => {
-            ferry_csi::log::init(&cli.log).map_err(anyhow::Error::msg)?;
+            // A mount that will log to a file logs without colours from the start.
+            let to_file = matches!(&command, Command::Mount(m) if m.log_directory.is_some());
+            ferry_csi::log::init_colored(&cli.log, ferry_csi::log::colors_on_stderr() && !to_file)
+                .map_err(anyhow::Error::msg)?;
             let rt = tokio::runtime::Builder::new_multi_thread()
                 .enable_all()
                 .build()
@@ -298,13 +310,24 @@ fn main() -> anyhow::Result<()> {
     }
 }
 
+/// How long the background parent waits, once the directory is mounted, for the mount process to
+/// let go of its standard error (it does so right after mounting).
+const DETACH_WAIT: Duration = Duration::from_secs(5);
+
 /// Runs this same command with `--foreground` in a new session, detached, and returns once the
 /// directory is mounted (or the child failed, with its status).
+///
+/// The child's standard error comes through this process until the mount is live (so an error
+/// at start is shown here), and its standard output goes nowhere. Once live, the child lets go
+/// of the pipe (see [`detach_log`]): nothing of the background process then holds the caller's
+/// terminal or pipes, so `out=$(ferry-node mount …)` or `ferry-node mount … | tee` returns.
 fn daemonize() -> anyhow::Result<()> {
+    use std::io::{BufRead, Write};
     use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe().context("finding our own executable")?;
     let mut args: Vec<String> = std::env::args().skip(1).collect();
     args.push("--foreground".to_string());
+    args.push("--detached".to_string());
     let dir = {
         let cli = Cli::parse();
         match cli.command {
@@ -316,19 +339,86 @@ fn daemonize() -> anyhow::Result<()> {
     let mut child = std::process::Command::new(exe)
         .args(&args)
         .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
         .process_group(0)
         .spawn()
         .context("starting the background mount process")?;
+    let err = child.stderr.take().expect("piped");
+    let (done_tx, done) = std::sync::mpsc::channel::<()>();
+    let copier = std::thread::spawn(move || {
+        let mut out = std::io::stderr();
+        for line in std::io::BufReader::new(err).split(b'\n') {
+            let Ok(mut line) = line else { break };
+            line.push(b'\n');
+            let _ = out.write_all(&line);
+        }
+        let _ = done_tx.send(());
+    });
+    let mut mounted_since = None;
     loop {
         if let Some(status) = child.try_wait()? {
+            let _ = copier.join();
             bail!("the mount process exited with {status}");
         }
-        if ferry_node::mountinfo::mounted_at(&dir)?.is_some_and(|m| m.fs_type.contains("ferry")) {
-            println!("mounted at {} (pid {})", dir.display(), child.id());
-            return Ok(());
+        if mounted_since.is_none()
+            && ferry_node::mountinfo::mounted_at(&dir)?.is_some_and(|m| m.fs_type.contains("ferry"))
+        {
+            mounted_since = Some(std::time::Instant::now());
         }
-        std::thread::sleep(Duration::from_millis(50));
+        if let Some(at) = mounted_since {
+            // Its log up to here shown (it let go of the pipe), or it is slow to: mounted anyway.
+            let let_go = matches!(
+                done.try_recv(),
+                Ok(()) | Err(std::sync::mpsc::TryRecvError::Disconnected)
+            );
+            if let_go || at.elapsed() > DETACH_WAIT {
+                println!("mounted at {} (pid {})", dir.display(), child.id());
+                return Ok(());
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// Once the mount is live: the log goes to a new file in `--log-directory`, or, for a background
+/// mount without one, nowhere; standard output goes with it. Either way a background mount lets
+/// go of its parent's pipe. A foreground mount without `--log-directory` keeps logging to
+/// standard error.
+fn detach_log(a: &MountArgs) -> anyhow::Result<()> {
+    let target = match &a.log_directory {
+        Some(dir) => {
+            let stamp = utc_stamp();
+            let path = dir.join(format!("ferry-mount-{stamp}-{}.log", std::process::id()));
+            let file = std::fs::OpenOptions::new()
+                .append(true)
+                .create_new(true)
+                .open(&path)
+                .with_context(|| format!("creating the log file {}", path.display()))?;
+            tracing::info!(file = %path.display(), "logging to a file from now on");
+            file
+        }
+        None if a.detached => std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/null")
+            .context("opening /dev/null")?,
+        None => return Ok(()),
+    };
+    nix::unistd::dup2_stdout(&target).context("redirecting standard output")?;
+    nix::unistd::dup2_stderr(&target).context("redirecting standard error")?;
+    Ok(())
+}
+
+/// The time now in UTC as `YYYY-MM-DDTHH-MM-SSZ` (RFC 3339 without colons, for a file name).
+fn utc_stamp() -> String {
+    use aws_smithy_types::date_time::{DateTime, Format};
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs() as i64);
+    DateTime::from_secs(secs)
+        .fmt(Format::DateTime)
+        .unwrap_or_else(|_| secs.to_string())
+        .replace(':', "-")
 }
 
 /// The current context of the kubeconfig at `path`.
@@ -477,6 +567,10 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
         .await?
         .with_context(|| format!("mounting at {}", a.directory.display()))?;
     tracing::info!(bucket = %a.bucket, directory = %handle.target().display(), "mounted; unmount with `umount` or Ctrl-C");
+    if let Err(e) = detach_log(&a) {
+        // Mounted and serving: a log that cannot go where asked is no reason to stop.
+        tracing::warn!(error = format!("{e:#}"), "the log stays on standard error");
+    }
     // Wait for a signal or for an external unmount (of this mount: compared by device, so a
     // relative or symlinked directory argument, or a mount stacked on ours, is no confusion).
     let external = async {

@@ -137,3 +137,106 @@ fn a_prefix_mount_serves_the_prefix() {
     assert!(umount.success());
     assert!(status.success(), "{status}");
 }
+
+/// `ferry-node mount` without `--foreground` returns once the mount is live, and from then on the
+/// background process holds none of its caller's pipes: a caller that reads the output to its
+/// end (`out=$(ferry-node mount …)`, `ferry-node mount … | tee`) gets it, the start's log
+/// included, and goes on.
+#[test]
+fn a_background_mount_lets_go_of_its_callers_pipes() {
+    background_mount(false);
+}
+
+/// The same with `--log-directory`: the mount's log from then on is in a new file there, as
+/// plain text.
+#[test]
+fn a_background_mount_with_a_log_directory_logs_there_once_live() {
+    background_mount(true);
+}
+
+fn background_mount(with_logs: bool) {
+    use std::io::Read;
+    let present = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
+    if !ferry_testkit::prerequisite(present, "/dev/fuse and root (a real FUSE mount)") {
+        return;
+    }
+    let s3 = S3Server::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        s3.create_bucket(BUCKET).await;
+        let root = s3.store().await;
+        root.put(BUCKET, "a.txt", "hello".into()).await.unwrap();
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let logs = tempfile::tempdir().unwrap();
+    let target = dir.path().to_str().unwrap();
+    let mut args = vec![BUCKET, target];
+    if with_logs {
+        args.extend(["--log-directory", logs.path().to_str().unwrap()]);
+    }
+    let mut parent = ferry_node(&s3, (s3.access_key(), s3.secret_key()), &args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Each pipe read to its end on a thread of its own: the end comes only once no process
+    // holds its writing side.
+    let read_to_end = |mut r: Box<dyn Read + Send>| {
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = r.read_to_string(&mut s);
+            let _ = tx.send(s);
+        });
+        rx
+    };
+    let out = read_to_end(Box::new(parent.stdout.take().unwrap()));
+    let err = read_to_end(Box::new(parent.stderr.take().unwrap()));
+    let (out, err) = match (out.recv_timeout(PATIENCE), err.recv_timeout(PATIENCE)) {
+        (Ok(o), Ok(e)) => (o, e),
+        _ => {
+            let _ = Command::new("umount").arg(dir.path()).status();
+            panic!("the caller's pipes were still held {PATIENCE:?} after the mount started");
+        }
+    };
+    assert!(parent.wait().unwrap().success(), "{out}{err}");
+    let pid: u32 = out
+        .trim()
+        .rsplit_once("(pid ")
+        .and_then(|(_, p)| p.strip_suffix(')'))
+        .and_then(|p| p.parse().ok())
+        .unwrap_or_else(|| panic!("no pid in {out:?}"));
+    assert!(err.contains("mounted; unmount with"), "{err}");
+    // Where the mount's standard output and error go now: nowhere, or its log file.
+    let fd = |n: u32| std::fs::read_link(format!("/proc/{pid}/fd/{n}")).unwrap();
+    let (stdout, stderr) = (fd(1), fd(2));
+    let read = std::fs::read_to_string(dir.path().join("a.txt"));
+    let umount = Command::new("umount").arg(dir.path()).status().unwrap();
+    let started = Instant::now();
+    while Path::new(&format!("/proc/{pid}")).exists() {
+        assert!(started.elapsed() < PATIENCE, "pid {pid} still running");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert_eq!(read.unwrap(), "hello");
+    assert!(umount.success());
+    let files: Vec<_> = std::fs::read_dir(logs.path())
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    if !with_logs {
+        assert!(files.is_empty(), "{files:?}");
+        assert_eq!((stdout, stderr), ("/dev/null".into(), "/dev/null".into()));
+        return;
+    }
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert_eq!((&stdout, &stderr), (&files[0], &files[0]));
+    let name = files[0].file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        name.starts_with("ferry-mount-") && name.ends_with(&format!("-{pid}.log")),
+        "{name}"
+    );
+    assert!(err.contains(&name), "the start's log names the file: {err}");
+    let log = std::fs::read_to_string(&files[0]).unwrap();
+    assert!(log.contains("unmounted externally"), "{log}");
+    assert!(!log.contains('\u{1b}'), "colour codes in the file: {log}");
+}

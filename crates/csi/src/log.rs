@@ -135,15 +135,30 @@ impl Drop for LogEntry {
     }
 }
 
-/// Installs the process's tracing subscriber: plain text to stderr, filtered by `filter`
-/// (an `EnvFilter` directive such as `info` or `ferry_fs=debug,info`).
+/// Installs the process's tracing subscriber: text to stderr (coloured on a terminal only, see
+/// [`colors_on_stderr`]), filtered by `filter` (an `EnvFilter` directive such as `info` or
+/// `ferry_fs=debug,info`).
 pub fn init(filter: &str) -> Result<(), String> {
+    init_colored(filter, colors_on_stderr())
+}
+
+/// [`init`], with ANSI colours or not.
+pub fn init_colored(filter: &str, ansi: bool) -> Result<(), String> {
     let filter = self::filter(filter)?;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(ansi)
         .try_init()
         .map_err(|e| e.to_string())
+}
+
+/// Whether the log may be coloured: only on a terminal, and not when `NO_COLOR` is set
+/// (no-color.org). A pod's log (kubelet's files, `kubectl logs`), a pipe or a file gets plain
+/// text, not escape codes.
+pub fn colors_on_stderr() -> bool {
+    use std::io::IsTerminal;
+    std::io::stderr().is_terminal() && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty())
 }
 
 /// The binaries' log filter from an `EnvFilter` directive; tests that search logs for secrets
