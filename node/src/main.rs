@@ -336,6 +336,8 @@ fn daemonize() -> anyhow::Result<()> {
             Command::Serve(_) => unreachable!("only mount daemonizes"),
         }
     };
+    // Here too, not only in the child: the loop below would take that mount for the new one.
+    refuse_mount_point(&dir)?;
     let mut child = std::process::Command::new(exe)
         .args(&args)
         .stdin(std::process::Stdio::null())
@@ -379,6 +381,22 @@ fn daemonize() -> anyhow::Result<()> {
         }
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// A directory something is mounted on is refused, as mount-s3 does: a second mount would hide
+/// the first (whose process goes on serving nobody), and `umount` would then end the wrong one.
+fn refuse_mount_point(dir: &Path) -> anyhow::Result<()> {
+    if let Some(m) =
+        ferry_node::mountinfo::mounted_at(dir).context("reading /proc/self/mountinfo")?
+    {
+        bail!(
+            "mount directory {} is already a mount point ({} from {}): unmount it first, or choose another directory",
+            dir.display(),
+            m.fs_type,
+            m.source
+        );
+    }
+    Ok(())
 }
 
 /// Once the mount is live: the log goes to a new file in `--log-directory`, or, for a background
@@ -553,6 +571,7 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
     // from then on the mount, the watch below and the unmount use that one directory.
     let dir = std::fs::canonicalize(&a.directory)
         .with_context(|| format!("mount directory {}", a.directory.display()))?;
+    refuse_mount_point(&dir)?;
     let cache = a.cache.as_ref().map(|dir| CacheConfig {
         dir: dir.clone(),
         max_size: a

@@ -240,3 +240,52 @@ fn background_mount(with_logs: bool) {
     assert!(log.contains("unmounted externally"), "{log}");
     assert!(!log.contains('\u{1b}'), "colour codes in the file: {log}");
 }
+
+/// A directory something is already mounted on is refused, naming it and that mount, in the
+/// background and in the foreground, and nothing is mounted on top (a second mount would hide the
+/// first, and the background parent would have taken the first for its own).
+#[test]
+fn a_directory_already_mounted_on_is_refused() {
+    let present = nix::unistd::geteuid().is_root();
+    if !ferry_testkit::prerequisite(present, "root (a tmpfs mount to stand in the way)") {
+        return;
+    }
+    let s3 = S3Server::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(s3.create_bucket(BUCKET));
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().to_str().unwrap();
+    let tmpfs = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "in-the-way", target])
+        .status()
+        .unwrap();
+    assert!(tmpfs.success());
+    let count = || {
+        std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .lines()
+            .filter(|l| l.split(' ').nth(4) == Some(target))
+            .count()
+    };
+    let mut errs = Vec::new();
+    for extra in [None, Some("--foreground")] {
+        let mut args = vec![BUCKET, target];
+        args.extend(extra);
+        let out = ferry_node(&s3, (s3.access_key(), s3.secret_key()), &args)
+            .output()
+            .unwrap();
+        errs.push((out.status.success(), stderr(&out), count()));
+    }
+    let umount = Command::new("umount").arg(dir.path()).status().unwrap();
+    for (ok, err, mounts) in errs {
+        assert!(!ok, "{err}");
+        assert!(
+            err.contains(&format!(
+                "mount directory {target} is already a mount point (tmpfs from in-the-way)"
+            )),
+            "{err}"
+        );
+        assert_eq!(mounts, 1, "only the tmpfs is mounted there: {err}");
+    }
+    assert!(umount.success());
+}
