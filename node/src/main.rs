@@ -361,7 +361,11 @@ fn daemonize() -> anyhow::Result<()> {
     loop {
         if let Some(status) = child.try_wait()? {
             let _ = copier.join();
-            bail!("the mount process exited with {status}");
+            // It said why on its standard error, copied above: its exit code is ours.
+            match status.code() {
+                Some(code) if code != 0 => std::process::exit(code),
+                _ => bail!("the mount process exited with {status} before mounting"),
+            }
         }
         if mounted_since.is_none()
             && ferry_node::mountinfo::mounted_at(&dir)?.is_some_and(|m| m.fs_type.contains("ferry"))
