@@ -59,6 +59,31 @@ fn a_missing_bucket_is_named_and_nothing_is_mounted() {
     assert!(!mounted(dir.path()));
 }
 
+/// In the background too: the error comes out of the command once, with the mount's exit code.
+#[test]
+fn a_missing_bucket_is_named_once_by_a_background_mount() {
+    let s3 = S3Server::start();
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().to_str().unwrap();
+    let out = ferry_node(
+        &s3,
+        (s3.access_key(), s3.secret_key()),
+        &["no-such-bucket", target],
+    )
+    .output()
+    .unwrap();
+    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let err = stderr(&out);
+    assert_eq!(
+        err.matches("bucket \"no-such-bucket\" does not exist")
+            .count(),
+        1,
+        "{err}"
+    );
+    assert!(!err.contains("mount process exited"), "{err}");
+    assert!(!mounted(dir.path()));
+}
+
 #[test]
 fn keys_the_server_refuses_name_the_list_permission() {
     let s3 = S3Server::start();
