@@ -403,24 +403,37 @@ fn refuse_mount_point(dir: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Once the mount is live: the log goes to a new file in `--log-directory`, or, for a background
-/// mount without one, nowhere; standard output goes with it. Either way a background mount lets
+/// Where the log goes once the mount is live (see [`detach_log`]): a new file in
+/// `--log-directory`, made before mounting so that a directory it cannot be made in is an error
+/// at start, not a log lost later; `None` to keep standard error.
+fn log_file(a: &MountArgs) -> anyhow::Result<Option<(std::fs::File, PathBuf)>> {
+    let Some(dir) = &a.log_directory else {
+        return Ok(None);
+    };
+    let path = dir.join(format!(
+        "ferry-mount-{}-{}.log",
+        utc_stamp(),
+        std::process::id()
+    ));
+    let file = std::fs::OpenOptions::new()
+        .append(true)
+        .create_new(true)
+        .open(&path)
+        .with_context(|| format!("--log-directory: creating the log file {}", path.display()))?;
+    Ok(Some((file, path)))
+}
+
+/// Once the mount is live: standard output and error go to `file` (the `--log-directory` one),
+/// or, for a background mount without one, to `/dev/null`. Either way a background mount lets
 /// go of its parent's pipe. A foreground mount without `--log-directory` keeps logging to
 /// standard error.
-fn detach_log(a: &MountArgs) -> anyhow::Result<()> {
-    let target = match &a.log_directory {
-        Some(dir) => {
-            let stamp = utc_stamp();
-            let path = dir.join(format!("ferry-mount-{stamp}-{}.log", std::process::id()));
-            let file = std::fs::OpenOptions::new()
-                .append(true)
-                .create_new(true)
-                .open(&path)
-                .with_context(|| format!("creating the log file {}", path.display()))?;
+fn detach_log(file: Option<(std::fs::File, PathBuf)>, detached: bool) -> anyhow::Result<()> {
+    let target = match file {
+        Some((file, path)) => {
             tracing::info!(file = %path.display(), "logging to a file from now on");
             file
         }
-        None if a.detached => std::fs::OpenOptions::new()
+        None if detached => std::fs::OpenOptions::new()
             .write(true)
             .open("/dev/null")
             .context("opening /dev/null")?,
@@ -576,6 +589,7 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
     let dir = std::fs::canonicalize(&a.directory)
         .with_context(|| format!("mount directory {}", a.directory.display()))?;
     refuse_mount_point(&dir)?;
+    let log = log_file(&a)?;
     let cache = a.cache.as_ref().map(|dir| CacheConfig {
         dir: dir.clone(),
         max_size: a
@@ -590,8 +604,8 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
         .await?
         .with_context(|| format!("mounting at {}", a.directory.display()))?;
     tracing::info!(bucket = %a.bucket, directory = %handle.target().display(), "mounted; unmount with `umount` or Ctrl-C");
-    if let Err(e) = detach_log(&a) {
-        // Mounted and serving: a log that cannot go where asked is no reason to stop.
+    if let Err(e) = detach_log(log, a.detached) {
+        // Mounted and serving: a log that cannot be redirected is no reason to stop.
         tracing::warn!(error = format!("{e:#}"), "the log stays on standard error");
     }
     // Wait for a signal or for an external unmount (of this mount: compared by device, so a

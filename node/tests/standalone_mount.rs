@@ -84,6 +84,41 @@ fn a_missing_bucket_is_named_once_by_a_background_mount() {
     assert!(!mounted(dir.path()));
 }
 
+/// A `--log-directory` no file can be made in is an error at start, before anything is mounted
+/// (not a log lost once the mount is live).
+#[test]
+fn a_log_directory_that_cannot_take_a_file_is_an_error_at_start() {
+    let s3 = S3Server::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(s3.create_bucket(BUCKET));
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().to_str().unwrap();
+    let missing = dir.path().join("no-such-dir");
+    let out = ferry_node(
+        &s3,
+        (s3.access_key(), s3.secret_key()),
+        &[
+            BUCKET,
+            target,
+            "--log-directory",
+            missing.to_str().unwrap(),
+            "--foreground",
+        ],
+    )
+    .output()
+    .unwrap();
+    assert!(!out.status.success());
+    let err = stderr(&out);
+    assert!(
+        err.contains(&format!(
+            "--log-directory: creating the log file {}/ferry-mount-",
+            missing.display()
+        )),
+        "{err}"
+    );
+    assert!(!mounted(dir.path()));
+}
+
 #[test]
 fn keys_the_server_refuses_name_the_list_permission() {
     let s3 = S3Server::start();
