@@ -38,108 +38,94 @@ fn mounted(dir: &Path) -> bool {
         .any(|l| l.split(' ').nth(4) == Some(dir.as_str()))
 }
 
+/// A missing bucket is named, once, with exit code 1, in the foreground and in the background
+/// (whose parent shows its child's error and exits with its code), and nothing is mounted.
 #[test]
 fn a_missing_bucket_is_named_and_nothing_is_mounted() {
     let s3 = S3Server::start();
     let dir = tempfile::tempdir().unwrap();
     let target = dir.path().to_str().unwrap();
-    let out = ferry_node(
-        &s3,
-        (s3.access_key(), s3.secret_key()),
-        &["no-such-bucket", target, "--foreground"],
-    )
-    .output()
-    .unwrap();
-    assert!(!out.status.success());
-    assert!(
-        stderr(&out).contains("bucket \"no-such-bucket\" does not exist"),
-        "{}",
-        stderr(&out)
-    );
-    assert!(!mounted(dir.path()));
+    for extra in [Some("--foreground"), None] {
+        let mut args = vec!["no-such-bucket", target];
+        args.extend(extra);
+        let out = ferry_node(&s3, (s3.access_key(), s3.secret_key()), &args)
+            .output()
+            .unwrap();
+        let err = stderr(&out);
+        assert_eq!(out.status.code(), Some(1), "{extra:?}: {err}");
+        assert_eq!(
+            err.matches("bucket \"no-such-bucket\" does not exist")
+                .count(),
+            1,
+            "{extra:?}: {err}"
+        );
+        assert!(!err.contains("mount process exited"), "{err}");
+        assert!(!mounted(dir.path()));
+    }
 }
 
-/// In the background too: the error comes out of the command once, with the mount's exit code.
-#[test]
-fn a_missing_bucket_is_named_once_by_a_background_mount() {
+/// `ferry-node mount standalone DIR ARGS… --foreground` against a new server that has the
+/// bucket, signing with `secret` (the server's own if `None`), which must fail and mount nothing:
+/// its standard error.
+fn failed_mount(secret: Option<&str>, args: &[&str]) -> String {
     let s3 = S3Server::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(s3.create_bucket(BUCKET));
     let dir = tempfile::tempdir().unwrap();
-    let target = dir.path().to_str().unwrap();
-    let out = ferry_node(
-        &s3,
-        (s3.access_key(), s3.secret_key()),
-        &["no-such-bucket", target],
-    )
-    .output()
-    .unwrap();
-    assert_eq!(out.status.code(), Some(1), "{}", stderr(&out));
+    let mut all = vec![BUCKET, dir.path().to_str().unwrap()];
+    all.extend(args);
+    all.push("--foreground");
+    let keys = (s3.access_key(), secret.unwrap_or(s3.secret_key()));
+    let out = ferry_node(&s3, keys, &all).output().unwrap();
     let err = stderr(&out);
-    assert_eq!(
-        err.matches("bucket \"no-such-bucket\" does not exist")
-            .count(),
-        1,
-        "{err}"
-    );
-    assert!(!err.contains("mount process exited"), "{err}");
-    assert!(!mounted(dir.path()));
+    assert!(!out.status.success(), "{err}");
+    assert!(!mounted(dir.path()), "{err}");
+    err
 }
 
 /// A `--log-directory` no file can be made in is an error at start, before anything is mounted
 /// (not a log lost once the mount is live).
 #[test]
 fn a_log_directory_that_cannot_take_a_file_is_an_error_at_start() {
-    let s3 = S3Server::start();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(s3.create_bucket(BUCKET));
-    let dir = tempfile::tempdir().unwrap();
-    let target = dir.path().to_str().unwrap();
-    let missing = dir.path().join("no-such-dir");
-    let out = ferry_node(
-        &s3,
-        (s3.access_key(), s3.secret_key()),
-        &[
-            BUCKET,
-            target,
-            "--log-directory",
-            missing.to_str().unwrap(),
-            "--foreground",
-        ],
-    )
-    .output()
-    .unwrap();
-    assert!(!out.status.success());
-    let err = stderr(&out);
-    assert!(
-        err.contains(&format!(
-            "--log-directory: creating the log file {}/ferry-mount-",
-            missing.display()
-        )),
-        "{err}"
+    let logs = tempfile::tempdir().unwrap();
+    let missing = logs.path().join("no-such-dir");
+    let err = failed_mount(None, &["--log-directory", missing.to_str().unwrap()]);
+    let want = format!(
+        "--log-directory: creating the log file {}/ferry-mount-",
+        missing.display()
     );
-    assert!(!mounted(dir.path()));
+    assert!(err.contains(&want), "{err}");
 }
 
 #[test]
 fn keys_the_server_refuses_name_the_list_permission() {
-    let s3 = S3Server::start();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(s3.create_bucket(BUCKET));
-    let dir = tempfile::tempdir().unwrap();
-    let target = dir.path().to_str().unwrap();
-    let out = ferry_node(
-        &s3,
-        (s3.access_key(), "not-the-secret-key"),
-        &[BUCKET, target, "--prefix", "data/", "--foreground"],
-    )
-    .output()
-    .unwrap();
-    assert!(!out.status.success());
-    let err = stderr(&out);
+    let err = failed_mount(Some("not-the-secret-key"), &["--prefix", "data/"]);
     assert!(
         err.contains("may not list bucket \"standalone\" prefix \"data/\" (s3:ListBucket)"),
         "{err}"
     );
-    assert!(!mounted(dir.path()));
+}
+
+/// A new server whose bucket holds `objects`, for a test that mounts through FUSE; `None` (the
+/// test then returns) only where [`ferry_testkit::prerequisite`] lets a missing `/dev/fuse` or
+/// root pass.
+fn server_for_fuse(objects: &[(&str, &str)]) -> Option<S3Server> {
+    let present = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
+    if !ferry_testkit::prerequisite(present, "/dev/fuse and root (a real FUSE mount)") {
+        return None;
+    }
+    let s3 = S3Server::start();
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    rt.block_on(async {
+        s3.create_bucket(BUCKET).await;
+        let root = s3.store().await;
+        for (key, body) in objects {
+            root.put(BUCKET, key, body.to_string().into())
+                .await
+                .unwrap();
+        }
+    });
+    Some(s3)
 }
 
 /// A mount whose check passes serves its prefix. (Under an IAM policy that scopes ListBucket to
@@ -147,22 +133,9 @@ fn keys_the_server_refuses_name_the_list_permission() {
 /// versitygw does not refuse that HeadBucket, so the difference is not shown here.)
 #[test]
 fn a_prefix_mount_serves_the_prefix() {
-    let present = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
-    if !ferry_testkit::prerequisite(present, "/dev/fuse and root (a real FUSE mount)") {
+    let Some(s3) = server_for_fuse(&[("data/a.txt", "hello"), ("other/b.txt", "not here")]) else {
         return;
-    }
-    let s3 = S3Server::start();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        s3.create_bucket(BUCKET).await;
-        let root = s3.store().await;
-        root.put(BUCKET, "data/a.txt", "hello".into())
-            .await
-            .unwrap();
-        root.put(BUCKET, "other/b.txt", "not here".into())
-            .await
-            .unwrap();
-    });
+    };
 
     let dir = tempfile::tempdir().unwrap();
     let target = dir.path().to_str().unwrap();
@@ -216,17 +189,9 @@ fn a_background_mount_with_a_log_directory_logs_there_once_live() {
 
 fn background_mount(with_logs: bool) {
     use std::io::Read;
-    let present = Path::new("/dev/fuse").exists() && nix::unistd::geteuid().is_root();
-    if !ferry_testkit::prerequisite(present, "/dev/fuse and root (a real FUSE mount)") {
+    let Some(s3) = server_for_fuse(&[("a.txt", "hello")]) else {
         return;
-    }
-    let s3 = S3Server::start();
-    let rt = tokio::runtime::Runtime::new().unwrap();
-    rt.block_on(async {
-        s3.create_bucket(BUCKET).await;
-        let root = s3.store().await;
-        root.put(BUCKET, "a.txt", "hello".into()).await.unwrap();
-    });
+    };
     let dir = tempfile::tempdir().unwrap();
     let logs = tempfile::tempdir().unwrap();
     let target = dir.path().to_str().unwrap();
