@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, as CI runs it (.ci/run calls this):
 #   1. installs what it needs (scripts/setup.sh);
-#   2. gates: cargo fmt --check, cargo clippy --all-targets -D warnings, the Helm chart's lint/render check;
+#   2. gates: cargo fmt --check, cargo clippy --all-targets -D warnings, the fuzz crate's lock file
+#      current, the Helm chart's lint/render check;
 #   3. cargo test --workspace: unit tests on the in-memory store, property tests, and integration
 #      tests against a real S3 server (versitygw on loopback) through real FUSE mounts;
 #   4. live mounts across node plugin replacements (`ferry-harness takeover`: under load, 20 graceful
@@ -43,6 +44,10 @@ cargo fmt --all -- --check
 
 step "cargo clippy --all-targets -- -D warnings"
 cargo clippy --workspace --all-targets --locked -- -D warnings
+# The fuzz crate has a lock file of its own, built with --locked at the end; a dependency added to
+# a crate it fuzzes changes that lock file too. Checked here, in seconds, not after the tests.
+(cd fuzz && cargo fetch --locked --target "$(rustc -vV | sed -n 's/^host: //p')" --quiet) ||
+  { echo "fuzz/Cargo.lock is out of date: run \`cargo update --workspace\` in fuzz/ and commit it" >&2; exit 1; }
 
 step "Helm chart: helm lint --strict (v4, v3), helm template (defaults, all features, minimal)"
 ./scripts/chart-check.sh
