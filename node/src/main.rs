@@ -322,7 +322,6 @@ const DETACH_WAIT: Duration = Duration::from_secs(5);
 /// of the pipe (see [`detach_log`]): nothing of the background process then holds the caller's
 /// terminal or pipes, so `out=$(ferry-node mount …)` or `ferry-node mount … | tee` returns.
 fn daemonize() -> anyhow::Result<()> {
-    use std::io::{BufRead, Write};
     use std::os::unix::process::CommandExt;
     let exe = std::env::current_exe().context("finding our own executable")?;
     let mut args: Vec<String> = std::env::args().skip(1).collect();
@@ -346,15 +345,10 @@ fn daemonize() -> anyhow::Result<()> {
         .process_group(0)
         .spawn()
         .context("starting the background mount process")?;
-    let err = child.stderr.take().expect("piped");
+    let mut err = child.stderr.take().expect("piped");
     let (done_tx, done) = std::sync::mpsc::channel::<()>();
     let copier = std::thread::spawn(move || {
-        let mut out = std::io::stderr();
-        for line in std::io::BufReader::new(err).split(b'\n') {
-            let Ok(mut line) = line else { break };
-            line.push(b'\n');
-            let _ = out.write_all(&line);
-        }
+        let _ = std::io::copy(&mut err, &mut std::io::stderr());
         let _ = done_tx.send(());
     });
     let mut mounted_since = None;
