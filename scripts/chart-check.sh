@@ -82,6 +82,10 @@ for h in helm helm3; do
     'storageClasses=[{"name":"x","bucketName":"bkt","existingPrefix":"yes"}]' >/dev/null 2>&1; then
     fail "$h accepted existingPrefix yes (the driver takes deny or allow)"
   fi
+  if "$h" template "$RELEASE" "$CHART" --set-json \
+    'storageClasses=[{"name":"x","bucketName":"bkt","parameters":{"deletePolicy":"delete"}}]' >/dev/null 2>&1; then
+    fail "$h accepted a StorageClass parameter under parameters that the entry has a field for (deletePolicy)"
+  fi
   if "$h" template "$RELEASE" "$CHART" --set-json 's3.allowedEndpoints=["ftp://x"]' >/dev/null 2>&1; then
     fail "$h accepted an allowed endpoint pattern the driver refuses (ftp://x)"
   fi
@@ -171,7 +175,9 @@ A=$OUT/all-features-no-comments.yaml
 grep -v '^[[:space:]]*#' "$OUT/helm-all-features.yaml" >"$A"
 ! grep -qE 'csi-node-driver-registrar|sig-storage/livenessprobe' "$D" || fail "the defaults must not run the registrar or livenessprobe sidecars"
 ! grep -qE 'hostNetwork|KUBERNETES_SERVICE_HOST' "$D" || fail "the defaults must stay off the host network and use the kubernetes Service"
-[ "$(grep -c 'path: /healthz' "$D")" = 2 ] || fail "both pods need a liveness probe on /healthz"
+[ "$(grep -c 'path: /healthz' "$D")" = 3 ] && [ "$(grep -c 'readinessProbe:' "$D")" = 1 ] ||
+  fail "both pods need a liveness probe on /healthz, and the node plugin a readiness probe (an update waits for the handover)"
+! grep -q 'readinessProbe:' "$A" || fail "on the host network or with the livenessprobe sidecar a readiness probe would ask the old pod"
 grep -qF -- '- --http-endpoint=:9809' "$A" || fail "sidecars.nodeDriverRegistrar.enabled does not run the registrar"
 grep -qF -- '- --health-port=9808' "$A" || fail "sidecars.livenessProbe.enabled does not run livenessprobe"
 ! grep -qE -- '--registration-dir|--health-addr' "$A" ||
@@ -192,6 +198,15 @@ grep -qF -- '- --health-port=9807' "$A" || fail "the controller's livenessprobe 
 # The existing-prefix opt-in is per class: only ferry-shared-datasets sets it.
 [ "$(grep -c 'existingPrefix: "allow"' "$A")" = 1 ] && [ "$(grep -c existingPrefix "$A")" = 1 ] ||
   fail "storageClasses[].existingPrefix must reach the StorageClass that sets it, and no other"
+
+# StorageClass parameters beyond the entry's fields, and csi-provisioner's Secret access with them.
+for want in 'authenticationSource: "pod"' 'stsRegion: "eu-west-1"' 'cache: "none"' 'prefetchOnMount: "train/"' \
+  'csi.storage.k8s.io/provisioner-secret-name: "minio-keys"' 'csi.storage.k8s.io/node-publish-secret-namespace: "${pvc.namespace}"'; do
+  grep -qF -- "$want" "$A" || fail "storageClasses[] does not render $want"
+done
+grep -qF 'resources: ["secrets"]' "$A" ||
+  fail "a chart StorageClass naming a provisioner Secret must let csi-provisioner get Secrets"
+! grep -qF 'resources: ["secrets"]' "$D" || fail "csi-provisioner must not read Secrets by default"
 
 step "the rendered objects"
 for v in defaults all-features minimal; do

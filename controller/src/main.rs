@@ -37,8 +37,8 @@ struct Args {
     /// Address of the Prometheus `/metrics` endpoint; `off` disables it.
     #[arg(long, env = "FERRY_METRICS_ADDR", default_value = "0.0.0.0:9810")]
     metrics_addr: String,
-    /// Address of the `/healthz` endpoint (`host:port` or `:port`): 200 while the CSI Probe is
-    /// ready (the default credentials can reach S3), else 503 with the reason. `off` disables it.
+    /// Address of the `/healthz` endpoint (`host:port` or `:port`): 200 while the controller
+    /// serves (its CSI Probe is ready). `off` disables it.
     #[arg(long, env = "FERRY_HEALTH_ADDR", default_value = "off")]
     health_addr: String,
     /// PEM file of CA certificates to trust besides the system's (S3 and STS endpoints with a
@@ -115,13 +115,25 @@ async fn main() -> anyhow::Result<()> {
             ferry_volume::keys::EXISTING_PREFIX_ANNOTATION
         ),
     }
-    let probe_stores = stores.clone();
+    // The driver's own credentials are no condition of serving: a StorageClass may bring its keys
+    // in a provisioner Secret (S3-compatible stores), and a Probe that waited for default
+    // credentials kept csi-provisioner from ever provisioning (and had kubelet restart the pod).
+    // They are checked once, for the log; a volume that needs them and lacks them fails its own
+    // CreateVolume or DeleteVolume, naming the reason.
+    let check = stores.clone();
+    tokio::spawn(async move {
+        match check.check_default_credentials().await {
+            Ok(()) => tracing::info!("the driver's default credentials resolve"),
+            Err(reason) => tracing::warn!(
+                %reason,
+                "the driver has no default credentials: only StorageClasses with a provisioner \
+                 Secret (csi.storage.k8s.io/provisioner-secret-name) can provision and delete"
+            ),
+        }
+    });
     let identity = IdentityService::new(
         vec![PluginCap::ControllerService],
-        Box::new(move || {
-            let stores = probe_stores.clone();
-            Box::pin(async move { stores.check_default_credentials().await })
-        }),
+        Box::new(|| Box::pin(async { Ok(()) })),
     );
     ferry_metrics::health::start_health(&args.health_addr, identity.health_check())
         .await

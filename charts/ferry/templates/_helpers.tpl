@@ -145,3 +145,17 @@ dnsPolicy: ClusterFirstWithHostNet
 {{- define "ferry.kubeletDir" -}}
 {{- trimSuffix "/" .Values.node.kubeletDir -}}
 {{- end -}}
+
+{{/* "true" when csi-provisioner must read Secrets: controller.readProvisionerSecrets, or a
+StorageClass of the chart that names a provisioner Secret. */}}
+{{- define "ferry.provisionerReadsSecrets" -}}
+{{- $reads := .Values.controller.readProvisionerSecrets }}
+{{- range .Values.storageClasses }}
+{{- range $key, $_ := .parameters }}
+{{- if hasPrefix "csi.storage.k8s.io/provisioner-secret-" $key }}
+{{- $reads = true }}
+{{- end }}
+{{- end }}
+{{- end }}
+{{- if $reads }}true{{ end -}}
+{{- end -}}
