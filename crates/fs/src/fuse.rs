@@ -32,6 +32,13 @@ const READAHEAD: u32 = 1 << 20;
 /// Background requests (read-ahead, async reads) the kernel keeps in flight per mount.
 const MAX_BACKGROUND: u16 = 128;
 
+/// A write open with `O_SYNC` or `O_DSYNC`: each write would be an `fsync`, which completes the
+/// upload (an S3 object exists only whole), so the object would be the first write's bytes and
+/// every later write `EBADF`. Refused at the open instead.
+const SYNC_WRITES: FsError = FsError::InvalidArgument(
+    "O_SYNC/O_DSYNC writes cannot be honoured on S3 (an object exists only whole, at close)",
+);
+
 /// The [`fuser::Filesystem`] of one mount.
 #[derive(Debug)]
 pub struct FuseAdapter {
@@ -617,6 +624,9 @@ impl Filesystem for FuseAdapter {
         let pid = req.pid();
         let pt = self.pt.clone();
         let read_only = flags.0 & libc::O_ACCMODE == libc::O_RDONLY && flags.0 & libc::O_TRUNC == 0;
+        if !read_only && flags.0 & libc::O_DSYNC != 0 {
+            return reply.error(errno("open", &SYNC_WRITES));
+        }
         let (request, again) = (request_id(req), resent(req));
         self.serve("open", move |fs| async move {
             if again {
@@ -988,9 +998,12 @@ impl Filesystem for FuseAdapter {
         name: &OsStr,
         _mode: u32,
         _umask: u32,
-        _flags: i32,
+        flags: i32,
         reply: ReplyCreate,
     ) {
+        if flags & libc::O_DSYNC != 0 {
+            return reply.error(errno("create", &SYNC_WRITES));
+        }
         let name = name.to_owned();
         let pid = req.pid();
         let (request, again) = (request_id(req), resent(req));

@@ -368,9 +368,9 @@ fn mount_on(dir: &OwnedFd, cfg: &MountConfig) -> io::Result<OwnedFd> {
 
 /// Drops a directory's entries from the kernel's cache through `session`'s notifier. The kernel
 /// answers `ENOENT` for an inode it no longer holds (nothing cached then).
-fn dir_invalidator(session: &BackgroundSession) -> crate::fs::DirInvalidator {
+fn kernel_invalidator(session: &BackgroundSession) -> crate::fs::KernelInvalidator {
     let notifier = session.notifier();
-    crate::fs::DirInvalidator::new(move |ino| {
+    crate::fs::KernelInvalidator::new(move |ino| {
         if let Err(e) = notifier.inval_inode(fuser::INodeNo(ino), 0, 0) {
             tracing::debug!(ino, error = %e, "a directory's cache in the kernel was not dropped");
         }
@@ -441,7 +441,7 @@ pub fn mount(
         Session::Fuser(fuser::spawn_mount(adapter, &target, &options).map_err(fuse_err)?)
     };
     let (Session::Own(bg) | Session::Fuser(bg)) = &session;
-    fs.set_dir_invalidator(dir_invalidator(bg));
+    fs.set_kernel_invalidator(kernel_invalidator(bg));
     {
         let _runtime = runtime.enter();
         fs.probe_root();
@@ -544,7 +544,7 @@ pub fn resume(
         }
     }
     let bg = session.spawn().map_err(fuse_err)?;
-    fs.set_dir_invalidator(dir_invalidator(&bg));
+    fs.set_kernel_invalidator(kernel_invalidator(&bg));
     let abort = mountinfo::ConnectionAbort::open(entry.dev.1).ok();
     let handle = MountHandle {
         _session: session_charge,

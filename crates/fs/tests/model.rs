@@ -15,7 +15,7 @@ use std::ffi::OsStr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use ferry_fs::fs::{DirEntry, DirInvalidator, DirSink, Entry, Fs};
+use ferry_fs::fs::{DirEntry, DirSink, Entry, Fs, KernelInvalidator};
 use ferry_fs::handles::PART_SIZE;
 use ferry_fs::inode::{Ino, ROOT_INO};
 use ferry_fs::names::Kind;
@@ -635,7 +635,7 @@ fn check_paged(ops: &[Op], ttl: MetadataTtl, page: u32) -> Result<(), TestCaseEr
         let dropped = kernel.dropped.clone();
         kernel
             .fs
-            .set_dir_invalidator(DirInvalidator::new(move |ino| {
+            .set_kernel_invalidator(KernelInvalidator::new(move |ino| {
                 dropped.lock().unwrap().push(ino)
             }));
         let mut model = Model::default();

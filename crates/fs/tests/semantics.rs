@@ -921,6 +921,24 @@ fn changes_by_others(c: &Ctx) {
     );
     assert_eq!(c.proxy.requests(), before, "indefinite: no request");
     assert_eq!(fs::metadata(minute.path("g")).unwrap().len(), 1);
+    // Once the kernel's pages of the old version are gone, its read is refused by S3 (ESTALE);
+    // an open that then learns the grown version reads it whole: never its bytes cut at the old
+    // version's size.
+    drop_pages(&forever.path("f"));
+    assert_eq!(errno(fs::read(forever.path("f"))), libc::ESTALE);
+    assert_eq!(fs::read(forever.path("f")).unwrap(), b"newer");
+    assert_eq!(fs::metadata(forever.path("f")).unwrap().len(), 5);
+}
+
+/// Drops the kernel's cached pages of file `p` (an open in the mount's kept metadata, which
+/// costs no request, and `POSIX_FADV_DONTNEED`).
+fn drop_pages(p: &Path) {
+    let f = File::open(p).unwrap();
+    // SAFETY: a descriptor we own, the whole file.
+    assert_eq!(
+        unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) },
+        0
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1118,6 +1136,30 @@ fn op_open_write_existing(c: &Ctx) {
     );
     drop(w);
     assert_eq!(c.key(&p, "f").unwrap(), b"new content");
+    // Open for reading on this mount: not replaced beside its reader (the kernel has one size
+    // and one page cache for the file), EBUSY once the reader had a second to close; the reader
+    // reads its version whole.
+    let r = File::open(&path).unwrap();
+    let mut head = [0u8; 4];
+    r.read_exact_at(&mut head, 0).unwrap();
+    assert_eq!(
+        open(OpenOptions::new().write(true).truncate(true)),
+        libc::EBUSY,
+        "open for reading"
+    );
+    let mut all = Vec::new();
+    (&r).read_to_end(&mut all).unwrap();
+    assert_eq!(all, b"new content");
+    drop(r);
+    // Its last close reaches Ferry after close returned: a replacement right after waits for it.
+    let mut w = OpenOptions::new()
+        .write(true)
+        .truncate(true)
+        .open(&path)
+        .unwrap();
+    w.write_all(b"third").unwrap();
+    drop(w);
+    assert_eq!(c.key(&p, "f").unwrap(), b"third");
     let no = c.mount(&p, |cfg| cfg.allow_overwrite = false);
     assert_eq!(
         errno(
@@ -1132,11 +1174,48 @@ fn op_open_write_existing(c: &Ctx) {
 }
 
 fn op_write(c: &Ctx) {
-    let p = c.prefix(&[]);
+    let p = c.prefix(&[("old", b"the old object")]);
     let m = c.mount(&p, |_| {});
+    // Only at the end. A write elsewhere (past it: `cp` of a sparse file; in place) is EINVAL
+    // and ends the upload: nothing is created or replaced, and close says EIO. Never the bytes
+    // before the gap as the whole file.
+    for (name, at, what) in [
+        ("f", 20, "past the end"),
+        ("g", 3, "in place"),
+        ("old", 20, "a replacement"),
+    ] {
+        let w = writing(&m.path(name), b"0123456789");
+        assert_eq!(errno(w.write_at(b"x", at)), libc::EINVAL, "{what}");
+        assert_eq!(errno(w.write_at(b"x", 10)), libc::EIO, "{what}: then");
+        let fd = w.into_raw_fd();
+        // SAFETY: fd came from into_raw_fd, so nothing else closes it.
+        assert_eq!(
+            libc_errno(unsafe { libc::close(fd) }),
+            libc::EIO,
+            "{what}: close"
+        );
+        let kept = (name == "old").then(|| b"the old object".to_vec());
+        assert_eq!(c.key(&p, name), kept, "{what}");
+    }
+    // O_SYNC and O_DSYNC: each write would complete the upload (an fsync); refused at the open.
+    for flag in [libc::O_SYNC, libc::O_DSYNC] {
+        use std::os::unix::fs::OpenOptionsExt;
+        let o = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .custom_flags(flag)
+            .open(m.path("s"));
+        assert_eq!(errno(o), libc::EINVAL, "{flag:#o}");
+        let o = OpenOptions::new()
+            .write(true)
+            .truncate(true)
+            .custom_flags(flag)
+            .open(m.path("old"));
+        assert_eq!(errno(o), libc::EINVAL, "{flag:#o}: existing");
+    }
+    assert_eq!(c.key(&p, "s"), None);
+    // Written again after the failed upload: a new file as usual.
     let w = writing(&m.path("f"), b"0123456789");
-    assert_eq!(errno(w.write_at(b"x", 20)), libc::EINVAL, "past the end");
-    assert_eq!(errno(w.write_at(b"x", 3)), libc::EINVAL, "in place");
     w.write_at(b"ab", 10).unwrap();
     w.sync_all().unwrap();
     assert_eq!(c.key(&p, "f").unwrap(), b"0123456789ab");
@@ -1329,10 +1408,11 @@ fn op_truncate(c: &Ctx) {
     assert_eq!(trunc("f", 5), 0, "same size: no-op");
     assert_eq!(trunc("f", 2), libc::EPERM);
     assert_eq!(trunc("d", 0), libc::EISDIR);
-    let mut w = writing(&m.path("w"), b"abc");
+    let w = writing(&m.path("w"), b"abc");
     assert_eq!(errno(w.set_len(1)), libc::EINVAL);
     w.set_len(0).unwrap();
-    w.write_all(b"xy").unwrap_err(); // the file offset is 3 now: not sequential
+    // From offset 0 again (the descriptor's offset is still 3: a write there would be a hole,
+    // which ends the upload).
     w.write_at(b"xy", 0).unwrap();
     drop(w);
     assert_eq!(c.key(&p, "w").unwrap(), b"xy", "truncate to 0 restarts");
@@ -1468,6 +1548,20 @@ fn op_rename(c: &Ctx) {
     let p = c.prefix(&[("f", b"f")]);
     let m = c.mount(&p, |_| {});
     assert_eq!(errno(fs::rename(m.path("f"), m.path("g"))), libc::EXDEV);
+    // Without allow_delete, mv's copy + delete would upload the copy and then fail to delete:
+    // refused before the copy.
+    let keep = c.mount(&p, |cfg| cfg.allow_delete = false);
+    let mv = std::process::Command::new("mv")
+        .arg(keep.path("f"))
+        .arg(keep.path("g"))
+        .status();
+    assert!(!mv.unwrap().success());
+    assert_eq!(
+        errno(fs::rename(keep.path("f"), keep.path("g"))),
+        libc::EPERM
+    );
+    assert_eq!(c.key(&p, "g"), None, "no copy uploaded");
+    assert_eq!(c.key(&p, "f").unwrap(), b"f");
     let ro = c.mount(&p, |cfg| cfg.read_only = true);
     assert_eq!(errno(fs::rename(ro.path("f"), ro.path("g"))), libc::EROFS);
 }

@@ -302,6 +302,10 @@ struct IoModes {
     /// close, also once their upload completed).
     cached: u32,
     passthrough: u32,
+    /// Read handles, in either mode: a replacement of the file through this mount waits for them
+    /// to close (the kernel keeps one size and one page cache for the inode, so a reader beside
+    /// the writer would read the new version's bytes, or stop at its size, as the old one's).
+    readers: u32,
     /// The version (ETag) the passthrough handles pinned: their backing file is its whole file,
     /// which the kernel makes every passthrough open of the inode share.
     passthrough_etag: Option<String>,
@@ -334,8 +338,11 @@ impl FsState {
                 != etag
     }
 
-    fn io_closed(&mut self, ino: Ino, passthrough: bool) {
+    fn io_closed(&mut self, ino: Ino, passthrough: bool, reader: bool) {
         if let Some(m) = self.io.get_mut(&ino) {
+            if reader {
+                m.readers = m.readers.saturating_sub(1);
+            }
             if passthrough {
                 m.passthrough = m.passthrough.saturating_sub(1);
                 if m.passthrough == 0 {
@@ -393,29 +400,31 @@ pub struct Fs {
     /// it. Shared with the mounts of the same store (the same credentials); not carried over a
     /// handover (proofs start afresh).
     proofs: Arc<Proofs>,
-    /// Tells the kernel to drop a directory's cached entries (`FUSE_NOTIFY_INVAL_INODE`), once
-    /// the mount's session is live: a mount with a TTL caches directories in the kernel only
-    /// with it ([`kdir`]).
-    dir_inval: std::sync::OnceLock<DirInvalidator>,
+    /// Tells the kernel to drop what it cached of an inode (`FUSE_NOTIFY_INVAL_INODE`), once the
+    /// mount's session is live: a directory's entries (a mount with a TTL caches directories in
+    /// the kernel only with it, [`kdir`]), a file's attributes and pages when an open found a new
+    /// version.
+    kernel_inval: std::sync::OnceLock<KernelInvalidator>,
 }
 
-/// Drops directory `ino`'s entries from the kernel's cache.
+/// Drops what the kernel cached of inode `ino`: its attributes and its page cache (a directory's
+/// entries). Blocking: the kernel may wait for reads of the inode in flight.
 #[derive(Clone)]
-pub struct DirInvalidator(Arc<dyn Fn(Ino) + Send + Sync>);
+pub struct KernelInvalidator(Arc<dyn Fn(Ino) + Send + Sync>);
 
-impl DirInvalidator {
+impl KernelInvalidator {
     pub fn new(f: impl Fn(Ino) + Send + Sync + 'static) -> Self {
-        DirInvalidator(Arc::new(f))
+        KernelInvalidator(Arc::new(f))
     }
 
-    fn drop_dir(&self, ino: Ino) {
+    fn invalidate(&self, ino: Ino) {
         (self.0)(ino)
     }
 }
 
-impl std::fmt::Debug for DirInvalidator {
+impl std::fmt::Debug for KernelInvalidator {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("DirInvalidator")
+        f.write_str("KernelInvalidator")
     }
 }
 
@@ -472,6 +481,7 @@ impl Fs {
             match h {
                 Handle::Read(r) => {
                     let m = io.entry(r.ino).or_default();
+                    m.readers += 1;
                     match r.passthrough {
                         true => {
                             m.passthrough += 1;
@@ -523,7 +533,7 @@ impl Fs {
             prefetch,
             cache: None,
             proofs: Arc::new(Proofs::default()),
-            dir_inval: std::sync::OnceLock::new(),
+            kernel_inval: std::sync::OnceLock::new(),
         }
     }
 
@@ -742,20 +752,20 @@ impl Fs {
             (fh, st.handles.remove(fh)?)
         };
         let mut g = h.lock().await;
-        let (ino, passthrough) = match &mut *g {
+        let (ino, passthrough, reader) = match &mut *g {
             Handle::Write(w) => {
                 if w.status == WriteStatus::Open {
                     self.fail_write(w).await;
                 }
-                (w.ino, false)
+                (w.ino, false, false)
             }
             Handle::Read(r) => {
                 r.prefetch.reset();
-                (r.ino, r.passthrough)
+                (r.ino, r.passthrough, true)
             }
             Handle::Dir(_) => return Some(fh),
         };
-        self.lock().io_closed(ino, passthrough);
+        self.lock().io_closed(ino, passthrough, reader);
         tracing::info!(
             fh,
             ino,
@@ -771,13 +781,13 @@ impl Fs {
         match &mut *g {
             Handle::Write(w) => {
                 // Counted as a cached-mode open until its last close, also once completed.
-                self.lock().io_closed(w.ino, false);
+                self.lock().io_closed(w.ino, false, false);
                 self.complete(w).await
             }
             Handle::Read(r) => {
                 // Aborts GETs in flight and gives their memory back.
                 r.prefetch.reset();
-                self.lock().io_closed(r.ino, r.passthrough);
+                self.lock().io_closed(r.ino, r.passthrough, true);
                 Ok(())
             }
             Handle::Dir(_) => Ok(()),

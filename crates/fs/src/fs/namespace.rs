@@ -358,7 +358,7 @@ impl Fs {
     fn kernel_dir_cache(&self) -> bool {
         match self.cfg.metadata_ttl {
             MetadataTtl::Indefinite => true,
-            MetadataTtl::Duration(d) => !d.is_zero() && self.dir_inval.get().is_some(),
+            MetadataTtl::Duration(d) => !d.is_zero() && self.kernel_inval.get().is_some(),
         }
     }
 
@@ -366,8 +366,8 @@ impl Fs {
     /// notifier). A successor's directory handles taken over may be answered by the kernel from
     /// a cache its predecessor let it fill, whose TTL this process does not know: on a mount
     /// with a TTL their directories' caches are dropped now.
-    pub fn set_dir_invalidator(&self, inval: DirInvalidator) {
-        if self.dir_inval.set(inval.clone()).is_err() {
+    pub fn set_kernel_invalidator(&self, inval: KernelInvalidator) {
+        if self.kernel_inval.set(inval.clone()).is_err() {
             return;
         }
         if self.cfg.metadata_ttl == MetadataTtl::Indefinite {
@@ -382,7 +382,7 @@ impl Fs {
                 .collect()
         };
         for ino in carried {
-            inval.drop_dir(ino);
+            inval.invalidate(ino);
         }
     }
 
@@ -390,7 +390,7 @@ impl Fs {
     /// then anyway (on a mount with a TTL, after a stream filled it with a listing valid until
     /// then).
     fn drop_kernel_dir_at(&self, st: &mut FsState, ino: Ino, valid: Validity) {
-        let Some(inval) = self.dir_inval.get() else {
+        let Some(inval) = self.kernel_inval.get() else {
             return;
         };
         let at = match valid {
@@ -412,7 +412,7 @@ impl Fs {
         let inval = inval.clone();
         let timer = spawn_owned(async move {
             tokio::time::sleep_until(at).await;
-            inval.drop_dir(ino);
+            inval.invalidate(ino);
         });
         pending.push((at, timer));
     }
@@ -1140,10 +1140,16 @@ impl Fs {
         Ok(())
     }
 
-    /// `rename`: S3 has no rename. EXDEV makes `mv` fall back to copy + delete.
+    /// `rename`: S3 has no rename. EXDEV makes `mv` fall back to copy + delete; without
+    /// `allow_delete` that delete would be refused after the whole copy was uploaded (both names
+    /// left), so it is EPERM at once.
     pub fn rename(&self) -> Result<(), FsError> {
         if self.cfg.read_only {
             Err(FsError::ReadOnly)
+        } else if !self.cfg.allow_delete {
+            Err(FsError::NotPermitted(
+                "no rename in S3, and a copy could not delete the source (allow_delete is off)",
+            ))
         } else {
             Err(FsError::CrossDevice)
         }

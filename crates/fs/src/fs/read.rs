@@ -4,6 +4,10 @@
 
 use super::*;
 
+/// How long a replacement of a file waits for this mount's readers of it to close
+/// ([`Fs::wait_for_readers`]) before it is `EBUSY`.
+pub(super) const READERS_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
+
 impl Fs {
     // ----- files ------------------------------------------------------------------------------
 
@@ -25,6 +29,9 @@ impl Fs {
     ) -> Result<Opened, FsError> {
         // O_RDONLY|O_TRUNC truncates too (the kernel already checked write permission).
         let write = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
+        if write {
+            self.wait_for_readers(ino).await;
+        }
         let (key, cached) = {
             let mut guard = self.lock();
             let st = &mut *guard;
@@ -35,10 +42,11 @@ impl Fs {
             if matches!(inode.state, InodeState::Writing { .. }) {
                 return Err(FsError::Busy("the file is being written"));
             }
-            if write && st.open_through_passthrough(ino) {
-                // The kernel would refuse a cached-mode open next to passthrough ones anyway.
+            if write && st.io.get(&ino).is_some_and(|m| m.readers > 0) {
+                // The kernel keeps one size and one page cache for the inode: the readers would
+                // read the new version's bytes, or stop at its size, as their own version's.
                 return Err(FsError::Busy(
-                    "the file is open for reading straight from the node cache; close it first",
+                    "the file is open for reading on this mount; close it first",
                 ));
             }
             if write {
@@ -130,49 +138,83 @@ impl Fs {
             },
         };
         let valid = self.ttl();
-        let mut st = self.lock();
-        // The kernel makes every open of an inode open through passthrough use the same backing
-        // file: the whole file of the version those handles pinned. Another version cannot be
-        // read beside them (their bytes would be served as its).
-        if st.passthrough_of_another_version(ino, meta.etag.as_deref()) {
-            return Err(FsError::Busy(
+        let (fh, keep_cache, new_version) = {
+            let mut st = self.lock();
+            // The kernel makes every open of an inode open through passthrough use the same backing
+            // file: the whole file of the version those handles pinned. Another version cannot be
+            // read beside them (their bytes would be served as its).
+            if st.passthrough_of_another_version(ino, meta.etag.as_deref()) {
+                return Err(FsError::Busy(
                 "another version of the file is open for reading straight from the node cache; \
                  close it first",
             ));
-        }
-        let inode = st.inodes.get_mut(ino).ok_or_else(|| stale(ino))?;
-        if inode.meta.as_ref() != Some(&meta) {
-            inode.meta = Some(meta.clone());
-            inode.valid = valid;
-        }
-        let keep_cache = meta.etag.is_some() && inode.last_open_etag == meta.etag;
-        inode.last_open_etag = meta.etag.clone();
-        let (parent, name) = (inode.parent, inode.name.clone());
-        let mut handle = ReadHandle::new(ino, key, meta.etag, meta.size);
-        handle.last_modified = meta.mtime;
-        handle.cached = self.cache.is_some() && handle.etag.is_some();
-        let mut fetched_ahead = false;
-        if let Some(etag) = handle.etag.as_deref() {
-            // Fetched ahead by a listing-order reader, for this very version: use it.
-            if let Some(part) = st.small.take(&handle.key, etag) {
-                fetched_ahead = true;
-                if part.start == 0 && part.end == handle.size {
-                    handle.prefetch.parts.push_back(part);
+            }
+            let inode = st.inodes.get_mut(ino).ok_or_else(|| stale(ino))?;
+            // Another version than the one the kernel was told of: its size and pages are the old
+            // version's, and on a mount that keeps metadata it would not ask again (reads would stop
+            // at the old size, silently).
+            let mut new_version = false;
+            if inode.meta.as_ref() != Some(&meta) {
+                new_version = inode
+                    .meta
+                    .as_ref()
+                    .is_some_and(|old| old.etag != meta.etag || old.size != meta.size);
+                inode.meta = Some(meta.clone());
+                inode.valid = valid;
+            }
+            let keep_cache = meta.etag.is_some() && inode.last_open_etag == meta.etag;
+            inode.last_open_etag = meta.etag.clone();
+            let (parent, name) = (inode.parent, inode.name.clone());
+            let mut handle = ReadHandle::new(ino, key, meta.etag, meta.size);
+            handle.last_modified = meta.mtime;
+            handle.cached = self.cache.is_some() && handle.etag.is_some();
+            let mut fetched_ahead = false;
+            if let Some(etag) = handle.etag.as_deref() {
+                // Fetched ahead by a listing-order reader, for this very version: use it.
+                if let Some(part) = st.small.take(&handle.key, etag) {
+                    fetched_ahead = true;
+                    if part.start == 0 && part.end == handle.size {
+                        handle.prefetch.parts.push_back(part);
+                    }
                 }
             }
-        }
-        if let (true, Some(cache), Some(etag)) = (handle.cached, &self.cache, &handle.etag) {
-            // Read to its end, an object larger than a block becomes one file the kernel can read
-            // directly (see `passthrough_file` for why smaller ones do not).
-            if handle.size > cache.block_size() {
-                cache.want_whole(self.object_key(&handle.key, etag), handle.size);
+            if let (true, Some(cache), Some(etag)) = (handle.cached, &self.cache, &handle.etag) {
+                // Read to its end, an object larger than a block becomes one file the kernel can read
+                // directly (see `passthrough_file` for why smaller ones do not).
+                if handle.size > cache.block_size() {
+                    cache.want_whole(self.object_key(&handle.key, etag), handle.size);
+                }
+            }
+            self.prefetch_following(&mut st, parent, &name, fetched_ahead);
+            self.note_open_for_sweep(&mut st, parent);
+            let io = st.io.entry(ino).or_default();
+            io.cached += 1;
+            io.readers += 1;
+            (
+                st.handles.insert_for(Handle::Read(handle), request),
+                keep_cache,
+                new_version,
+            )
+        };
+        if new_version {
+            // Before the open is answered, so the kernel asks for the new size before it reads.
+            if let Some(inval) = self.kernel_inval.get().cloned() {
+                let _ = tokio::task::spawn_blocking(move || inval.invalidate(ino)).await;
             }
         }
-        self.prefetch_following(&mut st, parent, &name, fetched_ahead);
-        self.note_open_for_sweep(&mut st, parent);
-        st.io.entry(ino).or_default().cached += 1;
-        let fh = st.handles.insert_for(Handle::Read(handle), request);
         Ok(Opened { fh, keep_cache })
+    }
+
+    /// Waits, up to [`READERS_WAIT`], until no read handle of `ino` is open on this mount: a
+    /// reader's last close reaches Ferry (`release`) only after its `close` returned, so a
+    /// replacement right after a read (`cat f; cp g f`) would otherwise find it still open.
+    pub(super) async fn wait_for_readers(&self, ino: Ino) {
+        let until = tokio::time::Instant::now() + READERS_WAIT;
+        while self.lock().io.get(&ino).is_some_and(|m| m.readers > 0)
+            && tokio::time::Instant::now() < until
+        {
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
     }
 
     /// The node cache's name of `key` at `etag` on this mount's endpoint and bucket.

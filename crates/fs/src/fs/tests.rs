@@ -496,6 +496,76 @@ async fn zero_ttl_always_asks_s3() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_open_that_finds_a_new_version_has_the_kernel_drop_the_old_ones_size_and_pages() {
+    // A mount that keeps metadata for its life: the kernel never asks for the size again by
+    // itself, so without the drop it would stop reading the grown object at the old size.
+    let (store, fs) = setup(|c| {
+        c.read_only = true;
+        c.metadata_ttl = MetadataTtl::Indefinite;
+    });
+    let dropped: Arc<std::sync::Mutex<Vec<Ino>>> = Default::default();
+    let seen = dropped.clone();
+    fs.set_kernel_invalidator(KernelInvalidator::new(move |ino| {
+        seen.lock().unwrap().push(ino)
+    }));
+    store.insert(B, "f", &b"old"[..]);
+    let ino = walk(&fs, "f").await.unwrap().attr.ino;
+    let o = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    assert_eq!(&fs.read(o.fh, 0, 3).await.unwrap()[..], b"old");
+    fs.release(o.fh).await.unwrap();
+    store.insert(B, "f", &b"newer and longer"[..]);
+    // The kept metadata: the old version, refused by S3 at the read (its pages were dropped).
+    let o = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    assert_eq!(errno(fs.read(o.fh, 0, 4096).await), libc::ESTALE);
+    fs.release(o.fh).await.unwrap();
+    assert!(
+        dropped.lock().unwrap().is_empty(),
+        "the same version: nothing to drop"
+    );
+    // The next open learns the new version, and the kernel forgets the old one's size before
+    // the open is answered.
+    let o = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    assert_eq!(*dropped.lock().unwrap(), [ino]);
+    assert_eq!(fs.getattr(ino).await.unwrap().attr.size, 16);
+    assert_eq!(
+        &fs.read(o.fh, 0, 4096).await.unwrap()[..],
+        b"newer and longer"
+    );
+    fs.release(o.fh).await.unwrap();
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_file_open_for_reading_is_not_replaced_beside_its_reader() {
+    // The kernel has one size and one page cache per inode: a replacement written beside a
+    // reader would hand the reader the new bytes (or the new size) as its version's.
+    let (store, fs) = setup(|_| {});
+    store.insert(B, "f", &b"version one"[..]);
+    let ino = walk(&fs, "f").await.unwrap().attr.ino;
+    let r = fs.open(ino, libc::O_RDONLY, PID).await.unwrap();
+    let trunc = libc::O_WRONLY | libc::O_TRUNC;
+    let started = tokio::time::Instant::now();
+    assert_eq!(errno(fs.open(ino, trunc, PID).await), libc::EBUSY);
+    assert!(
+        started.elapsed() >= read::READERS_WAIT,
+        "waited for the reader's last close first"
+    );
+    // Deleted and created again by name (the same inode number): the same.
+    fs.unlink(ROOT_INO, n("f")).await.unwrap();
+    assert_eq!(errno(fs.create(ROOT_INO, n("f"), PID).await), libc::EBUSY);
+    // A reader's last close reaches Ferry after its close returned: a replacement arriving
+    // first waits for it.
+    let fs = Arc::new(fs);
+    let f2 = fs.clone();
+    let replace = tokio::spawn(async move { f2.create(ROOT_INO, n("f"), PID).await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    fs.release(r.fh).await.unwrap();
+    let (_, w) = replace.await.unwrap().unwrap();
+    fs.write(w.fh, 0, b"version two").await.unwrap();
+    fs.release(w.fh).await.unwrap();
+    assert_eq!(store.get_object(B, "f").unwrap(), &b"version two"[..]);
+}
+
+#[tokio::test(start_paused = true)]
 async fn changed_object_is_estale_and_reopen_sees_new_version() {
     let (store, fs) = setup(|_| {});
     let v1 = data(3 << 20, 1);
@@ -735,15 +805,41 @@ async fn large_write_is_multipart() {
 
 #[tokio::test]
 async fn write_rules() {
-    let (store, fs) = setup(|_| {});
+    let (store, fs) = setup(|cfg| cfg.allow_overwrite = true);
+    // A write refused (a hole: `cp` of a sparse file; a rewrite) ends the upload: a new file is
+    // not created and an existing object not replaced, and close says so (EIO). Never the bytes
+    // before the gap as the whole file.
+    store.insert(B, "old", &b"the old object"[..]);
+    for (name, at) in [("hole", 10), ("rewrite", 1), ("old", 10)] {
+        let fh = match name {
+            "old" => {
+                let ino = fs.lookup(ROOT_INO, n(name)).await.unwrap().attr.ino;
+                fs.open(ino, libc::O_WRONLY | libc::O_TRUNC, PID)
+                    .await
+                    .unwrap()
+                    .fh
+            }
+            _ => fs.create(ROOT_INO, n(name), PID).await.unwrap().1.fh,
+        };
+        fs.write(fh, 0, b"abc").await.unwrap();
+        assert_eq!(errno(fs.write(fh, at, b"x").await), libc::EINVAL, "{name}");
+        assert_eq!(
+            errno(fs.write(fh, 3, b"d").await),
+            libc::EIO,
+            "{name}: then"
+        );
+        assert_eq!(
+            errno(fs.flush(fh, || PID).await),
+            libc::EIO,
+            "{name}: close"
+        );
+        assert_eq!(errno(fs.release(fh).await), libc::EIO, "{name}: release");
+        let kept = (name == "old").then(|| Bytes::from_static(b"the old object"));
+        assert_eq!(store.get_object(B, name), kept, "{name}");
+    }
+    assert_eq!(store.pending_uploads(B), 0);
     let (e, o) = fs.create(ROOT_INO, n("f"), PID).await.unwrap();
     fs.write(o.fh, 0, b"abc").await.unwrap();
-    assert_eq!(errno(fs.write(o.fh, 10, b"x").await), libc::EINVAL, "hole");
-    assert_eq!(
-        errno(fs.write(o.fh, 1, b"x").await),
-        libc::EINVAL,
-        "rewrite"
-    );
     assert_eq!(errno(fs.read(o.fh, 0, 3).await), libc::EBADF);
     // Truncation to the current size is a no-op, to 0 restarts, others refused.
     let attr = |size| SetAttr {
@@ -2412,7 +2508,7 @@ async fn a_mount_with_a_ttl_of_zero_or_no_way_to_drop_a_cache_leaves_directories
     for ttl in [Duration::ZERO, Duration::from_secs(60)] {
         let (store, fs) = setup(|c| c.metadata_ttl = MetadataTtl::Duration(ttl));
         if ttl.is_zero() {
-            fs.set_dir_invalidator(DirInvalidator::new(|_| {}));
+            fs.set_kernel_invalidator(KernelInvalidator::new(|_| {}));
         }
         store.insert(B, "d/a", &b"x"[..]);
         let d = walk(&fs, "d").await.unwrap().attr.ino;
@@ -2433,7 +2529,7 @@ async fn a_mount_with_a_ttl_has_the_kernel_drop_a_directory_when_its_listing_exp
     store.insert(B, "d/a", &b"x"[..]);
     let dropped: Arc<std::sync::Mutex<Vec<Ino>>> = Default::default();
     let seen = dropped.clone();
-    fs.set_dir_invalidator(DirInvalidator::new(move |ino| {
+    fs.set_kernel_invalidator(KernelInvalidator::new(move |ino| {
         seen.lock().unwrap().push(ino)
     }));
     let d = walk(&fs, "d").await.unwrap().attr.ino;

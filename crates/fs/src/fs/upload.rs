@@ -34,6 +34,15 @@ impl Fs {
             return Err(FsError::ReadOnly);
         }
         let name = new_name(name)?;
+        // A path's inode number is the same after an unlink: a reader still holding the unlinked
+        // file would read the new file's bytes (and size) as its own. Its last close may still be
+        // on its way.
+        let ino = {
+            let st = self.lock();
+            let path = self.check_new_child(&st, parent, name)?;
+            st.inodes.ino_for(parent, name, &path, Kind::File)
+        };
+        self.wait_for_readers(ino).await;
         let mut st = self.lock();
         let path = self.check_new_child(&st, parent, name)?;
         let key = file_key(&self.cfg.prefix, &path);
@@ -43,9 +52,9 @@ impl Fs {
         // Inode numbers are the path's: a file unlinked while open through passthrough is created
         // again as the same inode, which the kernel would not open in cached mode beside them.
         let ino = st.inodes.ino_for(parent, name, &path, Kind::File);
-        if st.open_through_passthrough(ino) {
+        if st.io.get(&ino).is_some_and(|m| m.readers > 0) {
             return Err(FsError::Busy(
-                "a file of that name is open for reading straight from the node cache; close it \
+                "a file of that name, deleted, is still open for reading on this mount; close it \
                  first",
             ));
         }
@@ -123,13 +132,17 @@ impl Fs {
             }
             WriteStatus::Failed => return Err(FsError::UploadFailed),
         }
+        // A write refused ends the upload: the object is not created or replaced (its `close`
+        // fails with EIO), never committed with the bytes before the gap.
         if offset != w.written {
+            self.fail_write(w).await;
             return Err(FsError::InvalidArgument(
-                "writes must be sequential (offset = current size)",
+                "writes must be sequential (offset = current size); the file will not be uploaded",
             ));
         }
         let len = data.len() as u64;
         if w.written + len > (PART_SIZE * MAX_PARTS) as u64 {
+            self.fail_write(w).await;
             return Err(FsError::FileTooLarge);
         }
         self.charge_buffer(w, w.pending.len() + data.len()).await;
