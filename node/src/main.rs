@@ -123,8 +123,9 @@ struct ServeArgs {
     /// then goes through Ferry and its per-block checksums.
     #[arg(long, env = "FERRY_NO_CACHE_PASSTHROUGH")]
     no_cache_passthrough: bool,
-    /// Memory for prefetched data, shared by all mounts: a size (2GiB) or a share of the
-    /// container's memory limit (75%, with FERRY_MEMORY_LIMIT in bytes). Default 1GiB.
+    /// Memory for data in flight, shared by all mounts (prefetched parts, write buffers, kept
+    /// listings, the node cache's queued blocks): a size (2GiB) or a share of the container's
+    /// memory limit (75%, with FERRY_MEMORY_LIMIT in bytes). Default 1GiB.
     #[arg(long, env = "FERRY_MEMORY_BUDGET", value_parser = parse_budget)]
     memory_budget: Option<BudgetSpec>,
     /// Directory for handing mounts to a successor process (a hostPath shared by the old and
@@ -222,7 +223,8 @@ struct MountArgs {
     /// Never hand cached objects to the kernel to read directly (FUSE passthrough).
     #[arg(long)]
     no_cache_passthrough: bool,
-    /// Memory for prefetched data: a size or a share (75%) of FERRY_MEMORY_LIMIT. Default 1GiB.
+    /// Memory for data in flight (prefetched parts, write buffers, listings, the node cache's
+    /// queued blocks): a size or a share (75%) of FERRY_MEMORY_LIMIT. Default 1GiB.
     #[arg(long, env = "FERRY_MEMORY_BUDGET", value_parser = parse_budget)]
     memory_budget: Option<BudgetSpec>,
 }
@@ -598,6 +600,9 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
         .await?
         .with_context(|| format!("mounting at {}", a.directory.display()))?;
     tracing::info!(bucket = %a.bucket, directory = %handle.target().display(), "mounted; unmount with `umount` or Ctrl-C");
+    // The same gauge the node plugin's mount table keeps: this process's one live mount.
+    let live = &ferry_metrics::metrics().node.mounts;
+    live.set(1);
     if let Err(e) = detach_log(log, a.detached) {
         // Mounted and serving: a log that cannot be redirected is no reason to stop.
         tracing::warn!(error = format!("{e:#}"), "the log stays on standard error");
@@ -622,6 +627,7 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
     // Detaches the mount if it is still ours (busy or not) and ends its FUSE connection, so copies
     // of it in other mount namespaces never keep this process waiting.
     tokio::task::spawn_blocking(move || handle.detach()).await??;
+    live.set(0);
     if let Some(cache) = &cache {
         cache.settle().await;
         save_checked(cache).await;

@@ -139,10 +139,25 @@ fn a_prefix_mount_serves_the_prefix() {
 
     let dir = tempfile::tempdir().unwrap();
     let target = dir.path().to_str().unwrap();
+    // A free port on loopback for its metrics.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let metrics = format!("127.0.0.1:{port}");
     let mut child = ferry_node(
         &s3,
         (s3.access_key(), s3.secret_key()),
-        &[BUCKET, target, "--prefix", "data/", "--foreground"],
+        &[
+            BUCKET,
+            target,
+            "--prefix",
+            "data/",
+            "--foreground",
+            "--metrics-addr",
+            &metrics,
+        ],
     )
     .stderr(std::process::Stdio::piped())
     .spawn()
@@ -163,12 +178,31 @@ fn a_prefix_mount_serves_the_prefix() {
                 .collect()
         })
         .unwrap_or_default();
+    let live = scrape(&metrics);
     let umount = Command::new("umount").arg(dir.path()).status().unwrap();
     let status = child.wait().unwrap();
     assert_eq!(read.unwrap(), "hello");
     assert_eq!(names, ["a.txt"]);
+    assert!(
+        live.lines().any(|l| l == "ferry_mounts 1"),
+        "the live mount is counted: {}",
+        live.lines()
+            .filter(|l| l.starts_with("ferry_mounts"))
+            .collect::<Vec<_>>()
+            .join("; ")
+    );
     assert!(umount.success());
     assert!(status.success(), "{status}");
+}
+
+/// The body of `GET /metrics` at `addr`.
+fn scrape(addr: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    write!(s, "GET /metrics HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
 }
 
 /// `ferry-node mount` without `--foreground` returns once the mount is live, and from then on the
