@@ -89,6 +89,14 @@ for h in helm helm3; do
   if "$h" template "$RELEASE" "$CHART" --set-json 's3.allowedEndpoints=["ftp://x"]' >/dev/null 2>&1; then
     fail "$h accepted an allowed endpoint pattern the driver refuses (ftp://x)"
   fi
+  if "$h" template "$RELEASE" "$CHART" --set node.updateStrategy.rollingUpdate.maxSurge=0 >/dev/null 2>&1; then
+    fail "$h accepted maxSurge 0 with maxUnavailable 0 (the API server refuses it)"
+  fi
+  if "$h" template "$RELEASE" "$CHART" --set metrics.enabled=false --set metrics.serviceMonitor.enabled=true >/dev/null 2>&1; then
+    fail "$h accepted a ServiceMonitor without metrics (it would silently create none)"
+  fi
+  "$h" template "$RELEASE" "$CHART" --kube-version "$KUBE_VERSION" --set node.updateStrategy.type=OnDelete >"$OUT/$h-ondelete.yaml"
+  ! awk '/^kind: DaemonSet/{d=1} /^---/{d=0} d' "$OUT/$h-ondelete.yaml" | grep 'maxSurge:' >/dev/null || fail "$h: node.updateStrategy.type OnDelete kept a rollingUpdate (the API server refuses it)"
   if "$h" template "$RELEASE" "$CHART" --set node.terminationGracePeriodSeconds=30 >/dev/null 2>&1; then
     fail "$h accepted a grace period that does not exceed the handover wait (30s)"
   fi
