@@ -1231,6 +1231,15 @@ fn op_write(c: &Ctx) {
 fn op_close(c: &Ctx) {
     let p = c.prefix(&[]);
     let m = c.mount(&p, |_| {});
+    // Closed with nothing written (completed at the last close, which reaches Ferry a moment
+    // after close returned): removed or opened at once, as `tempfile` and lock files do.
+    for i in 0..5 {
+        let name = format!("tmp{i}");
+        drop(File::create(m.path(&name)).unwrap());
+        fs::remove_file(m.path(&name)).unwrap();
+        drop(File::create(m.path(&name)).unwrap());
+        assert_eq!(fs::read(m.path(&name)).unwrap(), b"");
+    }
     // Visible when close returns.
     let w = writing(&m.path("f"), b"data");
     drop(w);

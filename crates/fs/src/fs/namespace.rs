@@ -985,6 +985,9 @@ impl Fs {
         self.may_delete()?;
         let name = lookup_name(name)?;
         let found = self.find_child(parent, name).await?;
+        if let Found::Live(ino) = &found {
+            self.wait_while_written(*ino).await;
+        }
         let (key, live) = {
             let st = self.lock();
             let parent_path = &st.inodes.get(parent).ok_or_else(|| stale(parent))?.path;

@@ -5,7 +5,8 @@
 use super::*;
 
 /// How long a replacement of a file waits for this mount's readers of it to close
-/// ([`Fs::wait_for_readers`]) before it is `EBUSY`.
+/// ([`Fs::wait_for_readers`]), or an open or unlink for its writer ([`Fs::wait_while_written`]),
+/// before it is `EBUSY`.
 pub(super) const READERS_WAIT: std::time::Duration = std::time::Duration::from_secs(1);
 
 impl Fs {
@@ -29,6 +30,7 @@ impl Fs {
     ) -> Result<Opened, FsError> {
         // O_RDONLY|O_TRUNC truncates too (the kernel already checked write permission).
         let write = flags & libc::O_ACCMODE != libc::O_RDONLY || flags & libc::O_TRUNC != 0;
+        self.wait_while_written(ino).await;
         if write {
             self.wait_for_readers(ino).await;
         }
@@ -203,6 +205,23 @@ impl Fs {
             }
         }
         Ok(Opened { fh, keep_cache })
+    }
+
+    /// Waits, up to [`READERS_WAIT`], until `ino` is no longer being written through this mount. A
+    /// file closed with nothing written (`touch f`, a `mkstemp` closed at once, a lock file) is
+    /// completed at its last close, which reaches Ferry only after `close` returned: an `open` or
+    /// `unlink` right after it (`tempfile`'s create, close and unlink) would otherwise be `EBUSY`.
+    pub(super) async fn wait_while_written(&self, ino: Ino) {
+        let writing = |fs: &Self| {
+            fs.lock()
+                .inodes
+                .get(ino)
+                .is_some_and(|i| matches!(i.state, InodeState::Writing { .. }))
+        };
+        let until = tokio::time::Instant::now() + READERS_WAIT;
+        while writing(self) && tokio::time::Instant::now() < until {
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
     }
 
     /// Waits, up to [`READERS_WAIT`], until no read handle of `ino` is open on this mount: a

@@ -734,6 +734,44 @@ async fn empty_file_via_release_only() {
     assert_eq!(store.get_object(B, "touched").unwrap().len(), 0);
 }
 
+/// `tempfile`, `mkstemp` + close + unlink, lock files: a file closed with nothing written is
+/// completed at its last close, which reaches Ferry after `close` returned. An unlink or an open
+/// arriving first waits for it, instead of `EBUSY`.
+#[tokio::test(start_paused = true)]
+async fn a_file_closed_with_nothing_written_can_be_removed_or_opened_at_once() {
+    let (store, fs) = setup(|_| {});
+    let fs = Arc::new(fs);
+    for then_open in [false, true] {
+        let (e, o) = fs.create(ROOT_INO, n("tmp"), PID).await.unwrap();
+        fs.flush(o.fh, || PID).await.unwrap();
+        let f2 = fs.clone();
+        let next = tokio::spawn(async move {
+            match then_open {
+                false => f2.unlink(ROOT_INO, n("tmp")).await.map(|_| None),
+                true => f2.open(e.attr.ino, libc::O_RDONLY, PID).await.map(Some),
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        fs.release(o.fh).await.unwrap();
+        match next.await.unwrap().unwrap() {
+            None => assert!(store.get_object(B, "tmp").is_none(), "removed"),
+            Some(r) => {
+                assert!(fs.read(r.fh, 0, 10).await.unwrap().is_empty());
+                fs.release(r.fh).await.unwrap();
+                fs.unlink(ROOT_INO, n("tmp")).await.unwrap();
+            }
+        }
+    }
+    // A writer that keeps its file open: EBUSY after the wait, as before.
+    let (e, o) = fs.create(ROOT_INO, n("held"), PID).await.unwrap();
+    assert_eq!(errno(fs.unlink(ROOT_INO, n("held")).await), libc::EBUSY);
+    assert_eq!(
+        errno(fs.open(e.attr.ino, libc::O_RDONLY, PID).await),
+        libc::EBUSY
+    );
+    fs.release(o.fh).await.unwrap();
+}
+
 /// The shell's `> file`: open, dup2 onto stdout, close the first descriptor (a flush with
 /// nothing written), then write through the duplicate and close it.
 #[tokio::test]
