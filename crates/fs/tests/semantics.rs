@@ -1530,6 +1530,12 @@ fn op_rmdir(c: &Ctx) {
     let p = c.prefix(&[("full/x", b"x"), ("m/", b""), ("f", b"f")]);
     let no = c.mount(&p, |cfg| cfg.allow_delete = false);
     assert_eq!(errno(fs::remove_dir(no.path("m"))), libc::EPERM);
+    assert_eq!(c.key(&p, "m/").unwrap(), b"", "the marker stays");
+    // A directory only this mount made, still empty: removed without allow_delete (nothing in S3
+    // to delete; a mistyped mkdir is undone).
+    fs::create_dir(no.path("typo")).unwrap();
+    fs::remove_dir(no.path("typo")).unwrap();
+    assert_eq!(errno(fs::metadata(no.path("typo"))), libc::ENOENT);
     let m = c.mount(&p, |_| {});
     assert_eq!(errno(fs::remove_dir(m.path("full"))), libc::ENOTEMPTY);
     assert_eq!(errno(fs::remove_dir(m.path("f"))), libc::ENOTDIR);

@@ -1072,7 +1072,11 @@ impl Fs {
     /// `rmdir` (needs `allow_delete`): only if nothing (no key at all, hidden ones included) is
     /// below it; deletes its marker if it has one.
     pub async fn rmdir(&self, parent: Ino, name: &OsStr) -> Result<(), FsError> {
-        self.may_delete()?;
+        // Without allow_delete, only a directory nothing in S3 stands for (made here by mkdir,
+        // still empty) may go: its removal deletes nothing.
+        if self.cfg.read_only {
+            return Err(FsError::ReadOnly);
+        }
         let name = lookup_name(name)?;
         let found = self.find_child(parent, name).await?;
         let (dprefix, live) = {
@@ -1121,6 +1125,7 @@ impl Fs {
             return Err(FsError::NotEmpty);
         }
         if page.objects.iter().any(|o| o.key == dprefix) {
+            self.may_delete()?;
             self.store.delete(self.bucket(), &dprefix).await?;
         }
         let valid = self.ttl();

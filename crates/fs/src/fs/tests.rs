@@ -999,7 +999,15 @@ async fn delete_rules() {
     store.insert(B, "f", &b"x"[..]);
     walk(&fs, "f").await.unwrap();
     assert_eq!(errno(fs.unlink(ROOT_INO, n("f")).await), libc::EPERM);
-    assert_eq!(errno(fs.rmdir(ROOT_INO, n("f")).await), libc::EPERM);
+    assert_eq!(errno(fs.rmdir(ROOT_INO, n("f")).await), libc::ENOTDIR);
+    // A directory only this mount has (mkdir, still empty) goes: nothing in S3 is deleted. One
+    // with a marker object stays.
+    fs.mkdir(ROOT_INO, n("typo")).await.unwrap();
+    fs.rmdir(ROOT_INO, n("typo")).await.unwrap();
+    assert_eq!(errno(walk(&fs, "typo").await), libc::ENOENT);
+    store.insert(B, "marked/", &b""[..]);
+    assert_eq!(errno(fs.rmdir(ROOT_INO, n("marked")).await), libc::EPERM);
+    assert!(store.get_object(B, "marked/").is_some());
 
     let (store, fs) = setup(|_| {});
     store.insert(B, "f", &b"x"[..]);
