@@ -178,10 +178,10 @@ struct MountArgs {
     #[arg(long)]
     allow_other: bool,
     /// Owner of files and directories.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_id)]
     uid: Option<u32>,
     /// Group of files and directories.
-    #[arg(long)]
+    #[arg(long, value_parser = parse_id)]
     gid: Option<u32>,
     /// Permission bits of files, octal.
     #[arg(long, value_parser = parse_mode)]
@@ -284,8 +284,19 @@ fn parse_ttl(s: &str) -> Result<MetadataTtl, String> {
 fn parse_mode(s: &str) -> Result<u16, String> {
     u16::from_str_radix(s.trim_start_matches("0o"), 8)
         .ok()
-        .filter(|m| *m <= 0o7777)
-        .ok_or_else(|| format!("{s:?} is not an octal mode"))
+        .filter(|m| *m <= 0o777)
+        .ok_or_else(|| {
+            format!("{s:?} is not an octal mode of permission bits (at most 777: no setuid, setgid or sticky bit)")
+        })
+}
+
+/// A uid or gid: (uid_t)-1 means "no change" to chown(2), and no file can be owned by it.
+fn parse_id(s: &str) -> Result<u32, String> {
+    match s.parse::<u32>() {
+        Ok(u32::MAX) => Err(format!("{s} is (uid_t)-1, which no file can be owned by")),
+        Ok(n) => Ok(n),
+        Err(e) => Err(format!("{s:?}: {e}")),
+    }
 }
 
 fn main() -> anyhow::Result<()> {

@@ -348,3 +348,18 @@ fn a_directory_already_mounted_on_is_refused() {
     }
     assert!(umount.success());
 }
+
+/// Owners and modes no mount can mean are refused when parsed: (uid_t)-1 (chown's "no change":
+/// even root could not create a file) and setuid, setgid or sticky bits on every file.
+#[test]
+fn owners_and_modes_no_mount_can_mean_are_refused() {
+    for (args, want) in [
+        (["--uid", "4294967295"], "(uid_t)-1"),
+        (["--gid", "4294967295"], "(uid_t)-1"),
+        (["--file-mode", "4755"], "no setuid"),
+        (["--dir-mode", "1777"], "sticky"),
+    ] {
+        let err = failed_mount(None, &args);
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}

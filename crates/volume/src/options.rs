@@ -168,20 +168,38 @@ impl MountOptions {
         };
         let num = |v: Option<&str>| -> Result<u32, VolumeError> {
             let v = need(v)?;
-            v.parse::<u32>().map_err(|_| {
-                VolumeError::invalid(WHAT, name, format!("{} is not a number", crate::quote(&v)))
-            })
+            match v.parse::<u32>() {
+                // (uid_t)-1 means "no change" to chown(2): no file can be owned by it.
+                Ok(u32::MAX) => Err(VolumeError::invalid(
+                    WHAT,
+                    name,
+                    format!(
+                        "{} is (uid_t)-1, which no file can be owned by",
+                        crate::quote(&v)
+                    ),
+                )),
+                Ok(n) => Ok(n),
+                Err(_) => Err(VolumeError::invalid(
+                    WHAT,
+                    name,
+                    format!("{} is not a number", crate::quote(&v)),
+                )),
+            }
         };
         let mode = |v: Option<&str>| -> Result<u16, VolumeError> {
             let v = need(v)?;
             u16::from_str_radix(v.trim_start_matches("0o"), 8)
                 .ok()
-                .filter(|m| *m <= 0o7777)
+                .filter(|m| *m <= 0o777)
                 .ok_or_else(|| {
                     VolumeError::invalid(
                         WHAT,
                         name,
-                        format!("{} is not an octal mode", crate::quote(&v)),
+                        format!(
+                            "{} is not an octal mode of permission bits (at most 777: no setuid, \
+                             setgid or sticky bit)",
+                            crate::quote(&v)
+                        ),
                     )
                 })
         };
@@ -284,6 +302,10 @@ mod tests {
             (vec!["no-such-thing"], "no-such-thing"),
             (vec!["uid=abc"], "uid"),
             (vec!["file-mode=999"], "file-mode"),
+            (vec!["file-mode=4755"], "no setuid"),
+            (vec!["dir-mode=1777"], "sticky"),
+            (vec!["uid=4294967295"], "(uid_t)-1"),
+            (vec!["gid=4294967295"], "(uid_t)-1"),
             (vec!["region"], "region"),
             (vec!["prefix ../x"], "prefix"),
             (vec!["storage-class GLACIER"], "storage-class"),
