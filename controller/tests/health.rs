@@ -1,5 +1,7 @@
-//! The real `ferry-controller`'s `/healthz`: 200 while the CSI Probe is ready (the default
-//! credentials resolve), 503 with the reason when they do not.
+//! The real `ferry-controller`'s `/healthz`: 200 while it serves, with or without default
+//! credentials (a StorageClass may bring its keys in a provisioner Secret; a Probe that waited
+//! for default credentials kept csi-provisioner from ever provisioning), which it checks once
+//! and says in its log.
 
 use std::io::{BufRead, BufReader};
 use std::process::{Child, Command, Stdio};
@@ -19,7 +21,14 @@ impl Drop for Controller {
 
 /// Starts ferry-controller with `env` (and nothing else of this environment: no AWS settings, no
 /// Kubernetes API) and returns it with its health address.
-fn start(dir: &std::path::Path, env: &[(&str, &str)]) -> (Controller, std::net::SocketAddr) {
+fn start(
+    dir: &std::path::Path,
+    env: &[(&str, &str)],
+) -> (
+    Controller,
+    std::net::SocketAddr,
+    std::sync::mpsc::Receiver<String>,
+) {
     let child = Command::new(env!("CARGO_BIN_EXE_ferry-controller"))
         .arg(format!(
             "--csi-endpoint=unix://{}",
@@ -63,7 +72,7 @@ fn start(dir: &std::path::Path, env: &[(&str, &str)]) -> (Controller, std::net::
                 .split_whitespace()
                 .find_map(|w| w.strip_prefix("addr="))
                 .expect("the health line names its address");
-            return (controller, addr.parse().unwrap());
+            return (controller, addr.parse().unwrap(), rx);
         }
     }
 }
@@ -71,7 +80,7 @@ fn start(dir: &std::path::Path, env: &[(&str, &str)]) -> (Controller, std::net::
 #[test]
 fn healthz_is_the_probe() {
     let dir = tempfile::tempdir().unwrap();
-    let (_ok, addr) = start(
+    let (_ok, addr, _) = start(
         &dir.path().join("with-credentials"),
         &[
             ("AWS_ACCESS_KEY_ID", "AKIDFERRYTEST"),
@@ -80,8 +89,17 @@ fn healthz_is_the_probe() {
     );
     assert_eq!(ferry_testkit::healthz(addr), (200, "ok\n".to_string()));
 
-    let (_no_credentials, addr) = start(&dir.path().join("without"), &[]);
-    let (code, body) = ferry_testkit::healthz(addr);
-    assert_eq!(code, 503, "{body}");
-    assert!(body.contains("credentials"), "{body}");
+    let (_no_credentials, addr, log) = start(&dir.path().join("without"), &[]);
+    assert_eq!(ferry_testkit::healthz(addr), (200, "ok\n".to_string()));
+    let deadline = Instant::now() + PATIENCE;
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let line = log
+            .recv_timeout(left)
+            .unwrap_or_else(|e| panic!("no word on the missing default credentials: {e}"));
+        if line.contains("the driver has no default credentials") {
+            assert!(line.contains("provisioner Secret"), "{line}");
+            break;
+        }
+    }
 }

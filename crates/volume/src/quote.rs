@@ -4,8 +4,11 @@
 
 use std::fmt;
 
-/// Characters of a value an error message shows before cutting it.
-pub const QUOTE_MAX_CHARS: usize = 64;
+/// Characters of a value an error message shows before cutting it: room for a whole kubelet
+/// target path (`<root>/pods/<uid>/volumes/kubernetes.io~csi/<pv>/mount`, about 130 bytes, whose
+/// PV name is what tells an operator which volume failed) and a long volume id, while a
+/// Kubernetes event (1 KiB) still has room for the rest of the message.
+pub const QUOTE_MAX_CHARS: usize = 256;
 
 /// A value as an error message shows it; see [`quote`].
 #[derive(Clone, Copy)]
@@ -53,7 +56,11 @@ mod tests {
             format!("\"{}…\" (1048576 bytes)", "y".repeat(QUOTE_MAX_CHARS))
         );
         // Cut on a character boundary.
-        let wide = "é".repeat(100);
-        assert!(quote(&wide).to_string().ends_with("…\" (200 bytes)"));
+        let wide = "é".repeat(300);
+        assert!(quote(&wide).to_string().ends_with("…\" (600 bytes)"));
+        // A kubelet target path is shown whole.
+        let target = "/var/lib/kubelet/pods/0f9e3c9a-1d1b-4c8a-9b8e-6a4f1b2c3d4e/volumes/\
+                      kubernetes.io~csi/pvc-5b1f0a4e-2c3d-4e5f-8a9b-0c1d2e3f4a5b/mount";
+        assert_eq!(quote(target).to_string(), format!("{target:?}"));
     }
 }
