@@ -219,7 +219,7 @@ impl Inner {
             endpoint: params.endpoint.clone(),
             delete_policy: params.delete_policy,
         };
-        let want = Created {
+        let mut want = Created {
             volume_id: id.encode(),
             capacity,
             volume_context: {
@@ -230,6 +230,15 @@ impl Inner {
         };
         let _guard = self.begin(name.to_string())?;
         if let Some(prev) = self.created.lock().unwrap().get(name) {
+            // The spec: the same name again is OK when the volume is compatible with the request,
+            // its capacity within the range asked for (or any, with no range).
+            let fits = req.capacity_range.as_ref().is_none_or(|r| {
+                prev.capacity >= r.required_bytes
+                    && (r.limit_bytes == 0 || prev.capacity <= r.limit_bytes)
+            });
+            if prev.volume_id == want.volume_id && fits {
+                want.capacity = prev.capacity;
+            }
             if (&prev.volume_id, prev.capacity) != (&want.volume_id, want.capacity) {
                 return Err(CsiError::AlreadyExists(format!(
                     "volume {} already exists as {} with capacity {}, not {} with capacity {}",
@@ -267,7 +276,7 @@ impl Inner {
         info!(volume_id = %want.volume_id, "volume created");
         Ok(pb::CreateVolumeResponse {
             volume: Some(pb::Volume {
-                capacity_bytes: capacity,
+                capacity_bytes: want.capacity,
                 volume_id: want.volume_id,
                 volume_context: want.volume_context,
                 content_source: None,
@@ -855,6 +864,36 @@ mod tests {
         });
         assert!(matches!(
             svc.create(other).await.unwrap_err(),
+            CsiError::AlreadyExists(_)
+        ));
+        // A capacity range the volume fits, or none: the same volume, OK (the spec's idempotency).
+        let sized = |required, limit| {
+            let mut r = create_req("v5", &[("bucketName", "data")]);
+            r.capacity_range = Some(pb::CapacityRange {
+                required_bytes: required,
+                limit_bytes: limit,
+            });
+            r
+        };
+        let first = svc
+            .create(sized(10 << 30, 0))
+            .await
+            .unwrap()
+            .volume
+            .unwrap();
+        for again in [
+            sized(1 << 30, 0),
+            sized(0, 20 << 30),
+            create_req("v5", &[("bucketName", "data")]),
+        ] {
+            let v = svc.create(again).await.unwrap().volume.unwrap();
+            assert_eq!(
+                (v.volume_id, v.capacity_bytes),
+                (first.volume_id.clone(), 10 << 30)
+            );
+        }
+        assert!(matches!(
+            svc.create(sized(0, 5 << 30)).await.unwrap_err(),
             CsiError::AlreadyExists(_)
         ));
         let mut bad_range = create_req("v4", &[("bucketName", "data")]);
