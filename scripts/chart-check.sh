@@ -139,6 +139,7 @@ name: s3.csi.ferry.dev
 attachRequired: false
 podInfoOnMount: true
 requiresRepublish: true
+serviceAccountTokenInSecrets: true
 - audience: sts.amazonaws.com
 - audience: pods.eks.amazonaws.com
 - --extra-create-metadata

@@ -360,6 +360,36 @@ async fn credentials_end_to_end_at_trace_level() {
         read(t_irsa.join("hello.txt")).await.unwrap(),
         b"hello from team a"
     );
+    // The tokens in the secrets instead (a CSIDriver with serviceAccountTokenInSecrets,
+    // Kubernetes 1.35+), under the same key: the pod's identity, not a node-publish Secret.
+    let mut ctx = pod_context("team-a/", "ml", "trainer-0", "reader", &irsa_token);
+    let tokens = ctx.remove(keys::SERVICE_ACCOUNT_TOKENS).unwrap();
+    let in_secrets = map(&[(keys::SERVICE_ACCOUNT_TOKENS, &tokens)]);
+    let t_sec = env.target("pod-irsa-secrets", "pv-a2");
+    env.publish(&t_sec, ctx, in_secrets.clone()).await.unwrap();
+    assert_eq!(
+        read(t_sec.join("hello.txt")).await.unwrap(),
+        b"hello from team a"
+    );
+    env.unpublish(&t_sec).await;
+    // A volume with the driver's credentials gets them too (kubelet passes them for every volume
+    // of the driver): no Secret keys in them, so the node plugin's own credentials are used (this
+    // node plugin has none), not an InvalidArgument "Secret without keys".
+    let t_drv = env.target("pod-driver-tokens", "pv-d2");
+    let e = env
+        .publish(
+            &t_drv,
+            map(&[(keys::BUCKET_NAME, BUCKET), (keys::PREFIX, "static/")]),
+            in_secrets,
+        )
+        .await
+        .unwrap_err();
+    assert_ne!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(
+        e.message().contains("the node plugin's credentials"),
+        "{}",
+        e.message()
+    );
     // Republish with a new token: same identity, no remount.
     let irsa_token_2 = env.tokens("reader").await;
     secrets_to_hide.extend([irsa_token_2.0.clone(), irsa_token_2.1.clone()]);

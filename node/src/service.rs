@@ -352,8 +352,18 @@ impl Inner {
         req: &pb::NodePublishVolumeRequest,
         spec: &VolumeSpec,
     ) -> Result<(StoreCredentials, MountCredentials)> {
+        // A CSIDriver with serviceAccountTokenInSecrets (Kubernetes 1.35+) has kubelet pass the
+        // pod's tokens in the secrets, under the key they have in the volume context otherwise:
+        // not a node-publish Secret's key.
+        let tokens_in_secrets = req.secrets.get(keys::SERVICE_ACCOUNT_TOKENS);
+        let secret: std::collections::HashMap<String, String> = req
+            .secrets
+            .iter()
+            .filter(|(k, _)| k.as_str() != keys::SERVICE_ACCOUNT_TOKENS)
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
         match spec.authentication {
-            AuthenticationSource::Driver => match StaticKeys::from_secrets(&req.secrets)? {
+            AuthenticationSource::Driver => match StaticKeys::from_secrets(&secret)? {
                 Some(k) => {
                     let id = k.access_key_id.clone();
                     Ok((
@@ -364,7 +374,7 @@ impl Inner {
                 None => Ok((StoreCredentials::Driver, MountCredentials::Driver)),
             },
             AuthenticationSource::Pod => {
-                if !req.secrets.is_empty() {
+                if !secret.is_empty() {
                     return Err(CsiError::InvalidArgument(
                         "authenticationSource: pod and a node-publish Secret exclude each other: remove one".into(),
                     ));
@@ -381,11 +391,14 @@ impl Inner {
                     service_account: pod_info(req, keys::SERVICE_ACCOUNT_NAME, POD_INFO)?
                         .to_string(),
                 };
-                let tokens = parse_tokens(pod_info(
-                    req,
-                    keys::SERVICE_ACCOUNT_TOKENS,
-                    "the CSIDriver object must declare tokenRequests for sts.amazonaws.com and pods.eks.amazonaws.com",
-                )?)?;
+                let tokens = match tokens_in_secrets {
+                    Some(t) if !t.is_empty() => parse_tokens(t)?,
+                    _ => parse_tokens(pod_info(
+                        req,
+                        keys::SERVICE_ACCOUNT_TOKENS,
+                        "the CSIDriver object must declare tokenRequests for sts.amazonaws.com and pods.eks.amazonaws.com",
+                    )?)?,
+                };
                 let source = resolve_pod_source(
                     auth.accounts.as_ref(),
                     &pod,
