@@ -4,8 +4,8 @@
 //!
 //! | code / status / failure | [`Kind`] | [`StoreError`] |
 //! |---|---|---|
-//! | `NoSuchBucket`; a bare 404 to a bucket request (HeadBucket has no body) | NoSuchBucket | `NoSuchBucket` |
-//! | `NoSuchKey`, `NotFound`, `NoSuchUpload`, other 404 | NotFound | `NotFound` |
+//! | `NoSuchBucket` | NoSuchBucket | `NoSuchBucket` |
+//! | `NoSuchKey`, `NotFound`, `NoSuchUpload`, other 404 | NotFound | `NotFound` to a request about a key or an upload; `Other` to one about a bucket |
 //! | `AccessDenied`, `InvalidAccessKeyId`, `SignatureDoesNotMatch`, `ExpiredToken`, `InvalidToken`, `TokenRefreshRequired`, `AllAccessDisabled`, 401, 403 | AccessDenied | `AccessDenied` |
 //! | `RequestTimeTooSkewed`; any 403 to a request signed more than 4 min off the time its response shows (HeadObject and HeadBucket get a bare 403) | Skewed (retried: the next attempt signs with the server's clock) | `Transient` |
 //! | `PreconditionFailed`, 412 | PreconditionFailed | `PreconditionFailed` |
@@ -18,6 +18,14 @@
 //! | anything else (3xx, 405, 409, 501, ...) | Other | `Other` |
 //!
 //! Codes come before statuses: a 403 `RequestTimeTooSkewed` is a clock problem, not a refusal.
+//!
+//! Only the code `NoSuchBucket` says a bucket is missing. Any other 404 to a request about a bucket
+//! (LIST, ListMultipartUploads, DeleteObjects) is an error that quotes the server's code and
+//! message: versitygw answers an access key it does not know with `404 XAdminUserNotFound`, and a
+//! proxy in front of S3 may answer anything it does not route with a 404 page of its own. Taken for
+//! a missing bucket, such an answer made DeleteVolume report a volume deleted while its data
+//! stayed. HeadBucket's answer has no body, so its 404 says nothing either way:
+//! [`crate::S3Store`] asks a one-key LIST of the bucket then, whose answer has the code.
 //! Which kinds are retried is [`crate::retry`]'s.
 //!
 //! `ExpiredToken` and `TokenRefreshRequired` are refusals (EACCES), not retried: the identity cache
@@ -122,12 +130,14 @@ impl Failure {
     pub fn into_store_error(self, target: Target<'_>) -> StoreError {
         let detail = self.detail;
         match (self.kind, target) {
-            (Kind::NotFound | Kind::NoSuchBucket, Target::Bucket(b)) => {
-                StoreError::NoSuchBucket(b.to_owned())
-            }
-            (Kind::NoSuchBucket, Target::Object(b, _) | Target::Upload(b, _, _)) => {
-                StoreError::NoSuchBucket(b.to_owned())
-            }
+            (
+                Kind::NoSuchBucket,
+                Target::Bucket(b) | Target::Object(b, _) | Target::Upload(b, _, _),
+            ) => StoreError::NoSuchBucket(b.to_owned()),
+            // Not `NoSuchBucket`: the bucket is not known to be missing (see the module docs).
+            (Kind::NotFound, Target::Bucket(_)) => StoreError::Other(format!(
+                "{detail} (a 404 without the code NoSuchBucket: not taken to mean the bucket is missing)"
+            )),
             (Kind::NotFound, Target::Object(_, k)) => StoreError::NotFound(k.to_owned()),
             (Kind::NotFound, Target::Upload(..)) => StoreError::NotFound(detail),
             (Kind::AccessDenied, _) => StoreError::AccessDenied(detail),
@@ -366,9 +376,54 @@ mod tests {
         for part in ["b/k", "AccessDenied", "HTTP 403", "REQ123"] {
             assert!(text.contains(part), "{text}");
         }
-        let e = Failure::response(Target::Bucket("b"), 404, None, None, None)
+        let e = Failure::response(Target::Bucket("b"), 404, Some("NoSuchBucket"), None, None)
             .into_store_error(Target::Bucket("b"));
         assert_eq!(e, StoreError::NoSuchBucket("b".into()));
+    }
+
+    /// Only the code `NoSuchBucket` says a bucket is missing: any other 404 to a bucket request is
+    /// an error quoting the server's code and message (versitygw's answer to an access key it does
+    /// not know; a proxy's 404 page, which has no code), never `NoSuchBucket` (DeleteVolume takes
+    /// that for "nothing left to delete"). A 404 about a key keeps meaning the key is missing.
+    #[test]
+    fn only_no_such_bucket_means_a_missing_bucket() {
+        let bucket = Target::Bucket("bkt");
+        let key = Target::Object("bkt", "k");
+        let e = Failure::response(
+            bucket,
+            404,
+            Some("XAdminUserNotFound"),
+            Some("No user exists with the provided access key ID."),
+            Some("REQ9"),
+        )
+        .into_store_error(bucket);
+        assert!(matches!(e, StoreError::Other(_)), "{e:?}");
+        let text = e.to_string();
+        for part in [
+            "bkt",
+            "XAdminUserNotFound",
+            "No user exists with the provided access key ID.",
+            "HTTP 404",
+            "REQ9",
+            "not taken to mean the bucket is missing",
+        ] {
+            assert!(text.contains(part), "{part:?} in {text}");
+        }
+        for code in [None, Some("NotFound"), Some("NoSuchKey")] {
+            let e = Failure::response(bucket, 404, code, None, None).into_store_error(bucket);
+            assert!(matches!(e, StoreError::Other(_)), "{code:?}: {e:?}");
+        }
+        for (status, code) in [(404, Some("NoSuchBucket")), (400, Some("NoSuchBucket"))] {
+            for target in [bucket, key, Target::Upload("bkt", "k", "u")] {
+                let e =
+                    Failure::response(target, status, code, None, None).into_store_error(target);
+                assert_eq!(e, StoreError::NoSuchBucket("bkt".into()));
+            }
+        }
+        for code in [None, Some("NoSuchKey"), Some("NotFound")] {
+            let e = Failure::response(key, 404, code, None, None).into_store_error(key);
+            assert_eq!(e, StoreError::NotFound("k".into()), "{code:?}");
+        }
     }
 
     #[test]

@@ -787,13 +787,26 @@ fn size_of(len: Option<i64>) -> u64 {
 #[async_trait]
 impl ObjectStore for S3Store {
     async fn head_bucket(&self, bucket: &str) -> Result<()> {
-        self.client
-            .head_bucket()
-            .bucket(bucket)
-            .send()
-            .await
-            .map_err(|e| map_sdk_error(e, Target::Bucket(bucket)))?;
-        Ok(())
+        let failure = match self.client.head_bucket().bucket(bucket).send().await {
+            Ok(_) => return Ok(()),
+            Err(e) => sdk_failure(e, Target::Bucket(bucket)),
+        };
+        if failure.kind != Kind::NotFound {
+            return Err(failure.into_store_error(Target::Bucket(bucket)));
+        }
+        // HeadBucket's 404 has no body, so no code: a missing bucket and an access key the server
+        // does not know look alike. A one-key LIST (the same s3:ListBucket permission) has one.
+        let probe = ListRequest {
+            max_keys: Some(1),
+            ..Default::default()
+        };
+        match self.list(bucket, probe).await {
+            Ok(_) => Err(StoreError::Other(format!(
+                "{}; yet a LIST of the bucket succeeded",
+                failure.detail
+            ))),
+            Err(e) => Err(e),
+        }
     }
 
     async fn list(&self, bucket: &str, req: ListRequest<'_>) -> Result<ListPage> {

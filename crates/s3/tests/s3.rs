@@ -915,6 +915,59 @@ async fn empty_object_ranges() {
     }
 }
 
+/// An access key the server does not know is not a missing bucket. VERSITYGW: it answers such a
+/// key with `404 XAdminUserNotFound` (S3 answers `403 InvalidAccessKeyId`), and HeadBucket with
+/// a bare 404. Taken for a missing bucket, that made DeleteVolume of a `deletePolicy: delete`
+/// volume answer OK and delete nothing; now every bucket-level request is an error quoting the
+/// server's code and message, and a prefix deletion deletes nothing and says why.
+#[tokio::test]
+async fn an_access_key_the_server_does_not_know_is_not_a_missing_bucket() {
+    ferry_testkit::init_tracing();
+    let server = S3Server::start();
+    server.create_bucket(B).await;
+    let root = server.store().await;
+    root.put(B, "vol/a", Bytes::from_static(b"kept"))
+        .await
+        .unwrap();
+    let stranger = ferry_s3::S3Store::with_options(
+        server.s3_config_as("ferry-no-such-user", "ferry-no-such-secret"),
+        S3Server::test_options(),
+    )
+    .await
+    .unwrap();
+    let says_who = |e: &StoreError| {
+        assert!(matches!(e, StoreError::Other(_)), "{e:?}");
+        let text = e.to_string();
+        assert!(
+            text.contains("XAdminUserNotFound")
+                && text.contains("No user exists with the provided access key ID"),
+            "the server's code and message are quoted: {text}"
+        );
+    };
+    says_who(&stranger.list(B, ListRequest::default()).await.unwrap_err());
+    says_who(&stranger.head_bucket(B).await.unwrap_err());
+    says_who(
+        &ferry_store::check_prefix_access(&stranger, B, "vol/")
+            .await
+            .unwrap_err(),
+    );
+    says_who(&delete_prefix(&stranger, B, "vol/").await.unwrap_err());
+    assert_eq!(
+        root.get_range(B, "vol/a", 0..4, None).await.unwrap(),
+        "kept".as_bytes()
+    );
+    // A bucket that is missing still says so, to HeadBucket (asked again as a LIST) too.
+    let nb = "ferry-no-such-bucket";
+    assert_eq!(
+        root.head_bucket(nb).await,
+        Err(StoreError::NoSuchBucket(nb.into()))
+    );
+    assert_eq!(
+        delete_prefix(&root, nb, "vol/").await,
+        Err(StoreError::NoSuchBucket(nb.into()))
+    );
+}
+
 /// The client is cheap to clone and usable from many tasks at once.
 #[tokio::test]
 async fn concurrent_use_of_one_client() {

@@ -406,10 +406,25 @@ async fn client_errors_map_without_retries() {
         s.head("b", "k").await,
         Err(StoreError::NotFound(_))
     ));
-    assert!(matches!(
+    // HeadBucket's bare 404 is asked again as a one-key LIST, whose answer has the code.
+    let (s, n) = scripted(vec![
+        bare("404 Not Found"),
+        s3_error("404 Not Found", "NoSuchBucket"),
+    ])
+    .await;
+    assert_eq!(
         s.head_bucket("b").await,
-        Err(StoreError::NoSuchBucket(_))
-    ));
+        Err(StoreError::NoSuchBucket("b".into()))
+    );
+    assert_eq!(n.load(Ordering::SeqCst), 2, "HEAD, then one LIST");
+    let (s, _) = scripted(vec![
+        bare("404 Not Found"),
+        s3_error("404 Not Found", "XAdminUserNotFound"),
+    ])
+    .await;
+    let e = s.head_bucket("b").await.unwrap_err();
+    assert!(matches!(e, StoreError::Other(_)), "{e:?}");
+    assert!(e.to_string().contains("XAdminUserNotFound"), "{e}");
     let (s, _) = scripted(vec![bare("403 Forbidden")]).await;
     assert!(matches!(
         s.head("b", "k").await,
@@ -420,6 +435,57 @@ async fn client_errors_map_without_retries() {
         s.head("b", "k").await,
         Err(StoreError::Throttled(_))
     ));
+}
+
+/// Only the code `NoSuchBucket` says a bucket is missing. A 404 with another code (versitygw's
+/// answer to an access key it does not know) or none (a proxy's own 404 page) to a LIST is an
+/// error that quotes what the server said, so DeleteVolume cannot take it for "nothing left to
+/// delete"; a GET's 404 still means the key is missing.
+#[tokio::test]
+async fn a_404_to_a_bucket_request_is_a_missing_bucket_only_when_it_says_no_such_bucket() {
+    let page = b"<html><body><h1>404 Not Found</h1>nginx</body></html>";
+    let proxy_page = response(
+        "404 Not Found",
+        &[
+            ("Content-Type", "text/html".into()),
+            ("Content-Length", page.len().to_string()),
+        ],
+        page,
+    );
+    for (answer, says) in [
+        (
+            s3_error("404 Not Found", "XAdminUserNotFound"),
+            "XAdminUserNotFound",
+        ),
+        (proxy_page, "HTTP 404"),
+    ] {
+        let (s, n) = scripted(vec![answer.clone()]).await;
+        let e = s.list("b", ListRequest::default()).await.unwrap_err();
+        assert!(matches!(e, StoreError::Other(_)), "{says}: {e:?}");
+        let text = e.to_string();
+        assert!(text.contains(says) && text.contains("bucket b"), "{text}");
+        assert_eq!(n.load(Ordering::SeqCst), 1, "not retried");
+        let (s, _) = scripted(vec![answer.clone()]).await;
+        let e = ferry_store::delete_prefix(&s, "b", "vol/")
+            .await
+            .unwrap_err();
+        assert!(!matches!(e, StoreError::NoSuchBucket(_)), "{says}: {e:?}");
+        let (s, _) = scripted(vec![answer]).await;
+        let e = ferry_store::check_prefix_access(&s, "b", "vol/")
+            .await
+            .unwrap_err();
+        assert!(!matches!(e, StoreError::NoSuchBucket(_)), "{says}: {e:?}");
+    }
+    let (s, _) = scripted(vec![s3_error("404 Not Found", "NoSuchBucket")]).await;
+    assert_eq!(
+        s.list("b", ListRequest::default()).await,
+        Err(StoreError::NoSuchBucket("b".into()))
+    );
+    let (s, _) = scripted(vec![s3_error("404 Not Found", "NoSuchKey")]).await;
+    assert_eq!(
+        s.get_range("b", "k", 0..1, None).await,
+        Err(StoreError::NotFound("k".into()))
+    );
 }
 
 #[tokio::test]
