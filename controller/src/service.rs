@@ -149,9 +149,10 @@ impl Inner {
 
         match ferry_store::check_prefix_access(&*store, &id.bucket, &id.prefix).await {
             Ok(_) => Ok(()),
-            Err(StoreError::NoSuchBucket(_) | StoreError::NotFound(_)) => Err(
-                CsiError::FailedPrecondition(format!("bucket {:?} does not exist", id.bucket)),
-            ),
+            Err(StoreError::NoSuchBucket(_)) => Err(CsiError::FailedPrecondition(format!(
+                "bucket {:?} does not exist",
+                id.bucket
+            ))),
             Err(e) => Err(CsiError::from_store(
                 &format!(
                     "checking bucket {:?} prefix {:?} (s3:ListBucket) as {who}",
