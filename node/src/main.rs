@@ -543,7 +543,7 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
     // The check NodePublishVolume makes (it also runs the LIST path once before the first `ls`).
     match ferry_store::check_prefix_access(&*store, &a.bucket, &prefix).await {
         Ok(()) => {}
-        Err(ferry_store::StoreError::NoSuchBucket(_) | ferry_store::StoreError::NotFound(_)) => {
+        Err(ferry_store::StoreError::NoSuchBucket(_)) => {
             bail!("bucket {:?} does not exist", a.bucket)
         }
         Err(e @ ferry_store::StoreError::AccessDenied(_)) => {

@@ -647,19 +647,32 @@ impl Inner {
         })?;
         match listed {
             Ok(_) => {}
-            Err(StoreError::NoSuchBucket(_) | StoreError::NotFound(_)) => {
+            Err(StoreError::NoSuchBucket(_)) => {
                 return Err(CsiError::NotFound(format!(
                     "bucket {:?} does not exist",
                     published.spec.bucket
                 )))
             }
-            Err(e) => {
+            Err(e @ (StoreError::AccessDenied(_) | StoreError::Credentials(_))) => {
                 return Err(CsiError::from_store(
                     &format!(
                         "{} may not list bucket {:?} prefix {} (s3:ListBucket)",
                         published.credentials,
                         published.spec.bucket,
                         quote(&published.spec.prefix)
+                    ),
+                    e,
+                ))
+            }
+            // Anything else (an outage, a 404 that is not NoSuchBucket) is no refusal: what the
+            // server said, as it said it.
+            Err(e) => {
+                return Err(CsiError::from_store(
+                    &format!(
+                        "listing bucket {:?} prefix {} as {} to check access",
+                        published.spec.bucket,
+                        quote(&published.spec.prefix),
+                        published.credentials
                     ),
                     e,
                 ))
@@ -1233,6 +1246,112 @@ mod tests {
         // One that was there before is never removed.
         drop(CreatedDir::make(&t).unwrap());
         assert!(t.is_dir());
+    }
+
+    /// A node service on `stores` whose kubelet root is `dir/kubelet`.
+    fn node_with(dir: &Path, stores: Arc<dyn Stores>) -> NodeService {
+        let root = dir.join("kubelet");
+        std::fs::create_dir_all(root.join("pods")).unwrap();
+        NodeService::new(
+            NodeConfig {
+                node_id: "test-node".into(),
+                kubelet_root: root,
+                default_metadata_ttl: MetadataTtl::Seconds(1),
+            },
+            stores,
+            Arc::new(MountTable::default()),
+        )
+    }
+
+    /// A publish of a volume in bucket `bucket` at `target`, with `secrets`.
+    fn publish_req(
+        bucket: &str,
+        target: &Path,
+        secrets: &[(&str, &str)],
+    ) -> pb::NodePublishVolumeRequest {
+        use pb::volume_capability::{access_mode::Mode, AccessMode, AccessType, MountVolume};
+        pb::NodePublishVolumeRequest {
+            volume_id: "pv-1".into(),
+            target_path: target.display().to_string(),
+            volume_capability: Some(pb::VolumeCapability {
+                access_type: Some(AccessType::Mount(MountVolume::default())),
+                access_mode: Some(AccessMode {
+                    mode: Mode::MultiNodeMultiWriter as i32,
+                }),
+            }),
+            volume_context: [(keys::BUCKET_NAME.to_string(), bucket.to_string())].into(),
+            secrets: secrets
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    /// Pod `pod`'s target path for volume `pv` (its parent made, as kubelet makes it).
+    fn target_in(dir: &Path, pod: &str, pv: &str) -> PathBuf {
+        let parent = dir
+            .join("kubelet/pods")
+            .join(pod)
+            .join("volumes/kubernetes.io~csi")
+            .join(pv);
+        std::fs::create_dir_all(&parent).unwrap();
+        parent.join("mount")
+    }
+
+    /// An access key the S3 server does not know is not a missing bucket: NodePublishVolume
+    /// quotes what the server said (VERSITYGW: `404 XAdminUserNotFound`; S3 answers 403
+    /// `InvalidAccessKeyId`), where it said `bucket "data" does not exist`; and leaves no target.
+    #[tokio::test]
+    async fn publish_with_keys_the_server_does_not_know_quotes_the_server() {
+        let s3 = ferry_testkit::S3Server::start();
+        s3.create_bucket("data").await;
+        let dir = tempfile::tempdir().unwrap();
+        let defaults = Endpoint {
+            endpoint_url: Some(s3.endpoint_url()),
+            region: Some(s3.region().into()),
+            force_path_style: true,
+        };
+        let stores = ferry_csi::stores::S3Stores::new(defaults)
+            .with_options(ferry_testkit::S3Server::test_options());
+        let node = node_with(dir.path(), Arc::new(stores));
+        let target = target_in(dir.path(), "pod-1", "pv-1");
+        let secrets = [
+            ("accessKeyId", "ferry-no-such-user"),
+            ("secretAccessKey", "ferry-no-such-secret"),
+        ];
+        let e = node
+            .inner
+            .publish(publish_req("data", &target, &secrets))
+            .await
+            .unwrap_err();
+        let st = Status::from(e);
+        assert_eq!(st.code(), tonic::Code::Internal, "{st:?}");
+        let m = st.message();
+        assert!(!m.contains("does not exist"), "{m}");
+        for part in [
+            "XAdminUserNotFound",
+            "No user exists with the provided access key ID",
+            "bucket \"data\"",
+            "access key ferry-no-such-user",
+        ] {
+            assert!(m.contains(part), "{part:?} in {m}");
+        }
+        assert!(!target.exists(), "no target left behind");
+        // A bucket that is really missing still says so.
+        let keys = [
+            ("accessKeyId", s3.access_key()),
+            ("secretAccessKey", s3.secret_key()),
+        ];
+        let e = node
+            .inner
+            .publish(publish_req("ferry-no-such-bucket", &target, &keys))
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, CsiError::NotFound(m) if m.contains("does not exist")),
+            "{e:?}"
+        );
     }
 
     #[test]

@@ -68,6 +68,11 @@ fn a_missing_bucket_is_named_and_nothing_is_mounted() {
 /// bucket, signing with `secret` (the server's own if `None`), which must fail and mount nothing:
 /// its standard error.
 fn failed_mount(secret: Option<&str>, args: &[&str]) -> String {
+    failed_mount_as(None, secret, args)
+}
+
+/// [`failed_mount`] with the access key `access_key` (the server's own if `None`).
+fn failed_mount_as(access_key: Option<&str>, secret: Option<&str>, args: &[&str]) -> String {
     let s3 = S3Server::start();
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(s3.create_bucket(BUCKET));
@@ -75,7 +80,10 @@ fn failed_mount(secret: Option<&str>, args: &[&str]) -> String {
     let mut all = vec![BUCKET, dir.path().to_str().unwrap()];
     all.extend(args);
     all.push("--foreground");
-    let keys = (s3.access_key(), secret.unwrap_or(s3.secret_key()));
+    let keys = (
+        access_key.unwrap_or(s3.access_key()),
+        secret.unwrap_or(s3.secret_key()),
+    );
     let out = ferry_node(&s3, keys, &all).output().unwrap();
     let err = stderr(&out);
     assert!(!out.status.success(), "{err}");
@@ -102,6 +110,24 @@ fn keys_the_server_refuses_name_the_list_permission() {
     let err = failed_mount(Some("not-the-secret-key"), &["--prefix", "data/"]);
     assert!(
         err.contains("may not list bucket \"standalone\" prefix \"data/\" (s3:ListBucket)"),
+        "{err}"
+    );
+}
+
+/// An access key the server does not know is not a missing bucket: the error quotes what the
+/// server said. VERSITYGW: it answers such a key with `404 XAdminUserNotFound` (S3 answers 403
+/// `InvalidAccessKeyId`); every 404 to the LIST was taken for `bucket "standalone" does not exist`.
+#[test]
+fn an_access_key_the_server_does_not_know_is_not_a_missing_bucket() {
+    let err = failed_mount_as(Some("ferry-no-such-user"), None, &["--prefix", "data/"]);
+    assert!(!err.contains("does not exist"), "{err}");
+    assert!(
+        err.contains("XAdminUserNotFound")
+            && err.contains("No user exists with the provided access key ID"),
+        "{err}"
+    );
+    assert!(
+        err.contains("listing bucket \"standalone\" prefix \"data/\""),
         "{err}"
     );
 }
