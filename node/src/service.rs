@@ -1,5 +1,6 @@
 //! The CSI Node service: NodePublishVolume mounts a prefix with the in-process FUSE filesystem,
-//! NodeUnpublishVolume unmounts it and removes the target directory.
+//! NodeUnpublishVolume unmounts it and removes the target directory (unless files were written
+//! into it while nothing was mounted there: those are never deleted, and never mounted over).
 //!
 //! Staging, expansion and volume stats are not offered (the capabilities list is empty), so kubelet
 //! calls only publish and unpublish.
@@ -618,6 +619,19 @@ impl Inner {
             ));
         }
         Self::clear_stale(&target)?;
+        // Nothing is mounted at the target now. Kubelet never puts anything there (it makes the
+        // parent directory and keeps its own file in that): entries are what something wrote
+        // into the bare directory, such as a container that ran on it after its mount went
+        // away. Mounted over, they would be hidden from everyone, and once unmounted again the
+        // directory could not be removed (kubelet's own clean-up of the pod fails on it too).
+        // The path whole, not cut short like other quoted values: it is where an operator must
+        // go (checked to be at most 4095 bytes; the status message is capped in any case).
+        if targetpath::has_entries(&target)? {
+            return Err(CsiError::FailedPrecondition(format!(
+                "target_path {:?} is a directory that is not empty, with nothing mounted on it: Ferry does not mount over files, which the volume would hide (they were written there while no volume was mounted; move them away and kubelet's next try mounts the volume)",
+                target.display().to_string()
+            )));
+        }
 
         let store = self
             .stores
@@ -783,6 +797,16 @@ impl Inner {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                 Err(e) if e.kind() == std::io::ErrorKind::NotADirectory => {
                     warn!("target_path is not a directory; left as it is");
+                }
+                // Files written into the bare directory while nothing was mounted there (rmdir(2)
+                // of a mount point is EBUSY, so nothing is mounted on it now): the volume is
+                // unpublished, and they are not the volume's to delete. An error here would be
+                // retried by kubelet for ever, the pod Terminating.
+                Err(e) if e.kind() == std::io::ErrorKind::DirectoryNotEmpty => {
+                    warn!(
+                        target = %target.display(),
+                        "unpublished, but the target directory is not empty (files written there while no volume was mounted): it is left in place with its files, which Ferry never deletes; kubelet cannot remove it either until they are moved away"
+                    );
                 }
                 Err(e) => {
                     return Err(CsiError::Internal(format!(
@@ -1248,6 +1272,12 @@ mod tests {
         assert!(t.is_dir());
     }
 
+    /// A node service on the in-memory store whose kubelet root is `dir/kubelet`.
+    fn node_in(dir: &Path) -> NodeService {
+        let store: Arc<dyn ferry_store::ObjectStore> = Arc::new(ferry_store::MemoryStore::new());
+        node_with(dir, Arc::new(ferry_csi::stores::FixedStore(store)))
+    }
+
     /// A node service on `stores` whose kubelet root is `dir/kubelet`.
     fn node_with(dir: &Path, stores: Arc<dyn Stores>) -> NodeService {
         let root = dir.join("kubelet");
@@ -1297,6 +1327,70 @@ mod tests {
             .join(pv);
         std::fs::create_dir_all(&parent).unwrap();
         parent.join("mount")
+    }
+
+    fn unpublish_req(volume_id: &str, target: &Path) -> pb::NodeUnpublishVolumeRequest {
+        pb::NodeUnpublishVolumeRequest {
+            volume_id: volume_id.into(),
+            target_path: target.display().to_string(),
+        }
+    }
+
+    /// A target directory that holds files once nothing is mounted on it (written there while the
+    /// mount was gone) made every NodeUnpublishVolume fail with `INTERNAL: Directory not empty`,
+    /// and kubelet retried it for ever. The volume is unpublished: OK, every time, and the files
+    /// and their directory stay where they are.
+    #[tokio::test]
+    async fn unpublish_leaves_a_target_directory_with_files_in_place_and_answers_ok() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = node_in(dir.path());
+        let target = target_in(dir.path(), "pod-1", "pv-1");
+        std::fs::create_dir_all(target.join("sub")).unwrap();
+        std::fs::write(target.join("written-while-unmounted"), b"keep me").unwrap();
+        std::fs::write(target.join("sub/too"), b"and me").unwrap();
+        for _ in 0..2 {
+            node.inner
+                .unpublish(unpublish_req("pv-1", &target))
+                .await
+                .unwrap();
+            assert_eq!(
+                std::fs::read(target.join("written-while-unmounted")).unwrap(),
+                b"keep me"
+            );
+            assert_eq!(std::fs::read(target.join("sub/too")).unwrap(), b"and me");
+        }
+        // An empty target is removed, as ever.
+        let empty = target_in(dir.path(), "pod-2", "pv-1");
+        std::fs::create_dir(&empty).unwrap();
+        node.inner
+            .unpublish(unpublish_req("pv-1", &empty))
+            .await
+            .unwrap();
+        assert!(!empty.exists());
+    }
+
+    /// A publish over a directory that holds files (nothing mounted on it) is refused with
+    /// FAILED_PRECONDITION naming the path, before any request or mount: the mount would hide
+    /// them, and the directory could not be removed at unpublish. The files stay as they were.
+    #[tokio::test]
+    async fn publish_refuses_a_target_directory_with_files() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = node_in(dir.path());
+        let target = target_in(dir.path(), "pod-1", "pv-1");
+        std::fs::create_dir(&target).unwrap();
+        std::fs::write(target.join(".hidden"), b"keep me").unwrap();
+        let e = node
+            .inner
+            .publish(publish_req("data", &target, &[]))
+            .await
+            .unwrap_err();
+        let CsiError::FailedPrecondition(m) = &e else {
+            panic!("{e:?}");
+        };
+        assert!(m.contains(&target.display().to_string()), "{m}");
+        assert!(m.contains("not empty"), "{m}");
+        assert_eq!(std::fs::read(target.join(".hidden")).unwrap(), b"keep me");
+        assert!(node.inner.mounts.is_empty());
     }
 
     /// An access key the S3 server does not know is not a missing bucket: NodePublishVolume

@@ -114,6 +114,19 @@ pub fn inspect(target: &Path) -> Result<Found, CsiError> {
     }
 }
 
+/// Whether the directory at `target` has any entry (`false` when there is nothing at `target`).
+/// Only for a target [`inspect`] found to be a directory, with nothing mounted on it.
+pub fn has_entries(target: &Path) -> Result<bool, CsiError> {
+    match std::fs::read_dir(target) {
+        Ok(mut entries) => Ok(entries.next().is_some()),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(CsiError::Internal(format!(
+            "reading target directory {}: {e}",
+            quote(&target.to_string_lossy())
+        ))),
+    }
+}
+
 /// The pod uid in a kubelet target path, if it has the usual shape.
 pub fn pod_uid<'a>(root: &Path, target: &'a Path) -> Option<&'a str> {
     let rel = target.strip_prefix(root).ok()?;
@@ -163,6 +176,17 @@ mod tests {
                 Found::Nothing
             )
         );
+    }
+
+    #[test]
+    fn entries_of_a_target() {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().join("d");
+        assert!(!has_entries(&d).unwrap(), "nothing there");
+        std::fs::create_dir(&d).unwrap();
+        assert!(!has_entries(&d).unwrap(), "an empty directory");
+        std::fs::write(d.join(".hidden"), b"").unwrap();
+        assert!(has_entries(&d).unwrap(), "a dot file counts");
     }
 
     #[test]
