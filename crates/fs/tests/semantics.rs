@@ -181,6 +181,16 @@ const CLAIMS: &[(&str, &str, How)] = &[
     ),
     (
         "Through CSI",
+        "Files in a target",
+        Elsewhere("node/src/service.rs", "unpublish_leaves_a_target_directory_with_files_in_place_and_answers_ok"),
+    ),
+    (
+        "Through CSI",
+        "Missing buckets",
+        Elsewhere("controller/tests/missing_bucket.rs", "delete_volume_with_keys_the_server_does_not_know_fails_and_deletes_nothing"),
+    ),
+    (
+        "Through CSI",
         "What unpublish touches",
         Elsewhere("e2e/tests/csi.rs", "a_foreign_mount_at_the_target_is_never_touched"),
     ),
