@@ -1358,6 +1358,52 @@ async fn a_foreign_mount_at_the_target_is_never_touched() {
     assert!(!target.exists());
 }
 
+/// Files written into a target directory while its mount was gone (unmounted behind Ferry's back,
+/// a container then writing to the bare directory) made NodeUnpublishVolume fail with `INTERNAL:
+/// Directory not empty` on every retry, and were hidden by the next publish. Now unpublish answers
+/// OK and leaves the directory and its files as they are; publish refuses to mount over them
+/// (FAILED_PRECONDITION naming the path) until they are moved away.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn files_in_a_bare_target_are_neither_deleted_nor_mounted_over() {
+    let mut env = Env::start().await;
+    env.s3.create_bucket("bare").await;
+    let cap = mount_capability(Mode::SingleNodeWriter, &[]);
+    let ctx = map(&[("bucketName", "bare")]);
+    let target = env.target("pod-bare", "pv");
+    env.publish("vol", &target, cap.clone(), ctx.clone(), false)
+        .await
+        .unwrap();
+    ferry_node::mountinfo::unmount(&target, false).unwrap();
+    std::fs::write(target.join("written-while-unmounted"), b"keep me").unwrap();
+
+    for _ in 0..2 {
+        env.unpublish("vol", &target).await.unwrap();
+        assert_eq!(
+            std::fs::read(target.join("written-while-unmounted")).unwrap(),
+            b"keep me"
+        );
+    }
+    assert!(env.mounts.is_empty());
+
+    let e = env
+        .publish("vol", &target, cap.clone(), ctx.clone(), false)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(
+        e.message().contains(&target.display().to_string()),
+        "{}",
+        e.message()
+    );
+    assert!(mounted_at(&target).is_none(), "nothing mounted over them");
+    assert!(env.mounts.is_empty());
+
+    std::fs::remove_file(target.join("written-while-unmounted")).unwrap();
+    env.publish("vol", &target, cap, ctx, false).await.unwrap();
+    env.unpublish("vol", &target).await.unwrap();
+    assert!(!target.exists());
+}
+
 /// Issue 14 item 8: every prefix CreateVolume hands out mounts, whatever characters it has (a
 /// space, a comma, `=`, a backslash, non-ASCII); one that leaves no room for a key is refused at
 /// CreateVolume and at publish (before anything is created) with INVALID_ARGUMENT.
