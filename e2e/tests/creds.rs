@@ -196,15 +196,7 @@ impl Env {
     }
 
     fn target(&self, pod: &str, pv: &str) -> PathBuf {
-        let parent = self
-            .dir
-            .path()
-            .join("kubelet/pods")
-            .join(pod)
-            .join("volumes/kubernetes.io~csi")
-            .join(pv);
-        std::fs::create_dir_all(&parent).unwrap();
-        parent.join("mount")
+        ferry_testkit::kubelet_target(&self.dir.path().join("kubelet"), pod, pv)
     }
 
     async fn publish(

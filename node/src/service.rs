@@ -1320,13 +1320,7 @@ mod tests {
 
     /// Pod `pod`'s target path for volume `pv` (its parent made, as kubelet makes it).
     fn target_in(dir: &Path, pod: &str, pv: &str) -> PathBuf {
-        let parent = dir
-            .join("kubelet/pods")
-            .join(pod)
-            .join("volumes/kubernetes.io~csi")
-            .join(pv);
-        std::fs::create_dir_all(&parent).unwrap();
-        parent.join("mount")
+        ferry_testkit::kubelet_target(&dir.join("kubelet"), pod, pv)
     }
 
     fn unpublish_req(volume_id: &str, target: &Path) -> pb::NodeUnpublishVolumeRequest {

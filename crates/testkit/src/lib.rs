@@ -387,6 +387,19 @@ impl Drop for S3Server {
 
 /// A port that was free a moment ago.
 /// `GET /healthz` on `addr` (HTTP/1.1, one connection): the status code and the body.
+/// Pod `pod`'s target path for volume `pv` below kubelet root `root`
+/// (`<root>/pods/<pod>/volumes/kubernetes.io~csi/<pv>/mount`), with its parent made, as kubelet
+/// makes it (the target itself is the CSI driver's to make).
+pub fn kubelet_target(root: &Path, pod: &str, pv: &str) -> PathBuf {
+    let parent = root
+        .join("pods")
+        .join(pod)
+        .join("volumes/kubernetes.io~csi")
+        .join(pv);
+    std::fs::create_dir_all(&parent).unwrap();
+    parent.join("mount")
+}
+
 pub fn healthz(addr: SocketAddr) -> (u16, String) {
     use std::io::Write;
     let mut c = TcpStream::connect(addr).expect("connecting to the health endpoint");
