@@ -212,26 +212,27 @@ impl Fs {
     /// completed at its last close, which reaches Ferry only after `close` returned: an `open` or
     /// `unlink` right after it (`tempfile`'s create, close and unlink) would otherwise be `EBUSY`.
     pub(super) async fn wait_while_written(&self, ino: Ino) {
-        let writing = |fs: &Self| {
-            fs.lock()
-                .inodes
+        self.wait_while(|st| {
+            st.inodes
                 .get(ino)
                 .is_some_and(|i| matches!(i.state, InodeState::Writing { .. }))
-        };
-        let until = tokio::time::Instant::now() + READERS_WAIT;
-        while writing(self) && tokio::time::Instant::now() < until {
-            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
-        }
+        })
+        .await
     }
 
     /// Waits, up to [`READERS_WAIT`], until no read handle of `ino` is open on this mount: a
     /// reader's last close reaches Ferry (`release`) only after its `close` returned, so a
     /// replacement right after a read (`cat f; cp g f`) would otherwise find it still open.
     pub(super) async fn wait_for_readers(&self, ino: Ino) {
+        self.wait_while(|st| st.io.get(&ino).is_some_and(|m| m.readers > 0))
+            .await
+    }
+
+    /// Polls `busy` on the state (every 2 ms, at most [`READERS_WAIT`]) until it is false: the
+    /// `release` these waits are for comes moments after the `close` that sent it returned.
+    async fn wait_while(&self, busy: impl Fn(&FsState) -> bool) {
         let until = tokio::time::Instant::now() + READERS_WAIT;
-        while self.lock().io.get(&ino).is_some_and(|m| m.readers > 0)
-            && tokio::time::Instant::now() < until
-        {
+        while busy(&self.lock()) && tokio::time::Instant::now() < until {
             tokio::time::sleep(std::time::Duration::from_millis(2)).await;
         }
     }

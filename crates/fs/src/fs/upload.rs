@@ -49,8 +49,7 @@ impl Fs {
         if key.len() > KEY_MAX {
             return Err(FsError::NameTooLong);
         }
-        // Inode numbers are the path's: a file unlinked while open through passthrough is created
-        // again as the same inode, which the kernel would not open in cached mode beside them.
+        // Again under this lock: a reader may have opened it during the wait.
         let ino = st.inodes.ino_for(parent, name, &path, Kind::File);
         if st.io.get(&ino).is_some_and(|m| m.readers > 0) {
             return Err(FsError::Busy(
