@@ -338,6 +338,17 @@ impl Inner {
                 "volume_capabilities are required".to_string(),
             ));
         }
+        // A capability without its access type or mode is a malformed request (the spec's
+        // INVALID_ARGUMENT); a whole one Ferry cannot serve is answered "not confirmed" below.
+        if let Some(i) = req
+            .volume_capabilities
+            .iter()
+            .position(|c| c.access_type.is_none() || c.access_mode.is_none())
+        {
+            return Err(CsiError::InvalidArgument(format!(
+                "volume_capabilities[{i}] needs both an access_type and an access_mode"
+            )));
+        }
         let id = VolumeId::parse(volume_id).map_err(|e| {
             CsiError::NotFound(format!("volume {} does not exist: {e}", quote(volume_id)))
         })?;
@@ -849,6 +860,26 @@ mod tests {
         assert!(
             refused.confirmed.is_none() && refused.message.contains("MULTI_NODE_SINGLE_WRITER")
         );
+        // A capability missing its access mode or type is a malformed request, not "not
+        // confirmed".
+        let mut no_mode = cap(Mode::SingleNodeWriter);
+        no_mode.access_mode = None;
+        let mut no_type = cap(Mode::SingleNodeWriter);
+        no_type.access_type = None;
+        for bad in [no_mode, no_type] {
+            let e = svc
+                .validate(pb::ValidateVolumeCapabilitiesRequest {
+                    volume_id: vol.volume_id.clone(),
+                    volume_capabilities: vec![cap(Mode::SingleNodeWriter), bad],
+                    ..Default::default()
+                })
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(&e, CsiError::InvalidArgument(m) if m.contains("volume_capabilities[1]")),
+                "{e:?}"
+            );
+        }
         let e = svc
             .validate(pb::ValidateVolumeCapabilitiesRequest {
                 volume_id: "data/missing-bucket-volume".into(),

@@ -62,9 +62,10 @@ pub struct MountOptions {
 /// Parses `prefetchOnMount`: `true` → the whole volume, `false` → none, else comma-separated
 /// sub-prefixes (no leading `/`, no `.`/`..` or empty segments).
 pub fn parse_warm_up(what: &'static str, value: &str) -> Result<Option<Vec<String>>, VolumeError> {
+    // As YAML and Kubernetes write booleans too (`True`, `FALSE`): never a sub-prefix named so.
     match value.trim() {
-        "true" => return Ok(Some(vec![String::new()])),
-        "false" | "" => return Ok(None),
+        v if v.eq_ignore_ascii_case("true") => return Ok(Some(vec![String::new()])),
+        v if v.eq_ignore_ascii_case("false") || v.is_empty() => return Ok(None),
         _ => {}
     }
     let mut out = Vec::new();

@@ -253,6 +253,17 @@ mod tests {
                 .warm_up,
             Some(vec!["train/".to_owned(), "val/".to_owned()])
         );
+        // Booleans as YAML and Kubernetes also write them: never a sub-prefix named "True".
+        for (v, want) in [("True", Some(vec![String::new()])), ("FALSE", None)] {
+            assert_eq!(
+                spec(&[("prefetchOnMount", v)], &[])
+                    .unwrap()
+                    .options
+                    .warm_up,
+                want,
+                "{v}"
+            );
+        }
         assert!(spec(&[("prefetchOnMount", "../x")], &[]).is_err());
         assert!(spec(&[("prefetchOnMount", "/abs")], &[]).is_err());
         // StorageClass: validated there and passed on to the node.
