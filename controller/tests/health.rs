@@ -61,18 +61,24 @@ fn start(
             let _ = tx.send(line);
         }
     });
+    let line = line_with(&rx, "health at /healthz");
+    let addr = line
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("addr="))
+        .expect("the health line names its address");
+    (controller, addr.parse().unwrap(), rx)
+}
+
+/// The first line of the log (within [`PATIENCE`]) that contains `needle`.
+fn line_with(log: &std::sync::mpsc::Receiver<String>, needle: &str) -> String {
     let deadline = Instant::now() + PATIENCE;
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        let line = rx
+        let line = log
             .recv_timeout(left)
-            .unwrap_or_else(|e| panic!("ferry-controller did not serve /healthz: {e}"));
-        if line.contains("health at /healthz") {
-            let addr = line
-                .split_whitespace()
-                .find_map(|w| w.strip_prefix("addr="))
-                .expect("the health line names its address");
-            return (controller, addr.parse().unwrap(), rx);
+            .unwrap_or_else(|e| panic!("ferry-controller never logged {needle:?}: {e}"));
+        if line.contains(needle) {
+            return line;
         }
     }
 }
@@ -91,15 +97,6 @@ fn healthz_is_the_probe() {
 
     let (_no_credentials, addr, log) = start(&dir.path().join("without"), &[]);
     assert_eq!(ferry_testkit::healthz(addr), (200, "ok\n".to_string()));
-    let deadline = Instant::now() + PATIENCE;
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        let line = log
-            .recv_timeout(left)
-            .unwrap_or_else(|e| panic!("no word on the missing default credentials: {e}"));
-        if line.contains("the driver has no default credentials") {
-            assert!(line.contains("provisioner Secret"), "{line}");
-            break;
-        }
-    }
+    let line = line_with(&log, "the driver has no default credentials");
+    assert!(line.contains("provisioner Secret"), "{line}");
 }
