@@ -136,20 +136,38 @@ const REFUSED: &[&str] = &[
 ];
 
 impl MountOptions {
-    /// Parses mount flags. An unknown or malformed option is an error naming it.
+    /// Parses mount flags. An unknown or malformed option is an error naming it, and so is an
+    /// option given twice with different values (`uid=1` and `uid=2`, `ro` and `rw`): the last
+    /// one winning would hide the other from whoever wrote it.
     pub fn parse<S: AsRef<str>>(flags: &[S]) -> Result<Self, VolumeError> {
         let mut o = MountOptions::default();
+        // Each option's first entry, and what it alone makes of the defaults.
+        let mut seen: Vec<(&'static str, &str, MountOptions)> = Vec::new();
         for raw in flags {
             let raw = raw.as_ref();
             // Kubernetes may join several options with commas in one entry.
             for entry in raw.split(',').map(str::trim).filter(|e| !e.is_empty()) {
+                let mut alone = MountOptions::default();
+                let key = alone.apply(entry)?;
+                match seen.iter().find(|(k, _, _)| *k == key) {
+                    Some((_, first, was)) if *was != alone => {
+                        return Err(VolumeError::Conflict {
+                            key: key.to_string(),
+                            a: first.to_string(),
+                            b: entry.to_string(),
+                        })
+                    }
+                    Some(_) => {}
+                    None => seen.push((key, entry, alone)),
+                }
                 o.apply(entry)?;
             }
         }
         Ok(o)
     }
 
-    fn apply(&mut self, entry: &str) -> Result<(), VolumeError> {
+    /// Applies one entry; returns the option it sets (`ro`, `rw` and `read-only` are one).
+    fn apply(&mut self, entry: &str) -> Result<&'static str, VolumeError> {
         let entry = entry.strip_prefix("--").unwrap_or(entry);
         let (name, value) = match entry.split_once(['=', ' ']) {
             Some((n, v)) => (n.trim(), Some(v.trim())),
@@ -204,35 +222,75 @@ impl MountOptions {
                     )
                 })
         };
-        match name {
-            "prefix" => self.prefix = Some(validate::prefix(name, &need(value)?, true)?),
+        Ok(match name {
+            "prefix" => {
+                self.prefix = Some(validate::prefix(name, &need(value)?, true)?);
+                "prefix"
+            }
             "region" => {
                 let v = need(value)?;
                 validate::region(name, &v)?;
                 self.region = Some(v);
+                "region"
             }
             "endpoint-url" => {
                 let v = need(value)?;
                 validate::endpoint_url(name, &v)?;
                 self.endpoint_url = Some(v);
+                "endpoint-url"
             }
-            "force-path-style" => self.force_path_style = flag(value)?,
-            "read-only" | "ro" => self.read_only = flag(value)?,
-            "rw" => self.read_only = !flag(value)?,
-            "allow-delete" => self.allow_delete = flag(value)?,
-            "allow-overwrite" => self.allow_overwrite = flag(value)?,
-            "allow-other" => self.allow_other = flag(value)?,
-            "uid" => self.uid = Some(num(value)?),
-            "gid" => self.gid = Some(num(value)?),
-            "file-mode" => self.file_mode = Some(mode(value)?),
-            "dir-mode" => self.dir_mode = Some(mode(value)?),
+            "force-path-style" => {
+                self.force_path_style = flag(value)?;
+                "force-path-style"
+            }
+            "read-only" | "ro" => {
+                self.read_only = flag(value)?;
+                "read-only"
+            }
+            "rw" => {
+                self.read_only = !flag(value)?;
+                "read-only"
+            }
+            "allow-delete" => {
+                self.allow_delete = flag(value)?;
+                "allow-delete"
+            }
+            "allow-overwrite" => {
+                self.allow_overwrite = flag(value)?;
+                "allow-overwrite"
+            }
+            "allow-other" => {
+                self.allow_other = flag(value)?;
+                "allow-other"
+            }
+            "uid" => {
+                self.uid = Some(num(value)?);
+                "uid"
+            }
+            "gid" => {
+                self.gid = Some(num(value)?);
+                "gid"
+            }
+            "file-mode" => {
+                self.file_mode = Some(mode(value)?);
+                "file-mode"
+            }
+            "dir-mode" => {
+                self.dir_mode = Some(mode(value)?);
+                "dir-mode"
+            }
             "metadata-ttl" => {
                 let v = need(value)?;
                 self.metadata_ttl =
                     Some(v.parse().map_err(|e| VolumeError::invalid(WHAT, name, e))?);
+                "metadata-ttl"
             }
-            "cache" => self.no_cache = parse_cache(WHAT, &need(value)?)?,
-            n if IGNORED.contains(&n) => {}
+            "cache" => {
+                self.no_cache = parse_cache(WHAT, &need(value)?)?;
+                "cache"
+            }
+            // Never in conflict: nothing of them is kept.
+            n if IGNORED.contains(&n) => "ignored",
             n if REFUSED.contains(&n) => {
                 return Err(VolumeError::Unsupported {
                     what: WHAT,
@@ -248,8 +306,7 @@ impl MountOptions {
                     key: n.to_string(),
                 })
             }
-        }
-        Ok(())
+        })
     }
 }
 
@@ -295,6 +352,43 @@ mod tests {
     fn comma_joined_entries() {
         let o = MountOptions::parse(&["uid=1,gid=2,allow-other"]).unwrap();
         assert_eq!((o.uid, o.gid, o.allow_other), (Some(1), Some(2), true));
+    }
+
+    /// The same option twice with different values is refused naming both entries; twice with
+    /// the same value (a PV's list written by hand, `ro` beside `read-only`) is accepted.
+    #[test]
+    fn an_option_given_twice_with_different_values_is_a_conflict() {
+        for (flags, a, b) in [
+            (vec!["uid=1", "uid=2"], "uid=1", "uid=2"),
+            (vec!["ro", "rw"], "ro", "rw"),
+            (
+                vec!["read-only", "read-only=false"],
+                "read-only",
+                "read-only=false",
+            ),
+            (
+                vec!["metadata-ttl 60,metadata-ttl=indefinite"],
+                "metadata-ttl 60",
+                "metadata-ttl=indefinite",
+            ),
+            (vec!["--prefix=a/", "prefix b/"], "--prefix=a/", "prefix b/"),
+        ] {
+            let e = MountOptions::parse(&flags).unwrap_err();
+            assert!(
+                matches!(e, VolumeError::Conflict { .. }),
+                "{flags:?}: {e:?}"
+            );
+            let m = e.to_string();
+            assert!(m.contains(a) && m.contains(b), "{flags:?}: {m}");
+        }
+        for flags in [
+            vec!["uid=1", "--uid 1"],
+            vec!["ro", "read-only", "read-only=true", "rw=false"],
+            vec!["debug", "debug"],
+            vec!["dir-mode=755", "dir-mode=0755"],
+        ] {
+            MountOptions::parse(&flags).unwrap_or_else(|e| panic!("{flags:?}: {e}"));
+        }
     }
 
     #[test]
