@@ -658,10 +658,13 @@ async fn bad_input_is_refused_with_clear_errors() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
-    // Unpublish of another volume at that target: NotFound, and the mount stays.
-    let e = env.unpublish("vol-b", &target).await.unwrap_err();
-    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    // Unpublish of another volume at that target: OK (that volume is not published there, as the
+    // spec has it), and the mount stays, still serving.
+    env.unpublish("vol-b", &target).await.unwrap();
     assert_eq!(env.mounts.len(), 1);
+    assert!(ferry_node::mountinfo::mounted_at(&target)
+        .unwrap()
+        .is_some());
     env.unpublish("vol-a", &target).await.unwrap();
 }
 
@@ -926,8 +929,9 @@ async fn an_unpublish_after_the_target_directories_are_gone_ends_the_mount() {
     ferry_node::mountinfo::detach(&t1).unwrap();
     std::fs::remove_dir_all(t1.parent().unwrap()).unwrap();
 
-    let e = env.unpublish("another", &t1).await.unwrap_err();
-    assert_eq!(e.code(), Code::NotFound, "{e:?}");
+    // Another volume's id: OK, and the mount recorded there is not ended by it.
+    env.unpublish("another", &t1).await.unwrap();
+    assert_eq!(env.mounts.len(), 1);
     env.unpublish("vg", &t1).await.unwrap();
     assert!(env.mounts.is_empty(), "the mount is still in the table");
     assert_eq!(
@@ -1586,8 +1590,9 @@ async fn impossible_targets_are_invalid_and_errors_quote_inputs_short() {
     env.publish("vol", &target, cap.clone(), ctx.clone(), false)
         .await
         .unwrap();
-    let e = env.unpublish(&huge, &target).await.unwrap_err();
-    assert_eq!(short(e), Code::NotFound);
+    // Not the volume published there: OK, and nothing is touched.
+    env.unpublish(&huge, &target).await.unwrap();
+    assert_eq!(env.mounts.len(), 1);
     env.unpublish("vol", &target).await.unwrap();
 }
 

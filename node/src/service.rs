@@ -422,16 +422,20 @@ impl Inner {
         }
     }
 
-    /// NOT_FOUND when the table has another volume than `volume_id` at `target`.
-    fn check_published(&self, volume_id: &str, target: &Path) -> Result<()> {
+    /// Whether the table has another volume than `volume_id` at `target`. The spec's answer to an
+    /// unpublish of a volume that is not published at a target is OK, and the other volume's mount
+    /// is not that request's to end: the caller answers OK and touches nothing.
+    fn other_volume_at(&self, volume_id: &str, target: &Path) -> bool {
         match self.mounts.get(target) {
-            Some(existing) if existing.volume_id != volume_id => Err(CsiError::NotFound(format!(
-                "volume {} is not published at {} (volume {} is)",
-                quote(volume_id),
-                shown(target),
-                quote(&existing.volume_id)
-            ))),
-            _ => Ok(()),
+            Some(existing) if existing.volume_id != volume_id => {
+                warn!(
+                    published = %quote(&existing.volume_id),
+                    "volume {} is not published at this target (another volume is): nothing to unpublish, the other volume's mount left as it is",
+                    quote(volume_id)
+                );
+                true
+            }
+            _ => false,
         }
     }
 
@@ -518,9 +522,11 @@ impl Inner {
         })?;
         let mode = capability::check(cap)?;
         let target = targetpath::check(&self.config.kubelet_root, &req.target_path)?;
+        // The CO makes the parent (the spec: it SHALL ensure it exists); NOT_FOUND would say the
+        // volume does not exist.
         let target = targetpath::resolve(&self.canonical_root, &target)?.ok_or_else(|| {
-            CsiError::NotFound(format!(
-                "the parent directory of target_path {} does not exist",
+            CsiError::FailedPrecondition(format!(
+                "the parent directory of target_path {} does not exist (the CO makes it)",
                 quote(&req.target_path)
             ))
         })?;
@@ -766,7 +772,9 @@ impl Inner {
             // removed): its session, and any warm-up it runs, end here.
             if let Some(key) = self.mounts.published_at(&req.target_path) {
                 let _guard = self.begin(&key)?;
-                self.check_published(volume_id, &key)?;
+                if self.other_volume_at(volume_id, &key) {
+                    return Ok(pb::NodeUnpublishVolumeResponse {});
+                }
                 info!("target's parent is gone; ending the mount published there");
                 self.take_down(&key).await?;
             } else {
@@ -775,7 +783,9 @@ impl Inner {
             return Ok(pb::NodeUnpublishVolumeResponse {});
         };
         let _guard = self.begin(&target)?;
-        self.check_published(volume_id, &target)?;
+        if self.other_volume_at(volume_id, &target) {
+            return Ok(pb::NodeUnpublishVolumeResponse {});
+        }
         let found = targetpath::inspect(&target)?;
         // Only Ferry's own mount on top is unmounted: never a mount stacked on it, nor one of
         // another filesystem.
@@ -1385,6 +1395,29 @@ mod tests {
         assert!(m.contains("not empty"), "{m}");
         assert_eq!(std::fs::read(target.join(".hidden")).unwrap(), b"keep me");
         assert!(node.inner.mounts.is_empty());
+    }
+
+    /// A target whose parent kubelet did not make breaks the CO's side of the contract; NOT_FOUND
+    /// would tell kubelet the volume does not exist. FAILED_PRECONDITION names the path, and
+    /// nothing is made.
+    #[tokio::test]
+    async fn publish_below_a_missing_parent_is_a_failed_precondition() {
+        let dir = tempfile::tempdir().unwrap();
+        let node = node_in(dir.path());
+        let target = dir
+            .path()
+            .join("kubelet/pods/no-such-pod/volumes/kubernetes.io~csi/pv-1/mount");
+        let e = node
+            .inner
+            .publish(publish_req("data", &target, &[]))
+            .await
+            .unwrap_err();
+        let CsiError::FailedPrecondition(m) = &e else {
+            panic!("{e:?}");
+        };
+        assert!(m.contains("parent directory"), "{m}");
+        assert!(m.contains("pv-1/mount"), "{m}");
+        assert!(!target.parent().unwrap().exists());
     }
 
     /// An access key the S3 server does not know is not a missing bucket: NodePublishVolume
