@@ -272,6 +272,19 @@ impl S3Store {
         }
         let region = match &cfg.region {
             Some(r) => RegionProviderChain::first_try(Region::new(r.clone())),
+            // An S3-compatible store's own endpoint: the instance's region (IMDS) says nothing
+            // about it, and asking a link-local address off EC2 only delays the start and warns.
+            None if cfg
+                .endpoint_url
+                .as_deref()
+                .is_some_and(|u| !is_aws_endpoint(u)) =>
+            {
+                RegionProviderChain::first_try(
+                    aws_config::environment::region::EnvironmentVariableRegionProvider::new(),
+                )
+                .or_else(aws_config::profile::ProfileFileRegionProvider::new())
+                .or_else(Region::new("us-east-1"))
+            }
             None => RegionProviderChain::default_provider().or_else(Region::new("us-east-1")),
         };
         let mut loader = aws_config::defaults(BehaviorVersion::latest())
@@ -1124,8 +1137,46 @@ impl ObjectStore for S3Store {
     }
 }
 
+/// Whether `url` is an AWS S3 endpoint (a host under `amazonaws.com` or `amazonaws.com.cn`: a
+/// regional, FIPS, dual-stack, VPC or access point endpoint), whose region the instance's own
+/// region may tell when no region is given.
+fn is_aws_endpoint(url: &str) -> bool {
+    let Some(host) = url
+        .parse::<http::Uri>()
+        .ok()
+        .and_then(|u| u.host().map(str::to_ascii_lowercase))
+    else {
+        return false;
+    };
+    let host = host.trim_end_matches('.');
+    ["amazonaws.com", "amazonaws.com.cn"]
+        .iter()
+        .any(|d| host == *d || host.ends_with(&format!(".{d}")))
+}
+
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn only_aws_hosts_are_aws_endpoints() {
+        for aws in [
+            "https://s3.us-west-2.amazonaws.com",
+            "https://bucket.vpce-0a1b-c2d3.s3.us-west-2.vpce.amazonaws.com/",
+            "https://s3.cn-north-1.amazonaws.com.cn",
+            "https://S3.AMAZONAWS.COM.",
+        ] {
+            assert!(is_aws_endpoint(aws), "{aws}");
+        }
+        for other in [
+            "http://127.0.0.1:9000",
+            "https://storage.googleapis.com",
+            "https://amazonaws.com.evil.example",
+            "https://notamazonaws.com",
+            "not a url",
+        ] {
+            assert!(!is_aws_endpoint(other), "{other}");
+        }
+    }
+
     use super::*;
     use crate::get::parse_content_range;
     use aws_credential_types::provider::error::CredentialsError;
