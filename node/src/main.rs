@@ -507,16 +507,29 @@ async fn pod_auth(a: &ServeArgs) -> anyhow::Result<Option<PodAuth>> {
     }))
 }
 
+/// A command-line value refused by a volume check, worded for the command line: the flag, then
+/// the value and what is wrong with it (a volume error quotes a parameter's name where the value
+/// would read better here).
+fn flag_error(flag: &str, e: ferry_volume::VolumeError) -> anyhow::Error {
+    match e {
+        ferry_volume::VolumeError::Invalid { reason, .. } => {
+            anyhow::anyhow!("invalid {flag}: {reason}")
+        }
+        e => anyhow::Error::new(e).context(format!("invalid {flag}")),
+    }
+}
+
 fn endpoint(
     url: &Option<String>,
     region: &Option<String>,
     path_style: bool,
 ) -> anyhow::Result<Endpoint> {
     if let Some(u) = url {
-        ferry_volume::validate::endpoint_url("--endpoint-url", u)?;
+        ferry_volume::validate::endpoint_url("--endpoint-url", u)
+            .map_err(|e| flag_error("--endpoint-url", e))?;
     }
     if let Some(r) = region {
-        ferry_volume::validate::region("--region", r)?;
+        ferry_volume::validate::region("--region", r).map_err(|e| flag_error("--region", e))?;
     }
     Ok(Endpoint {
         endpoint_url: url.clone(),
@@ -526,14 +539,28 @@ fn endpoint(
 }
 
 async fn mount(a: MountArgs) -> anyhow::Result<()> {
-    ferry_volume::validate::bucket_name("bucket", &a.bucket)?;
+    ferry_volume::validate::bucket_name("bucket", &a.bucket)
+        .map_err(|e| flag_error("bucket name", e))?;
+    // The directory is checked before anything is asked of S3: a wrong one is the quicker answer.
+    // Like mount(8), the directory given is resolved once (a symlink to it is followed here);
+    // from then on the mount, the watch below and the unmount use that one directory.
+    let dir = std::fs::canonicalize(&a.directory)
+        .with_context(|| format!("mount directory {}", a.directory.display()))?;
+    if !dir.is_dir() {
+        bail!(
+            "mount directory {} is not a directory",
+            a.directory.display()
+        );
+    }
+    refuse_mount_point(&dir)?;
     if let Some(addr) = &a.metrics_addr {
         ferry_metrics::start(addr)
             .await
             .map_err(anyhow::Error::msg)?;
     }
     let prefix = match &a.prefix {
-        Some(p) => ferry_volume::validate::prefix("--prefix", p, true)?,
+        Some(p) => ferry_volume::validate::prefix("--prefix", p, true)
+            .map_err(|e| flag_error("--prefix", e))?,
         None => String::new(),
     };
     // Whoever runs this command chooses the endpoint: it is the operator, so no allowlist applies
@@ -591,11 +618,6 @@ async fn mount(a: MountArgs) -> anyhow::Result<()> {
     };
     let mut config = ferry_node::service::mount_config(&published, MetadataTtl::Seconds(1));
     config.allow_other = a.allow_other;
-    // Like mount(8), the directory given is resolved once (a symlink to it is followed here);
-    // from then on the mount, the watch below and the unmount use that one directory.
-    let dir = std::fs::canonicalize(&a.directory)
-        .with_context(|| format!("mount directory {}", a.directory.display()))?;
-    refuse_mount_point(&dir)?;
     let log = log_file(&a)?;
     let cache = a.cache.as_ref().map(|dir| CacheConfig {
         dir: dir.clone(),

@@ -712,11 +712,11 @@ impl Inner {
         .map_err(|e| match e {
             ferry_fs::MountError::Config(e) => CsiError::InvalidArgument(e.to_string()),
             // Swapped for a symlink or a file since it was looked at.
-            ferry_fs::MountError::Target { source, .. }
-                if source.kind() == std::io::ErrorKind::NotADirectory =>
+            ferry_fs::MountError::Target { error, .. }
+                if error.kind() == std::io::ErrorKind::NotADirectory =>
             {
                 CsiError::InvalidArgument(format!(
-                    "target_path {} is not a directory: {source}",
+                    "target_path {}: {error}",
                     quote(&req.target_path)
                 ))
             }

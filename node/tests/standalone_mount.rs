@@ -389,3 +389,100 @@ fn owners_and_modes_no_mount_can_mean_are_refused() {
         assert!(err.contains(want), "{args:?}: {err}");
     }
 }
+
+/// A value the command line refuses is named by its flag, then quoted itself (it read
+/// `invalid bucket name "bucket": …`, the parameter's name where the value belongs).
+#[test]
+fn refused_values_are_named_by_their_flag() {
+    let dir = tempfile::tempdir().unwrap();
+    let target = dir.path().to_str().unwrap();
+    for (args, want) in [
+        (
+            vec!["Bad_Bucket!", target],
+            "invalid bucket name: \"Bad_Bucket!\"",
+        ),
+        (
+            vec!["bucket", target, "--prefix", "/abs/"],
+            "invalid --prefix: \"/abs/\"",
+        ),
+        (
+            vec!["bucket", target, "--endpoint-url", "ftp://x"],
+            "invalid --endpoint-url: \"ftp://x\"",
+        ),
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_ferry-node"))
+            .arg("mount")
+            .args(&args)
+            .arg("--foreground")
+            .env("RUST_BACKTRACE", "0")
+            .output()
+            .unwrap();
+        let err = stderr(&out);
+        assert!(!out.status.success(), "{args:?}: {err}");
+        assert!(err.contains(want), "{args:?}: {err}");
+    }
+}
+
+/// A mount point that is not a directory is refused before anything is asked of S3 (here an
+/// endpoint nothing listens on, whose error would otherwise come first), with its cause once.
+#[test]
+fn a_mount_point_that_is_a_file_is_refused_before_s3_is_asked() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("a-file");
+    std::fs::write(&file, b"").unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry-node"))
+        .args(["mount", "bucket", file.to_str().unwrap(), "--foreground"])
+        .args([
+            "--endpoint-url",
+            "http://127.0.0.1:1",
+            "--region",
+            "us-east-1",
+        ])
+        .env("AWS_ACCESS_KEY_ID", "k")
+        .env("AWS_SECRET_ACCESS_KEY", "s")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    assert!(!out.status.success(), "{err}");
+    assert_eq!(err.matches("is not a directory").count(), 1, "{err}");
+    assert!(!err.contains("connect"), "S3 was asked first: {err}");
+}
+
+/// With an S3-compatible endpoint and no region, the region is not asked of the EC2 instance
+/// metadata service (a link-local address, off EC2 only a delay and a warning): the environment,
+/// the profile, else us-east-1, which signs for the test server.
+#[test]
+fn a_custom_endpoint_without_a_region_never_asks_imds() {
+    let s3 = S3Server::start();
+    assert_eq!(s3.region(), "us-east-1");
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_ferry-node"))
+        .args(["mount", "no-such-bucket", dir.path().to_str().unwrap()])
+        .args(["--endpoint-url", &s3.endpoint_url(), "--force-path-style"])
+        .arg("--foreground")
+        .env("AWS_ACCESS_KEY_ID", s3.access_key())
+        .env("AWS_SECRET_ACCESS_KEY", s3.secret_key())
+        .env("AWS_CONFIG_FILE", dir.path().join("no-config"))
+        .env(
+            "AWS_SHARED_CREDENTIALS_FILE",
+            dir.path().join("no-credentials"),
+        )
+        .env_remove("AWS_REGION")
+        .env_remove("AWS_DEFAULT_REGION")
+        .env_remove("AWS_EC2_METADATA_DISABLED")
+        // Should a regression ask it, the question goes to loopback, never to a link-local address.
+        .env("AWS_EC2_METADATA_SERVICE_ENDPOINT", "http://127.0.0.1:1")
+        .env("RUST_LOG", "debug")
+        .env("RUST_BACKTRACE", "0")
+        .output()
+        .unwrap();
+    let err = stderr(&out);
+    // Signed for the server's region and answered: the bucket is missing.
+    assert!(
+        err.contains("bucket \"no-such-bucket\" does not exist"),
+        "{err}"
+    );
+    assert!(!err.to_ascii_lowercase().contains("imds"), "{err}");
+    assert!(!err.contains("169.254.169.254"), "{err}");
+}

@@ -35,10 +35,12 @@ use crate::mountinfo;
 pub enum MountError {
     #[error(transparent)]
     Config(#[from] ConfigError),
-    #[error("mount target {path}: {source}")]
-    Target { path: PathBuf, source: io::Error },
-    #[error("FUSE mount at {path} failed: {source}")]
-    Fuse { path: PathBuf, source: io::Error },
+    // `error`, not `source`: the message already carries it, and a chain printer (anyhow's
+    // `{:#}`) would repeat it as the cause.
+    #[error("mount target {path}: {error}")]
+    Target { path: PathBuf, error: io::Error },
+    #[error("FUSE mount at {path} failed: {error}")]
+    Fuse { path: PathBuf, error: io::Error },
     #[error("the mount at {0} did not appear in /proc/self/mountinfo")]
     NotVisible(PathBuf),
 }
@@ -316,9 +318,10 @@ fn open_target(target: &Path) -> io::Result<(PathBuf, OwnedFd)> {
         .custom_flags(libc::O_PATH | libc::O_NOFOLLOW | libc::O_DIRECTORY | libc::O_CLOEXEC)
         .open(&path)
         .map_err(|e| match e.raw_os_error() {
-            Some(libc::ELOOP) | Some(libc::ENOTDIR) => io::Error::new(
+            Some(libc::ENOTDIR) => io::Error::new(io::ErrorKind::NotADirectory, "not a directory"),
+            Some(libc::ELOOP) => io::Error::new(
                 io::ErrorKind::NotADirectory,
-                "not a directory (a symlink is never followed)",
+                "a symbolic link, which is never followed",
             ),
             _ => e,
         })?;
@@ -405,14 +408,14 @@ pub fn mount(
     ctx: MountContext,
 ) -> Result<MountHandle, MountError> {
     cfg.validate()?;
-    let target_err = |source| MountError::Target {
+    let target_err = |error| MountError::Target {
         path: target.to_owned(),
-        source,
+        error,
     };
     let (target, dir) = open_target(target).map_err(target_err)?;
-    let fuse_err = |source| MountError::Fuse {
+    let fuse_err = |error| MountError::Fuse {
         path: target.clone(),
-        source,
+        error,
     };
     let proofs = ctx.proofs.for_store(&store);
     let session_charge = ctx
@@ -498,9 +501,9 @@ pub fn resume(
     let cfg = snapshot.config.clone();
     cfg.validate()?;
     let target = target.to_path_buf();
-    let fuse_err = |source| MountError::Fuse {
+    let fuse_err = |error| MountError::Fuse {
         path: target.clone(),
-        source,
+        error,
     };
     // The mount must still be there, on this connection.
     let entry = mountinfo::mounted_at(&target)

@@ -364,7 +364,7 @@ fn a_symlink_target_is_refused_and_a_mount_stacked_on_ours_is_left_alone() {
     )
     .unwrap_err();
     assert!(
-        matches!(&err, ferry_fs::MountError::Target { source, .. } if source.kind() == std::io::ErrorKind::NotADirectory),
+        matches!(&err, ferry_fs::MountError::Target { error, .. } if error.kind() == std::io::ErrorKind::NotADirectory),
         "{err}"
     );
     assert!(!is_mounted(&elsewhere).unwrap());
