@@ -5,7 +5,8 @@
 //! | code / status / failure | [`Kind`] | [`StoreError`] |
 //! |---|---|---|
 //! | `NoSuchBucket` | NoSuchBucket | `NoSuchBucket` |
-//! | `NoSuchKey`, `NotFound`, `NoSuchUpload`, other 404 | NotFound | `NotFound` to a request about a key or an upload; `Other` to one about a bucket |
+//! | `NoSuchKey`, `NotFound`, `NoSuchUpload`, 404 without a code | NotFound | `NotFound` to a request about a key or an upload; `Other` to one about a bucket |
+//! | 404 with any other code | OtherNotFound | `Other` |
 //! | `AccessDenied`, `InvalidAccessKeyId`, `SignatureDoesNotMatch`, `ExpiredToken`, `InvalidToken`, `TokenRefreshRequired`, `AllAccessDisabled`, 401, 403 | AccessDenied | `AccessDenied` |
 //! | `RequestTimeTooSkewed`; any 403 to a request signed more than 4 min off the time its response shows (HeadObject and HeadBucket get a bare 403) | Skewed (retried: the next attempt signs with the server's clock) | `Transient` |
 //! | `PreconditionFailed`, 412 | PreconditionFailed | `PreconditionFailed` |
@@ -25,7 +26,10 @@
 //! proxy in front of S3 may answer anything it does not route with a 404 page of its own. Taken for
 //! a missing bucket, such an answer made DeleteVolume report a volume deleted while its data
 //! stayed. HeadBucket's answer has no body, so its 404 says nothing either way:
-//! [`crate::S3Store`] asks a one-key LIST of the bucket then, whose answer has the code.
+//! [`crate::S3Store`] asks a one-key LIST of the bucket then, whose answer has the code. A 404 about
+//! a key with a code that is not a not-found code (`XAdminUserNotFound` to a GET) does not say the
+//! key is missing either: a mount answers `EIO` and logs the code, not `ENOENT`. (HeadObject's 404
+//! has no body, so there it still reads as a missing key.)
 //! Which kinds are retried is [`crate::retry`]'s.
 //!
 //! `ExpiredToken` and `TokenRefreshRequired` are refusals (EACCES), not retried: the identity cache
@@ -65,6 +69,8 @@ pub(crate) enum Kind {
     Credentials,
     CredentialsUnavailable,
     Other,
+    /// A 404 whose code is none of the not-found codes: nothing is known to be missing.
+    OtherNotFound,
 }
 
 /// What a request was about, for error messages and for NotFound vs NoSuchBucket.
@@ -140,6 +146,12 @@ impl Failure {
             )),
             (Kind::NotFound, Target::Object(_, k)) => StoreError::NotFound(k.to_owned()),
             (Kind::NotFound, Target::Upload(..)) => StoreError::NotFound(detail),
+            (Kind::OtherNotFound, Target::Bucket(_)) => StoreError::Other(format!(
+                "{detail} (a 404 without the code NoSuchBucket: not taken to mean the bucket is missing)"
+            )),
+            (Kind::OtherNotFound, _) => StoreError::Other(format!(
+                "{detail} (a 404 whose code is not a not-found code: not taken to mean the object is missing)"
+            )),
             (Kind::AccessDenied, _) => StoreError::AccessDenied(detail),
             (Kind::PreconditionFailed, _) => StoreError::PreconditionFailed(detail),
             (Kind::InvalidRequest, _) => StoreError::InvalidRequest(detail),
@@ -183,6 +195,7 @@ pub(crate) fn classify(status: Option<u16>, code: Option<&str>) -> Kind {
         ) => return Kind::Throttled,
         Some("RequestTimeout" | "InternalError" | "OperationAborted") => return Kind::Transient,
         Some("InvalidRange") => return Kind::InvalidRequest,
+        Some(_) if status == Some(404) => return Kind::OtherNotFound,
         _ => {}
     }
     match status {
@@ -424,6 +437,15 @@ mod tests {
             let e = Failure::response(key, 404, code, None, None).into_store_error(key);
             assert_eq!(e, StoreError::NotFound("k".into()), "{code:?}");
         }
+        // A GET answered `404 XAdminUserNotFound`: the key is not known to be missing, and the
+        // message keeps what the server said.
+        let f = Failure::response(key, 404, Some("XAdminUserNotFound"), Some("No user"), None);
+        assert_eq!(f.kind, Kind::OtherNotFound);
+        let e = f.into_store_error(key);
+        assert!(
+            matches!(&e, StoreError::Other(m) if m.contains("XAdminUserNotFound") && m.contains("not taken to mean the object is missing")),
+            "{e:?}"
+        );
     }
 
     #[test]

@@ -116,6 +116,7 @@ mod tests {
             (Kind::Skewed, 4),
             (Kind::AccessDenied, 1),
             (Kind::NotFound, 1),
+            (Kind::OtherNotFound, 1),
             (Kind::Credentials, 1),
             (Kind::CredentialsUnavailable, 1),
         ] {
