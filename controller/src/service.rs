@@ -28,7 +28,7 @@ use ferry_csi::CsiError;
 use ferry_store::{ObjectStore, StoreError};
 use ferry_volume::keys;
 use ferry_volume::spec::volume_context;
-use ferry_volume::{DeletePolicy, StorageClassParams, VolumeId};
+use ferry_volume::{DeletePolicy, StorageClassParams, VolumeId, VolumeSpec};
 
 use crate::pvc::PvcAnnotations;
 use tonic::{Request, Response, Status};
@@ -357,15 +357,46 @@ impl Inner {
             Err(CsiError::FailedPrecondition(m)) => return Err(CsiError::NotFound(m)),
             other => other?,
         }
+        let not_confirmed = |message: String| {
+            Ok(pb::ValidateVolumeCapabilitiesResponse {
+                confirmed: None,
+                message,
+            })
+        };
         if !req.parameters.is_empty() {
-            StorageClassParams::parse(&req.parameters)?;
+            let params = StorageClassParams::parse(&req.parameters)?;
+            if params.bucket != id.bucket || !id.prefix.starts_with(&params.base_prefix) {
+                return not_confirmed(format!(
+                    "the parameters' bucket {} and base prefix {} do not hold volume {}",
+                    quote(&params.bucket),
+                    quote(&params.base_prefix),
+                    quote(volume_id)
+                ));
+            }
         }
         for cap in &req.volume_capabilities {
             if let Err(e) = capability::check(cap) {
-                return Ok(pb::ValidateVolumeCapabilitiesResponse {
-                    confirmed: None,
-                    message: e.to_string(),
-                });
+                return not_confirmed(e.to_string());
+            }
+            // Echoed back as confirmed only once checked as NodePublishVolume would take it:
+            // attributes it refuses, or another bucket or prefix than the id's, are not this volume.
+            if req.volume_context.is_empty() {
+                continue;
+            }
+            let spec =
+                match VolumeSpec::from_publish(&req.volume_context, capability::mount_flags(cap)) {
+                    Ok(spec) => spec,
+                    Err(e) => return not_confirmed(format!("volume_context: {e}")),
+                };
+            if spec.bucket != id.bucket || spec.prefix != id.prefix {
+                return not_confirmed(format!(
+                    "volume_context names bucket {} prefix {}, volume {} is bucket {} prefix {}",
+                    quote(&spec.bucket),
+                    quote(&spec.prefix),
+                    quote(volume_id),
+                    quote(&id.bucket),
+                    quote(&id.prefix)
+                ));
             }
         }
         Ok(pb::ValidateVolumeCapabilitiesResponse {
@@ -860,6 +891,62 @@ mod tests {
         assert!(
             refused.confirmed.is_none() && refused.message.contains("MULTI_NODE_SINGLE_WRITER")
         );
+        // The volume context and parameters are confirmed only once checked: the context as
+        // NodePublishVolume would take it, and naming this volume's bucket and prefix; the
+        // parameters holding it. Anything else is "not confirmed", with the reason.
+        let validate_with = |context: &[(&str, &str)], parameters: &[(&str, &str)]| {
+            let own = |kv: &[(&str, &str)]| -> HashMap<String, String> {
+                kv.iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect()
+            };
+            svc.validate(pb::ValidateVolumeCapabilitiesRequest {
+                volume_id: vol.volume_id.clone(),
+                volume_capabilities: vec![cap(Mode::SingleNodeWriter)],
+                volume_context: own(context),
+                parameters: own(parameters),
+                ..Default::default()
+            })
+        };
+        let echoed = validate_with(
+            &[("bucketName", "data"), ("prefix", "v3/")],
+            &[("bucketName", "data")],
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            echoed.confirmed.unwrap().volume_context["prefix"],
+            "v3/",
+            "{}",
+            echoed.message
+        );
+        for (context, parameters, why) in [
+            (
+                &[("colour", "blue")][..],
+                &[][..],
+                "unknown volume attribute",
+            ),
+            (
+                &[("bucketName", "bkt2"), ("prefix", "zzz/")],
+                &[],
+                "volume_context names bucket",
+            ),
+            (
+                &[("bucketName", "data")],
+                &[],
+                "volume_context names bucket",
+            ),
+            (&[], &[("bucketName", "bkt2")], "do not hold volume"),
+            (
+                &[],
+                &[("bucketName", "data"), ("basePrefix", "elsewhere/")],
+                "do not hold volume",
+            ),
+        ] {
+            let r = validate_with(context, parameters).await.unwrap();
+            assert!(r.confirmed.is_none(), "{context:?} {parameters:?}");
+            assert!(r.message.contains(why), "{why:?} in {}", r.message);
+        }
         // A capability missing its access mode or type is a malformed request, not "not
         // confirmed".
         let mut no_mode = cap(Mode::SingleNodeWriter);

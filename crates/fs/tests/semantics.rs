@@ -191,6 +191,11 @@ const CLAIMS: &[(&str, &str, How)] = &[
     ),
     (
         "Through CSI",
+        "Validating a volume",
+        Elsewhere("controller/src/service.rs", "validate_and_conflicts"),
+    ),
+    (
+        "Through CSI",
         "What unpublish touches",
         Elsewhere("e2e/tests/csi.rs", "a_foreign_mount_at_the_target_is_never_touched"),
     ),
