@@ -471,7 +471,13 @@ impl fmt::Display for AllowedEndpoints {
         if !self.aws.is_empty() {
             parts.push("the AWS S3 endpoints".to_string());
         }
-        parts.extend(self.patterns.iter().map(|p| p.text.clone()));
+        // An operator's pattern that is the default endpoint itself is said once.
+        parts.extend(
+            self.patterns
+                .iter()
+                .filter(|p| self.default.as_ref().is_none_or(|d| d.text != p.text))
+                .map(|p| p.text.clone()),
+        );
         if parts.is_empty() {
             return f.write_str("no endpoint but the driver's default");
         }
@@ -486,6 +492,16 @@ mod tests {
 
     fn list(s: &str) -> AllowedEndpoints {
         AllowedEndpoints::parse(s).unwrap()
+    }
+
+    /// The default endpoint also in the operator's list is named once in messages.
+    #[test]
+    fn the_default_endpoint_is_named_once() {
+        let a = list("http://127.0.0.1:7072,https://s3.example.com")
+            .with_default_endpoint(Some("http://127.0.0.1:7072"));
+        let text = a.to_string();
+        assert_eq!(text.matches("127.0.0.1:7072").count(), 1, "{text}");
+        assert!(text.contains("https://s3.example.com"), "{text}");
     }
 
     #[test]
