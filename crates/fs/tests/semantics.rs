@@ -1111,6 +1111,14 @@ fn op_create(c: &Ctx) {
         ),
         libc::EEXIST
     );
+    // Without allow_overwrite, an object someone else put at the new name while it was being
+    // written is kept: the close that would have replaced it is EEXIST (`If-None-Match: *`).
+    let m = c.mount(&p, |cfg| cfg.allow_overwrite = false);
+    let w = writing(&m.path("raced"), b"mine");
+    c.put(&p, "raced", b"theirs");
+    assert_eq!(errno(w.sync_all()), libc::EEXIST);
+    drop(w);
+    assert_eq!(c.key(&p, "raced").unwrap(), b"theirs");
 }
 
 fn op_open_write_existing(c: &Ctx) {

@@ -145,6 +145,15 @@ impl ObjectStore for InstrumentedStore {
         r
     }
 
+    async fn put_if_absent(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult> {
+        let n = body.len();
+        let r = timed("put", self.inner.put_if_absent(bucket, key, body)).await;
+        if r.is_ok() {
+            bytes_out(n);
+        }
+        r
+    }
+
     async fn create_multipart(&self, bucket: &str, key: &str) -> Result<String> {
         timed("create_multipart", self.inner.create_multipart(bucket, key)).await
     }
@@ -180,6 +189,21 @@ impl ObjectStore for InstrumentedStore {
         timed(
             "complete_multipart",
             self.inner.complete_multipart(bucket, key, upload_id, parts),
+        )
+        .await
+    }
+
+    async fn complete_multipart_if_absent(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+    ) -> Result<PutResult> {
+        timed(
+            "complete_multipart",
+            self.inner
+                .complete_multipart_if_absent(bucket, key, upload_id, parts),
         )
         .await
     }

@@ -21,28 +21,38 @@
 //!   both paths (`skew.rs`); requests are signed and credentials judged expired by it, and a 403
 //!   to a request signed more than 4 minutes off is retried. [`S3Options::time_source`] sets the
 //!   node's clock.
+//! - Conditional creates (`put_if_absent`, `complete_multipart_if_absent`) send `If-None-Match: *`.
+//!   A `412` to one is checked against the key's ETag first: the SDK may have retried a write whose
+//!   first answer was lost, and then the object found is this very write (its MD5 ETag, or the
+//!   multipart one from the parts' ETags). A server that answers the header `NotImplemented` (or
+//!   `501`) gets the write again without it, and this store sends it no more (logged once).
 //! - Per-attempt reports: [`S3Config::on_attempt`] is called once per HTTP attempt on both paths
 //!   ([`Attempt`]).
 
 use std::fmt;
 use std::ops::Range;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
 use async_trait::async_trait;
 use aws_config::meta::region::RegionProviderChain;
 use aws_config::BehaviorVersion;
+use aws_sdk_s3::config::http::HttpResponse;
 use aws_sdk_s3::config::retry::RetryConfig;
 use aws_sdk_s3::config::timeout::TimeoutConfig;
 use aws_sdk_s3::config::{
     Credentials, IdentityCache, Region, RequestChecksumCalculation, ResponseChecksumValidation,
     SharedCredentialsProvider,
 };
-use aws_sdk_s3::error::ProvideErrorMetadata;
+use aws_sdk_s3::error::{ProvideErrorMetadata, SdkError};
+use aws_sdk_s3::operation::complete_multipart_upload::CompleteMultipartUploadError;
+use aws_sdk_s3::operation::put_object::PutObjectError;
 use aws_sdk_s3::primitives::{ByteStream, DateTime};
 use aws_sdk_s3::types::{CompletedMultipartUpload, Delete, EncodingType, ObjectIdentifier};
 use aws_smithy_async::time::SharedTimeSource;
 use bytes::Bytes;
+use md5::Digest;
 use secrecy::{ExposeSecret, SecretString};
 
 mod attempt;
@@ -214,6 +224,9 @@ pub struct S3Store {
     credentials: Option<SharedCredentialsProvider>,
     /// GETs without the SDK's orchestrator ([`S3Options::raw_get`]; needs a credentials provider).
     raw_get: Option<Arc<raw_get::RawGet>>,
+    /// The server answered `If-None-Match: *` on a write `NotImplemented`: creates are not
+    /// conditional on it.
+    no_conditional_writes: Arc<std::sync::atomic::AtomicBool>,
 }
 
 impl fmt::Debug for S3Store {
@@ -382,6 +395,7 @@ impl S3Store {
             opts,
             credentials: shared.credentials_provider(),
             raw_get,
+            no_conditional_writes: Default::default(),
         })
     }
 
@@ -441,6 +455,96 @@ impl S3Store {
     }
 
     /// Per-request settings for an upload of `len` bytes: more time per attempt when large.
+    /// PutObject, `If-None-Match: *` when `if_absent`.
+    async fn send_put(
+        &self,
+        bucket: &str,
+        key: &str,
+        body: Bytes,
+        if_absent: bool,
+    ) -> std::result::Result<PutResult, SdkError<PutObjectError, HttpResponse>> {
+        let len = body.len();
+        let mut op = self
+            .client
+            .put_object()
+            .bucket(bucket)
+            .key(key)
+            .body(ByteStream::from(body))
+            .set_if_none_match(if_absent.then(|| "*".to_owned()))
+            .customize();
+        if let Some(o) = self.upload_override(len) {
+            op = op.config_override(o);
+        }
+        let out = op.send().await?;
+        Ok(PutResult {
+            etag: out.e_tag().map(str::to_owned),
+        })
+    }
+
+    /// CompleteMultipartUpload, `If-None-Match: *` when `if_absent`.
+    async fn send_complete(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+        if_absent: bool,
+    ) -> std::result::Result<PutResult, SdkError<CompleteMultipartUploadError, HttpResponse>> {
+        let parts = parts
+            .into_iter()
+            .map(|p| {
+                aws_sdk_s3::types::CompletedPart::builder()
+                    .part_number(p.part_number)
+                    .e_tag(p.etag)
+                    .build()
+            })
+            .collect();
+        let out = self
+            .client
+            .complete_multipart_upload()
+            .bucket(bucket)
+            .key(key)
+            .upload_id(upload_id)
+            .multipart_upload(
+                CompletedMultipartUpload::builder()
+                    .set_parts(Some(parts))
+                    .build(),
+            )
+            .set_if_none_match(if_absent.then(|| "*".to_owned()))
+            .send()
+            .await?;
+        Ok(PutResult {
+            etag: out.e_tag().map(str::to_owned),
+        })
+    }
+
+    /// A conditional create refused with `refused`: unless the object at `key` is this very
+    /// write (ETag `ours`: the SDK retried a write whose first answer was lost), the refusal.
+    async fn own_write_or(
+        &self,
+        bucket: &str,
+        key: &str,
+        ours: &str,
+        refused: StoreError,
+    ) -> Result<PutResult> {
+        match self.head(bucket, key).await {
+            Ok(info) if info.etag.as_deref() == Some(ours) => Ok(PutResult {
+                etag: Some(ours.to_owned()),
+            }),
+            _ => Err(refused),
+        }
+    }
+
+    fn conditional_writes_unsupported<E: ProvideErrorMetadata>(&self, err: &E) {
+        if !self.no_conditional_writes.swap(true, Ordering::Relaxed) {
+            tracing::warn!(
+                endpoint = %self.endpoint_id,
+                code = err.code().unwrap_or("-"),
+                "the S3 server does not implement If-None-Match on writes: creates of new names may replace an object put meanwhile by someone else"
+            );
+        }
+    }
+
     fn upload_override(&self, len: usize) -> Option<aws_sdk_s3::config::Builder> {
         let needed = Duration::from_secs(len as u64 / SLOW_UPLOAD_BYTES_PER_SEC);
         (needed > self.opts.attempt_timeout).then(|| {
@@ -944,24 +1048,36 @@ impl ObjectStore for S3Store {
     }
 
     async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult> {
-        let len = body.len();
-        let mut op = self
-            .client
-            .put_object()
-            .bucket(bucket)
-            .key(key)
-            .body(ByteStream::from(body))
-            .customize();
-        if let Some(o) = self.upload_override(len) {
-            op = op.config_override(o);
-        }
-        let out = op
-            .send()
+        self.send_put(bucket, key, body, false)
             .await
-            .map_err(|e| map_sdk_error(e, Target::Object(bucket, key)))?;
-        Ok(PutResult {
-            etag: out.e_tag().map(str::to_owned),
-        })
+            .map_err(|e| map_sdk_error(e, Target::Object(bucket, key)))
+    }
+
+    async fn put_if_absent(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult> {
+        if self.no_conditional_writes.load(Ordering::Relaxed) {
+            return self.put(bucket, key, body).await;
+        }
+        let err = match self.send_put(bucket, key, body.clone(), true).await {
+            Ok(put) => return Ok(put),
+            Err(e) => e,
+        };
+        match condition_answer(&err) {
+            Some(ConditionAnswer::Unsupported) => {
+                self.conditional_writes_unsupported(&err);
+                self.put(bucket, key, body).await
+            }
+            Some(ConditionAnswer::Refused) => {
+                let ours = format!("\"{}\"", hex(&md5::Md5::digest(&body)));
+                self.own_write_or(
+                    bucket,
+                    key,
+                    &ours,
+                    map_sdk_error(err, Target::Object(bucket, key)),
+                )
+                .await
+            }
+            None => Err(map_sdk_error(err, Target::Object(bucket, key))),
+        }
     }
 
     async fn create_multipart(&self, bucket: &str, key: &str) -> Result<String> {
@@ -1020,32 +1136,44 @@ impl ObjectStore for S3Store {
         upload_id: &str,
         parts: Vec<CompletedPart>,
     ) -> Result<PutResult> {
-        let parts = parts
-            .into_iter()
-            .map(|p| {
-                aws_sdk_s3::types::CompletedPart::builder()
-                    .part_number(p.part_number)
-                    .e_tag(p.etag)
-                    .build()
-            })
-            .collect();
-        let out = self
-            .client
-            .complete_multipart_upload()
-            .bucket(bucket)
-            .key(key)
-            .upload_id(upload_id)
-            .multipart_upload(
-                CompletedMultipartUpload::builder()
-                    .set_parts(Some(parts))
-                    .build(),
-            )
-            .send()
+        self.send_complete(bucket, key, upload_id, parts, false)
             .await
-            .map_err(|e| map_sdk_error(e, Target::Upload(bucket, key, upload_id)))?;
-        Ok(PutResult {
-            etag: out.e_tag().map(str::to_owned),
-        })
+            .map_err(|e| map_sdk_error(e, Target::Upload(bucket, key, upload_id)))
+    }
+
+    async fn complete_multipart_if_absent(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+    ) -> Result<PutResult> {
+        if self.no_conditional_writes.load(Ordering::Relaxed) {
+            return self.complete_multipart(bucket, key, upload_id, parts).await;
+        }
+        let ours = multipart_etag(&parts);
+        let err = match self
+            .send_complete(bucket, key, upload_id, parts.clone(), true)
+            .await
+        {
+            Ok(put) => return Ok(put),
+            Err(e) => e,
+        };
+        let target = Target::Upload(bucket, key, upload_id);
+        match condition_answer(&err) {
+            Some(ConditionAnswer::Unsupported) => {
+                self.conditional_writes_unsupported(&err);
+                self.complete_multipart(bucket, key, upload_id, parts).await
+            }
+            Some(ConditionAnswer::Refused) => match ours {
+                Some(ours) => {
+                    self.own_write_or(bucket, key, &ours, map_sdk_error(err, target))
+                        .await
+                }
+                None => Err(map_sdk_error(err, target)),
+            },
+            None => Err(map_sdk_error(err, target)),
+        }
     }
 
     async fn abort_multipart(&self, bucket: &str, key: &str, upload_id: &str) -> Result<()> {
@@ -1135,6 +1263,53 @@ impl ObjectStore for S3Store {
             Some(first) => Err(delete_error(bucket, first, out.errors().len())),
         }
     }
+}
+
+/// What a server's refusal of a conditional write says about the condition.
+#[derive(Debug, PartialEq, Eq)]
+enum ConditionAnswer {
+    /// `412`: an object has the key.
+    Refused,
+    /// `NotImplemented` or `501`: the server does not take the header.
+    Unsupported,
+}
+
+fn condition_answer<E: ProvideErrorMetadata>(
+    err: &SdkError<E, HttpResponse>,
+) -> Option<ConditionAnswer> {
+    let status = err.raw_response().map(|r| r.status().as_u16());
+    match (err.code(), status) {
+        // `ConditionalRequestConflict` (409): a write to the key raced this one.
+        (Some("PreconditionFailed" | "ConditionalRequestConflict"), _) | (_, Some(412)) => {
+            Some(ConditionAnswer::Refused)
+        }
+        (Some("NotImplemented"), _) | (_, Some(501)) => Some(ConditionAnswer::Unsupported),
+        _ => None,
+    }
+}
+
+/// The ETag S3 gives a multipart object of `parts` (the MD5 of their MD5s, `-` their count), if
+/// every part's ETag is an MD5.
+fn multipart_etag(parts: &[CompletedPart]) -> Option<String> {
+    let mut digests = Vec::with_capacity(parts.len() * 16);
+    for p in parts {
+        let h = p.etag.trim_matches('"');
+        if h.len() != 32 {
+            return None;
+        }
+        for i in (0..32).step_by(2) {
+            digests.push(u8::from_str_radix(h.get(i..i + 2)?, 16).ok()?);
+        }
+    }
+    Some(format!(
+        "\"{}-{}\"",
+        hex(&md5::Md5::digest(&digests)),
+        parts.len()
+    ))
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 /// Whether `url` is an AWS S3 endpoint (a host under `amazonaws.com` or `amazonaws.com.cn`: a

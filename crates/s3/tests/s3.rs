@@ -83,6 +83,7 @@ both!(
     if_match,
     multipart_upload,
     multipart_abort_and_errors,
+    creates_only_if_absent,
     list_uploads,
     delete_many_and_delete_prefix,
     missing_bucket_and_keys,
@@ -594,6 +595,77 @@ async fn multipart_upload(store: &dyn ObjectStore, bucket: &str) {
     );
     let c = b + p2.len() as u64;
     assert_eq!(at(c, 2000).await.unwrap(), p3);
+}
+
+/// `If-None-Match: *` on PUT and on CompleteMultipartUpload: a key nobody has is created, one an
+/// object has is refused (PreconditionFailed) and the object is kept; a refused complete leaves
+/// the upload to abort.
+async fn creates_only_if_absent(store: &dyn ObjectStore, bucket: &str) {
+    let key = "cond/new";
+    store
+        .put_if_absent(bucket, key, Bytes::from_static(b"first"))
+        .await
+        .unwrap();
+    let e = store
+        .put_if_absent(bucket, key, Bytes::from_static(b"second"))
+        .await
+        .unwrap_err();
+    assert!(matches!(e, StoreError::PreconditionFailed(_)), "{e:?}");
+    let got = store.get_range(bucket, key, 0..5, None).await.unwrap();
+    assert_eq!(&got[..], b"first");
+
+    let part = part_data(9, 1000);
+    for (key, exists) in [("cond/mp-new", false), (key, true)] {
+        let id = store.create_multipart(bucket, key).await.unwrap();
+        let c1 = store
+            .upload_part(bucket, key, &id, 1, part.clone())
+            .await
+            .unwrap();
+        let done = store
+            .complete_multipart_if_absent(bucket, key, &id, vec![c1])
+            .await;
+        if !exists {
+            done.unwrap();
+            let info = store.head(bucket, key).await.unwrap();
+            assert_eq!(info.size, part.len() as u64);
+            continue;
+        }
+        let e = done.unwrap_err();
+        assert!(matches!(e, StoreError::PreconditionFailed(_)), "{e:?}");
+        let got = store.get_range(bucket, key, 0..5, None).await.unwrap();
+        assert_eq!(&got[..], b"first");
+        store.abort_multipart(bucket, key, &id).await.unwrap();
+    }
+}
+
+/// A conditional create refused because the object found is this very write (the SDK retried
+/// a write whose answer was lost: here, the same bytes put again) is the write's success, by
+/// its MD5 ETag, for a PUT and for a multipart upload alike.
+#[tokio::test]
+async fn a_refused_create_that_finds_its_own_bytes_succeeds() {
+    ferry_testkit::init_tracing();
+    let server = S3Server::start();
+    server.create_bucket(B).await;
+    let store = server.store().await;
+    let body = Bytes::from_static(b"the same bytes");
+    let first = store.put_if_absent(B, "own", body.clone()).await.unwrap();
+    let again = store.put_if_absent(B, "own", body).await.unwrap();
+    assert_eq!(first.etag, again.etag);
+    let part = part_data(3, 2000);
+    let mut etags = Vec::new();
+    for _ in 0..2 {
+        let id = store.create_multipart(B, "own-mp").await.unwrap();
+        let c = store
+            .upload_part(B, "own-mp", &id, 1, part.clone())
+            .await
+            .unwrap();
+        let done = store
+            .complete_multipart_if_absent(B, "own-mp", &id, vec![c])
+            .await
+            .unwrap();
+        etags.push(done.etag);
+    }
+    assert_eq!(etags[0], etags[1]);
 }
 
 async fn multipart_abort_and_errors(store: &dyn ObjectStore, bucket: &str) {

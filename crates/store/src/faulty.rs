@@ -433,6 +433,11 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         self.run(Op::Put, self.inner.put(bucket, key, body)).await
     }
 
+    async fn put_if_absent(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult> {
+        self.run(Op::Put, self.inner.put_if_absent(bucket, key, body))
+            .await
+    }
+
     async fn create_multipart(&self, bucket: &str, key: &str) -> Result<String> {
         self.run(
             Op::CreateMultipart,
@@ -467,6 +472,21 @@ impl<S: ObjectStore> ObjectStore for FaultyStore<S> {
         self.run(
             Op::CompleteMultipart,
             self.inner.complete_multipart(bucket, key, upload_id, parts),
+        )
+        .await
+    }
+
+    async fn complete_multipart_if_absent(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+    ) -> Result<PutResult> {
+        self.run(
+            Op::CompleteMultipart,
+            self.inner
+                .complete_multipart_if_absent(bucket, key, upload_id, parts),
         )
         .await
     }

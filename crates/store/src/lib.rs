@@ -332,6 +332,10 @@ pub trait ObjectStore: Send + Sync + Debug + 'static {
 
     async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult>;
 
+    /// [`ObjectStore::put`] only if no object has the key (`If-None-Match: *`): PreconditionFailed
+    /// if one does. A server that ignores the header replaces it, as `put` does.
+    async fn put_if_absent(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult>;
+
     /// Starts a multipart upload and returns its upload id.
     async fn create_multipart(&self, bucket: &str, key: &str) -> Result<String>;
     async fn upload_part(
@@ -343,6 +347,15 @@ pub trait ObjectStore: Send + Sync + Debug + 'static {
         body: Bytes,
     ) -> Result<CompletedPart>;
     async fn complete_multipart(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+    ) -> Result<PutResult>;
+    /// [`ObjectStore::complete_multipart`] only if no object has the key, as
+    /// [`ObjectStore::put_if_absent`]. Refused, the upload stays (to complete or abort).
+    async fn complete_multipart_if_absent(
         &self,
         bucket: &str,
         key: &str,
@@ -642,6 +655,9 @@ impl<T: ObjectStore + ?Sized> ObjectStore for Arc<T> {
     async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult> {
         (**self).put(bucket, key, body).await
     }
+    async fn put_if_absent(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult> {
+        (**self).put_if_absent(bucket, key, body).await
+    }
     async fn create_multipart(&self, bucket: &str, key: &str) -> Result<String> {
         (**self).create_multipart(bucket, key).await
     }
@@ -666,6 +682,17 @@ impl<T: ObjectStore + ?Sized> ObjectStore for Arc<T> {
     ) -> Result<PutResult> {
         (**self)
             .complete_multipart(bucket, key, upload_id, parts)
+            .await
+    }
+    async fn complete_multipart_if_absent(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+    ) -> Result<PutResult> {
+        (**self)
+            .complete_multipart_if_absent(bucket, key, upload_id, parts)
             .await
     }
     async fn abort_multipart(&self, bucket: &str, key: &str, upload_id: &str) -> Result<()> {
@@ -760,6 +787,9 @@ mod tests {
         async fn put(&self, b: &str, k: &str, body: Bytes) -> Result<PutResult> {
             self.inner.put(b, k, body).await
         }
+        async fn put_if_absent(&self, b: &str, k: &str, body: Bytes) -> Result<PutResult> {
+            self.inner.put_if_absent(b, k, body).await
+        }
         async fn create_multipart(&self, b: &str, k: &str) -> Result<String> {
             self.inner.create_multipart(b, k).await
         }
@@ -781,6 +811,17 @@ mod tests {
             parts: Vec<CompletedPart>,
         ) -> Result<PutResult> {
             self.inner.complete_multipart(b, k, u, parts).await
+        }
+        async fn complete_multipart_if_absent(
+            &self,
+            b: &str,
+            k: &str,
+            u: &str,
+            parts: Vec<CompletedPart>,
+        ) -> Result<PutResult> {
+            self.inner
+                .complete_multipart_if_absent(b, k, u, parts)
+                .await
         }
         async fn abort_multipart(&self, b: &str, k: &str, u: &str) -> Result<()> {
             use std::sync::atomic::Ordering::SeqCst;

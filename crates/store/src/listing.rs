@@ -713,6 +713,9 @@ mod tests {
         async fn put(&self, b: &str, k: &str, body: Bytes) -> Result<crate::PutResult> {
             self.inner.put(b, k, body).await
         }
+        async fn put_if_absent(&self, b: &str, k: &str, body: Bytes) -> Result<crate::PutResult> {
+            self.inner.put_if_absent(b, k, body).await
+        }
         async fn create_multipart(&self, b: &str, k: &str) -> Result<String> {
             self.inner.create_multipart(b, k).await
         }
@@ -734,6 +737,17 @@ mod tests {
             parts: Vec<crate::CompletedPart>,
         ) -> Result<crate::PutResult> {
             self.inner.complete_multipart(b, k, u, parts).await
+        }
+        async fn complete_multipart_if_absent(
+            &self,
+            b: &str,
+            k: &str,
+            u: &str,
+            parts: Vec<crate::CompletedPart>,
+        ) -> Result<crate::PutResult> {
+            self.inner
+                .complete_multipart_if_absent(b, k, u, parts)
+                .await
         }
         async fn abort_multipart(&self, b: &str, k: &str, u: &str) -> Result<()> {
             self.inner.abort_multipart(b, k, u).await

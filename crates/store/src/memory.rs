@@ -294,6 +294,103 @@ impl MemoryStore {
     }
 
     /// Counts the request and hands the bucket to `f`.
+    /// PutObject; `if_absent`: refused (PreconditionFailed) when an object has the key.
+    fn put_object(
+        &self,
+        bucket: &str,
+        key: &str,
+        body: Bytes,
+        if_absent: bool,
+    ) -> Result<PutResult> {
+        self.with_bucket(Op::Put, bucket, |b, stats, _| {
+            check_key(key)?;
+            if if_absent && b.objects.contains_key(key) {
+                return Err(StoreError::PreconditionFailed(format!(
+                    "{key}: an object has the key (If-None-Match: *)"
+                )));
+            }
+            stats.put_bytes += body.len() as u64;
+            let object = Object::new(body, now());
+            let etag = object.etag.clone();
+            b.objects.insert(key.to_owned(), object);
+            Ok(PutResult { etag: Some(etag) })
+        })
+    }
+
+    /// CompleteMultipartUpload; `if_absent`: refused (PreconditionFailed, the upload kept) when
+    /// an object has the key.
+    fn complete(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+        if_absent: bool,
+    ) -> Result<PutResult> {
+        self.with_bucket(Op::CompleteMultipart, bucket, |b, _, min_part| {
+            let exists = b.objects.contains_key(key);
+            let upload = find_upload(b, key, upload_id)?;
+            if if_absent && exists {
+                return Err(StoreError::PreconditionFailed(format!(
+                    "completing {key}: an object has the key (If-None-Match: *)"
+                )));
+            }
+            if parts.is_empty() {
+                return Err(StoreError::InvalidRequest(format!(
+                    "completing {key}: no parts given (MalformedXML)"
+                )));
+            }
+            if parts.windows(2).any(|w| w[0].part_number >= w[1].part_number) {
+                return Err(StoreError::InvalidRequest(format!(
+                    "completing {key}: part numbers must ascend (InvalidPartOrder)"
+                )));
+            }
+            let mut chosen = Vec::with_capacity(parts.len());
+            for (i, part) in parts.iter().enumerate() {
+                let (data, etag) = upload
+                    .parts
+                    .get(&part.part_number)
+                    .filter(|(_, etag)| etag_matches(&part.etag, etag))
+                    .ok_or_else(|| {
+                        StoreError::InvalidRequest(format!(
+                            "completing {key}: part {} with ETag {} was not uploaded (InvalidPart)",
+                            part.part_number, part.etag
+                        ))
+                    })?;
+                if i + 1 < parts.len() && (data.len() as u64) < min_part {
+                    return Err(StoreError::InvalidRequest(format!(
+                        "completing {key}: part {} is {} bytes, below the {min_part}-byte minimum (EntityTooSmall)",
+                        part.part_number,
+                        data.len()
+                    )));
+                }
+                chosen.push((data.clone(), etag.clone()));
+            }
+            let total: usize = chosen.iter().map(|(d, _)| d.len()).sum();
+            let mut body = BytesMut::with_capacity(total);
+            let mut digests = Vec::with_capacity(chosen.len() * 16);
+            for (data, _) in &chosen {
+                body.extend_from_slice(data);
+                digests.extend_from_slice(&md5_digest(data));
+            }
+            let etag = format!(
+                "\"{}-{}\"",
+                hex(&md5_digest(&digests)),
+                chosen.len()
+            );
+            b.uploads.remove(upload_id);
+            b.objects.insert(
+                key.to_owned(),
+                Object {
+                    data: body.freeze(),
+                    etag: etag.clone(),
+                    last_modified: now(),
+                },
+            );
+            Ok(PutResult { etag: Some(etag) })
+        })
+    }
+
     fn with_bucket<T>(
         &self,
         op: Op,
@@ -525,14 +622,11 @@ impl ObjectStore for MemoryStore {
     }
 
     async fn put(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult> {
-        self.with_bucket(Op::Put, bucket, |b, stats, _| {
-            check_key(key)?;
-            stats.put_bytes += body.len() as u64;
-            let object = Object::new(body, now());
-            let etag = object.etag.clone();
-            b.objects.insert(key.to_owned(), object);
-            Ok(PutResult { etag: Some(etag) })
-        })
+        self.put_object(bucket, key, body, false)
+    }
+
+    async fn put_if_absent(&self, bucket: &str, key: &str, body: Bytes) -> Result<PutResult> {
+        self.put_object(bucket, key, body, true)
     }
 
     async fn create_multipart(&self, bucket: &str, key: &str) -> Result<String> {
@@ -585,62 +679,17 @@ impl ObjectStore for MemoryStore {
         upload_id: &str,
         parts: Vec<CompletedPart>,
     ) -> Result<PutResult> {
-        self.with_bucket(Op::CompleteMultipart, bucket, |b, _, min_part| {
-            let upload = find_upload(b, key, upload_id)?;
-            if parts.is_empty() {
-                return Err(StoreError::InvalidRequest(format!(
-                    "completing {key}: no parts given (MalformedXML)"
-                )));
-            }
-            if parts.windows(2).any(|w| w[0].part_number >= w[1].part_number) {
-                return Err(StoreError::InvalidRequest(format!(
-                    "completing {key}: part numbers must ascend (InvalidPartOrder)"
-                )));
-            }
-            let mut chosen = Vec::with_capacity(parts.len());
-            for (i, part) in parts.iter().enumerate() {
-                let (data, etag) = upload
-                    .parts
-                    .get(&part.part_number)
-                    .filter(|(_, etag)| etag_matches(&part.etag, etag))
-                    .ok_or_else(|| {
-                        StoreError::InvalidRequest(format!(
-                            "completing {key}: part {} with ETag {} was not uploaded (InvalidPart)",
-                            part.part_number, part.etag
-                        ))
-                    })?;
-                if i + 1 < parts.len() && (data.len() as u64) < min_part {
-                    return Err(StoreError::InvalidRequest(format!(
-                        "completing {key}: part {} is {} bytes, below the {min_part}-byte minimum (EntityTooSmall)",
-                        part.part_number,
-                        data.len()
-                    )));
-                }
-                chosen.push((data.clone(), etag.clone()));
-            }
-            let total: usize = chosen.iter().map(|(d, _)| d.len()).sum();
-            let mut body = BytesMut::with_capacity(total);
-            let mut digests = Vec::with_capacity(chosen.len() * 16);
-            for (data, _) in &chosen {
-                body.extend_from_slice(data);
-                digests.extend_from_slice(&md5_digest(data));
-            }
-            let etag = format!(
-                "\"{}-{}\"",
-                hex(&md5_digest(&digests)),
-                chosen.len()
-            );
-            b.uploads.remove(upload_id);
-            b.objects.insert(
-                key.to_owned(),
-                Object {
-                    data: body.freeze(),
-                    etag: etag.clone(),
-                    last_modified: now(),
-                },
-            );
-            Ok(PutResult { etag: Some(etag) })
-        })
+        self.complete(bucket, key, upload_id, parts, false)
+    }
+
+    async fn complete_multipart_if_absent(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+    ) -> Result<PutResult> {
+        self.complete(bucket, key, upload_id, parts, true)
     }
 
     async fn abort_multipart(&self, bucket: &str, key: &str, upload_id: &str) -> Result<()> {

@@ -971,6 +971,44 @@ async fn overwrite_rules() {
     assert_eq!(read_all(&fs, ino, 100).await, b"new!");
 }
 
+/// A new name on a mount that may not replace objects is created only if still absent: an
+/// object someone else put at the key after this mount looked is kept, and `close` is `EEXIST`
+/// (PUT and multipart alike). A mount that may replace objects replaces it, as it would have
+/// had it seen it.
+#[tokio::test]
+async fn a_new_name_never_replaces_an_object_put_meanwhile_without_allow_overwrite() {
+    let big = data(PART_SIZE + 4096, 7);
+    for body in [&b"mine"[..], &big[..]] {
+        let (store, fs) = setup(|c| c.allow_overwrite = false);
+        let (e, o) = fs.create(ROOT_INO, n("race"), PID).await.unwrap();
+        fs.write(o.fh, 0, body).await.unwrap();
+        store.insert(B, "race", &b"theirs"[..]);
+        assert_eq!(
+            errno(fs.flush(o.fh, || PID).await),
+            libc::EEXIST,
+            "{}",
+            body.len()
+        );
+        // The failed upload's handle: its release says so again (the kernel ignores it).
+        assert_eq!(errno(fs.release(o.fh).await), libc::EIO);
+        assert_eq!(store.get_object(B, "race").unwrap(), &b"theirs"[..]);
+        assert!(
+            store.uploads(B).is_empty(),
+            "the multipart upload is aborted"
+        );
+        // The mount sees their object, not a ghost of its own.
+        assert_eq!(read_all(&fs, e.attr.ino, 100).await, b"theirs");
+
+        let (store, fs) = setup(|c| c.allow_overwrite = true);
+        let (_, o) = fs.create(ROOT_INO, n("race"), PID).await.unwrap();
+        fs.write(o.fh, 0, body).await.unwrap();
+        store.insert(B, "race", &b"theirs"[..]);
+        fs.flush(o.fh, || PID).await.unwrap();
+        fs.release(o.fh).await.unwrap();
+        assert_eq!(store.get_object(B, "race").unwrap(), body);
+    }
+}
+
 #[tokio::test]
 async fn read_only_mount_refuses_every_mutation() {
     let (store, fs) = setup(|c| c.read_only = true);
@@ -1151,6 +1189,14 @@ impl ObjectStore for Hooked {
     async fn put(&self, bucket: &str, key: &str, body: Bytes) -> ferry_store::Result<PutResult> {
         self.inner.put(bucket, key, body).await
     }
+    async fn put_if_absent(
+        &self,
+        bucket: &str,
+        key: &str,
+        body: Bytes,
+    ) -> ferry_store::Result<PutResult> {
+        self.inner.put_if_absent(bucket, key, body).await
+    }
     async fn create_multipart(&self, bucket: &str, key: &str) -> ferry_store::Result<String> {
         self.inner.create_multipart(bucket, key).await
     }
@@ -1175,6 +1221,17 @@ impl ObjectStore for Hooked {
     ) -> ferry_store::Result<PutResult> {
         self.inner
             .complete_multipart(bucket, key, upload_id, parts)
+            .await
+    }
+    async fn complete_multipart_if_absent(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        parts: Vec<CompletedPart>,
+    ) -> ferry_store::Result<PutResult> {
+        self.inner
+            .complete_multipart_if_absent(bucket, key, upload_id, parts)
             .await
     }
     async fn abort_multipart(

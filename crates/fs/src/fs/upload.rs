@@ -260,13 +260,19 @@ impl Fs {
             WriteStatus::Completed => return Ok(()),
             WriteStatus::Failed => return Err(FsError::UploadFailed),
         }
+        // A new name, on a mount that may not replace objects: created only if still absent
+        // (`If-None-Match: *`), so that an object someone else put there since this mount looked
+        // is never replaced; refused, the file is not created (`EEXIST`).
+        let if_absent = !w.replaces && !self.cfg.allow_overwrite;
         let result = match w.upload.is_some() {
             false => {
                 let body = Bytes::from(std::mem::take(&mut w.pending));
-                self.store
-                    .put(self.bucket(), &w.key, body)
-                    .await
-                    .map_err(FsError::from)
+                let put = if if_absent {
+                    self.store.put_if_absent(self.bucket(), &w.key, body).await
+                } else {
+                    self.store.put(self.bucket(), &w.key, body).await
+                };
+                put.map_err(|e| created_elsewhere(e, if_absent))
             }
             true => {
                 let last = std::mem::take(&mut w.pending);
@@ -287,10 +293,15 @@ impl Fs {
                                 etag: p.etag.clone(),
                             })
                             .collect();
-                        self.store
-                            .complete_multipart(self.bucket(), &w.key, &up.upload_id, parts)
-                            .await
-                            .map_err(FsError::from)
+                        let (b, k, id) = (self.bucket(), &w.key, &up.upload_id);
+                        let done = if if_absent {
+                            self.store
+                                .complete_multipart_if_absent(b, k, id, parts)
+                                .await
+                        } else {
+                            self.store.complete_multipart(b, k, id, parts).await
+                        };
+                        done.map_err(|e| created_elsewhere(e, if_absent))
                     }
                 }
             }
@@ -383,5 +394,17 @@ impl Fs {
             Handle::Write(w) => self.complete(w).await,
             Handle::Read(_) | Handle::Dir(_) => Ok(()),
         }
+    }
+}
+
+/// A conditional create refused because an object has the key (put by someone else since this
+/// mount looked) is `EEXIST`; every other failure is the store's.
+fn created_elsewhere(e: StoreError, if_absent: bool) -> FsError {
+    match e {
+        StoreError::PreconditionFailed(_) if if_absent => {
+            tracing::warn!(error = %e, "not created: an object was put at this key meanwhile, and this mount may not replace objects");
+            FsError::Exists
+        }
+        e => FsError::from(e),
     }
 }
