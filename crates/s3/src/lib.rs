@@ -477,7 +477,7 @@ impl S3Store {
         }
         let out = op.send().await?;
         Ok(PutResult {
-            etag: out.e_tag().map(str::to_owned),
+            etag: etag_of(out.e_tag()),
         })
     }
 
@@ -514,7 +514,7 @@ impl S3Store {
             .send()
             .await?;
         Ok(PutResult {
-            etag: out.e_tag().map(str::to_owned),
+            etag: etag_of(out.e_tag()),
         })
     }
 
@@ -648,7 +648,7 @@ impl S3Store {
         check_version(
             &what,
             pin,
-            out.e_tag(),
+            etag_of(out.e_tag()).as_deref(),
             to_system_time(out.last_modified()),
             content_range.as_deref(),
             declared,
@@ -739,7 +739,7 @@ fn list_page(
             Some(ObjectInfo {
                 key: text(o.key()?)?,
                 size: size_of(o.size()),
-                etag: o.e_tag().map(str::to_owned),
+                etag: etag_of(o.e_tag()),
                 last_modified: to_system_time(o.last_modified()),
             })
         })
@@ -947,7 +947,7 @@ impl ObjectStore for S3Store {
         Ok(ObjectInfo {
             key: key.to_owned(),
             size: size_of(out.content_length()),
-            etag: out.e_tag().map(str::to_owned),
+            etag: etag_of(out.e_tag()),
             last_modified: to_system_time(out.last_modified()),
         })
     }
@@ -978,7 +978,7 @@ impl ObjectStore for S3Store {
                 e => return Err(e),
             },
         };
-        let etag = out.e_tag().map(str::to_owned);
+        let etag = etag_of(out.e_tag());
         let last_modified = to_system_time(out.last_modified());
         let size = match out.content_range() {
             Some(range) => range
@@ -1121,7 +1121,7 @@ impl ObjectStore for S3Store {
             .send()
             .await
             .map_err(|e| map_sdk_error(e, Target::Upload(bucket, key, upload_id)))?;
-        let etag = out.e_tag().map(str::to_owned).ok_or_else(|| {
+        let etag = etag_of(out.e_tag()).ok_or_else(|| {
             StoreError::Other(format!(
                 "UploadPart {bucket}/{key} part {part_number}: no ETag in the response"
             ))
@@ -1263,6 +1263,20 @@ impl ObjectStore for S3Store {
             Some(first) => Err(delete_error(bucket, first, out.errors().len())),
         }
     }
+}
+
+/// An ETag as the server sent it, or `None` when it sent an empty one (versitygw's posix backend
+/// lists files put in its directory by other means with `<ETag></ETag>`): an empty ETag is the
+/// same for every version, so taken for one it would make two versions look alike (the kernel's
+/// page cache and the node cache would serve the old bytes for the new version).
+pub(crate) fn etag_of(e: Option<&str>) -> Option<String> {
+    e.filter(|e| {
+        !e.trim()
+            .trim_start_matches("W/")
+            .trim_matches('"')
+            .is_empty()
+    })
+    .map(str::to_owned)
 }
 
 /// What a server's refusal of a conditional write says about the condition.

@@ -294,7 +294,7 @@ impl RawGet {
         let last_modified = header("last-modified")
             .and_then(|v| DateTime::from_str(&v, DateTimeFormat::HttpDate).ok())
             .and_then(|t| SystemTime::try_from(t).ok());
-        let etag = header("etag");
+        let etag = crate::etag_of(header("etag").as_deref());
         let body = ByteStream::new(resp.into_body());
         if (200..300).contains(&status) {
             check_version(

@@ -638,6 +638,36 @@ async fn creates_only_if_absent(store: &dyn ObjectStore, bucket: &str) {
     }
 }
 
+/// versitygw (posix backend) lists a file put in its directory by other means with an empty ETag
+/// (`<ETag></ETag>`) and sends none on HEAD and GET. An empty ETag is the same for every version:
+/// taken for one, two versions of the file looked alike and old bytes were served for the new
+/// one. The store answers no ETag instead, on every path.
+#[tokio::test]
+async fn an_empty_etag_is_no_etag() {
+    ferry_testkit::init_tracing();
+    let server = S3Server::start();
+    server.create_bucket(B).await;
+    std::fs::write(server.root().join(B).join("plain"), b"put beside S3").unwrap();
+    let store = server.store().await;
+    let page = store
+        .list(
+            B,
+            ListRequest {
+                prefix: "",
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    let listed = page.objects.iter().find(|o| o.key == "plain").unwrap();
+    assert_eq!(listed.etag, None, "LIST");
+    assert_eq!(store.head(B, "plain").await.unwrap().etag, None, "HEAD");
+    let probed = store.head_readable(B, "plain").await.unwrap();
+    assert_eq!(probed.info.etag, None, "GET of the first byte");
+    let got = store.get_range(B, "plain", 0..3, None).await.unwrap();
+    assert_eq!(&got[..], b"put");
+}
+
 /// A conditional create refused because the object found is this very write (the SDK retried
 /// a write whose answer was lost: here, the same bytes put again) is the write's success, by
 /// its MD5 ETag, for a PUT and for a multipart upload alike.

@@ -157,10 +157,12 @@ impl Fs {
             // at the old size, silently).
             let mut new_version = false;
             if inode.meta.as_ref() != Some(&meta) {
-                new_version = inode
-                    .meta
-                    .as_ref()
-                    .is_some_and(|old| old.etag != meta.etag || old.size != meta.size);
+                new_version = inode.meta.as_ref().is_some_and(|old| {
+                    old.etag != meta.etag
+                            || old.size != meta.size
+                            // Without an ETag, the modification time tells versions apart.
+                            || (meta.etag.is_none() && old.mtime != meta.mtime)
+                });
                 inode.meta = Some(meta.clone());
                 inode.valid = valid;
             }
