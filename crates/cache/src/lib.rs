@@ -50,7 +50,7 @@ use std::io::{self, Write};
 use std::ops::Range;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Instant, SystemTime};
 
@@ -492,6 +492,8 @@ pub struct BlockCache {
     dirs_made: watch::Sender<bool>,
     counters: Counters,
     tmp_seq: AtomicU64,
+    /// `statvfs` of the cache's directory failed the last time it was asked ([`Self::free_on_disk`]).
+    statvfs_failing: AtomicBool,
     /// This process's temporary block files: `blocks/xx/{tmp_prefix}{seq}` (never a block's
     /// name, so the index thread deletes those a dead process left).
     tmp_prefix: String,
@@ -649,6 +651,7 @@ impl BlockCache {
             dirs_made: watch::channel(false).0,
             counters: Counters::default(),
             tmp_seq: AtomicU64::new(0),
+            statvfs_failing: AtomicBool::new(false),
             tmp_prefix: format!(
                 "{TMP_MARK}{:x}-",
                 SystemTime::now()
@@ -1910,13 +1913,22 @@ impl BlockCache {
         }
     }
 
-    /// Bytes available on the cache's filesystem; `None` (logged) if `statvfs` fails.
+    /// Bytes available on the cache's filesystem; `None` if `statvfs` fails (logged once until it
+    /// works again: it is asked before every write). Asked of the cache's own directory, not of
+    /// `blocks/`: a `blocks/` removed by hand is made again by the next write.
     fn free_on_disk(&self) -> Option<u64> {
-        space::available(&self.blocks_dir)
-            .inspect_err(|e| {
-                tracing::warn!(dir = %self.cfg.dir.display(), error = %e, "cache: statvfs failed");
-            })
-            .ok()
+        match space::available(&self.cfg.dir) {
+            Ok(free) => {
+                self.statvfs_failing.store(false, Ordering::Relaxed);
+                Some(free)
+            }
+            Err(e) => {
+                if !self.statvfs_failing.swap(true, Ordering::Relaxed) {
+                    tracing::warn!(dir = %self.cfg.dir.display(), error = %e, "cache: statvfs failed; nothing is stored until it works again");
+                }
+                None
+            }
+        }
     }
 
     /// Whether `len` more bytes would leave `min_free` free on the cache's filesystem, which has
