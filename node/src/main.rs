@@ -267,6 +267,18 @@ fn mount_context(
             .with_context(|| format!("opening the cache at {}", dir.display()))?;
         let c = cache.config();
         tracing::info!(dir = %dir.display(), max_size = c.max_size, min_free = c.min_free, block_size = c.block_size, "node cache opened; indexing its blocks in the background");
+        // Blocks waiting to be written hold at most a share of the budget: below one block,
+        // the cache can store nothing at all, which would otherwise go unsaid.
+        let queue = ctx.budget.limit() / ferry_fs::fs::CACHE_QUEUE_SHARE;
+        if queue < c.block_size {
+            tracing::warn!(
+                memory_budget = ctx.budget.limit(),
+                block_size = c.block_size,
+                "the node cache can store nothing: blocks waiting to be written may hold 1/{} of the memory budget ({queue} bytes), less than one block; raise --memory-budget to at least {} bytes or lower --cache-block-size",
+                ferry_fs::fs::CACHE_QUEUE_SHARE,
+                c.block_size * ferry_fs::fs::CACHE_QUEUE_SHARE
+            );
+        }
         ctx.cache = Some(cache);
     }
     tracing::info!(memory_budget = ctx.budget.limit(), "mount context ready");

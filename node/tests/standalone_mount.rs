@@ -486,3 +486,51 @@ fn a_custom_endpoint_without_a_region_never_asks_imds() {
     assert!(!err.to_ascii_lowercase().contains("imds"), "{err}");
     assert!(!err.contains("169.254.169.254"), "{err}");
 }
+
+/// A memory budget whose share for blocks waiting to be written is less than one block leaves
+/// the node cache storing nothing: said at start, not left to be found in the metrics.
+#[test]
+fn a_budget_too_small_for_one_cache_block_is_said_at_start() {
+    let Some(s3) = server_for_fuse(&[("a.txt", "hello")]) else {
+        return;
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let (target, cache) = (dir.path().join("m"), dir.path().join("cache"));
+    std::fs::create_dir(&target).unwrap();
+    let mut child = ferry_node(
+        &s3,
+        (s3.access_key(), s3.secret_key()),
+        &[
+            BUCKET,
+            target.to_str().unwrap(),
+            "--foreground",
+            "--cache",
+            cache.to_str().unwrap(),
+            "--memory-budget",
+            "4MiB",
+        ],
+    )
+    .stderr(std::process::Stdio::piped())
+    .spawn()
+    .unwrap();
+    let started = Instant::now();
+    while !mounted(&target) {
+        if let Some(status) = child.try_wait().unwrap() {
+            let out = child.wait_with_output().unwrap();
+            panic!("the mount exited ({status}): {}", stderr(&out));
+        }
+        assert!(started.elapsed() < PATIENCE, "no mount in {PATIENCE:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let read = std::fs::read_to_string(target.join("a.txt"));
+    let umount = Command::new("umount").arg(&target).status().unwrap();
+    let out = child.wait_with_output().unwrap();
+    let err = stderr(&out);
+    assert_eq!(read.unwrap(), "hello");
+    assert!(umount.success());
+    assert!(err.contains("the node cache can store nothing"), "{err}");
+    assert!(
+        err.contains("33554432 bytes"),
+        "names the budget it needs: {err}"
+    );
+}

@@ -287,7 +287,7 @@ impl FsState {
 /// Blocks waiting for the node cache's writers hold at most this share of the memory budget
 /// (1/8: 128 MiB of the default 1 GiB, so the cache's own 64 MiB cap is what binds there): on
 /// a small budget, writers that fall behind leave the rest to the readers' prefetch.
-const CACHE_QUEUE_SHARE: u64 = 8;
+pub const CACHE_QUEUE_SHARE: u64 = 8;
 
 /// Most pages a lookup's background listing of a directory reads (see [`Fs::probe_dir`]).
 const PROBE_PAGES: usize = 10;
