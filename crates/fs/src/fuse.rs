@@ -23,7 +23,7 @@ use fuser::{
 use tokio::runtime::Handle;
 
 use crate::error::FsError;
-use crate::fs::{Attr, DirEntry, DirSink, Fs, Opened, SetAttr};
+use crate::fs::{Attr, Closer, DirEntry, DirSink, Fs, Opened, SetAttr};
 use crate::handover::{Gate, KernelInit};
 use crate::names::Kind;
 
@@ -347,6 +347,36 @@ fn tgid(pid: u32) -> u32 {
                 .and_then(|v| v.trim().parse().ok())
         })
         .unwrap_or(pid)
+}
+
+/// Whether thread `pid` is exiting on a fatal signal (`kill -9`, an OOM kill, a crash, the
+/// default action of SIGTERM): `/proc/<pid>/stat` shows the kernel's `PF_EXITING` and an exit
+/// code that is a signal number (set before the kernel closes the dying process's files; a normal
+/// `exit(n)` is `n << 8`). `false` when the thread cannot be seen (pid 0: outside the mount's pid
+/// namespace) or is gone.
+fn killed(pid: u32) -> bool {
+    if pid == 0 {
+        return false;
+    }
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    killed_by_stat(&stat)
+}
+
+/// [`killed`] from the text of `/proc/<pid>/stat`: the fields after the command name (which may
+/// hold spaces and parentheses) are state (3), ..., flags (9), ..., exit_code (52).
+fn killed_by_stat(stat: &str) -> bool {
+    const PF_EXITING: u64 = 0x4;
+    let Some((_, rest)) = stat.rsplit_once(')') else {
+        return false;
+    };
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let field = |n: usize| fields.get(n - 3).and_then(|v| v.parse::<u64>().ok());
+    match (field(9), field(52)) {
+        (Some(flags), Some(exit_code)) => flags & PF_EXITING != 0 && exit_code & 0x7f != 0,
+        _ => false,
+    }
 }
 
 struct PlainSink<'a>(&'a mut ReplyDirectory);
@@ -727,7 +757,11 @@ impl Filesystem for FuseAdapter {
     ) {
         let pid = req.pid();
         self.serve("flush", move |fs| async move {
-            match fs.flush(fh.0, || tgid(pid)).await {
+            let closer = || Closer {
+                tgid: tgid(pid),
+                killed: killed(pid),
+            };
+            match fs.flush_by(fh.0, closer).await {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(errno("flush", &e)),
             }
@@ -736,7 +770,7 @@ impl Filesystem for FuseAdapter {
 
     fn release(
         &self,
-        _req: &Request,
+        req: &Request,
         _ino: INodeNo,
         fh: FileHandle,
         _flags: OpenFlags,
@@ -745,9 +779,10 @@ impl Filesystem for FuseAdapter {
         reply: ReplyEmpty,
     ) {
         let pt = self.pt.clone();
+        let pid = req.pid();
         self.serve("release", move |fs| async move {
             pt.closed(fh.0);
-            match fs.release(fh.0).await {
+            match fs.release_by(fh.0, || killed(pid)).await {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(errno("release", &e)),
             }
@@ -1026,5 +1061,37 @@ impl Filesystem for FuseAdapter {
                 Err(e) => reply.error(errno("create", &e)),
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod killed_tests {
+    use super::killed_by_stat;
+
+    /// `/proc/<pid>/stat` of a thread: pid, (comm), state, ppid, ..., flags (9), ..., exit_code
+    /// (52), with a command name that holds a space and a parenthesis.
+    fn stat(flags: u64, exit_code: u64) -> String {
+        let mut fields = vec!["R".to_owned()];
+        fields.extend((4..=52).map(|n| match n {
+            9 => flags.to_string(),
+            52 => exit_code.to_string(),
+            _ => "0".to_owned(),
+        }));
+        format!("4242 (a (b) c) {}\n", fields.join(" "))
+    }
+
+    #[test]
+    fn only_a_thread_exiting_on_a_signal_is_killed() {
+        const PF_EXITING: u64 = 0x4;
+        assert!(killed_by_stat(&stat(PF_EXITING | 0x400000, 9)), "SIGKILL");
+        assert!(killed_by_stat(&stat(PF_EXITING, 15)), "SIGTERM's default");
+        assert!(
+            killed_by_stat(&stat(PF_EXITING, 0x80 | 11)),
+            "SIGSEGV, core"
+        );
+        assert!(!killed_by_stat(&stat(PF_EXITING, 0)), "exit(0)");
+        assert!(!killed_by_stat(&stat(PF_EXITING, 1 << 8)), "exit(1)");
+        assert!(!killed_by_stat(&stat(0x400000, 0)), "running");
+        assert!(!killed_by_stat("4242 (cut short) R 1"), "malformed");
     }
 }

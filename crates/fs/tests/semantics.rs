@@ -1279,8 +1279,34 @@ fn op_write(c: &Ctx) {
 }
 
 fn op_close(c: &Ctx) {
-    let p = c.prefix(&[]);
+    let p = c.prefix(&[("ckpt", b"the good checkpoint")]);
     let m = c.mount(&p, |_| {});
+    // A process killed mid-file: the kernel closes its files with the flush a close sends.
+    // Killed (`kill -9`, or SIGTERM's default action): nothing committed, a replaced object
+    // kept. Exited without closing: completed, as a close would have.
+    let run = |name: &str, end: &str| {
+        let status = std::process::Command::new("python3")
+            .arg("-c")
+            .arg(format!(
+                "import os, signal, sys\n\
+                 fd = os.open(sys.argv[1], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)\n\
+                 os.write(fd, bytes(100000))\n\
+                 {end}"
+            ))
+            .arg(m.path(name))
+            .status()
+            .expect("python3 runs the writer");
+        status.code()
+    };
+    let kill = "os.kill(os.getpid(), signal.SIGKILL)";
+    assert_eq!(run("ckpt", kill), None, "killed by a signal");
+    assert_eq!(c.key(&p, "ckpt").unwrap(), b"the good checkpoint");
+    assert_eq!(run("cut", kill), None);
+    assert_eq!(c.key(&p, "cut"), None, "no truncated object");
+    assert_eq!(run("termed", "os.kill(os.getpid(), signal.SIGTERM)"), None);
+    assert_eq!(c.key(&p, "termed"), None);
+    assert_eq!(run("exited", "os._exit(0)"), Some(0));
+    assert_eq!(c.key(&p, "exited").unwrap().len(), 100000);
     // Closed with nothing written (completed at the last close, which reaches Ferry a moment
     // after close returned): removed or opened at once, as `tempfile` and lock files do.
     for i in 0..5 {

@@ -284,6 +284,15 @@ impl FsState {
     }
 }
 
+/// Who closes a file (`flush`, `release`), as the FUSE adapter finds the calling thread.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Closer {
+    /// Its process (thread group) id in the mount's pid namespace; 0 when not visible there.
+    pub tgid: u32,
+    /// The thread is exiting on a fatal signal: the kernel is closing a killed process's files.
+    pub killed: bool,
+}
+
 /// Blocks waiting for the node cache's writers hold at most this share of the memory budget
 /// (1/8: 128 MiB of the default 1 GiB, so the cache's own 64 MiB cap is what binds there): on
 /// a small budget, writers that fall behind leave the rest to the readers' prefetch.
@@ -776,12 +785,24 @@ impl Fs {
 
     /// `release` (last close): completes an upload still open and forgets the handle.
     pub async fn release(&self, fh: u64) -> Result<(), FsError> {
+        self.release_by(fh, || false).await
+    }
+
+    /// [`Fs::release`]; `killed` (asked only of a write handle whose upload is open with data):
+    /// the last close is a process's on its way out of a fatal signal, and the upload is
+    /// abandoned, not completed (see [`Fs::flush_by`]).
+    pub async fn release_by(&self, fh: u64, killed: impl FnOnce() -> bool) -> Result<(), FsError> {
         let h = self.lock().handles.remove(fh).ok_or_else(bad_fh)?;
         let mut g = h.lock().await;
         match &mut *g {
             Handle::Write(w) => {
                 // Counted as a cached-mode open until its last close, also once completed.
                 self.lock().io_closed(w.ino, false, false);
+                if w.written > 0 && w.status == WriteStatus::Open && killed() {
+                    tracing::warn!(key = %w.key, bytes = w.written, "the last process holding a file being written was killed: its upload is abandoned (never a truncated object)");
+                    self.fail_write(w).await;
+                    return Err(FsError::UploadFailed);
+                }
                 self.complete(w).await
             }
             Handle::Read(r) => {

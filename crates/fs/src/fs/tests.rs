@@ -1009,6 +1009,72 @@ async fn a_new_name_never_replaces_an_object_put_meanwhile_without_allow_overwri
     }
 }
 
+/// The kernel closes a killed process's files with the same `flush` a `close` sends: the
+/// opener's flush on its way out of a fatal signal abandons the upload (no truncated object, a
+/// replaced one kept), and so does a last close (`release`) by a killed process. A normal exit
+/// without `close` completes it, as ever.
+#[tokio::test]
+async fn a_writer_killed_mid_file_never_commits_a_truncated_object() {
+    let (store, fs) = setup(|_| {});
+    store.insert(B, "ckpt", &b"the good checkpoint"[..]);
+    let ino = walk(&fs, "ckpt").await.unwrap().attr.ino;
+    let o = fs
+        .open(ino, libc::O_WRONLY | libc::O_TRUNC, PID)
+        .await
+        .unwrap();
+    fs.write(o.fh, 0, b"half a new").await.unwrap();
+    let killed = Closer {
+        tgid: PID,
+        killed: true,
+    };
+    assert_eq!(errno(fs.flush_by(o.fh, || killed).await), libc::EIO);
+    assert_eq!(errno(fs.release(o.fh).await), libc::EIO);
+    assert_eq!(
+        store.get_object(B, "ckpt").unwrap(),
+        &b"the good checkpoint"[..]
+    );
+    // A forked child killed: not the opener, nothing happens; the opener's close completes.
+    let (_, o) = fs.create(ROOT_INO, n("new"), PID).await.unwrap();
+    fs.write(o.fh, 0, b"whole").await.unwrap();
+    let child = Closer {
+        tgid: PID + 1,
+        killed: true,
+    };
+    fs.flush_by(o.fh, || child).await.unwrap();
+    assert!(store.get_object(B, "new").is_none());
+    fs.flush(o.fh, || PID).await.unwrap();
+    fs.release(o.fh).await.unwrap();
+    assert_eq!(store.get_object(B, "new").unwrap(), &b"whole"[..]);
+    // The last close by a killed process (its opener's flush did nothing: below).
+    let (_, o) = fs.create_for(ROOT_INO, n("last"), 0, None).await.unwrap();
+    fs.write(o.fh, 0, b"cut").await.unwrap();
+    assert_eq!(errno(fs.release_by(o.fh, || true).await), libc::EIO);
+    assert!(store.get_object(B, "last").is_none());
+}
+
+/// An opener outside the node plugin's pid namespace is seen as pid 0, as are all its children:
+/// no flush can tell the opener's from a child's, so none completes the upload (a child's would
+/// commit the file cut where it was); the last close does.
+#[tokio::test]
+async fn an_opener_this_mount_cannot_see_is_completed_by_the_last_close() {
+    let (store, fs) = setup(|_| {});
+    let (_, o) = fs
+        .create_for(ROOT_INO, n("log.csv"), 0, None)
+        .await
+        .unwrap();
+    fs.write(o.fh, 0, b"line 1\n").await.unwrap();
+    // `subprocess.run`: the child's copy of the descriptor closed.
+    fs.flush(o.fh, || 0).await.unwrap();
+    assert!(store.get_object(B, "log.csv").is_none());
+    fs.write(o.fh, 7, b"line 2\n").await.unwrap();
+    fs.flush(o.fh, || 0).await.unwrap();
+    fs.release(o.fh).await.unwrap();
+    assert_eq!(
+        store.get_object(B, "log.csv").unwrap(),
+        &b"line 1\nline 2\n"[..]
+    );
+}
+
 #[tokio::test]
 async fn read_only_mount_refuses_every_mutation() {
     let (store, fs) = setup(|c| c.read_only = true);

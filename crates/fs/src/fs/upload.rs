@@ -374,12 +374,36 @@ impl Fs {
     /// write handle with data. A failed upload is reported to the opener's flush even with
     /// nothing written (a write handle recovered from the journal has lost what was written).
     pub async fn flush(&self, fh: u64, pid: impl FnOnce() -> u32) -> Result<(), FsError> {
+        self.flush_by(fh, || Closer {
+            tgid: pid(),
+            killed: false,
+        })
+        .await
+    }
+
+    /// [`Fs::flush`] by `closer`. The opener's close on its way out of a fatal signal (`kill -9`,
+    /// an OOM kill, a crash: the kernel closes a dying process's files) abandons the upload, as an
+    /// unmount does: a file cut off mid-write is never committed as a truncated object, nor does
+    /// it replace a good one. An opener this mount cannot see (tgid 0: a process outside the
+    /// node plugin's pid namespace) cannot be told from its children, whose closes must not
+    /// complete it: its upload is completed by the last close (`release`) only.
+    pub async fn flush_by(&self, fh: u64, closer: impl FnOnce() -> Closer) -> Result<(), FsError> {
         let h = self.handle(fh)?;
         let mut g = h.lock().await;
         match &mut *g {
-            Handle::Write(w)
-                if (w.written > 0 || w.status == WriteStatus::Failed) && w.pid == pid() =>
-            {
+            Handle::Write(w) if w.written > 0 || w.status == WriteStatus::Failed => {
+                if w.pid == 0 {
+                    return Ok(());
+                }
+                let c = closer();
+                if c.tgid != w.pid {
+                    return Ok(());
+                }
+                if c.killed && w.status == WriteStatus::Open {
+                    tracing::warn!(key = %w.key, bytes = w.written, "the writing process was killed mid-file: its upload is abandoned (never a truncated object)");
+                    self.fail_write(w).await;
+                    return Err(FsError::UploadFailed);
+                }
                 self.complete(w).await
             }
             Handle::Write(_) | Handle::Read(_) | Handle::Dir(_) => Ok(()),
