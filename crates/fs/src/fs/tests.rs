@@ -2141,10 +2141,9 @@ async fn write_buffers_are_charged_to_the_budget_until_the_upload_completes() {
     }
     assert!(budget.used() >= 7 << 20);
     assert_eq!(budget.used(), (PART_SIZE + (3 << 20)) as u64);
-    // Past a part: the part is uploaded and the charge shrinks back to what is left buffered.
+    // Past a part: the part is uploaded and the charge stays, for the next part.
     fs.write(o.fh, 7 << 20, &data(2 << 20, 2)).await.unwrap();
-    assert!(budget.used() >= 1 << 20);
-    assert!(budget.used() < 4 << 20, "{} still charged", budget.used());
+    assert_eq!(budget.used(), (PART_SIZE + (3 << 20)) as u64);
     fs.flush(o.fh, || PID).await.unwrap();
     assert_eq!(budget.used(), 0, "given back when the upload completed");
     fs.release(o.fh).await.unwrap();
@@ -2231,6 +2230,38 @@ async fn a_writer_that_cannot_get_memory_goes_over_the_budget_after_a_bounded_wa
     drop(held);
     assert_eq!(budget.used(), 0);
     assert_eq!(mem.get_object(B, "f").unwrap().len(), 100);
+}
+
+/// Writers that stopped mid-file hold the budget (each its part's charge, until it closes): a
+/// writer that goes on waits the bounded wait twice for its first part, and never again for the
+/// next ones (each part asked for its memory again, twice, waiting the whole wait each time).
+#[tokio::test(start_paused = true)]
+async fn a_writer_beside_stopped_writers_waits_for_its_first_part_only() {
+    let (mem, store) = faulty();
+    let budget = MemoryBudget::new(16 << 20);
+    let fs = writable_with_budget(store, budget.clone());
+    for name in ["stopped-1", "stopped-2"] {
+        let (_, o) = fs.create(ROOT_INO, n(name), PID).await.unwrap();
+        fs.write(o.fh, 0, &data(3 << 20, 1)).await.unwrap();
+    }
+    assert!(budget.used() >= 16 << 20, "{} charged", budget.used());
+    let (_, o) = fs.create(ROOT_INO, n("going-on"), PID).await.unwrap();
+    let wait = PrefetchConfig::default().write_budget_wait;
+    let start = tokio::time::Instant::now();
+    let mut at = 0u64;
+    while at < 4 * PART_SIZE as u64 {
+        fs.write(o.fh, at, &data(1 << 20, 2)).await.unwrap();
+        at += 1 << 20;
+    }
+    let waited = start.elapsed();
+    assert!(waited >= wait, "it waited for the budget first");
+    assert!(
+        waited <= 2 * wait + Duration::from_millis(100),
+        "waited {waited:?} for four parts"
+    );
+    fs.flush(o.fh, || PID).await.unwrap();
+    fs.release(o.fh).await.unwrap();
+    assert_eq!(mem.get_object(B, "going-on").unwrap().len(), 4 * PART_SIZE);
 }
 
 /// A cold `readdir` after the lookup that brought a directory's first page answers from that

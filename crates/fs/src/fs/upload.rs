@@ -156,9 +156,11 @@ impl Fs {
                     return Err(e);
                 }
             }
-            // The uploaded parts' memory is free again; the charge follows the buffer.
-            w.memory
-                .shrink_to((w.pending.capacity() as u64).max(WRITE_CHARGE_MIN));
+            // The uploaded parts' memory is free again, and the charge stays: the next part is
+            // buffered under it without asking the budget again. Given back each part, it was
+            // asked again twice a part, and with the budget held by writers that stopped
+            // mid-file (each keeps its part's charge until it closes) every such ask waited the
+            // whole bounded wait: writers went at a part per two waits.
         }
         self.set_local_size(w.ino, w.written);
         u32::try_from(len).map_err(|_| FsError::InvalidArgument("write larger than 4 GiB"))
@@ -167,13 +169,18 @@ impl Fs {
     /// Charges `w`'s buffer to the memory budget for `need` bytes, waiting for the budget (at most
     /// [`PrefetchConfig::write_budget_wait`]) if need be. The charge grows by doubling from
     /// [`WRITE_CHARGE_MIN`] to [`WRITE_CHARGE_STEP`] (a small file's buffer), then at once to a
-    /// whole part plus the write, and shrinks back to the buffer once a part is uploaded. So a
-    /// writer that waits holds at most [`WRITE_CHARGE_STEP`]: writers never wait on each other
-    /// while each holds part of a part (which only the bounded wait would end).
+    /// whole part plus the write, and stays there until the upload completes or fails (the next
+    /// parts are buffered under it). So a writer waits at most twice a file while its writes keep
+    /// their size, and one that waits for its part holds at most [`WRITE_CHARGE_STEP`].
     async fn charge_buffer(&self, w: &mut WriteHandle, need: usize) {
         let need = need as u64;
         let have = w.memory.bytes();
         if need <= have {
+            // Under the charge, the buffer still grows to what is charged (below), never by
+            // `Vec`'s doubling.
+            if w.pending.capacity() < need as usize {
+                w.pending.reserve_exact(have as usize - w.pending.len());
+            }
             return;
         }
         let write = need.saturating_sub(w.pending.len() as u64);
