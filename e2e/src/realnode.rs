@@ -561,6 +561,9 @@ async fn upload_dataset(env: &Env, prefix: &str, seed: u64, count: usize) -> Res
 /// nothing else.
 async fn dynamic_rwx(env: &Env) -> Result<()> {
     say("a. dynamic RWX PVC: pod A writes, pod B reads; deleting the PVC empties its prefix only");
+    // Besides the files it checksums, pod A writes one through a shell whose child processes
+    // inherit it (their exits must not complete it: the node plugin sees them in the node's pid
+    // namespace) and has a writer killed mid-file (`kill -9`: nothing may be committed).
     crate::kube::create_pvc(&env.kube, NS, "shared", "scratch", "ReadWriteMany", None).await?;
     let pv = wait_bound(env, "shared").await?;
     let prefix = crate::kube::pv_prefix(&pv)?;
@@ -570,7 +573,10 @@ async fn dynamic_rwx(env: &Env) -> Result<()> {
         "set -e; mkdir -p /data/run; cd /data/run; \
          for i in 1 2 3 4 5; do head -c $((i * 300007 + 17)) /dev/urandom > part-$i.bin; done; \
          head -c 5 /dev/urandom > tiny.bin; : > empty.bin; \
-         sha256sum part-*.bin tiny.bin empty.bin > SHA256SUMS; cat SHA256SUMS",
+         sha256sum part-*.bin tiny.bin empty.bin > SHA256SUMS; cat SHA256SUMS; \
+         { echo one; sh -c 'exit 0'; echo two; } > forked.txt; \
+         dd if=/dev/urandom of=killed.bin bs=1048576 count=100000 2>/dev/null & dd=$!; \
+         sleep 2; kill -9 $dd; wait $dd || echo \"dd killed: $?\"",
         &[("shared", "/data", false)],
         None,
     )
@@ -598,6 +604,26 @@ async fn dynamic_rwx(env: &Env) -> Result<()> {
     }
     ensure!(n == 7, "SHA256SUMS lists {n} files, not 7:\n{sums}");
     println!("    pod writer wrote 7 files; S3 holds the same bytes (sha256)");
+    let forked = crate::kube::read_object(
+        &env.s3,
+        &env.target.bucket,
+        &format!("{prefix}run/forked.txt"),
+    )
+    .await?;
+    ensure!(
+        &forked[..] == b"one\ntwo\n",
+        "forked.txt holds {:?}: a child process's exit completed the file early",
+        String::from_utf8_lossy(&forked)
+    );
+    let killed = format!("{prefix}run/killed.bin");
+    ensure!(
+        crate::kube::count(&env.s3, &env.target.bucket, &killed).await? == 0,
+        "s3://{}/{killed}: a writer killed mid-file left an object",
+        env.target.bucket
+    );
+    println!(
+        "    a child's exit left its parent's file open; a writer killed mid-file left no object"
+    );
     run_pod(
         env,
         "reader",
