@@ -2141,13 +2141,17 @@ async fn write_buffers_are_charged_to_the_budget_until_the_upload_completes() {
     }
     assert!(budget.used() >= 7 << 20);
     assert_eq!(budget.used(), (PART_SIZE + (3 << 20)) as u64);
-    // Past a part: the part is uploaded and the charge stays, for the next part.
+    // Past a part: the part is uploaded and the charge stays a part and a write of this size,
+    // for the next part.
     fs.write(o.fh, 7 << 20, &data(2 << 20, 2)).await.unwrap();
-    assert_eq!(budget.used(), (PART_SIZE + (3 << 20)) as u64);
+    assert_eq!(budget.used(), (PART_SIZE + (2 << 20)) as u64);
+    // After one huge write, a part and a part at most.
+    fs.write(o.fh, 9 << 20, &data(40 << 20, 3)).await.unwrap();
+    assert_eq!(budget.used(), 2 * PART_SIZE as u64);
     fs.flush(o.fh, || PID).await.unwrap();
     assert_eq!(budget.used(), 0, "given back when the upload completed");
     fs.release(o.fh).await.unwrap();
-    assert_eq!(mem.get_object(B, "f").unwrap().len(), 9 << 20);
+    assert_eq!(mem.get_object(B, "f").unwrap().len(), 49 << 20);
 
     // An abandoned upload (unmounted before any close) gives its charge back too.
     let (_, o) = fs.create(ROOT_INO, n("g"), PID).await.unwrap();

@@ -156,11 +156,14 @@ impl Fs {
                     return Err(e);
                 }
             }
-            // The uploaded parts' memory is free again, and the charge stays: the next part is
-            // buffered under it without asking the budget again. Given back each part, it was
-            // asked again twice a part, and with the budget held by writers that stopped
-            // mid-file (each keeps its part's charge until it closes) every such ask waited the
-            // whole bounded wait: writers went at a part per two waits.
+            // The uploaded parts' memory is free again, and the charge stays a part plus a write
+            // of this size (no more, after one huge write): the next part is buffered under it
+            // without asking the budget again. Given back each part, it was asked again twice a
+            // part, and with the budget held by writers that stopped mid-file (each keeps its
+            // part's charge until it closes) every such ask waited the whole bounded wait:
+            // writers went at a part per two waits.
+            let keep = PART_SIZE as u64 + len.min(PART_SIZE as u64);
+            w.memory.shrink_to(keep.max(w.pending.capacity() as u64));
         }
         self.set_local_size(w.ino, w.written);
         u32::try_from(len).map_err(|_| FsError::InvalidArgument("write larger than 4 GiB"))
@@ -169,8 +172,8 @@ impl Fs {
     /// Charges `w`'s buffer to the memory budget for `need` bytes, waiting for the budget (at most
     /// [`PrefetchConfig::write_budget_wait`]) if need be. The charge grows by doubling from
     /// [`WRITE_CHARGE_MIN`] to [`WRITE_CHARGE_STEP`] (a small file's buffer), then at once to a
-    /// whole part plus the write, and stays there until the upload completes or fails (the next
-    /// parts are buffered under it). So a writer waits at most twice a file while its writes keep
+    /// whole part plus the write, and stays there (a part plus the last write, two parts at most)
+    /// until the upload completes or fails: the next parts are buffered under it. So a writer waits at most twice a file while its writes keep
     /// their size, and one that waits for its part holds at most [`WRITE_CHARGE_STEP`].
     async fn charge_buffer(&self, w: &mut WriteHandle, need: usize) {
         let need = need as u64;
