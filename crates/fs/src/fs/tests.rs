@@ -2236,6 +2236,45 @@ async fn a_writer_that_cannot_get_memory_goes_over_the_budget_after_a_bounded_wa
     assert_eq!(mem.get_object(B, "f").unwrap().len(), 100);
 }
 
+/// A part that fails for a reason that may pass (here a server restarting: connections refused
+/// through the store's own retries) is tried again for about a minute: the file is kept whole.
+/// Longer, or a refusal, fails the upload (nothing committed).
+#[tokio::test(start_paused = true)]
+async fn a_part_upload_outlives_a_short_outage() {
+    let (mem, store) = faulty();
+    let fs = writable_with_budget(store.clone(), MemoryBudget::new(64 << 20));
+    let body = data(2 * PART_SIZE + 5, 9);
+    let down = || StoreError::Transient("connection refused".into());
+    store.fail_next(ferry_store::Op::UploadPart, 3, down());
+    let (_, o) = fs.create(ROOT_INO, n("kept"), PID).await.unwrap();
+    let start = tokio::time::Instant::now();
+    fs.write(o.fh, 0, &body).await.unwrap();
+    assert!(start.elapsed() >= Duration::from_secs(2 + 4 + 8));
+    fs.flush(o.fh, || PID).await.unwrap();
+    fs.release(o.fh).await.unwrap();
+    assert_eq!(mem.get_object(B, "kept").unwrap(), &body[..]);
+
+    store.fail_next(ferry_store::Op::UploadPart, 6, down());
+    let (_, o) = fs.create(ROOT_INO, n("lost"), PID).await.unwrap();
+    assert_eq!(errno(fs.write(o.fh, 0, &body).await), libc::EIO);
+    assert_eq!(errno(fs.release(o.fh).await), libc::EIO);
+    store.fail_next(
+        ferry_store::Op::UploadPart,
+        1,
+        StoreError::AccessDenied("no".into()),
+    );
+    let (_, o) = fs.create(ROOT_INO, n("refused"), PID).await.unwrap();
+    let start = tokio::time::Instant::now();
+    assert_eq!(errno(fs.write(o.fh, 0, &body).await), libc::EACCES);
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "a refusal is not tried again"
+    );
+    assert_eq!(errno(fs.release(o.fh).await), libc::EIO);
+    assert!(mem.get_object(B, "lost").is_none() && mem.get_object(B, "refused").is_none());
+    assert!(mem.uploads(B).is_empty());
+}
+
 /// Writers that stopped mid-file hold the budget (each its part's charge, until it closes): a
 /// writer that goes on waits the bounded wait twice for its first part, and never again for the
 /// next ones (each part asked for its memory again, twice, waiting the whole wait each time).

@@ -9,6 +9,16 @@ const WRITE_CHARGE_MIN: u64 = 64 << 10;
 /// Up to this size a write buffer's charge doubles; past it, it is a whole part (and a write).
 const WRITE_CHARGE_STEP: u64 = 1 << 20;
 
+/// The pauses before a part upload that failed for a reason that may pass is tried again (after
+/// the store's own retries): about a minute in all.
+const PART_RETRY_PAUSES: [std::time::Duration; 5] = [
+    std::time::Duration::from_secs(2),
+    std::time::Duration::from_secs(4),
+    std::time::Duration::from_secs(8),
+    std::time::Duration::from_secs(16),
+    std::time::Duration::from_secs(30),
+];
+
 impl Fs {
     /// `create`: a new local file and a write handle; the object appears when the upload
     /// completes (first flush by the opener, fsync, or release).
@@ -219,16 +229,33 @@ impl Fs {
         }
         let up = w.upload.as_mut().expect("set above");
         let number = i32::try_from(up.parts.len() + 1).map_err(|_| FsError::FileTooLarge)?;
-        let done = self
-            .store
-            .upload_part(
-                self.bucket(),
-                &w.key,
-                &up.upload_id,
-                number,
-                Bytes::from(part),
-            )
-            .await?;
+        let part = Bytes::from(part);
+        // A part is the same request again (S3 keeps the last upload of a part number), so one
+        // that failed for a reason that may pass (a server restarting, throttling, the identity
+        // provider out) is tried again for about a minute past the store's own retries: a file
+        // of many parts would otherwise be lost to an outage of a few seconds.
+        let mut pauses = PART_RETRY_PAUSES.iter();
+        let done = loop {
+            let tried = self
+                .store
+                .upload_part(self.bucket(), &w.key, &up.upload_id, number, part.clone())
+                .await;
+            match (tried, pauses.next()) {
+                (Ok(done), _) => break done,
+                (
+                    Err(
+                        e @ (StoreError::Transient(_)
+                        | StoreError::Throttled(_)
+                        | StoreError::CredentialsUnavailable(_)),
+                    ),
+                    Some(pause),
+                ) => {
+                    tracing::warn!(key = %w.key, part = number, error = %e, pause_s = pause.as_secs(), "a part upload failed; trying it again");
+                    tokio::time::sleep(*pause).await;
+                }
+                (Err(e), _) => return Err(e.into()),
+            }
+        };
         up.parts.push(PartRecord {
             number,
             etag: done.etag,
