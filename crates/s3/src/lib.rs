@@ -454,7 +454,6 @@ impl S3Store {
         self.endpoint_id.clone()
     }
 
-    /// Per-request settings for an upload of `len` bytes: more time per attempt when large.
     /// PutObject, `If-None-Match: *` when `if_absent`.
     async fn send_put(
         &self,
@@ -545,6 +544,7 @@ impl S3Store {
         }
     }
 
+    /// Per-request settings for an upload of `len` bytes: more time per attempt when large.
     fn upload_override(&self, len: usize) -> Option<aws_sdk_s3::config::Builder> {
         let needed = Duration::from_secs(len as u64 / SLOW_UPLOAD_BYTES_PER_SEC);
         (needed > self.opts.attempt_timeout).then(|| {
