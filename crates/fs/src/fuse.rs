@@ -23,7 +23,7 @@ use fuser::{
 use tokio::runtime::Handle;
 
 use crate::error::FsError;
-use crate::fs::{Attr, Closer, DirEntry, DirSink, Fs, Opened, SetAttr};
+use crate::fs::{Attr, DirEntry, DirSink, Fs, Opened, SetAttr};
 use crate::handover::{Gate, KernelInit};
 use crate::names::Kind;
 
@@ -354,15 +354,34 @@ fn tgid(pid: u32) -> u32 {
 /// code that is a signal number (set before the kernel closes the dying process's files; a normal
 /// `exit(n)` is `n << 8`). `false` when the thread cannot be seen (pid 0: outside the mount's pid
 /// namespace) or is gone.
+///
+/// The read runs on a thread of its own, waited for at most [`STAT_WAIT`]: a task in `execve`
+/// closes its close-on-exec files (a `flush` to this mount) while it holds a lock that reading its
+/// `stat` waits for, so a read on the thread that must answer that flush would never return. Not
+/// answered in time, the caller is taken as not killed (it is in `execve`, alive); the read ends
+/// once the flush is answered and the `execve` goes on.
 fn killed(pid: u32) -> bool {
     if pid == 0 {
         return false;
     }
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let reader = std::thread::Builder::new()
+        .name("ferry-proc-stat".into())
+        .spawn(move || {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
+            let _ = tx.send(stat);
+        });
+    if reader.is_err() {
         return false;
-    };
-    killed_by_stat(&stat)
+    }
+    match rx.recv_timeout(STAT_WAIT) {
+        Ok(Some(stat)) => killed_by_stat(&stat),
+        _ => false,
+    }
 }
+
+/// How long [`killed`] waits for `/proc/<pid>/stat`.
+const STAT_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 
 /// [`killed`] from the text of `/proc/<pid>/stat`: the fields after the command name (which may
 /// hold spaces and parentheses) are state (3), ..., flags (9), ..., exit_code (52).
@@ -757,11 +776,7 @@ impl Filesystem for FuseAdapter {
     ) {
         let pid = req.pid();
         self.serve("flush", move |fs| async move {
-            let closer = || Closer {
-                tgid: tgid(pid),
-                killed: killed(pid),
-            };
-            match fs.flush_by(fh.0, closer).await {
+            match fs.flush_by(fh.0, || tgid(pid), || killed(pid)).await {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(errno("flush", &e)),
             }

@@ -25,7 +25,7 @@ pub mod warmup;
 pub use budget::{MemoryBudget, MountContext, PrefetchConfig, Reservation, Use};
 pub use config::{ConfigError, MetadataTtl, MountConfig};
 pub use error::FsError;
-pub use fs::{Closer, Fs, FsSnapshot};
+pub use fs::{Fs, FsSnapshot};
 pub use handover::KernelInit;
 pub use journal::{replay, Journal, JournalError, JournalHeader, Recovered};
 pub use mount::{is_mounted, mount, resume, Frozen, MountError, MountHandle};

@@ -1307,6 +1307,10 @@ fn op_close(c: &Ctx) {
     assert_eq!(c.key(&p, "termed"), None);
     assert_eq!(run("exited", "os._exit(0)"), Some(0));
     assert_eq!(c.key(&p, "exited").unwrap().len(), 100000);
+    // Replaced by another program: `execve` closes the (close-on-exec) file while it holds a lock
+    // that reading the process's /proc stat waits for; completed, never a hang.
+    assert_eq!(run("execed", "os.execv('/bin/true', ['true'])"), Some(0));
+    assert_eq!(c.key(&p, "execed").unwrap().len(), 100000);
     // Closed with nothing written (completed at the last close, which reaches Ferry a moment
     // after close returned): removed or opened at once, as `tempfile` and lock files do.
     for i in 0..5 {

@@ -284,15 +284,6 @@ impl FsState {
     }
 }
 
-/// Who closes a file (`flush`, `release`), as the FUSE adapter finds the calling thread.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Closer {
-    /// Its process (thread group) id in the mount's pid namespace; 0 when not visible there.
-    pub tgid: u32,
-    /// The thread is exiting on a fatal signal: the kernel is closing a killed process's files.
-    pub killed: bool,
-}
-
 /// Blocks waiting for the node cache's writers hold at most this share of the memory budget
 /// (1/8: 128 MiB of the default 1 GiB, so the cache's own 64 MiB cap is what binds there): on
 /// a small budget, writers that fall behind leave the rest to the readers' prefetch.

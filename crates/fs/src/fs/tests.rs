@@ -1023,11 +1023,7 @@ async fn a_writer_killed_mid_file_never_commits_a_truncated_object() {
         .await
         .unwrap();
     fs.write(o.fh, 0, b"half a new").await.unwrap();
-    let killed = Closer {
-        tgid: PID,
-        killed: true,
-    };
-    assert_eq!(errno(fs.flush_by(o.fh, || killed).await), libc::EIO);
+    assert_eq!(errno(fs.flush_by(o.fh, || PID, || true).await), libc::EIO);
     assert_eq!(errno(fs.release(o.fh).await), libc::EIO);
     assert_eq!(
         store.get_object(B, "ckpt").unwrap(),
@@ -1036,11 +1032,7 @@ async fn a_writer_killed_mid_file_never_commits_a_truncated_object() {
     // A forked child killed: not the opener, nothing happens; the opener's close completes.
     let (_, o) = fs.create(ROOT_INO, n("new"), PID).await.unwrap();
     fs.write(o.fh, 0, b"whole").await.unwrap();
-    let child = Closer {
-        tgid: PID + 1,
-        killed: true,
-    };
-    fs.flush_by(o.fh, || child).await.unwrap();
+    fs.flush_by(o.fh, || PID + 1, || true).await.unwrap();
     assert!(store.get_object(B, "new").is_none());
     fs.flush(o.fh, || PID).await.unwrap();
     fs.release(o.fh).await.unwrap();

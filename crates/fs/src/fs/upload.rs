@@ -411,20 +411,22 @@ impl Fs {
     /// write handle with data. A failed upload is reported to the opener's flush even with
     /// nothing written (a write handle recovered from the journal has lost what was written).
     pub async fn flush(&self, fh: u64, pid: impl FnOnce() -> u32) -> Result<(), FsError> {
-        self.flush_by(fh, || Closer {
-            tgid: pid(),
-            killed: false,
-        })
-        .await
+        self.flush_by(fh, pid, || false).await
     }
 
-    /// [`Fs::flush`] by `closer`. The opener's close on its way out of a fatal signal (`kill -9`,
+    /// [`Fs::flush`]; `killed` (asked only of the opener's flush of a write handle with data):
+    /// whether the caller is exiting on a fatal signal. The opener's close on its way out of a fatal signal (`kill -9`,
     /// an OOM kill, a crash: the kernel closes a dying process's files) abandons the upload, as an
     /// unmount does: a file cut off mid-write is never committed as a truncated object, nor does
     /// it replace a good one. An opener this mount cannot see (tgid 0: a process outside the
     /// node plugin's pid namespace) cannot be told from its children, whose closes must not
     /// complete it: its upload is completed by the last close (`release`) only.
-    pub async fn flush_by(&self, fh: u64, closer: impl FnOnce() -> Closer) -> Result<(), FsError> {
+    pub async fn flush_by(
+        &self,
+        fh: u64,
+        pid: impl FnOnce() -> u32,
+        killed: impl FnOnce() -> bool,
+    ) -> Result<(), FsError> {
         let h = self.handle(fh)?;
         let mut g = h.lock().await;
         match &mut *g {
@@ -432,11 +434,10 @@ impl Fs {
                 if w.pid == 0 {
                     return Ok(());
                 }
-                let c = closer();
-                if c.tgid != w.pid {
+                if pid() != w.pid {
                     return Ok(());
                 }
-                if c.killed && w.status == WriteStatus::Open {
+                if w.status == WriteStatus::Open && killed() {
                     tracing::warn!(key = %w.key, bytes = w.written, "the writing process was killed mid-file: its upload is abandoned (never a truncated object)");
                     self.fail_write(w).await;
                     return Err(FsError::UploadFailed);
