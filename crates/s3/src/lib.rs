@@ -26,6 +26,9 @@
 //!   first answer was lost, and then the object found is this very write (its MD5 ETag, or the
 //!   multipart one from the parts' ETags). A server that answers the header `NotImplemented` (or
 //!   `501`) gets the write again without it, and this store sends it no more (logged once).
+//!   Likewise, a CompleteMultipartUpload answered `NoSuchUpload` is a success when the key has the
+//!   multipart ETag of its parts: an attempt whose answer was lost completed it (a completed
+//!   upload is gone), so a Complete can be retried.
 //! - Per-attempt reports: [`S3Config::on_attempt`] is called once per HTTP attempt on both paths
 //!   ([`Attempt`]).
 
@@ -531,6 +534,26 @@ impl S3Store {
                 etag: Some(ours.to_owned()),
             }),
             _ => Err(refused),
+        }
+    }
+
+    /// A CompleteMultipartUpload that failed with `err`: a `NoSuchUpload` may be this very
+    /// upload, completed by an earlier attempt whose answer was lost (the SDK's retry, or the
+    /// file system's), since a completed upload is gone. It is, if the object at `key` has the
+    /// ETag `ours` (of these parts); otherwise, and for every other failure, `err`.
+    async fn completed_already_or(
+        &self,
+        bucket: &str,
+        key: &str,
+        upload_id: &str,
+        ours: Option<String>,
+        err: SdkError<CompleteMultipartUploadError, HttpResponse>,
+    ) -> Result<PutResult> {
+        let gone = err.code() == Some("NoSuchUpload");
+        let err = map_sdk_error(err, Target::Upload(bucket, key, upload_id));
+        match ours {
+            Some(ours) if gone => self.own_write_or(bucket, key, &ours, err).await,
+            _ => Err(err),
         }
     }
 
@@ -1136,9 +1159,17 @@ impl ObjectStore for S3Store {
         upload_id: &str,
         parts: Vec<CompletedPart>,
     ) -> Result<PutResult> {
-        self.send_complete(bucket, key, upload_id, parts, false)
+        let ours = multipart_etag(&parts);
+        match self
+            .send_complete(bucket, key, upload_id, parts, false)
             .await
-            .map_err(|e| map_sdk_error(e, Target::Upload(bucket, key, upload_id)))
+        {
+            Ok(put) => Ok(put),
+            Err(e) => {
+                self.completed_already_or(bucket, key, upload_id, ours, e)
+                    .await
+            }
+        }
     }
 
     async fn complete_multipart_if_absent(
@@ -1172,7 +1203,10 @@ impl ObjectStore for S3Store {
                 }
                 None => Err(map_sdk_error(err, target)),
             },
-            None => Err(map_sdk_error(err, target)),
+            None => {
+                self.completed_already_or(bucket, key, upload_id, ours, err)
+                    .await
+            }
         }
     }
 

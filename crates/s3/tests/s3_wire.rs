@@ -746,3 +746,51 @@ async fn listings_are_url_encoded_and_decoded() {
     let got = s.list("b", req()).await.unwrap();
     assert_eq!(got.objects[0].key, "d/100%+", "not encoded: taken as it is");
 }
+
+/// A CompleteMultipartUpload answered `NoSuchUpload` (AWS's answer to one sent again after an
+/// earlier attempt completed the upload and its answer was lost) is a success when the object at
+/// the key has the ETag of these parts (the MD5 of their MD5s, `-` their count); with any other
+/// object there, it stays `NotFound`.
+#[tokio::test]
+async fn a_complete_whose_upload_is_gone_succeeds_if_the_object_is_its_own() {
+    let part = ferry_store::CompletedPart {
+        part_number: 1,
+        etag: "\"0123456789abcdef0123456789abcdef\"".into(),
+    };
+    let head = |etag: &str| {
+        response(
+            "200 OK",
+            &[
+                ("Content-Length", "3000".into()),
+                ("ETag", etag.into()),
+                ("Last-Modified", "Mon, 07 Dec 2026 12:00:00 GMT".into()),
+            ],
+            b"",
+        )
+    };
+    let gone = s3_error("404 Not Found", "NoSuchUpload");
+    let ours = "\"4662bdea8654776d486072ff7074945e-1\"";
+    let (s, n) = scripted(vec![gone.clone(), head(ours)]).await;
+    let done = s
+        .complete_multipart("b", "k", "up", vec![part.clone()])
+        .await;
+    assert_eq!(done.unwrap().etag.as_deref(), Some(ours));
+    assert_eq!(n.load(Ordering::SeqCst), 2, "the Complete and a HEAD");
+    let (s, _) = scripted(vec![gone.clone(), head(ours)]).await;
+    let done = s
+        .complete_multipart_if_absent("b", "k", "up", vec![part.clone()])
+        .await;
+    assert_eq!(done.unwrap().etag.as_deref(), Some(ours), "if absent");
+
+    let theirs = "\"4662bdea8654776d486072ff7074945e-2\"";
+    let (s, _) = scripted(vec![gone.clone(), head(theirs)]).await;
+    let done = s
+        .complete_multipart("b", "k", "up", vec![part.clone()])
+        .await;
+    assert!(matches!(done, Err(StoreError::NotFound(_))), "{done:?}");
+    // Any other failure is not looked into.
+    let (s, n) = scripted(vec![s3_error("403 Forbidden", "AccessDenied"), head(ours)]).await;
+    let done = s.complete_multipart("b", "k", "up", vec![part]).await;
+    assert!(matches!(done, Err(StoreError::AccessDenied(_))), "{done:?}");
+    assert_eq!(n.load(Ordering::SeqCst), 1);
+}
