@@ -2267,6 +2267,39 @@ async fn a_part_upload_outlives_a_short_outage() {
     assert!(mem.uploads(B).is_empty());
 }
 
+/// The request that completes a file (its PUT, or the CompleteMultipartUpload after its parts)
+/// outlives a short outage as a part does: the close waits, and the file is kept whole. Longer,
+/// and the close fails with nothing committed.
+#[tokio::test(start_paused = true)]
+async fn the_request_completing_a_file_outlives_a_short_outage() {
+    let (mem, store) = faulty();
+    let fs = writable_with_budget(store.clone(), MemoryBudget::new(64 << 20));
+    let down = || StoreError::Transient("connection refused".into());
+    let big = data(PART_SIZE + 5, 4);
+    for (op, name, body) in [
+        (ferry_store::Op::Put, "small", &b"small"[..]),
+        (ferry_store::Op::CompleteMultipart, "big", &big[..]),
+    ] {
+        store.fail_next(op, 3, down());
+        let (_, o) = fs.create(ROOT_INO, n(name), PID).await.unwrap();
+        fs.write(o.fh, 0, body).await.unwrap();
+        let start = tokio::time::Instant::now();
+        fs.flush(o.fh, || PID).await.unwrap();
+        assert!(start.elapsed() >= Duration::from_secs(2 + 4 + 8), "{name}");
+        fs.release(o.fh).await.unwrap();
+        assert!(mem.get_object(B, name).unwrap() == body, "{name}");
+
+        store.fail_next(op, 6, down());
+        let lost = format!("lost-{name}");
+        let (_, o) = fs.create(ROOT_INO, n(&lost), PID).await.unwrap();
+        fs.write(o.fh, 0, body).await.unwrap();
+        assert_eq!(errno(fs.flush(o.fh, || PID).await), libc::EIO, "{name}");
+        assert_eq!(errno(fs.release(o.fh).await), libc::EIO);
+        assert!(mem.get_object(B, &lost).is_none(), "{name}");
+    }
+    assert!(mem.uploads(B).is_empty());
+}
+
 /// Writers that stopped mid-file hold the budget (each its part's charge, until it closes): a
 /// writer that goes on waits the bounded wait twice for its first part, and never again for the
 /// next ones (each part asked for its memory again, twice, waiting the whole wait each time).

@@ -9,9 +9,9 @@ const WRITE_CHARGE_MIN: u64 = 64 << 10;
 /// Up to this size a write buffer's charge doubles; past it, it is a whole part (and a write).
 const WRITE_CHARGE_STEP: u64 = 1 << 20;
 
-/// The pauses before a part upload that failed for a reason that may pass is tried again (after
-/// the store's own retries): about a minute in all.
-const PART_RETRY_PAUSES: [std::time::Duration; 5] = [
+/// The pauses before an upload request (a part, a PUT, a CompleteMultipartUpload) that failed for
+/// a reason that may pass is tried again (after the store's own retries): about a minute in all.
+const UPLOAD_RETRY_PAUSES: [std::time::Duration; 5] = [
     std::time::Duration::from_secs(2),
     std::time::Duration::from_secs(4),
     std::time::Duration::from_secs(8),
@@ -230,32 +230,12 @@ impl Fs {
         let up = w.upload.as_mut().expect("set above");
         let number = i32::try_from(up.parts.len() + 1).map_err(|_| FsError::FileTooLarge)?;
         let part = Bytes::from(part);
-        // A part is the same request again (S3 keeps the last upload of a part number), so one
-        // that failed for a reason that may pass (a server restarting, throttling, the identity
-        // provider out) is tried again for about a minute past the store's own retries: a file
-        // of many parts would otherwise be lost to an outage of a few seconds.
-        let mut pauses = PART_RETRY_PAUSES.iter();
-        let done = loop {
-            let tried = self
-                .store
-                .upload_part(self.bucket(), &w.key, &up.upload_id, number, part.clone())
-                .await;
-            match (tried, pauses.next()) {
-                (Ok(done), _) => break done,
-                (
-                    Err(
-                        e @ (StoreError::Transient(_)
-                        | StoreError::Throttled(_)
-                        | StoreError::CredentialsUnavailable(_)),
-                    ),
-                    Some(pause),
-                ) => {
-                    tracing::warn!(key = %w.key, part = number, error = %e, pause_s = pause.as_secs(), "a part upload failed; trying it again");
-                    tokio::time::sleep(*pause).await;
-                }
-                (Err(e), _) => return Err(e.into()),
-            }
-        };
+        // A part is the same request again (S3 keeps the last upload of a part number).
+        let (b, k, id) = (self.bucket(), &w.key, &up.upload_id);
+        let done = retried(k, "part", || {
+            self.store.upload_part(b, k, id, number, part.clone())
+        })
+        .await?;
         up.parts.push(PartRecord {
             number,
             etag: done.etag,
@@ -304,11 +284,17 @@ impl Fs {
         let result = match w.upload.is_some() {
             false => {
                 let body = Bytes::from(std::mem::take(&mut w.pending));
-                let put = if if_absent {
-                    self.store.put_if_absent(self.bucket(), &w.key, body).await
-                } else {
-                    self.store.put(self.bucket(), &w.key, body).await
-                };
+                // The same request again: a create whose first answer was lost finds its own
+                // bytes (the store tells by their MD5).
+                let (b, k) = (self.bucket(), &w.key);
+                let put = retried(k, "PUT", || async {
+                    if if_absent {
+                        self.store.put_if_absent(b, k, body.clone()).await
+                    } else {
+                        self.store.put(b, k, body.clone()).await
+                    }
+                })
+                .await;
                 put.map_err(|e| created_elsewhere(e, if_absent))
             }
             true => {
@@ -322,7 +308,7 @@ impl Fs {
                     Err(e) => Err(e),
                     Ok(()) => {
                         let up = w.upload.as_ref().expect("multipart");
-                        let parts = up
+                        let parts: Vec<CompletedPart> = up
                             .parts
                             .iter()
                             .map(|p| CompletedPart {
@@ -330,14 +316,20 @@ impl Fs {
                                 etag: p.etag.clone(),
                             })
                             .collect();
+                        // Again, a Complete whose first answer was lost finds its upload gone
+                        // and the object there: the store tells it is this one by its ETag.
                         let (b, k, id) = (self.bucket(), &w.key, &up.upload_id);
-                        let done = if if_absent {
-                            self.store
-                                .complete_multipart_if_absent(b, k, id, parts)
-                                .await
-                        } else {
-                            self.store.complete_multipart(b, k, id, parts).await
-                        };
+                        let done = retried(k, "CompleteMultipartUpload", || async {
+                            let parts = parts.clone();
+                            if if_absent {
+                                self.store
+                                    .complete_multipart_if_absent(b, k, id, parts)
+                                    .await
+                            } else {
+                                self.store.complete_multipart(b, k, id, parts).await
+                            }
+                        })
+                        .await;
                         done.map_err(|e| created_elsewhere(e, if_absent))
                     }
                 }
@@ -455,6 +447,36 @@ impl Fs {
         match &mut *g {
             Handle::Write(w) => self.complete(w).await,
             Handle::Read(_) | Handle::Dir(_) => Ok(()),
+        }
+    }
+}
+
+/// Runs `attempt` (an upload request, the same each time) until it succeeds or fails for a
+/// reason that will not pass, pausing [`UPLOAD_RETRY_PAUSES`] between tries: past the store's own
+/// retries, a server restarting, throttling or the identity provider out for up to about a minute
+/// does not lose a file (for a file of many parts, a few seconds' outage would). `what` and `key`
+/// name it in the log.
+async fn retried<T, F, Fut>(key: &str, what: &str, mut attempt: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let mut pauses = UPLOAD_RETRY_PAUSES.iter();
+    loop {
+        match (attempt().await, pauses.next()) {
+            (Ok(done), _) => return Ok(done),
+            (
+                Err(
+                    e @ (StoreError::Transient(_)
+                    | StoreError::Throttled(_)
+                    | StoreError::CredentialsUnavailable(_)),
+                ),
+                Some(pause),
+            ) => {
+                tracing::warn!(%key, request = what, error = %e, pause_s = pause.as_secs(), "an upload request failed; trying it again");
+                tokio::time::sleep(*pause).await;
+            }
+            (Err(e), _) => return Err(e),
         }
     }
 }
