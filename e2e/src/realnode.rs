@@ -575,6 +575,7 @@ async fn dynamic_rwx(env: &Env) -> Result<()> {
          head -c 5 /dev/urandom > tiny.bin; : > empty.bin; \
          sha256sum part-*.bin tiny.bin empty.bin > SHA256SUMS; cat SHA256SUMS; \
          { echo one; sh -c 'exit 0'; echo two; } > forked.txt; \
+         exec 3> fd3.txt; echo one >&3; echo two >&3; exec 3>&-; \
          dd if=/dev/urandom of=killed.bin bs=1048576 count=100000 2>/dev/null & dd=$!; \
          sleep 2; kill -9 $dd; wait $dd || echo \"dd killed: $?\"",
         &[("shared", "/data", false)],
@@ -615,6 +616,14 @@ async fn dynamic_rwx(env: &Env) -> Result<()> {
         "forked.txt holds {:?}: a child process's exit completed the file early",
         String::from_utf8_lossy(&forked)
     );
+    let fd3 =
+        crate::kube::read_object(&env.s3, &env.target.bucket, &format!("{prefix}run/fd3.txt"))
+            .await?;
+    ensure!(
+        &fd3[..] == b"one\ntwo\n",
+        "fd3.txt holds {:?}: a shell builtin's redirection completed the file early",
+        String::from_utf8_lossy(&fd3)
+    );
     let killed = format!("{prefix}run/killed.bin");
     ensure!(
         crate::kube::count(&env.s3, &env.target.bucket, &killed).await? == 0,
@@ -622,7 +631,7 @@ async fn dynamic_rwx(env: &Env) -> Result<()> {
         env.target.bucket
     );
     println!(
-        "    a child's exit left its parent's file open; a writer killed mid-file left no object"
+        "    a child's exit and a builtin's redirection left the file open; a writer killed mid-file left no object"
     );
     run_pod(
         env,

@@ -23,7 +23,7 @@ use fuser::{
 use tokio::runtime::Handle;
 
 use crate::error::FsError;
-use crate::fs::{Attr, DirEntry, DirSink, Fs, Opened, SetAttr};
+use crate::fs::{Attr, Closing, DirEntry, DirSink, Fs, Opened, SetAttr};
 use crate::handover::{Gate, KernelInit};
 use crate::names::Kind;
 
@@ -353,35 +353,109 @@ fn tgid(pid: u32) -> u32 {
 /// default action of SIGTERM): `/proc/<pid>/stat` shows the kernel's `PF_EXITING` and an exit
 /// code that is a signal number (set before the kernel closes the dying process's files; a normal
 /// `exit(n)` is `n << 8`). `false` when the thread cannot be seen (pid 0: outside the mount's pid
-/// namespace) or is gone.
-///
-/// The read runs on a thread of its own, waited for at most [`STAT_WAIT`]: a task in `execve`
-/// closes its close-on-exec files (a `flush` to this mount) while it holds a lock that reading its
-/// `stat` waits for, so a read on the thread that must answer that flush would never return. Not
-/// answered in time, the caller is taken as not killed (it is in `execve`, alive); the read ends
-/// once the flush is answered and the `execve` goes on.
+/// namespace), is gone, or does not answer in time ([`read_proc`]).
 fn killed(pid: u32) -> bool {
-    if pid == 0 {
-        return false;
-    }
-    let (tx, rx) = std::sync::mpsc::sync_channel(1);
-    let reader = std::thread::Builder::new()
-        .name("ferry-proc-stat".into())
-        .spawn(move || {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok();
-            let _ = tx.send(stat);
-        });
-    if reader.is_err() {
-        return false;
-    }
-    match rx.recv_timeout(STAT_WAIT) {
-        Ok(Some(stat)) => killed_by_stat(&stat),
-        _ => false,
-    }
+    pid != 0
+        && read_proc(move || {
+            std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|s| killed_by_stat(&s))
+        })
+        .unwrap_or(false)
 }
 
-/// How long [`killed`] waits for `/proc/<pid>/stat`.
-const STAT_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+/// What the opener's close of file `ino` (being written on the mount named `fs_name`) is, for
+/// [`Fs::flush_by`]: [`Closing::Killed`] as [`killed`] tells; else [`Closing::StillHeld`] when
+/// the process still holds the file open for writing at another descriptor ([`holds_file`]: a
+/// shell builtin's `echo x >&2` `dup2`s over a descriptor and puts it back, which closes one
+/// copy); else [`Closing::Last`]. Whatever cannot be read in time is [`Closing::Last`]: the
+/// upload completes, as a close of the last descriptor would.
+fn closing(pid: u32, ino: u64, fs_name: String) -> Closing {
+    if pid == 0 {
+        return Closing::Last;
+    }
+    read_proc(move || {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"));
+        if stat.is_ok_and(|s| killed_by_stat(&s)) {
+            Closing::Killed
+        } else if holds_file(pid, ino, &fs_name) {
+            Closing::StillHeld
+        } else {
+            Closing::Last
+        }
+    })
+    .unwrap_or(Closing::Last)
+}
+
+/// Runs `read` (of `/proc`) on a thread of its own and waits [`PROC_WAIT`] at most; `None` past
+/// that. A task in `execve` closes its close-on-exec files (a `flush` to this mount) while it
+/// holds a lock that reading its `/proc` files waits for, so a read on the thread that must
+/// answer that flush would never return. The caller is then taken as alive and done with the
+/// file; the read ends once the flush is answered and the `execve` goes on.
+fn read_proc<T: Send + 'static>(read: impl FnOnce() -> T + Send + 'static) -> Option<T> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    std::thread::Builder::new()
+        .name("ferry-proc".into())
+        .spawn(move || {
+            let _ = tx.send(read());
+        })
+        .ok()?;
+    rx.recv_timeout(PROC_WAIT).ok()
+}
+
+/// How long [`read_proc`] waits.
+const PROC_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// Descriptors of a process looked at, at most, by [`holds_file`].
+const FDS_MAX: usize = 16_384;
+
+/// Whether thread `pid`'s descriptor table holds inode `ino` of the mount named `fs_name` open
+/// for writing: `/proc/<pid>/fdinfo/*` gives each descriptor's access mode, mount id and inode
+/// number; the process's `mountinfo` tells which mount ids are this file system (other file
+/// systems have the same inode numbers). The descriptor being closed has left the table by the
+/// time its `flush` is sent, and an exiting process's table is empty.
+fn holds_file(pid: u32, ino: u64, fs_name: &str) -> bool {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
+        return false;
+    };
+    let mounts: Vec<u64> = fds
+        .take(FDS_MAX)
+        .flatten()
+        .filter_map(|fd| std::fs::read_to_string(fd.path()).ok())
+        .filter_map(|info| writer_of(&info, ino))
+        .collect();
+    if mounts.is_empty() {
+        return false;
+    }
+    std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
+        .is_ok_and(|mi| mounts.iter().any(|&id| mount_is(&mi, id, fs_name)))
+}
+
+/// The mount id of a descriptor (the text of its `fdinfo`) open for writing on inode `ino`.
+fn writer_of(fdinfo: &str, ino: u64) -> Option<u64> {
+    let field = |name: &str| {
+        fdinfo
+            .lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(':'))
+            .map(str::trim)
+    };
+    let flags = u32::from_str_radix(field("flags")?, 8).ok()?;
+    let writes = flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
+    (writes && field("ino")?.parse::<u64>().ok()? == ino).then_some(())?;
+    field("mnt_id")?.parse().ok()
+}
+
+/// Whether mount `id` in `mountinfo` (`/proc/<pid>/mountinfo`) is a FUSE mount named `fs_name`:
+/// the fields after ` - ` are the file system type and the source.
+fn mount_is(mountinfo: &str, id: u64, fs_name: &str) -> bool {
+    mountinfo.lines().any(|l| {
+        l.split_once(' ').and_then(|(i, _)| i.parse::<u64>().ok()) == Some(id)
+            && l.split_once(" - ").is_some_and(|(_, fs)| {
+                let mut f = fs.split(' ');
+                f.next()
+                    .is_some_and(|t| t == "fuse" || t.starts_with("fuse."))
+                    && f.next() == Some(fs_name)
+            })
+    })
+}
 
 /// [`killed`] from the text of `/proc/<pid>/stat`: the fields after the command name (which may
 /// hold spaces and parentheses) are state (3), ..., flags (9), ..., exit_code (52).
@@ -769,14 +843,16 @@ impl Filesystem for FuseAdapter {
     fn flush(
         &self,
         req: &Request,
-        _ino: INodeNo,
+        ino: INodeNo,
         fh: FileHandle,
         _lock_owner: LockOwner,
         reply: ReplyEmpty,
     ) {
         let pid = req.pid();
         self.serve("flush", move |fs| async move {
-            match fs.flush_by(fh.0, || tgid(pid), || killed(pid)).await {
+            let fs_name = || fs.config().fs_name.clone();
+            let closing = || closing(pid, ino.0, fs_name());
+            match fs.flush_by(fh.0, || tgid(pid), closing).await {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(errno("flush", &e)),
             }
@@ -1081,7 +1157,7 @@ impl Filesystem for FuseAdapter {
 
 #[cfg(test)]
 mod killed_tests {
-    use super::killed_by_stat;
+    use super::{killed_by_stat, mount_is, writer_of};
 
     /// `/proc/<pid>/stat` of a thread: pid, (comm), state, ppid, ..., flags (9), ..., exit_code
     /// (52), with a command name that holds a space and a parenthesis.
@@ -1093,6 +1169,44 @@ mod killed_tests {
             _ => "0".to_owned(),
         }));
         format!("4242 (a (b) c) {}\n", fields.join(" "))
+    }
+
+    /// `fdinfo` of a descriptor: access mode (octal flags), mount id, inode.
+    fn fdinfo(flags: &str, mnt: u64, ino: u64) -> String {
+        format!("pos:\t4\nflags:\t{flags}\nmnt_id:\t{mnt}\nino:\t{ino}\n")
+    }
+
+    #[test]
+    fn only_a_descriptor_writing_the_inode_is_a_writer() {
+        assert_eq!(
+            writer_of(&fdinfo("0100001", 41, 7), 7),
+            Some(41),
+            "O_WRONLY"
+        );
+        assert_eq!(writer_of(&fdinfo("02100002", 41, 7), 7), Some(41), "O_RDWR");
+        assert_eq!(writer_of(&fdinfo("0100000", 41, 7), 7), None, "O_RDONLY");
+        assert_eq!(
+            writer_of(&fdinfo("0100001", 41, 8), 7),
+            None,
+            "another inode"
+        );
+        assert_eq!(
+            writer_of("pos:\t0\nflags:\t01\n", 7),
+            None,
+            "no ino (before 5.14)"
+        );
+    }
+
+    #[test]
+    fn only_a_fuse_mount_of_this_name_is_this_mount() {
+        let mi = "25 1 0:22 / /proc rw,nosuid - proc proc rw\n\
+                  41 25 0:50 / /data rw,nosuid,nodev - fuse.ferry ferry:bucket/ds rw,user_id=0\n\
+                  42 25 0:51 / /other rw - fuse.ferry ferry:bucket/other rw,user_id=0\n\
+                  43 25 0:52 / /ext rw - ext4 ferry:bucket/ds rw\n";
+        assert!(mount_is(mi, 41, "ferry:bucket/ds"));
+        assert!(!mount_is(mi, 42, "ferry:bucket/ds"), "another volume");
+        assert!(!mount_is(mi, 43, "ferry:bucket/ds"), "not FUSE");
+        assert!(!mount_is(mi, 4, "ferry:bucket/ds"), "mount id 4 is not 41");
     }
 
     #[test]

@@ -1311,6 +1311,25 @@ fn op_close(c: &Ctx) {
     // that reading the process's /proc stat waits for; completed, never a hang.
     assert_eq!(run("execed", "os.execv('/bin/true', ['true'])"), Some(0));
     assert_eq!(c.key(&p, "execed").unwrap().len(), 100000);
+    // A shell builtin with a redirection `dup2`s the file over a descriptor and puts the old one
+    // back, which closes one copy while the shell holds another: the file goes on, and is
+    // complete when the shell closes its last copy (or exits).
+    let sh = |name: &str, script: &str| {
+        let status = std::process::Command::new("bash")
+            .arg("-c")
+            .arg(script)
+            .arg("sh")
+            .arg(m.path(name))
+            .status()
+            .expect("bash runs the writer");
+        status.code()
+    };
+    let fd3 = "exec 3>\"$1\"; echo one >&3; echo two >&3; exec 3>&-; echo three >&3";
+    assert_eq!(sh("fd3", fd3), Some(1), "written to a closed descriptor");
+    assert_eq!(c.key(&p, "fd3").unwrap(), b"one\ntwo\n");
+    let log = "exec >\"$1\" 2>&1; echo one; echo two >&2; echo three";
+    assert_eq!(sh("log", log), Some(0));
+    assert_eq!(c.key(&p, "log").unwrap(), b"one\ntwo\nthree\n");
     // Closed with nothing written (completed at the last close, which reaches Ferry a moment
     // after close returned): removed or opened at once, as `tempfile` and lock files do.
     for i in 0..5 {

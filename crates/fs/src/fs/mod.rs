@@ -52,6 +52,8 @@ mod read;
 mod sweep;
 mod upload;
 
+pub use upload::Closing;
+
 /// Block size reported by `stat`.
 pub const BLKSIZE: u32 = 4096;
 /// Most hidden keys remembered (so each is logged once).

@@ -1023,7 +1023,10 @@ async fn a_writer_killed_mid_file_never_commits_a_truncated_object() {
         .await
         .unwrap();
     fs.write(o.fh, 0, b"half a new").await.unwrap();
-    assert_eq!(errno(fs.flush_by(o.fh, || PID, || true).await), libc::EIO);
+    assert_eq!(
+        errno(fs.flush_by(o.fh, || PID, || Closing::Killed).await),
+        libc::EIO
+    );
     assert_eq!(errno(fs.release(o.fh).await), libc::EIO);
     assert_eq!(
         store.get_object(B, "ckpt").unwrap(),
@@ -1032,7 +1035,9 @@ async fn a_writer_killed_mid_file_never_commits_a_truncated_object() {
     // A forked child killed: not the opener, nothing happens; the opener's close completes.
     let (_, o) = fs.create(ROOT_INO, n("new"), PID).await.unwrap();
     fs.write(o.fh, 0, b"whole").await.unwrap();
-    fs.flush_by(o.fh, || PID + 1, || true).await.unwrap();
+    fs.flush_by(o.fh, || PID + 1, || Closing::Killed)
+        .await
+        .unwrap();
     assert!(store.get_object(B, "new").is_none());
     fs.flush(o.fh, || PID).await.unwrap();
     fs.release(o.fh).await.unwrap();
@@ -1042,6 +1047,25 @@ async fn a_writer_killed_mid_file_never_commits_a_truncated_object() {
     fs.write(o.fh, 0, b"cut").await.unwrap();
     assert_eq!(errno(fs.release_by(o.fh, || true).await), libc::EIO);
     assert!(store.get_object(B, "last").is_none());
+}
+
+/// A shell builtin with a redirection (`echo x >&3`, `echo x >&2` after `exec >log 2>&1`)
+/// `dup2`s the file over a descriptor and puts the old one back: the opener closes one copy while
+/// it holds another. That close leaves the upload open, and the next writes land in the same
+/// object; the close of the last copy completes it.
+#[tokio::test]
+async fn a_close_while_the_opener_holds_another_descriptor_goes_on() {
+    let (store, fs) = setup(|_| {});
+    let (_, o) = fs.create(ROOT_INO, n("log"), PID).await.unwrap();
+    fs.write(o.fh, 0, b"one\n").await.unwrap();
+    fs.flush_by(o.fh, || PID, || Closing::StillHeld)
+        .await
+        .unwrap();
+    assert!(store.get_object(B, "log").is_none());
+    fs.write(o.fh, 4, b"two\n").await.unwrap();
+    fs.flush_by(o.fh, || PID, || Closing::Last).await.unwrap();
+    assert_eq!(store.get_object(B, "log").unwrap(), &b"one\ntwo\n"[..]);
+    fs.release(o.fh).await.unwrap();
 }
 
 /// An opener outside the node plugin's pid namespace is seen as pid 0, as are all its children:

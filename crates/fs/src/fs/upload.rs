@@ -403,21 +403,28 @@ impl Fs {
     /// write handle with data. A failed upload is reported to the opener's flush even with
     /// nothing written (a write handle recovered from the journal has lost what was written).
     pub async fn flush(&self, fh: u64, pid: impl FnOnce() -> u32) -> Result<(), FsError> {
-        self.flush_by(fh, pid, || false).await
+        self.flush_by(fh, pid, || Closing::Last).await
     }
 
-    /// [`Fs::flush`]; `killed` (asked only of the opener's flush of a write handle with data):
-    /// whether the caller is exiting on a fatal signal. The opener's close on its way out of a fatal signal (`kill -9`,
-    /// an OOM kill, a crash: the kernel closes a dying process's files) abandons the upload, as an
-    /// unmount does: a file cut off mid-write is never committed as a truncated object, nor does
-    /// it replace a good one. An opener this mount cannot see (tgid 0: a process outside the
-    /// node plugin's pid namespace) cannot be told from its children, whose closes must not
-    /// complete it: its upload is completed by the last close (`release`) only.
+    /// [`Fs::flush`]; `closing` (asked only of the opener's flush of a write handle with data)
+    /// tells what the opener's close is:
+    /// - [`Closing::Killed`]: the opener is on its way out of a fatal signal (`kill -9`, an OOM
+    ///   kill, a crash: the kernel closes a dying process's files). The upload is abandoned, as
+    ///   an unmount does: a file cut off mid-write is never committed as a truncated object, nor
+    ///   does it replace a good one.
+    /// - [`Closing::StillHeld`]: the opener still holds the file at another descriptor (a shell
+    ///   builtin's redirection `echo x >&2` `dup2`s over the descriptor and puts it back): the
+    ///   upload goes on, and the close of the last descriptor completes it.
+    /// - [`Closing::Last`]: the upload completes, and the close reports how it went.
+    ///
+    /// An opener this mount cannot see (tgid 0: a process outside the node plugin's pid
+    /// namespace) cannot be told from its children, whose closes must not complete it: its
+    /// upload is completed by the last close (`release`) only.
     pub async fn flush_by(
         &self,
         fh: u64,
         pid: impl FnOnce() -> u32,
-        killed: impl FnOnce() -> bool,
+        closing: impl FnOnce() -> Closing,
     ) -> Result<(), FsError> {
         let h = self.handle(fh)?;
         let mut g = h.lock().await;
@@ -429,10 +436,19 @@ impl Fs {
                 if pid() != w.pid {
                     return Ok(());
                 }
-                if w.status == WriteStatus::Open && killed() {
-                    tracing::warn!(key = %w.key, bytes = w.written, "the writing process was killed mid-file: its upload is abandoned (never a truncated object)");
-                    self.fail_write(w).await;
-                    return Err(FsError::UploadFailed);
+                if w.status == WriteStatus::Open {
+                    match closing() {
+                        Closing::Killed => {
+                            tracing::warn!(key = %w.key, bytes = w.written, "the writing process was killed mid-file: its upload is abandoned (never a truncated object)");
+                            self.fail_write(w).await;
+                            return Err(FsError::UploadFailed);
+                        }
+                        Closing::StillHeld => {
+                            tracing::debug!(key = %w.key, "a descriptor closed while the writer holds another: the upload goes on");
+                            return Ok(());
+                        }
+                        Closing::Last => {}
+                    }
                 }
                 self.complete(w).await
             }
@@ -479,6 +495,17 @@ where
             (Err(e), _) => return Err(e),
         }
     }
+}
+
+/// What the opening process's close of a file being written is ([`Fs::flush_by`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Closing {
+    /// A close of the process's last descriptor of the file: the upload completes.
+    Last,
+    /// A close while the process holds the file at another descriptor: the upload goes on.
+    StillHeld,
+    /// The process is exiting on a fatal signal: the upload is abandoned.
+    Killed,
 }
 
 /// A conditional create refused because an object has the key (put by someone else since this
