@@ -154,6 +154,10 @@ pub struct WriteHandle {
     /// over (a successor charges a recovered buffer at its next write).
     #[serde(skip)]
     pub memory: crate::budget::BufferCharge,
+    /// When the last write was accepted ([`crate::fs::Fs::shrink_idle_writers`]); not carried
+    /// over.
+    #[serde(skip)]
+    pub last_write: Option<Instant>,
 }
 
 /// A directory handle's entries: shared with the directory's kept listing when nothing local

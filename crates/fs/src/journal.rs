@@ -186,6 +186,7 @@ impl JournaledHandle {
                 status: WriteStatus::Failed,
                 replaces,
                 memory: Default::default(),
+                last_write: None,
             }),
         }
     }

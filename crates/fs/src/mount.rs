@@ -74,6 +74,33 @@ pub struct MountHandle {
     kernel: Arc<Mutex<Option<KernelInit>>>,
     /// The session's share of the memory budget ([`crate::budget::SESSION_BYTES`]).
     _session: crate::Reservation,
+    /// Gives idle writers' spare budget back, while the mount lives ([`idle_writers`]).
+    _idle_writers: tokio_util::task::AbortOnDropHandle<()>,
+}
+
+/// A writer with no write for this long gives back what it holds of the memory budget beyond its
+/// buffered bytes ([`Fs::shrink_idle_writers`]).
+pub const WRITER_IDLE: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// Every [`WRITER_IDLE`] / 3, gives back what `fs`'s idle writers hold beyond their buffers, until
+/// the mount (the task) or `fs` goes.
+fn idle_writers(
+    fs: &Arc<Fs>,
+    rt: &tokio::runtime::Handle,
+) -> tokio_util::task::AbortOnDropHandle<()> {
+    let fs = Arc::downgrade(fs);
+    tokio_util::task::AbortOnDropHandle::new(rt.spawn(async move {
+        let mut tick = tokio::time::interval(WRITER_IDLE / 3);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(fs) = fs.upgrade() else { return };
+            let freed = fs.shrink_idle_writers(WRITER_IDLE);
+            if freed > 0 {
+                tracing::debug!(freed, "idle writers gave memory back");
+            }
+        }
+    }))
 }
 
 /// A mount stopped for a handover: its session admits no request, none is running, and `snapshot`
@@ -466,6 +493,7 @@ pub fn mount(
         .ok();
     let handle = MountHandle {
         _session: session_charge,
+        _idle_writers: idle_writers(&fs, &runtime),
         session: Some(session),
         fs,
         target,
@@ -515,6 +543,7 @@ pub fn resume(
         .budget
         .charge(crate::budget::Use::Session, crate::budget::SESSION_BYTES);
     let fs = Fs::from_snapshot(store, snapshot, ctx.budget.clone(), ctx.prefetch);
+    let runtime = ctx.runtime.clone();
     let (fs, adapter) = adapter_for(fs, proofs, ctx);
     let (gate, kernel_rec) = (adapter.gate(), adapter.kernel_init());
     let options = mount_options(&cfg);
@@ -551,6 +580,7 @@ pub fn resume(
     let abort = mountinfo::ConnectionAbort::open(entry.dev.1).ok();
     let handle = MountHandle {
         _session: session_charge,
+        _idle_writers: idle_writers(&fs, &runtime),
         session: Some(Session::Own(bg)),
         fs,
         target,

@@ -142,6 +142,38 @@ fn writers_and_listings_stay_within_the_memory_budget() {
             .len();
         assert_eq!(got, FILE_MIB as u64 * MIB, "writer {w}'s file");
     }
+
+    // A file written now and then (a training log, an event file) past its first part keeps a
+    // part charged for the next one only while it is written: idle for
+    // `ferry_fs::mount::WRITER_IDLE`, it holds its buffered bytes and no more.
+    let mut slow = std::fs::File::create(m.path("events.log")).unwrap();
+    for _ in 0..9 {
+        slow.write_all(&chunk).unwrap();
+    }
+    let held = env.budget.used_for(Use::Write);
+    assert!(held > 8 * MIB, "a part charged for the next one: {held}");
+    let idle = ferry_fs::mount::WRITER_IDLE;
+    let start = std::time::Instant::now();
+    while env.budget.used_for(Use::Write) > MIB && start.elapsed() < idle * 4 {
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    }
+    let idle_held = env.budget.used_for(Use::Write);
+    eprintln!(
+        "an idle writer held {} KiB after {:?} (past its first part: {} KiB)",
+        idle_held >> 10,
+        start.elapsed(),
+        held >> 10
+    );
+    assert!(
+        idle_held <= MIB,
+        "an idle writer still holds {idle_held} bytes"
+    );
+    slow.write_all(&chunk).unwrap();
+    drop(slow);
+    assert_eq!(
+        std::fs::metadata(m.path("events.log")).unwrap().len(),
+        10 * MIB
+    );
     m.unmount();
     env.assert_budget_released();
 }

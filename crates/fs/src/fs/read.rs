@@ -90,6 +90,7 @@ impl Fs {
                         status: WriteStatus::Open,
                         replaces: true,
                         memory: Default::default(),
+                        last_write: None,
                     }),
                     request,
                 );

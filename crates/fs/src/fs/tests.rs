@@ -2324,6 +2324,36 @@ async fn the_request_completing_a_file_outlives_a_short_outage() {
     assert!(mem.uploads(B).is_empty());
 }
 
+/// Past a part, a writer keeps a part plus a write charged for its next part; once it has written
+/// nothing for the idle time it gives all but its buffered bytes back (the heap too), and its next
+/// write charges again. A writer that goes on keeps its charge.
+#[tokio::test(start_paused = true)]
+async fn an_idle_writer_gives_its_spare_budget_back() {
+    use crate::budget::Use;
+    let (mem, store) = faulty();
+    let budget = MemoryBudget::new(64 << 20);
+    let fs = writable_with_budget(store, budget.clone());
+    let idle = Duration::from_secs(30);
+    let body = data(PART_SIZE * 2 + 300, 6);
+    let (_, o) = fs.create(ROOT_INO, n("events"), PID).await.unwrap();
+    let first = PART_SIZE + 100;
+    fs.write(o.fh, 0, &body[..first]).await.unwrap();
+    assert!(budget.used_for(Use::Write) > PART_SIZE as u64);
+    tokio::time::advance(idle / 2).await;
+    assert_eq!(fs.shrink_idle_writers(idle), 0, "not idle yet");
+    tokio::time::advance(idle / 2).await;
+    assert!(fs.shrink_idle_writers(idle) > PART_SIZE as u64 - 100);
+    assert_eq!(budget.used_for(Use::Write), 100, "the buffered bytes");
+    assert_eq!(fs.shrink_idle_writers(idle), 0, "given back once");
+    fs.write(o.fh, first as u64, &body[first..]).await.unwrap();
+    assert!(budget.used_for(Use::Write) >= 300, "charged again");
+    tokio::time::advance(idle * 2).await;
+    fs.flush(o.fh, || PID).await.unwrap();
+    fs.release(o.fh).await.unwrap();
+    assert!(mem.get_object(B, "events").unwrap() == body);
+    assert_eq!(budget.used_for(Use::Write), 0);
+}
+
 /// Writers that stopped mid-file hold the budget (each its part's charge, until it closes): a
 /// writer that goes on waits the bounded wait twice for its first part, and never again for the
 /// next ones (each part asked for its memory again, twice, waiting the whole wait each time).

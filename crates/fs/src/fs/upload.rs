@@ -102,6 +102,7 @@ impl Fs {
                 status: WriteStatus::Open,
                 replaces: false,
                 memory: Default::default(),
+                last_write: None,
             }),
             request,
         );
@@ -157,6 +158,7 @@ impl Fs {
         self.charge_buffer(w, w.pending.len() + data.len()).await;
         w.pending.extend_from_slice(data);
         w.written += len;
+        w.last_write = Some(Instant::now());
         if w.pending.len() >= PART_SIZE {
             while w.pending.len() >= PART_SIZE {
                 let rest = w.pending.split_off(PART_SIZE);
@@ -177,6 +179,32 @@ impl Fs {
         }
         self.set_local_size(w.ino, w.written);
         u32::try_from(len).map_err(|_| FsError::InvalidArgument("write larger than 4 GiB"))
+    }
+
+    /// Gives back what writers with no write for `idle` hold of the memory budget (and of the
+    /// heap) beyond their buffered bytes: past a part, a writer keeps a part plus a write charged
+    /// for the next part ([`Fs::charge_buffer`]), which a file written now and then for days (a
+    /// training log, metrics, an event file, one per pod) would hold all along, while readers'
+    /// prefetching went without. Such a writer asks the budget again at its next write. A handle
+    /// in use is passed over. Returns the bytes given back.
+    pub fn shrink_idle_writers(&self, idle: std::time::Duration) -> u64 {
+        let handles = self.lock().handles.entries();
+        let mut freed = 0;
+        for (_, h) in handles {
+            let Ok(mut g) = h.try_lock() else { continue };
+            let Handle::Write(w) = &mut *g else { continue };
+            let idle_for = w.last_write.map(|t| t.elapsed());
+            if w.status != WriteStatus::Open || idle_for.is_none_or(|d| d < idle) {
+                continue;
+            }
+            let (charged, kept) = (w.memory.bytes(), w.pending.len() as u64);
+            if charged > kept {
+                w.pending.shrink_to_fit();
+                w.memory.shrink_to(kept);
+                freed += charged - kept;
+            }
+        }
+        freed
     }
 
     /// Charges `w`'s buffer to the memory budget for `need` bytes, waiting for the budget (at most
