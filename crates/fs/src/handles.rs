@@ -333,6 +333,16 @@ impl HandleTable {
         self.handles.is_empty()
     }
 
+    /// The write handles (told by their pins, without locking any handle: a reader's handle is
+    /// never held up by a look at the writers).
+    pub fn writers(&self) -> Vec<Arc<AsyncMutex<Handle>>> {
+        self.handles
+            .values()
+            .filter(|s| matches!(s.pin, JournaledHandle::Write { .. }))
+            .map(|s| s.handle.clone())
+            .collect()
+    }
+
     /// Every handle, for snapshots.
     pub fn entries(&self) -> Vec<(u64, Arc<AsyncMutex<Handle>>)> {
         let mut v: Vec<_> = self

@@ -186,11 +186,11 @@ impl Fs {
     /// for the next part ([`Fs::charge_buffer`]), which a file written now and then for days (a
     /// training log, metrics, an event file, one per pod) would hold all along, while readers'
     /// prefetching went without. Such a writer asks the budget again at its next write. A handle
-    /// in use is passed over. Returns the bytes given back.
+    /// in use is passed over, and no other kind is locked. Returns the bytes given back.
     pub fn shrink_idle_writers(&self, idle: std::time::Duration) -> u64 {
-        let handles = self.lock().handles.entries();
+        let writers = self.lock().handles.writers();
         let mut freed = 0;
-        for (_, h) in handles {
+        for h in writers {
             let Ok(mut g) = h.try_lock() else { continue };
             let Handle::Write(w) = &mut *g else { continue };
             let idle_for = w.last_write.map(|t| t.elapsed());
