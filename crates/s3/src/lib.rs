@@ -521,7 +521,8 @@ impl S3Store {
     }
 
     /// A conditional create refused with `refused`: unless the object at `key` is this very
-    /// write (ETag `ours`: the SDK retried a write whose first answer was lost), the refusal.
+    /// write (ETag `ours`: the SDK retried a write whose first answer was lost), the refusal; a
+    /// HEAD that failed for a reason that may pass, its error.
     async fn own_write_or(
         &self,
         bucket: &str,
@@ -533,6 +534,14 @@ impl S3Store {
             Ok(info) if info.etag.as_deref() == Some(ours) => Ok(PutResult {
                 etag: Some(ours.to_owned()),
             }),
+            // Not known yet (the outage that lost the first answer may go on): an error that
+            // may pass, so that the write is tried again, never a refusal of a write that may
+            // have been made.
+            Err(
+                e @ (StoreError::Transient(_)
+                | StoreError::Throttled(_)
+                | StoreError::CredentialsUnavailable(_)),
+            ) => Err(e),
             _ => Err(refused),
         }
     }

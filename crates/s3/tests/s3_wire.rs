@@ -788,6 +788,13 @@ async fn a_complete_whose_upload_is_gone_succeeds_if_the_object_is_its_own() {
         .complete_multipart("b", "k", "up", vec![part.clone()])
         .await;
     assert!(matches!(done, Err(StoreError::NotFound(_))), "{done:?}");
+    // The HEAD failing for a reason that may pass: that error (the Complete is tried again), not
+    // a refusal of an upload that may have completed.
+    let (s, _) = scripted(vec![gone.clone(), s3_error("503 Slow Down", "SlowDown")]).await;
+    let done = s
+        .complete_multipart("b", "k", "up", vec![part.clone()])
+        .await;
+    assert!(matches!(done, Err(StoreError::Throttled(_))), "{done:?}");
     // Any other failure is not looked into.
     let (s, n) = scripted(vec![s3_error("403 Forbidden", "AccessDenied"), head(ours)]).await;
     let done = s.complete_multipart("b", "k", "up", vec![part]).await;
