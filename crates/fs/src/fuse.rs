@@ -362,13 +362,13 @@ fn killed(pid: u32) -> bool {
         .unwrap_or(false)
 }
 
-/// What the opener's close of file `ino` (being written on the mount named `fs_name`) is, for
-/// [`Fs::flush_by`]: [`Closing::Killed`] as [`killed`] tells; else [`Closing::StillHeld`] when
-/// the process still holds the file open for writing at another descriptor ([`holds_file`]: a
-/// shell builtin's `echo x >&2` `dup2`s over a descriptor and puts it back, which closes one
-/// copy); else [`Closing::Last`]. Whatever cannot be read in time is [`Closing::Last`]: the
-/// upload completes, as a close of the last descriptor would.
-fn closing(pid: u32, ino: u64, fs_name: String) -> Closing {
+/// What the opener's close of file `ino` (being written on the mount named `fs_name`, `written`
+/// bytes so far) is, for [`Fs::flush_by`]: [`Closing::Killed`] as [`killed`] tells; else
+/// [`Closing::StillHeld`] when the process still holds the file open for writing at another
+/// descriptor ([`holds_file`]: a shell builtin's `echo x >&2` `dup2`s over a descriptor and puts
+/// it back, which closes one copy); else [`Closing::Last`]. Whatever cannot be read in time is
+/// [`Closing::Last`]: the upload completes, as a close of the last descriptor would.
+fn closing(pid: u32, ino: u64, written: u64, fs_name: String) -> Closing {
     if pid == 0 {
         return Closing::Last;
     }
@@ -376,7 +376,7 @@ fn closing(pid: u32, ino: u64, fs_name: String) -> Closing {
         let stat = std::fs::read_to_string(format!("/proc/{pid}/stat"));
         if stat.is_ok_and(|s| killed_by_stat(&s)) {
             Closing::Killed
-        } else if holds_file(pid, ino, &fs_name) {
+        } else if holds_file(pid, ino, written, &fs_name) {
             Closing::StillHeld
         } else {
             Closing::Last
@@ -408,11 +408,14 @@ const PROC_WAIT: std::time::Duration = std::time::Duration::from_millis(50);
 const FDS_MAX: usize = 16_384;
 
 /// Whether thread `pid`'s descriptor table holds inode `ino` of the mount named `fs_name` open
-/// for writing: `/proc/<pid>/fdinfo/*` gives each descriptor's access mode, mount id and inode
-/// number; the process's `mountinfo` tells which mount ids are this file system (other file
-/// systems have the same inode numbers). The descriptor being closed has left the table by the
-/// time its `flush` is sent, and an exiting process's table is empty.
-fn holds_file(pid: u32, ino: u64, fs_name: &str) -> bool {
+/// for writing at position `pos`: `/proc/<pid>/fdinfo/*` gives each descriptor's position, access
+/// mode, mount id and inode number (the inode only since Linux 5.14: before, nothing is found);
+/// the process's `mountinfo` tells which mount ids are this file system (other file systems have
+/// the same inode numbers). The position tells this open file from an older one of the same
+/// path the process still holds (writes are sequential: the file being written is at its end).
+/// The descriptor being closed has left the table by the time its `flush` is sent, and an
+/// exiting process's table is empty.
+fn holds_file(pid: u32, ino: u64, pos: u64, fs_name: &str) -> bool {
     let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else {
         return false;
     };
@@ -420,7 +423,7 @@ fn holds_file(pid: u32, ino: u64, fs_name: &str) -> bool {
         .take(FDS_MAX)
         .flatten()
         .filter_map(|fd| std::fs::read_to_string(fd.path()).ok())
-        .filter_map(|info| writer_of(&info, ino))
+        .filter_map(|info| writer_of(&info, ino, pos))
         .collect();
     if mounts.is_empty() {
         return false;
@@ -429,8 +432,9 @@ fn holds_file(pid: u32, ino: u64, fs_name: &str) -> bool {
         .is_ok_and(|mi| mounts.iter().any(|&id| mount_is(&mi, id, fs_name)))
 }
 
-/// The mount id of a descriptor (the text of its `fdinfo`) open for writing on inode `ino`.
-fn writer_of(fdinfo: &str, ino: u64) -> Option<u64> {
+/// The mount id of a descriptor (the text of its `fdinfo`) open for writing on inode `ino`, at
+/// position `pos`.
+fn writer_of(fdinfo: &str, ino: u64, pos: u64) -> Option<u64> {
     let field = |name: &str| {
         fdinfo
             .lines()
@@ -439,7 +443,9 @@ fn writer_of(fdinfo: &str, ino: u64) -> Option<u64> {
     };
     let flags = u32::from_str_radix(field("flags")?, 8).ok()?;
     let writes = flags & libc::O_ACCMODE as u32 != libc::O_RDONLY as u32;
-    (writes && field("ino")?.parse::<u64>().ok()? == ino).then_some(())?;
+    let this =
+        field("ino")?.parse::<u64>().ok()? == ino && field("pos")?.parse::<u64>().ok()? == pos;
+    (writes && this).then_some(())?;
     field("mnt_id")?.parse().ok()
 }
 
@@ -851,7 +857,7 @@ impl Filesystem for FuseAdapter {
         let pid = req.pid();
         self.serve("flush", move |fs| async move {
             let fs_name = || fs.config().fs_name.clone();
-            let closing = || closing(pid, ino.0, fs_name());
+            let closing = |written| closing(pid, ino.0, written, fs_name());
             match fs.flush_by(fh.0, || tgid(pid), closing).await {
                 Ok(()) => reply.ok(),
                 Err(e) => reply.error(errno("flush", &e)),
@@ -1171,27 +1177,36 @@ mod killed_tests {
         format!("4242 (a (b) c) {}\n", fields.join(" "))
     }
 
-    /// `fdinfo` of a descriptor: access mode (octal flags), mount id, inode.
+    /// `fdinfo` of a descriptor at position 4: access mode (octal flags), mount id, inode.
     fn fdinfo(flags: &str, mnt: u64, ino: u64) -> String {
         format!("pos:\t4\nflags:\t{flags}\nmnt_id:\t{mnt}\nino:\t{ino}\n")
     }
 
     #[test]
-    fn only_a_descriptor_writing_the_inode_is_a_writer() {
+    fn only_a_descriptor_writing_the_inode_at_its_end_is_a_writer() {
         assert_eq!(
-            writer_of(&fdinfo("0100001", 41, 7), 7),
+            writer_of(&fdinfo("0100001", 41, 7), 7, 4),
             Some(41),
             "O_WRONLY"
         );
-        assert_eq!(writer_of(&fdinfo("02100002", 41, 7), 7), Some(41), "O_RDWR");
-        assert_eq!(writer_of(&fdinfo("0100000", 41, 7), 7), None, "O_RDONLY");
         assert_eq!(
-            writer_of(&fdinfo("0100001", 41, 8), 7),
+            writer_of(&fdinfo("02100002", 41, 7), 7, 4),
+            Some(41),
+            "O_RDWR"
+        );
+        assert_eq!(writer_of(&fdinfo("0100000", 41, 7), 7, 4), None, "O_RDONLY");
+        assert_eq!(
+            writer_of(&fdinfo("0100001", 41, 8), 7, 4),
             None,
             "another inode"
         );
         assert_eq!(
-            writer_of("pos:\t0\nflags:\t01\n", 7),
+            writer_of(&fdinfo("0100001", 41, 7), 7, 9),
+            None,
+            "an older open file of the path"
+        );
+        assert_eq!(
+            writer_of("pos:\t4\nflags:\t01\n", 7, 4),
             None,
             "no ino (before 5.14)"
         );

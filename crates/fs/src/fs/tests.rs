@@ -1024,7 +1024,7 @@ async fn a_writer_killed_mid_file_never_commits_a_truncated_object() {
         .unwrap();
     fs.write(o.fh, 0, b"half a new").await.unwrap();
     assert_eq!(
-        errno(fs.flush_by(o.fh, || PID, || Closing::Killed).await),
+        errno(fs.flush_by(o.fh, || PID, |_| Closing::Killed).await),
         libc::EIO
     );
     assert_eq!(errno(fs.release(o.fh).await), libc::EIO);
@@ -1035,7 +1035,7 @@ async fn a_writer_killed_mid_file_never_commits_a_truncated_object() {
     // A forked child killed: not the opener, nothing happens; the opener's close completes.
     let (_, o) = fs.create(ROOT_INO, n("new"), PID).await.unwrap();
     fs.write(o.fh, 0, b"whole").await.unwrap();
-    fs.flush_by(o.fh, || PID + 1, || Closing::Killed)
+    fs.flush_by(o.fh, || PID + 1, |_| Closing::Killed)
         .await
         .unwrap();
     assert!(store.get_object(B, "new").is_none());
@@ -1058,12 +1058,12 @@ async fn a_close_while_the_opener_holds_another_descriptor_goes_on() {
     let (store, fs) = setup(|_| {});
     let (_, o) = fs.create(ROOT_INO, n("log"), PID).await.unwrap();
     fs.write(o.fh, 0, b"one\n").await.unwrap();
-    fs.flush_by(o.fh, || PID, || Closing::StillHeld)
+    fs.flush_by(o.fh, || PID, |_| Closing::StillHeld)
         .await
         .unwrap();
     assert!(store.get_object(B, "log").is_none());
     fs.write(o.fh, 4, b"two\n").await.unwrap();
-    fs.flush_by(o.fh, || PID, || Closing::Last).await.unwrap();
+    fs.flush_by(o.fh, || PID, |_| Closing::Last).await.unwrap();
     assert_eq!(store.get_object(B, "log").unwrap(), &b"one\ntwo\n"[..]);
     fs.release(o.fh).await.unwrap();
 }
@@ -2332,11 +2332,14 @@ async fn an_idle_writer_gives_its_spare_budget_back() {
     use crate::budget::Use;
     let (mem, store) = faulty();
     let budget = MemoryBudget::new(64 << 20);
-    let fs = writable_with_budget(store, budget.clone());
+    let fs = writable_with_budget(store.clone(), budget.clone());
     let idle = Duration::from_secs(30);
     let body = data(PART_SIZE * 2 + 300, 6);
     let (_, o) = fs.create(ROOT_INO, n("events"), PID).await.unwrap();
     let first = PART_SIZE + 100;
+    // Its first part is tried again for 2 + 4 + 8 + 16 s: the writer was busy all along.
+    let down = StoreError::Transient("connection refused".into());
+    store.fail_next(ferry_store::Op::UploadPart, 4, down);
     fs.write(o.fh, 0, &body[..first]).await.unwrap();
     assert!(budget.used_for(Use::Write) > PART_SIZE as u64);
     tokio::time::advance(idle / 2).await;

@@ -158,7 +158,6 @@ impl Fs {
         self.charge_buffer(w, w.pending.len() + data.len()).await;
         w.pending.extend_from_slice(data);
         w.written += len;
-        w.last_write = Some(Instant::now());
         if w.pending.len() >= PART_SIZE {
             while w.pending.len() >= PART_SIZE {
                 let rest = w.pending.split_off(PART_SIZE);
@@ -177,6 +176,9 @@ impl Fs {
             let keep = PART_SIZE as u64 + len.min(PART_SIZE as u64);
             w.memory.shrink_to(keep.max(w.pending.capacity() as u64));
         }
+        // Stamped once the write is done: a part upload may take a while (retried for a minute),
+        // and its writer is not idle.
+        w.last_write = Some(Instant::now());
         self.set_local_size(w.ino, w.written);
         u32::try_from(len).map_err(|_| FsError::InvalidArgument("write larger than 4 GiB"))
     }
@@ -211,7 +213,8 @@ impl Fs {
     /// [`PrefetchConfig::write_budget_wait`]) if need be. The charge grows by doubling from
     /// [`WRITE_CHARGE_MIN`] to [`WRITE_CHARGE_STEP`] (a small file's buffer), then at once to a
     /// whole part plus the write, and stays there (a part plus the last write, two parts at most)
-    /// until the upload completes or fails: the next parts are buffered under it. So a writer waits at most twice a file while its writes keep
+    /// until the upload completes or fails, or the writer is idle ([`Fs::shrink_idle_writers`]):
+    /// the next parts are buffered under it. So a writer waits at most twice a file while its writes keep
     /// their size, and one that waits for its part holds at most [`WRITE_CHARGE_STEP`].
     async fn charge_buffer(&self, w: &mut WriteHandle, need: usize) {
         let need = need as u64;
@@ -431,11 +434,12 @@ impl Fs {
     /// write handle with data. A failed upload is reported to the opener's flush even with
     /// nothing written (a write handle recovered from the journal has lost what was written).
     pub async fn flush(&self, fh: u64, pid: impl FnOnce() -> u32) -> Result<(), FsError> {
-        self.flush_by(fh, pid, || Closing::Last).await
+        self.flush_by(fh, pid, |_| Closing::Last).await
     }
 
-    /// [`Fs::flush`]; `closing` (asked only of the opener's flush of a write handle with data)
-    /// tells what the opener's close is:
+    /// [`Fs::flush`]; `closing` (asked only of the opener's flush of a write handle with data,
+    /// given the bytes written so far: the position of the file's descriptors) tells what the
+    /// opener's close is:
     /// - [`Closing::Killed`]: the opener is on its way out of a fatal signal (`kill -9`, an OOM
     ///   kill, a crash: the kernel closes a dying process's files). The upload is abandoned, as
     ///   an unmount does: a file cut off mid-write is never committed as a truncated object, nor
@@ -452,7 +456,7 @@ impl Fs {
         &self,
         fh: u64,
         pid: impl FnOnce() -> u32,
-        closing: impl FnOnce() -> Closing,
+        closing: impl FnOnce(u64) -> Closing,
     ) -> Result<(), FsError> {
         let h = self.handle(fh)?;
         let mut g = h.lock().await;
@@ -465,7 +469,7 @@ impl Fs {
                     return Ok(());
                 }
                 if w.status == WriteStatus::Open {
-                    match closing() {
+                    match closing(w.written) {
                         Closing::Killed => {
                             tracing::warn!(key = %w.key, bytes = w.written, "the writing process was killed mid-file: its upload is abandoned (never a truncated object)");
                             self.fail_write(w).await;
