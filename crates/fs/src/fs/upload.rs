@@ -214,8 +214,9 @@ impl Fs {
     /// [`WRITE_CHARGE_MIN`] to [`WRITE_CHARGE_STEP`] (a small file's buffer), then at once to a
     /// whole part plus the write, and stays there (a part plus the last write, two parts at most)
     /// until the upload completes or fails, or the writer is idle ([`Fs::shrink_idle_writers`]):
-    /// the next parts are buffered under it. So a writer waits at most twice a file while its writes keep
-    /// their size, and one that waits for its part holds at most [`WRITE_CHARGE_STEP`].
+    /// the next parts are buffered under it. So a writer waits at most twice a file while its
+    /// writes keep their size and it keeps writing, and one that waits for its part holds at most
+    /// [`WRITE_CHARGE_STEP`].
     async fn charge_buffer(&self, w: &mut WriteHandle, need: usize) {
         let need = need as u64;
         let have = w.memory.bytes();
@@ -263,7 +264,8 @@ impl Fs {
         let part = Bytes::from(part);
         // A part is the same request again (S3 keeps the last upload of a part number).
         let (b, k, id) = (self.bucket(), &w.key, &up.upload_id);
-        let done = retried(k, "part", || {
+        let what = format!("part {number}");
+        let done = retried(k, &what, || {
             self.store.upload_part(b, k, id, number, part.clone())
         })
         .await?;
