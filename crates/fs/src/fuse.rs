@@ -428,8 +428,12 @@ fn holds_file(pid: u32, ino: u64, pos: u64, fs_name: &str) -> bool {
     if mounts.is_empty() {
         return false;
     }
-    std::fs::read_to_string(format!("/proc/{pid}/mountinfo"))
-        .is_ok_and(|mi| mounts.iter().any(|&id| mount_is(&mi, id, fs_name)))
+    let Ok(mountinfo) = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")) else {
+        return false;
+    };
+    crate::mountinfo::parse(&mountinfo)
+        .iter()
+        .any(|m| mounts.contains(&m.id) && m.is_ferry() && m.source == fs_name)
 }
 
 /// The mount id of a descriptor (the text of its `fdinfo`) open for writing on inode `ino`, at
@@ -447,20 +451,6 @@ fn writer_of(fdinfo: &str, ino: u64, pos: u64) -> Option<u64> {
         field("ino")?.parse::<u64>().ok()? == ino && field("pos")?.parse::<u64>().ok()? == pos;
     (writes && this).then_some(())?;
     field("mnt_id")?.parse().ok()
-}
-
-/// Whether mount `id` in `mountinfo` (`/proc/<pid>/mountinfo`) is a FUSE mount named `fs_name`:
-/// the fields after ` - ` are the file system type and the source.
-fn mount_is(mountinfo: &str, id: u64, fs_name: &str) -> bool {
-    mountinfo.lines().any(|l| {
-        l.split_once(' ').and_then(|(i, _)| i.parse::<u64>().ok()) == Some(id)
-            && l.split_once(" - ").is_some_and(|(_, fs)| {
-                let mut f = fs.split(' ');
-                f.next()
-                    .is_some_and(|t| t == "fuse" || t.starts_with("fuse."))
-                    && f.next() == Some(fs_name)
-            })
-    })
 }
 
 /// [`killed`] from the text of `/proc/<pid>/stat`: the fields after the command name (which may
@@ -1163,7 +1153,7 @@ impl Filesystem for FuseAdapter {
 
 #[cfg(test)]
 mod killed_tests {
-    use super::{killed_by_stat, mount_is, writer_of};
+    use super::{killed_by_stat, writer_of};
 
     /// `/proc/<pid>/stat` of a thread: pid, (comm), state, ppid, ..., flags (9), ..., exit_code
     /// (52), with a command name that holds a space and a parenthesis.
@@ -1210,18 +1200,6 @@ mod killed_tests {
             None,
             "no ino (before 5.14)"
         );
-    }
-
-    #[test]
-    fn only_a_fuse_mount_of_this_name_is_this_mount() {
-        let mi = "25 1 0:22 / /proc rw,nosuid - proc proc rw\n\
-                  41 25 0:50 / /data rw,nosuid,nodev - fuse.ferry ferry:bucket/ds rw,user_id=0\n\
-                  42 25 0:51 / /other rw - fuse.ferry ferry:bucket/other rw,user_id=0\n\
-                  43 25 0:52 / /ext rw - ext4 ferry:bucket/ds rw\n";
-        assert!(mount_is(mi, 41, "ferry:bucket/ds"));
-        assert!(!mount_is(mi, 42, "ferry:bucket/ds"), "another volume");
-        assert!(!mount_is(mi, 43, "ferry:bucket/ds"), "not FUSE");
-        assert!(!mount_is(mi, 4, "ferry:bucket/ds"), "mount id 4 is not 41");
     }
 
     #[test]

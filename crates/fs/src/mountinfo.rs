@@ -33,6 +33,8 @@ pub const FERRY_FS_TYPE: &str = "fuse.ferry";
 /// One mount: its mount point, filesystem type (e.g. `fuse.ferry`), source and device.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MountEntry {
+    /// The mount's id (the `mnt_id` of a descriptor's `fdinfo` on it).
+    pub id: u64,
     pub mount_point: String,
     pub fs_type: String,
     pub source: String,
@@ -54,13 +56,15 @@ pub fn parse(text: &str) -> Vec<MountEntry> {
         .filter_map(|line| {
             let (pre, post) = line.split_once(" - ")?;
             let mut fields = pre.split(' ');
-            let (major, minor) = fields.nth(2)?.split_once(':')?;
+            let id = fields.next()?.parse().ok()?;
+            let (major, minor) = fields.nth(1)?.split_once(':')?;
             let dev = (major.parse().ok()?, minor.parse().ok()?);
             let mount_point = unescape(fields.nth(1)?);
             let mut post = post.split(' ');
             let fs_type = post.next()?.to_string();
             let source = unescape(post.next().unwrap_or(""));
             Some(MountEntry {
+                id,
                 mount_point,
                 fs_type,
                 source,
@@ -187,6 +191,7 @@ mod tests {
         assert_eq!(m[1].fs_type, "fuse.ferry");
         assert_eq!(m[1].source, "ferry:data/p/");
         assert_eq!((m[0].dev, m[1].dev), ((98, 0), (0, 44)));
+        assert_eq!((m[0].id, m[1].id), (36, 40));
         assert!(m[1].is_ferry() && !m[0].is_ferry());
     }
 }
